@@ -1,0 +1,124 @@
+"""The seams of the pipeline: Target and Drafter.
+
+One speculative step (../shared/ARCHITECTURE.md):
+
+    drafter.propose -> policy.verify_lengths -> target.verify -> sampler -> target.commit, drafter.commit
+
+Shapes use B = requests in the step, T = tokens verified per request (anchor + drafts), V = vocab,
+d = the target's hidden size. Ragged batches are padded: each request r uses the first
+`lengths[r]` columns and whatever sits past them is ignored and never committed.
+
+Slots: a target preallocates per-request state for `max_slots` requests; the engine hands each
+live request a slot in [0, max_slots) and releases it when the request ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class TargetOutput:
+    """What `prefill` and `verify` return.
+
+    logits: [B, T, V] float32, the next-token logits after each fed position.
+    taps:   {layer: [B, T, d]} the residual stream after that (0-based) decoder layer, only for
+            the layers the caller asked for (a drafter's tap layers); -1 means the embeddings.
+    """
+
+    logits: torch.Tensor
+    taps: dict[int, torch.Tensor]
+
+
+@runtime_checkable
+class Target(Protocol):
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_seq_len: int
+    max_slots: int
+    device: torch.device
+
+    def prefill(
+        self, slots: list[int], prompts: list[torch.Tensor], tap_layers: tuple[int, ...] = ()
+    ) -> TargetOutput:
+        """Run whole prompts into fresh slots and commit them.
+
+        Returns logits [B, Pmax, V] and taps [B, Pmax, d] padded to the longest prompt; the
+        engine samples the first output token from logits[r, len(prompts[r]) - 1].
+        """
+
+    def verify(
+        self,
+        slots: list[int],
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        tap_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        """Feed tokens [B, T] (request r uses tokens[r, :lengths[r]]) after each slot's committed
+        prefix without changing the committed state. The first token of each row is the anchor
+        (the last sampled token, not yet seen by the target); the rest are drafts."""
+
+    def commit(self, slots: list[int], num_tokens: torch.Tensor) -> None:
+        """Keep the first num_tokens[r] tokens of the last verify (accepted drafts + 1 for the
+        anchor; 0 keeps nothing). Afterwards every piece of state (KDA recurrent state, conv
+        window, MLA cache, position) is exactly what feeding only those tokens one by one would
+        have produced; rejected positions leave no trace."""
+
+    def release(self, slots: list[int]) -> None:
+        """Forget the requests in these slots so the slots can be reused."""
+
+
+@dataclass
+class Proposal:
+    """A drafter's output for one step.
+
+    tokens:     [B, k] long, draft tokens (columns >= num_drafts[r] are padding).
+    num_drafts: [B] long, drafts actually proposed per request (an n-gram miss gives 0).
+    probs:      [B, k, V] float32, the distribution each draft token was sampled from (after the
+                request's temperature/top-k/top-p), or None for deterministic drafts, which the
+                sampler treats as one-hot proposals.
+    confidence: [B, k] float32 in [0, 1], predicted conditional acceptance of each position
+                given the previous ones were accepted (DSpark's confidence head), or None.
+    """
+
+    tokens: torch.Tensor
+    num_drafts: torch.Tensor
+    probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    # Target layers whose hidden states this drafter reads (empty for drafters that need none).
+    tap_layers: tuple[int, ...]
+
+    def start(self, slot: int, prompt: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
+        """A request enters: its prompt [P] and the target's taps {layer: [P, d]} over it."""
+
+    def propose(
+        self,
+        slots: list[int],
+        anchors: torch.Tensor,
+        k: int,
+        sampling: "list",
+        generators: list[torch.Generator],
+    ) -> Proposal:
+        """Draft up to k tokens after each anchor [B] (the last sampled token). `sampling` holds
+        each request's SamplingParams; probabilistic drafters sample with the request's
+        generator so a seeded request is reproducible."""
+
+    def commit(
+        self,
+        slots: list[int],
+        tokens: torch.Tensor,
+        num_tokens: torch.Tensor,
+        taps: dict[int, torch.Tensor],
+    ) -> None:
+        """The step's verified tokens [B, T] and taps {layer: [B, T, d]}; the first
+        num_tokens[r] of row r were kept (anchor + accepted drafts) and become context."""
+
+    def release(self, slots: list[int]) -> None:
+        """Forget the requests in these slots."""

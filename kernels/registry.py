@@ -1,0 +1,128 @@
+"""Kernel registry: op name -> implementations, chosen by device and availability.
+
+Every op has a plain-torch `reference` implementation that runs anywhere and defines the op.
+Faster implementations (Triton, CuTe DSL sm_90a, CuTe DSL sm_100a/sm_103a) register beside it
+with the devices and compute capabilities they run on and a priority; `resolve` picks the
+highest-priority one that is available for the tensor's device.
+
+Overrides, strongest first:
+  1. `use(op, impl)` / the `overrides` mapping (what a config file sets),
+  2. the environment: DSPARK_KERNELS="linear=reference,latent_moe=cute_sm90",
+  3. the default choice by priority.
+An override naming an implementation that does not exist, or cannot run on the device, is an
+error that names the op and the implementation: nothing silently falls back.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# Modules that register implementations when imported. Listed here (not discovered) so that
+# importing the registry never imports a GPU toolchain by accident: GPU modules import their
+# toolchain lazily inside their `available` check.
+IMPLEMENTATION_MODULES: tuple[str, ...] = ()
+
+
+@dataclass
+class Implementation:
+    op: str
+    name: str
+    fn: Callable
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    min_capability: tuple[int, int] | None = None  # e.g. (9, 0) for sm_90a code
+    max_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper-only instructions
+    priority: int = 0  # reference = 0; faster implementations higher
+    available: Callable[[], bool] = field(default=lambda: True)
+
+    def runs_on(self, device: torch.device) -> bool:
+        if device.type not in self.devices:
+            return False
+        if device.type == "cuda" and (self.min_capability or self.max_capability):
+            cap = torch.cuda.get_device_capability(device)
+            if self.min_capability and cap < self.min_capability:
+                return False
+            if self.max_capability and cap > self.max_capability:
+                return False
+        return self.available()
+
+
+_IMPLS: dict[str, dict[str, Implementation]] = {}
+overrides: dict[str, str] = {}
+_resolved: dict[tuple[str, str, int | None], Implementation] = {}
+_loaded = False
+
+
+def register(op: str, name: str, **kwargs) -> Callable[[Callable], Callable]:
+    """Decorator: register `fn` as implementation `name` of `op`."""
+
+    def wrap(fn: Callable) -> Callable:
+        impls = _IMPLS.setdefault(op, {})
+        if name in impls:
+            raise ValueError(f"kernel op {op!r} already has an implementation named {name!r}")
+        impls[name] = Implementation(op=op, name=name, fn=fn, **kwargs)
+        _resolved.clear()
+        return fn
+
+    return wrap
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in IMPLEMENTATION_MODULES:
+            importlib.import_module(module)
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    _load()
+    if op not in _IMPLS:
+        raise KeyError(f"unknown kernel op {op!r}; known ops: {sorted(_IMPLS)}")
+    return _IMPLS[op]
+
+
+def _env_overrides() -> dict[str, str]:
+    spec = os.environ.get("DSPARK_KERNELS", "").strip()
+    result = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        op, sep, impl = item.partition("=")
+        if not sep or not op or not impl:
+            raise ValueError(f"DSPARK_KERNELS entry {item!r} is not of the form op=implementation")
+        result[op.strip()] = impl.strip()
+    return result
+
+
+def use(op: str, impl: str | None) -> None:
+    """Force `op` to `impl` (None removes the override)."""
+    implementations(op)  # validates the op name
+    if impl is None:
+        overrides.pop(op, None)
+    else:
+        overrides[op] = impl
+    _resolved.clear()
+
+
+def resolve(op: str, device: torch.device | str) -> Implementation:
+    device = torch.device(device)
+    key = (op, device.type, device.index)
+    if key in _resolved:
+        return _resolved[key]
+    impls = implementations(op)
+    chosen_name = overrides.get(op) or _env_overrides().get(op)
+    if chosen_name is not None:
+        if chosen_name not in impls:
+            raise ValueError(f"kernel override {op}={chosen_name!r}: no such implementation; have {sorted(impls)}")
+        impl = impls[chosen_name]
+        if not impl.runs_on(device):
+            raise ValueError(f"kernel override {op}={chosen_name!r} cannot run on device {device}")
+    else:
+        candidates = [i for i in impls.values() if i.runs_on(device)]
+        if not candidates:
+            raise RuntimeError(f"kernel op {op!r} has no implementation for device {device}")
+        impl = max(candidates, key=lambda i: i.priority)
+    _resolved[key] = impl
+    return impl
