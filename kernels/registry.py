@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-# Modules that register implementations when imported. Listed here (not discovered) so that
-# importing the registry never imports a GPU toolchain by accident: GPU modules import their
-# toolchain lazily inside their `available` check.
-IMPLEMENTATION_MODULES: tuple[str, ...] = ()
 
 
 @dataclass
@@ -74,8 +71,14 @@ def _load() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        for module in IMPLEMENTATION_MODULES:
-            importlib.import_module(module)
+        # Each op is a subpackage of dspark.kernels whose __init__ registers its implementations.
+        # GPU implementations import their toolchain lazily (inside `available` or at first
+        # call), so importing every op package is cheap and works on a CPU-only machine.
+        import dspark.kernels as package
+
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.ispkg:
+                importlib.import_module(f"{package.__name__}.{info.name}")
 
 
 def implementations(op: str) -> dict[str, Implementation]:
