@@ -1,0 +1,392 @@
+"""The draft-and-verify loop (../shared/ARCHITECTURE.md):
+
+    drafter.propose -> policy.verify_lengths -> target.verify -> sampler -> target/drafter.commit
+
+Plain decoding is the same loop with k = 0 (no drafts, one verified token per step), so the
+baseline and the speculative path share every line that touches the model and a greedy
+comparison between them is meaningful.
+
+Token flow of one request: prefill(prompt) gives the first output token x0, which the target has
+not yet seen (the "anchor"). Each step verifies [x0, d1..dl]; with a drafts accepted the step
+emits d1..da plus one token from the target (the correction at the first rejection or the bonus
+after the last draft), keeps a + 1 tokens (x0, d1..da) in the target's state, and the emitted
+last token becomes the next anchor. A step emits a + 1 tokens: vLLM's acceptance length.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .config import SamplingParams, SpecConfig
+from .metrics import SpecMetrics
+from .protocols import Drafter, Proposal, Target
+from .sampling import (
+    SamplingTensors,
+    acceptance_length_to_rates,
+    conditional_rates,
+    rejection_sample,
+    synthetic_sample,
+)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", or "error"
+    error: str | None = None
+    num_steps: int = 0
+    num_accepted_drafts: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request (for streaming)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class _Request:
+    out: RequestOutput
+    prompt: torch.Tensor
+    params: SamplingParams
+    generator: torch.Generator
+    slot: int = -1
+    anchor: int = -1
+    num_computed: int = 0  # tokens the target has committed (prompt + kept tokens)
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        spec: SpecConfig | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        policy=None,
+        sampler: Callable | None = None,
+        sync_timing: bool | None = None,
+    ):
+        self.target = target
+        self.spec = (spec or SpecConfig(num_speculative_tokens=0)).validate()
+        if self.spec.max_k > 0 and drafter is None:
+            raise ValueError(f"SpecConfig.num_speculative_tokens={self.spec.max_k}: speculation needs a drafter")
+        self.drafter = drafter
+        self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = policy
+        self.device = torch.device(target.device)
+        # The lossless sampler unless the config asks for synthetic acceptance; `sampler` lets a
+        # test substitute a deliberately broken one to show the distribution test can fail.
+        self._cond_rates = None
+        if self.spec.rejection_sample_method == "synthetic":
+            rates = self.spec.synthetic_acceptance_rates or acceptance_length_to_rates(
+                self.spec.synthetic_acceptance_length, self.spec.num_speculative_tokens
+            )
+            self._cond_rates = torch.tensor(conditional_rates(list(rates)), dtype=torch.float32, device=self.device)
+        self.sampler = sampler
+        self.sync_timing = self.device.type == "cuda" if sync_timing is None else sync_timing
+        self.metrics = SpecMetrics()
+        self._next_id = 0
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._free_slots = list(range(target.max_slots - 1, -1, -1))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int] | torch.Tensor, params: SamplingParams | None = None) -> int:
+        """Queue a request; raises ValueError naming the bad field. Returns its id."""
+        params = (params or SamplingParams()).validate(self.target.vocab_size)
+        prompt_t = torch.as_tensor(prompt, dtype=torch.long).flatten().cpu()
+        if prompt_t.numel() == 0:
+            raise ValueError("prompt=[]: a prompt needs at least one token")
+        bad = (prompt_t < 0) | (prompt_t >= self.target.vocab_size)
+        if bad.any():
+            tok = int(prompt_t[bad][0])
+            raise ValueError(f"prompt token id {tok} is outside the vocabulary [0, {self.target.vocab_size})")
+        if prompt_t.numel() > self.target.max_seq_len:
+            raise ValueError(
+                f"prompt length {prompt_t.numel()} exceeds the model context max_seq_len={self.target.max_seq_len}"
+            )
+        rid = self._next_id
+        self._next_id += 1
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else self.spec.seed * 1_000_003 + rid)
+        self._waiting.append(_Request(RequestOutput(rid, prompt_t.tolist()), prompt_t, params, gen))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def generate(
+        self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion. A request with bad input comes back with `error` set and
+        finish_reason "error"; it does not stop the others."""
+        outputs = {}
+        for rid, out in self._submit(prompts, params):
+            outputs[rid] = out
+        for _ in self.stream_steps():
+            pass
+        return [outputs[rid] for rid in sorted(outputs)]
+
+    def stream(self, prompts: list, params=None) -> Iterator[StepOutput]:
+        """Like generate, but yields each request's new tokens as steps produce them."""
+        for rid, out in self._submit(prompts, params):
+            if out.error is not None:
+                yield StepOutput(rid, [], True, "error")
+        yield from self.stream_steps()
+
+    def stream_steps(self) -> Iterator[StepOutput]:
+        while self.has_unfinished():
+            yield from self.step()
+
+    def _submit(self, prompts, params):
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        submitted = []
+        for prompt, p in zip(prompts, params):
+            try:
+                rid = self.add_request(prompt, p)
+                submitted.append((rid, self._waiting[-1].out))
+            except ValueError as e:
+                rid = self._next_id
+                self._next_id += 1
+                out = RequestOutput(rid, list(prompt) if not isinstance(prompt, torch.Tensor) else prompt.tolist())
+                out.finish_reason, out.error = "error", str(e)
+                submitted.append((rid, out))
+        return submitted
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        events = self._admit()
+        if not self._running:
+            return events
+        t_start = self._last_mark = time.perf_counter()
+        reqs = self._running
+        B = len(reqs)
+        slots = [r.slot for r in reqs]
+        params = [r.params for r in reqs]
+        sampling = SamplingTensors.from_params(params, self.device)
+        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=self.device)
+
+        # 1-2. draft and decide how many drafts each request verifies
+        k_req = self._drafts_allowed(reqs)
+        kmax = max(k_req)
+        proposal = self._propose(reqs, k_req, kmax, anchors)
+        num_drafts = proposal.num_drafts
+        self._mark("draft")
+
+        # 3. verify
+        tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
+        lengths = 1 + num_drafts
+        out = self.target.verify(slots, tokens, lengths, self.tap_layers)
+        self._mark("verify")
+
+        # 4. accept
+        uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
+        if self._cond_rates is not None:
+            num_acc, next_tok = synthetic_sample(
+                out.logits, proposal.tokens, num_drafts, self._cond_rates, sampling, uniforms[:, :kmax], noise
+            )
+        else:
+            sample = self.sampler or rejection_sample
+            num_acc, next_tok = sample(
+                out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise
+            )
+        num_acc_l, next_l = num_acc.tolist(), next_tok.tolist()
+        drafts_l, num_drafts_l = proposal.tokens.tolist(), num_drafts.tolist()
+        self._mark("accept")
+
+        # 5. emit, stop, commit
+        keep, finished = [], []
+        for i, r in enumerate(reqs):
+            a = num_acc_l[i]
+            new = self._emit(r, drafts_l[i][:a] + [next_l[i]])
+            r.out.num_steps += 1
+            r.out.num_accepted_drafts += a
+            r.num_computed += a + 1
+            r.anchor = next_l[i]
+            if not r.out.finished and r.num_computed >= self.target.max_seq_len:
+                r.out.finish_reason = "length"  # no position left for the next anchor
+            events.append(StepOutput(r.out.request_id, new, r.out.finished, r.out.finish_reason))
+            (finished if r.out.finished else keep).append(i)
+        self.metrics.observe(num_drafts_l, num_acc_l)
+        self.metrics.num_steps += 1
+        if keep:
+            idx = torch.tensor(keep, device=self.device)
+            kept = (num_acc + 1).index_select(0, idx)
+            keep_slots = [slots[i] for i in keep]
+            self.target.commit(keep_slots, kept)
+            if self.drafter is not None:
+                taps = {layer: t.index_select(0, idx) for layer, t in out.taps.items()}
+                self.drafter.commit(keep_slots, tokens.index_select(0, idx), kept, taps)
+        self._release([reqs[i] for i in finished])
+        self._running = [reqs[i] for i in keep]
+        self._mark("commit")
+        self.metrics.step_seconds.append(time.perf_counter() - t_start)
+        return events
+
+    def _drafts_allowed(self, reqs: list[_Request]) -> list[int]:
+        """Drafts each request may verify this step: the profile's k for the live batch size,
+        0 for requests that opted out or are past the sequence-length gate, and never past the
+        context (positions num_computed .. num_computed + k must exist)."""
+        k = self.step_k(len(reqs))
+        allowed = []
+        for r in reqs:
+            kr = k if r.params.speculate else 0
+            if self.spec.max_speculative_seq_len is not None and r.num_computed + 1 > self.spec.max_speculative_seq_len:
+                kr = 0
+            allowed.append(max(0, min(kr, self.target.max_seq_len - r.num_computed - 1)))
+        return allowed
+
+    def step_k(self, batch_size: int) -> int:
+        """k for a step of this many requests: the batch-1 profile at batch 1 when one is set,
+        else the batch-size gate covering the batch (vLLM's (start, end, k) triples), else k."""
+        spec = self.spec
+        if batch_size == 1 and spec.batch1_profile is not None:
+            return spec.batch1_profile.num_speculative_tokens
+        for start, end, gk in spec.num_speculative_tokens_per_batch_size or ():
+            if start <= batch_size <= end:
+                return gk
+        return spec.num_speculative_tokens
+
+    def _propose(self, reqs, k_req: list[int], kmax: int, anchors: torch.Tensor) -> Proposal:
+        B = len(reqs)
+        dev = self.device
+        if kmax == 0:
+            empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
+            return Proposal(empty, torch.zeros(B, dtype=torch.long, device=dev))
+        rows = [i for i in range(B) if k_req[i] > 0]
+        sub = rows if len(rows) < B else None
+        pick = (lambda xs: [xs[i] for i in rows]) if sub else (lambda xs: xs)
+        prop = self.drafter.propose(
+            pick([r.slot for r in reqs]),
+            anchors[torch.tensor(rows, device=dev)] if sub else anchors,
+            kmax,
+            pick([r.params for r in reqs]),
+            pick([r.generator for r in reqs]),
+        )
+        cap = torch.tensor([k_req[i] for i in rows], dtype=torch.long, device=dev)
+        num = torch.minimum(prop.num_drafts.to(dev), cap)
+        if self.policy is not None:
+            num = torch.minimum(num, self.policy.verify_lengths(Proposal(prop.tokens, num, prop.probs, prop.confidence)))
+        if sub is None:
+            return Proposal(prop.tokens, num, prop.probs, prop.confidence)
+        # Scatter the proposing rows back into the full batch; the others verify no drafts.
+        idx = torch.tensor(rows, device=dev)
+        tokens = anchors[:, None].expand(B, kmax).clone()
+        tokens[idx] = prop.tokens
+        full_num = torch.zeros(B, dtype=torch.long, device=dev)
+        full_num[idx] = num
+        probs = None
+        if prop.probs is not None:
+            probs = torch.ones(B, kmax, prop.probs.shape[-1], dtype=prop.probs.dtype, device=dev)
+            probs[idx] = prop.probs
+        return Proposal(tokens, full_num, probs)
+
+    def _draw_noise(self, reqs, sampling: SamplingTensors, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-request randomness from each request's own generator, so a seeded request gives
+        the same output whatever else is in the batch."""
+        V = self.target.vocab_size
+        uniforms = torch.stack([torch.rand(k, generator=r.generator, device=self.device) for r in reqs])
+        noise = torch.ones(len(reqs), V, device=self.device)
+        for i, r in enumerate(reqs):
+            if not r.params.greedy:
+                noise[i].exponential_(generator=r.generator)
+        return uniforms, noise
+
+    def _emit(self, r: _Request, tokens: list[int]) -> list[int]:
+        """Append tokens to the output up to a stop condition; returns what was appended."""
+        out, p = r.out, r.params
+        emitted = []
+        for t in tokens:
+            out.token_ids.append(t)
+            emitted.append(t)
+            self.metrics.num_output_tokens += 1
+            if (t in self.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                out.finish_reason = "stop"
+                break
+            if len(out.token_ids) >= p.max_tokens:
+                out.finish_reason = "length"
+                break
+        return emitted
+
+    # ---- admission and release ------------------------------------------------------------
+
+    def _admit(self) -> list[StepOutput]:
+        new = []
+        while self._waiting and self._free_slots:
+            r = self._waiting.popleft()
+            r.slot = self._free_slots.pop()
+            new.append(r)
+        if not new:
+            return []
+        t0 = time.perf_counter()
+        slots = [r.slot for r in new]
+        out = self.target.prefill(slots, [r.prompt.to(self.device) for r in new], self.tap_layers)
+        last = torch.tensor([len(r.prompt) - 1 for r in new], device=self.device)
+        rows = torch.arange(len(new), device=self.device)
+        logits = out.logits[rows, last][:, None]  # [B, 1, V]
+        sampling = SamplingTensors.from_params([r.params for r in new], self.device)
+        _, noise = self._draw_noise(new, sampling, 1)
+        none = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
+        zero = torch.zeros(len(new), dtype=torch.long, device=self.device)
+        _, first = rejection_sample(logits, none, zero, None, sampling, none.float(), noise)
+        events, finished = [], []
+        for i, (r, tok) in enumerate(zip(new, first.tolist())):
+            r.num_computed = len(r.prompt)
+            r.anchor = tok
+            emitted = self._emit(r, [tok])
+            if not r.out.finished and r.num_computed >= self.target.max_seq_len:
+                r.out.finish_reason = "length"
+            events.append(StepOutput(r.out.request_id, emitted, r.out.finished, r.out.finish_reason))
+            if r.out.finished:
+                finished.append(r)
+                continue
+            if self.drafter is not None:
+                taps = {layer: t[i, : len(r.prompt)] for layer, t in out.taps.items()}
+                self.drafter.start(r.slot, r.prompt, taps)
+            self._running.append(r)
+        self._release(finished)
+        self.metrics.phase_seconds.setdefault("prefill", 0.0)
+        self.metrics.phase_seconds["prefill"] += time.perf_counter() - t0
+        return events
+
+    def _release(self, reqs: list[_Request]) -> None:
+        if not reqs:
+            return
+        slots = [r.slot for r in reqs]
+        self.target.release(slots)
+        if self.drafter is not None:
+            self.drafter.release(slots)
+        self._free_slots.extend(slots)
+
+    # ---- timing ---------------------------------------------------------------------------
+
+    _last_mark: float = 0.0
+
+    def _mark(self, phase: str) -> None:
+        """Attribute the time since the previous mark to `phase` (synchronising the device first
+        when sync_timing, so asynchronous GPU work lands in the phase that launched it)."""
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.metrics.phase_seconds[phase] += now - self._last_mark
+        self._last_mark = now

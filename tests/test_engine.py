@@ -1,0 +1,238 @@
+"""The engine on the toy Markov target: losslessness of the whole pipeline in distribution,
+stop conditions, bad input, gates and metrics."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dspark.config import Profile, SamplingParams, SpecConfig
+from dspark.drafters.ngram import NgramDrafter
+from dspark.engine import Engine
+from dspark.sampling import processed_probs, rejection_sample
+from dspark.targets.toy import MarkovTarget
+from toy_drafters import ScriptedDrafter, TableDrafter
+
+V = 5
+PROMPT = [0, 3]
+GEN = 3  # generated tokens per sequence: 125 possible sequences
+
+
+def _exact_sequence_probs(target: MarkovTarget, params: SamplingParams) -> dict[tuple, float]:
+    """Closed-form distribution of the first GEN tokens under plain sampling."""
+    from dspark.sampling import SamplingTensors
+
+    st = SamplingTensors.from_params([params], "cpu")
+    probs = {}
+    for seq in itertools.product(range(V), repeat=GEN):
+        ctx, p = list(PROMPT), 1.0
+        for t in seq:
+            row = processed_probs(target.next_logits(torch.tensor([ctx[-2]]), torch.tensor([ctx[-1]])), st)[0]
+            p *= float(row[t].double())
+            ctx.append(t)
+        probs[seq] = p
+    return probs
+
+
+def _broken_sampler(logits, drafts, num_drafts, q, sampling, u, noise):
+    """Resamples from p instead of the residual max(p - q, 0) after a rejection."""
+    acc, nxt = rejection_sample(logits, drafts, num_drafts, q, sampling, u, noise)
+    p = processed_probs(logits[torch.arange(len(acc)), acc], sampling)
+    rejected = acc < num_drafts
+    return acc, torch.where(rejected, (p / noise).argmax(-1), nxt)
+
+
+def _chi2_pvalue(outputs, expected_probs):
+    counts = {}
+    for o in outputs:
+        key = tuple(o.token_ids[:GEN])
+        counts[key] = counts.get(key, 0) + 1
+    n = len(outputs)
+    keys = sorted(expected_probs)
+    exp = np.array([expected_probs[k] * n for k in keys])
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    small = exp < 5  # merge sparse bins into one so the chi-square approximation holds
+    exp = np.append(exp[~small], exp[small].sum())
+    obs = np.append(obs[~small], obs[small].sum())
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize(
+    "drafter_kind,sampler,should_pass",
+    [("table", None, True), ("ngram", None, True), ("table", _broken_sampler, False)],
+)
+def test_speculative_sampling_preserves_the_sequence_distribution(drafter_kind, sampler, should_pass):
+    n = 20_000
+    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
+    drafter = TableDrafter(V, seed=5, scale=1.5) if drafter_kind == "table" else NgramDrafter(1, 2)
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=2, seed=3), sampler=sampler)
+    outputs = engine.generate([PROMPT] * n, params)
+    assert all(len(o.token_ids) == GEN for o in outputs)
+    if drafter_kind == "table":
+        assert engine.metrics.num_drafts > 0 and 0.05 < engine.metrics.draft_acceptance_rate < 0.95
+    pvalue = _chi2_pvalue(outputs, _exact_sequence_probs(target, params))
+    assert (pvalue > 1e-3) == should_pass, pvalue
+
+
+def test_plain_sampling_matches_the_closed_form_too():
+    n = 20_000
+    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
+    outputs = Engine(target).generate([PROMPT] * n, params)
+    assert _chi2_pvalue(outputs, _exact_sequence_probs(target, params)) > 1e-3
+
+
+def _greedy_reference(vocab, prompts, max_tokens, seed=2):
+    target = MarkovTarget(vocab, seed=seed, max_slots=len(prompts), max_seq_len=128)
+    return Engine(target).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_seeded_requests_reproduce_whatever_the_batch():
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12)
+    alone = Engine(MarkovTarget(7, seed=4), NgramDrafter(), SpecConfig(num_speculative_tokens=3)).generate([[1, 2, 3]], params)
+    rng = torch.Generator().manual_seed(0)
+    others = [torch.randint(0, 7, (5,), generator=rng).tolist() for _ in range(5)]
+    batch = Engine(MarkovTarget(7, seed=4), NgramDrafter(), SpecConfig(num_speculative_tokens=3)).generate(
+        others[:2] + [[1, 2, 3]] + others[2:], [SamplingParams(temperature=1.0, max_tokens=12)] * 2 + [params] + [SamplingParams(temperature=1.0, max_tokens=12)] * 3
+    )
+    assert batch[2].token_ids == alone[0].token_ids
+
+
+def test_eos_inside_an_accepted_block_ends_the_request_there():
+    vocab = 9
+    prompts = [[1, 2], [3, 4, 5], [6]]
+    ref = _greedy_reference(vocab, prompts, 30)
+    # Pick as EOS a token that appears mid-way through request 0's greedy continuation.
+    eos = ref[0].token_ids[6]
+    scripts = {tuple(p): r.token_ids for p, r in zip(prompts, ref)}
+    target = MarkovTarget(vocab, seed=2, max_slots=3, max_seq_len=128)
+    engine = Engine(target, ScriptedDrafter(scripts, vocab, corrupt_every=50), SpecConfig(num_speculative_tokens=7), eos_token_ids=(eos,))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    for o, r in zip(outs, ref):
+        expect = r.token_ids[: r.token_ids.index(eos) + 1] if eos in r.token_ids else r.token_ids
+        assert o.token_ids == expect
+        assert o.finish_reason == ("stop" if eos in r.token_ids else "length")
+    assert engine.metrics.acceptance_length > 3  # the EOS really sat inside accepted blocks
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 9, 13])
+def test_max_tokens_landing_mid_block_truncates(max_tokens):
+    prompts = [[1, 2, 3], [4]]
+    ref = _greedy_reference(8, prompts, 40)
+    scripts = {tuple(p): r.token_ids for p, r in zip(prompts, ref)}
+    engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=128), ScriptedDrafter(scripts, 8, corrupt_every=100), SpecConfig(num_speculative_tokens=7))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids[:max_tokens] and o.finish_reason == "length"
+
+
+def test_stop_token_ids_and_context_limit():
+    prompts = [[1, 2, 3]]
+    ref = _greedy_reference(8, prompts, 20)
+    stop = ref[0].token_ids[3]
+    out = Engine(MarkovTarget(8, seed=2, max_seq_len=128), NgramDrafter(), SpecConfig(num_speculative_tokens=3)).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop,)))
+    assert out[0].token_ids == ref[0].token_ids[: ref[0].token_ids.index(stop) + 1] and out[0].finish_reason == "stop"
+    # A context of 10 positions: 3 prompt tokens + 7 committed, then the 8th output has no slot.
+    out = Engine(MarkovTarget(8, seed=2, max_seq_len=10), NgramDrafter(), SpecConfig(num_speculative_tokens=3)).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=50))
+    assert out[0].finish_reason == "length" and out[0].token_ids == ref[0].token_ids[:8]
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], SamplingParams(), "prompt"),
+        ([1, 99], SamplingParams(), "token id 99"),
+        ([-1], SamplingParams(), "token id -1"),
+        (list(range(8)) * 3, SamplingParams(), "max_seq_len"),
+        ([1], SamplingParams(temperature=-0.5), "temperature=-0.5"),
+        ([1], SamplingParams(top_p=0.0), "top_p=0.0"),
+        ([1], SamplingParams(top_p=1.5), "top_p=1.5"),
+        ([1], SamplingParams(top_k=-1), "top_k=-1"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens=0"),
+        ([1], SamplingParams(stop_token_ids=(8,)), "stop_token_ids"),
+    ],
+)
+def test_a_bad_request_fails_alone(prompt, params, match):
+    engine = Engine(MarkovTarget(8, seed=2, max_slots=4, max_seq_len=16), NgramDrafter(), SpecConfig(num_speculative_tokens=3))
+    good = SamplingParams(temperature=0.0, max_tokens=4)
+    outs = engine.generate([[1, 2], prompt, [3]], [good, params, good])
+    assert outs[1].finish_reason == "error" and match in outs[1].error
+    assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 4] and outs[0].error is None
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_speculative_tokens=-1), "num_speculative_tokens=-1"),
+        (dict(drafter="eagle"), "drafter='eagle'"),
+        (dict(prompt_lookup_min=0), "prompt_lookup_min=0"),
+        (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max=2"),
+        (dict(rejection_sample_method="block"), "rejection_sample_method='block'"),
+        (dict(num_speculative_tokens_per_batch_size=((1, 4, 9),)), "num_speculative_tokens_per_batch_size"),
+        (dict(num_speculative_tokens_per_batch_size=((4, 2, 1),)), "num_speculative_tokens_per_batch_size"),
+        (dict(max_speculative_seq_len=0), "max_speculative_seq_len=0"),
+        (dict(batch1_profile=Profile(num_speculative_tokens=-2)), "batch1_profile.num_speculative_tokens=-2"),
+    ],
+)
+def test_bad_spec_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        SpecConfig(**kwargs).validate()
+
+
+def test_speculation_needs_a_drafter():
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(MarkovTarget(8), None, SpecConfig(num_speculative_tokens=3))
+
+
+def test_streaming_yields_each_step_in_order():
+    engine = Engine(MarkovTarget(8, seed=2), NgramDrafter(), SpecConfig(num_speculative_tokens=3))
+    streamed = {}
+    for ev in engine.stream([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)):
+        streamed.setdefault(ev.request_id, []).extend(ev.new_token_ids)
+    ref = _greedy_reference(8, [[1, 2, 3], [4, 5]], 10)
+    assert [streamed[0], streamed[1]] == [r.token_ids for r in ref]
+
+
+def test_metrics_count_like_vllm():
+    prompts = [[1, 2, 3], [4]]
+    ref = _greedy_reference(8, prompts, 24)
+    scripts = {tuple(p): r.token_ids for p, r in zip(prompts, ref)}
+    engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=128), ScriptedDrafter(scripts, 8, corrupt_every=4), SpecConfig(num_speculative_tokens=3))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    m = engine.metrics
+    steps = sum(o.num_steps for o in outs)
+    emitted = sum(len(o.token_ids) - 1 for o in outs)  # the first token of each comes from prefill
+    # every step verified drafts here, so AL = emitted tokens per verify step (up to truncation)
+    assert m.num_drafts == steps
+    assert abs(m.acceptance_length - (1 + m.num_accepted_tokens / steps)) < 1e-12
+    assert emitted <= steps * m.acceptance_length
+    assert m.per_position_acceptance == sorted(m.per_position_acceptance, reverse=True)
+    assert 1.0 < m.acceptance_length < 4.0
+
+
+def test_batch_size_gates_and_the_batch1_profile_pick_k():
+    spec = SpecConfig(num_speculative_tokens=6, num_speculative_tokens_per_batch_size=((2, 3, 4), (4, 8, 1), (9, 64, 0)),
+                      batch1_profile=Profile(num_speculative_tokens=5))
+    engine = Engine(MarkovTarget(8), NgramDrafter(), spec)
+    assert [engine.step_k(b) for b in (1, 2, 3, 4, 8, 9, 64, 65)] == [5, 4, 4, 1, 1, 0, 0, 6]
+    no_profile = Engine(MarkovTarget(8), NgramDrafter(), SpecConfig(num_speculative_tokens=6, num_speculative_tokens_per_batch_size=((1, 1, 2),)))
+    assert no_profile.step_k(1) == 2 and no_profile.step_k(2) == 6
+
+
+def test_opt_out_and_sequence_length_gate_switch_speculation_off_per_request():
+    prompts = [[1, 2, 1, 2, 1, 2], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4]]
+    ref = _greedy_reference(8, prompts, 12)
+    scripts = {tuple(p): r.token_ids for p, r in zip(prompts, ref)}
+    # The long prompt is past the gate from the start; the short one opts out.
+    spec = SpecConfig(num_speculative_tokens=3, max_speculative_seq_len=8)
+    engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=128), ScriptedDrafter(scripts, 8, corrupt_every=1000), spec)
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, speculate=False),
+                                     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert engine.metrics.num_drafts == 0 and all(o.num_steps == 11 for o in outs)
