@@ -1,0 +1,80 @@
+"""DSpark's sequential stage: the Markov head, the confidence head, and draft-logit processing.
+
+Spec: ../shared/spec/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head), §3 (draft
+sampling with the request's temperature / top-k / top-p on the Markov-corrected logits).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MarkovHead(nn.Module):
+    """Low-rank first-order correction of the block logits (spec §2.5, paper eq. 5).
+
+    vanilla: Z_k = U_k + W2^T W1[x_{k-1}]
+    gated:   Z_k = U_k + W2^T (g ⊙ W1[x_{k-1}]),  g = sigmoid(gate_proj([h_k ; W1[x_{k-1}]]))
+    with x_0 = the anchor, so slot 1 is biased by the anchor too.
+    Names and torch layouts follow the published checkpoints: markov_w1.weight [V, r],
+    markov_w2.weight [V, r].
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str = "vanilla"):
+        super().__init__()
+        if kind not in ("vanilla", "gated"):
+            raise ValueError(f"MarkovHead.kind={kind!r}: must be 'vanilla' or 'gated'")
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank) if kind == "gated" else None
+
+    def embed_previous(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """W1[x_{k-1}]: [...] token ids -> [..., r] (also the confidence head's Markov input)."""
+        return self.markov_w1(prev_tokens)
+
+    def bias(self, prev_embedding: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., r] previous-token embedding and [..., d] draft hidden -> [..., V] logit bias."""
+        if self.gate_proj is not None:
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embedding], dim=-1)))
+            prev_embedding = gate * prev_embedding
+        return self.markov_w2(prev_embedding)
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = sigmoid(w^T [h_k ; W1[x_{k-1}]] + b) (spec §2.6, paper eq. 7); returns the logit.
+
+    The conditional probability that draft k is accepted given drafts 1..k-1 were.
+    """
+
+    def __init__(self, hidden_size: int, markov_rank: int, with_markov: bool = True, bias: bool = True):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden_size + (markov_rank if with_markov else 0), 1, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor) -> torch.Tensor:
+        features = torch.cat([hidden, prev_embedding], dim=-1) if self.with_markov else hidden
+        return self.proj(features).squeeze(-1)
+
+
+def processed_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """softmax of logits [N, V] after per-row temperature (> 0), top-k (0 = off) and top-p
+    (1 = off) filtering; float32. Top-k keeps the k highest logits (ties at the boundary broken
+    by sort order); top-p keeps the smallest prefix of the sorted distribution whose mass reaches
+    top_p (the most likely token is always kept).
+    """
+    if bool((temperature <= 0).any()):
+        raise ValueError(f"processed_probs: temperature={temperature.tolist()} must be > 0 (greedy rows are argmax)")
+    scaled = logits.float() / temperature.float().unsqueeze(-1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_before >= top_p.float().unsqueeze(-1)) & (rank > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

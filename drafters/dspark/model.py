@@ -1,0 +1,311 @@
+"""The DSpark drafter network: fused target context, a parallel block backbone, and the heads.
+
+Spec: ../shared/spec/dspark-algorithm.md §2 (architecture), ../shared/spec/kimi-k3.md §4 (the
+published K3 drafter shape). Shapes: B = sequences/requests, A = blocks per sequence (anchors),
+G = block size (gamma), S = context rows, d = hidden size, V = vocab, W = one cached context row.
+
+Attention is swappable: every attention module turns a (normed) hidden row into one flat cache
+row of width W (`kv_rows`), expands cache rows into per-head keys/values (`keys_values`) and
+builds queries (`queries`); `BlockAttention.forward` does the rest (context keys strictly before
+each block's anchor, bidirectional inside the block, spec §2.3).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DSparkConfig
+from .heads import ConfidenceHead, MarkovHead
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class Rotary(nn.Module):
+    """RoPE over the last `dim` features of a head, optionally YaRN-extended (DeepSeek-V3's YaRN:
+    frequencies blended between interpolated and original by a linear ramp over the correction
+    range [beta_fast, beta_slow]; cos/sin scaled by mscale(factor, mscale)/mscale(factor,
+    mscale_all_dim); the attention scale gains mscale(factor, mscale_all_dim)^2)."""
+
+    def __init__(self, dim: int, theta: float, interleaved: bool, scaling: dict | None):
+        super().__init__()
+        self.dim = dim
+        self.interleaved = interleaved
+        exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+        inv_freq = 1.0 / theta**exponents
+        self.cos_sin_scale = 1.0
+        self.attention_scale = 1.0
+        if scaling is not None:
+            factor = float(scaling["factor"])
+            original = float(scaling["original_max_position_embeddings"])
+            beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+            def correction_dim(rotations: float) -> float:
+                return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+            low = max(math.floor(correction_dim(beta_fast)), 0)
+            high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+            if low == high:
+                high += 0.001
+            ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+            keep_original = 1.0 - ramp  # high-frequency dims keep their original frequency
+            inv_freq = inv_freq / factor * ramp + inv_freq * keep_original
+            mscale, mscale_all = float(scaling.get("mscale", 1.0)), float(scaling.get("mscale_all_dim", 0.0))
+            self.cos_sin_scale = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            self.attention_scale = _yarn_mscale(factor, mscale_all) ** 2
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, dim], positions [...] (long) -> rotated x."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq  # [..., dim/2]
+        cos = (angles.cos() * self.cos_sin_scale).unsqueeze(-2)
+        sin = (angles.sin() * self.cos_sin_scale).unsqueeze(-2)
+        xf = x.float()
+        if self.interleaved:
+            even, odd = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+        else:
+            first, second = xf[..., : self.dim // 2], xf[..., self.dim // 2 :]
+            out = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+        return out.to(x.dtype)
+
+
+class BlockAttention(nn.Module):
+    """Shared forward of the block attention (spec §2.3, paper eq. 3)."""
+
+    num_heads: int
+    scale: float
+
+    def kv_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, A, G, d], already input-layernormed
+        positions: torch.Tensor,  # [B, A, G]
+        context_rows: torch.Tensor,  # [B, S, W]
+        context_visible: torch.Tensor,  # [B, A, S] bool: row j is before block a's anchor
+    ) -> torch.Tensor:
+        q = self.queries(x, positions)  # [B, A, G, H, dk]
+        k_blk, v_blk = self.keys_values(self.kv_rows(x, positions))  # [B, A, G, H, dk|dv]
+        k_ctx, v_ctx = self.keys_values(context_rows)  # [B, S, H, dk|dv]
+        scores_ctx = torch.einsum("baghd,bshd->bhags", q.float(), k_ctx.float()) * self.scale
+        scores_ctx = scores_ctx.masked_fill(~context_visible[:, None, :, None, :], float("-inf"))
+        scores_blk = torch.einsum("baghd,bajhd->bhagj", q.float(), k_blk.float()) * self.scale
+        probs = torch.cat([scores_ctx, scores_blk], dim=-1).softmax(dim=-1)  # block keys: never empty
+        num_ctx = context_rows.shape[1]
+        out = torch.einsum("bhags,bshd->baghd", probs[..., :num_ctx], v_ctx.float())
+        out = out + torch.einsum("bhagj,bajhd->baghd", probs[..., num_ctx:], v_blk.float())
+        return self.o_proj(out.flatten(-2).to(x.dtype))
+
+
+class MLAAttention(BlockAttention):
+    """Multi-head latent attention as in the K3 drafter (DeepSeek-V3 MLA, no output gate).
+
+    Cache row = [RMSNorm(c_kv) (kv_lora_rank) | RoPE(k_pe) (qk_rope_head_dim)], 576 wide for K3.
+    """
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = c.num_heads, c.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.rotary = Rotary(c.qk_rope_head_dim, c.rope_theta, c.rope_interleaved, c.rope_scaling) if c.use_rope else None
+        self.scale = c.qk_head_dim**-0.5 * (self.rotary.attention_scale if self.rotary else 1.0)
+
+    def kv_rows(self, x, positions):
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.rotary is not None:
+            k_pe = self.rotary(k_pe.unsqueeze(-2), positions).squeeze(-2)
+        return torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
+
+    def keys_values(self, rows):
+        latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
+        return k, v
+
+    def queries(self, x, positions):
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).unflatten(-1, (self.num_heads, self.nope + self.rope_dim))
+        if self.rotary is None:
+            return q
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        return torch.cat([q_nope, self.rotary(q_pe, positions)], dim=-1)
+
+
+class GQAAttention(BlockAttention):
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3-style DeepSpec drafter).
+
+    Cache row = [RoPE(k_norm(k)) | v], 2 * num_kv_heads * head_dim wide.
+    """
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_interleaved, c.rope_scaling) if c.use_rope else None
+        self.scale = c.head_dim**-0.5 * (self.rotary.attention_scale if self.rotary else 1.0)
+
+    def kv_rows(self, x, positions):
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        if self.rotary is not None:
+            k = self.rotary(k, positions)
+        return torch.cat([k.flatten(-2), self.v_proj(x)], dim=-1)
+
+    def keys_values(self, rows):
+        k, v = rows.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(dim=-3)
+        group = self.num_heads // self.num_kv_heads
+        return k.repeat_interleave(group, dim=-2), v.repeat_interleave(group, dim=-2)
+
+    def queries(self, x, positions):
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        return self.rotary(q, positions) if self.rotary is not None else q
+
+
+ATTENTION_TYPES: dict[str, type[BlockAttention]] = {"mla": MLAAttention, "gqa": GQAAttention}
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer (spec §2.4). Context rows bypass input_layernorm: they were normed once
+    by context_norm (spec §2.3)."""
+
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = ATTENTION_TYPES[c.attention_type](c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, positions, context_rows, context_visible):
+        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows, context_visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkModel(nn.Module):
+    """The trainable drafter plus the target's frozen embedding and lm_head.
+
+    embed_tokens [V, d] and lm_head [V, d] are the target's own tensors (not copied); they are
+    buffers, so they are neither trained nor saved in the drafter checkpoint.
+    """
+
+    def __init__(self, config: DSparkConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        c = self.config = config.validate()
+        for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(t.shape) != (c.vocab_size, c.hidden_size):
+                raise ValueError(f"DSparkModel.{name}: shape {tuple(t.shape)} != (vocab_size, hidden_size) = "
+                                 f"({c.vocab_size}, {c.hidden_size})")
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.context_proj = nn.Linear(c.num_taps * c.target_hidden_size, c.hidden_size, bias=False)
+        self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.markov_head = MarkovHead(c.vocab_size, c.hidden_size, c.markov_rank, c.markov_head_type)
+        self.confidence_head = ConfidenceHead(c.hidden_size, c.markov_rank, c.confidence_head_with_markov, c.confidence_bias)
+
+    # ---- context -----------------------------------------------------------------------------
+    def fuse_taps(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """H_ctx = RMSNorm(fc(concat of the tapped layers)) (spec §2.1, paper eq. 2): {layer: [..., d_t]} -> [..., d]."""
+        missing = [layer for layer in self.config.target_layer_ids if layer not in taps]
+        if missing:
+            raise ValueError(f"taps: missing target layers {missing}; the drafter needs {list(self.config.target_layer_ids)}")
+        features = torch.cat([taps[layer] for layer in self.config.target_layer_ids], dim=-1)
+        return self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
+
+    def context_rows(self, fused: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer cache rows of fused context [..., d] at positions [...] -> [..., W] each."""
+        return [layer.self_attn.kv_rows(fused, positions) for layer in self.layers]
+
+    # ---- block -------------------------------------------------------------------------------
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[...] anchor ids -> [..., G] input ids [x0, MASK, ..., MASK] (spec §2.2)."""
+        block = anchors.new_full((*anchors.shape, self.config.block_size), self.config.mask_token_id)
+        block[..., 0] = anchors
+        return block
+
+    def backbone(
+        self,
+        block_tokens: torch.Tensor,  # [B, A, G]
+        positions: torch.Tensor,  # [B, A, G]: anchor position + (k - 1)
+        context_rows: list[torch.Tensor],  # per layer [B, S, W]
+        context_visible: torch.Tensor,  # [B, A, S]
+    ) -> torch.Tensor:
+        """One parallel pass over every block; returns the final-normed hidden [B, A, G, d]."""
+        x = F.embedding(block_tokens, self.embed_tokens).to(self.context_proj.weight.dtype)
+        for layer, rows in zip(self.layers, context_rows):
+            x = layer(x, positions, rows, context_visible)
+        return self.final_norm(x)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """U_k = lm_head(h_k), in float32 or wider (spec §2.4)."""
+        dtype = _at_least_float32(hidden.dtype)
+        return hidden.to(dtype) @ self.lm_head.to(dtype).t()
+
+    def head_outputs(
+        self, hidden: torch.Tensor, prev_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Markov-corrected logits Z [..., V] (float32) and confidence logits [...] given the
+        previous token of every slot (the anchor for slot 1)."""
+        prev_embedding = self.markov_head.embed_previous(prev_tokens)
+        dtype = _at_least_float32(hidden.dtype)
+        logits = self.base_logits(hidden) + self.markov_head.bias(prev_embedding, hidden).to(dtype)
+        confidence = self.confidence_head(hidden, prev_embedding).to(dtype)
+        return logits, confidence
+
+    def confidence_probs(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """sigmoid(logit_k / T_k) with the calibrated per-position temperatures (spec §5.2)."""
+        temps = self.config.confidence_temperatures
+        if temps is not None:
+            t = torch.tensor(temps, dtype=torch.float32, device=confidence_logits.device)
+            confidence_logits = confidence_logits / t[: confidence_logits.shape[-1]]
+        return torch.sigmoid(confidence_logits)

@@ -1,0 +1,237 @@
+"""DSpark drafter model and Drafter wrapper (spec dspark-algorithm §2-3, §11)."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from dspark.config import SamplingParams
+from dspark.drafters.dspark.config import K3_DSPARK, DSparkConfig
+from dspark.drafters.dspark.drafter import DSparkDrafter
+from dspark.drafters.dspark.heads import processed_probs
+from dspark.drafters.dspark.model import DSparkModel
+from dspark.protocols import Drafter
+from dspark_fixtures import SyntheticTarget, small_config
+
+ATTENTION = ["gqa", "mla"]
+
+
+def make_model(target, attention_type="gqa", seed=0, **overrides):
+    torch.manual_seed(seed)
+    return DSparkModel(small_config(target, attention_type, **overrides), *target.embedding_weights())
+
+
+def reference_block_hidden(model, fused, anchor, block_tokens):
+    """One block, float64, written as plain attention over [context rows < anchor ; block rows]."""
+    x = model.embed_tokens[block_tokens].double()
+    positions = anchor + torch.arange(block_tokens.shape[0])
+    for layer in model.layers:
+        attn = layer.self_attn
+        xn = layer.input_layernorm(x)
+        rows = torch.cat([attn.kv_rows(fused[:anchor], torch.arange(anchor)), attn.kv_rows(xn, positions)])
+        k, v = attn.keys_values(rows)
+        q = attn.queries(xn, positions)
+        probs = (torch.einsum("ghd,shd->hgs", q, k) * attn.scale).softmax(-1)
+        x = x + attn.o_proj(torch.einsum("hgs,shd->ghd", probs, v).flatten(-2))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.final_norm(x)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION)
+def test_batched_blocks_match_per_block_float64_reference(attention_type):
+    target = SyntheticTarget(seed=1)
+    model = make_model(target, attention_type, seed=1)
+    ref = copy.deepcopy(model).double()
+    B, A, S, G = 2, 3, 20, model.config.block_size
+    tokens = torch.randint(0, target.vocab_size, (B, S))
+    taps = {layer: torch.randn(B, S, target.hidden_size) for layer in model.config.target_layer_ids}
+    anchors = torch.stack([torch.randperm(S - 1)[:A].sort().values for _ in range(B)])
+    anchors[0, 0] = 0  # an anchor with no context at all
+    block = model.block_inputs(tokens.gather(1, anchors))
+    positions = anchors[..., None] + torch.arange(G)
+    with torch.no_grad():
+        fused = model.fuse_taps(taps)
+        rows = model.context_rows(fused, torch.arange(S).expand(B, S))
+        visible = torch.arange(S) < anchors[..., None]
+        hidden = model.backbone(block, positions, rows, visible)
+        fused64 = ref.fuse_taps({k: v.double() for k, v in taps.items()})
+        for b in range(B):
+            for a in range(A):
+                expected = reference_block_hidden(ref, fused64[b], int(anchors[b, a]), block[b, a])
+                torch.testing.assert_close(hidden[b, a].double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION)
+def test_context_strictly_before_anchor_and_block_is_bidirectional(attention_type):
+    target = SyntheticTarget(seed=2)
+    model = make_model(target, attention_type, seed=2)
+    S, anchor, G = 16, 9, model.config.block_size
+    fused = torch.randn(1, S, model.config.hidden_size)
+    block = model.block_inputs(torch.tensor([[5]]))
+    positions = (anchor + torch.arange(G)).view(1, 1, G)
+    visible = (torch.arange(S) < anchor).view(1, 1, S)
+
+    def run(f, blk):
+        with torch.no_grad():
+            return model.backbone(blk, positions, model.context_rows(f, torch.arange(S)[None]), visible)
+
+    base = run(fused, block)
+    later = fused.clone()
+    later[:, anchor:] = torch.randn(1, S - anchor, model.config.hidden_size)
+    torch.testing.assert_close(run(later, block), base, rtol=0, atol=0)  # rows >= anchor are invisible
+    earlier = fused.clone()
+    earlier[:, anchor - 1] += 1.0
+    assert (run(earlier, block) - base).abs().max() > 1e-3  # the row just before the anchor is seen
+    changed_tail = block.clone()
+    changed_tail[..., -1] = 3
+    assert (run(fused, changed_tail)[..., 0, :] - base[..., 0, :]).abs().max() > 1e-4  # slot 1 sees slot G
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_markov_and_confidence_heads_follow_the_formulas(kind):
+    target = SyntheticTarget(seed=3)
+    model = make_model(target, "gqa", seed=3, markov_head_type=kind).double()
+    hidden = torch.randn(5, model.config.hidden_size, dtype=torch.float64)
+    prev = torch.randint(0, target.vocab_size, (5,))
+    logits, conf = model.head_outputs(hidden, prev)
+    w1 = model.markov_head.markov_w1.weight[prev]
+    if kind == "gated":
+        gate_proj = model.markov_head.gate_proj
+        w1 = torch.sigmoid(torch.cat([hidden, w1], -1) @ gate_proj.weight.t() + gate_proj.bias) * w1
+    expected = hidden @ model.lm_head.double().t() + w1 @ model.markov_head.markov_w2.weight.t()
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-5)
+    proj = model.confidence_head.proj
+    expected_conf = torch.cat([hidden, model.markov_head.markov_w1.weight[prev]], -1) @ proj.weight[0] + proj.bias
+    torch.testing.assert_close(conf.double(), expected_conf, rtol=1e-5, atol=1e-5)
+
+
+def reference_processed(logits, temperature, top_k, top_p):
+    z = logits.double() / temperature
+    order = sorted(range(z.shape[0]), key=lambda i: -float(z[i]))
+    keep = order[:top_k] if top_k else order
+    probs = torch.softmax(z[keep], 0)
+    kept, mass = [], 0.0
+    for i, p in zip(keep, probs.tolist()):
+        if kept and mass >= top_p:
+            break
+        kept.append(i)
+        mass += p
+    out = torch.zeros_like(z)
+    out[kept] = torch.softmax(z[kept], 0)
+    return out
+
+
+def test_processed_probs_matches_reference():
+    logits = torch.randn(4, 50) * 3
+    params = [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.6)]
+    got = processed_probs(logits, torch.tensor([p[0] for p in params]), torch.tensor([p[1] for p in params]),
+                          torch.tensor([p[2] for p in params]))
+    for i, (t, k, p) in enumerate(params):
+        torch.testing.assert_close(got[i].double(), reference_processed(logits[i], t, k, p), rtol=1e-5, atol=1e-6)
+
+
+def start_request(target, drafter, slot, prompt):
+    out = target.prefill([slot], [prompt], drafter.tap_layers)
+    drafter.start(slot, prompt, {layer: t[0] for layer, t in out.taps.items()})
+    return out
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION)
+def test_probabilistic_drafts_return_processed_markov_corrected_softmax(attention_type):
+    target = SyntheticTarget(seed=4)
+    model = make_model(target, attention_type, seed=4)
+    drafter = DSparkDrafter(model, max_slots=4, draft_sample_method="probabilistic")
+    assert isinstance(drafter, Drafter)
+    prompts = [torch.randint(0, 60, (n,)) for n in (12, 7, 9)]
+    for slot, p in enumerate(prompts):
+        start_request(target, drafter, slot, p)
+    sampling = [SamplingParams(temperature=0.9, top_k=12), SamplingParams(temperature=0.0),
+                SamplingParams(temperature=1.2, top_p=0.7)]
+    anchors = torch.tensor([3, 17, 40])
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
+    prop = drafter.propose([0, 1, 2], anchors, 7, sampling, gens)
+    again = drafter.propose([0, 1, 2], anchors, 7, sampling, [torch.Generator().manual_seed(10 + i) for i in range(3)])
+    assert torch.equal(prop.tokens, again.tokens)  # seeded requests are reproducible
+    # Independent float64 recomputation of Z_k with the sampled previous tokens.
+    ref = copy.deepcopy(model).double().requires_grad_(False)
+    for r, (prompt, params) in enumerate(zip(prompts, sampling)):
+        taps = target.forward(prompt)[1]
+        fused = ref.fuse_taps({k: v.double() for k, v in taps.items()})
+        hidden = reference_block_hidden(ref, fused, prompt.shape[0], ref.block_inputs(anchors[r]))
+        prev = torch.cat([anchors[r : r + 1], prop.tokens[r, :-1]])
+        logits, conf = ref.head_outputs(hidden, prev)
+        torch.testing.assert_close(prop.confidence[r].double(), torch.sigmoid(conf), rtol=1e-4, atol=1e-5)
+        for k in range(7):
+            if params.greedy:
+                expected = torch.nn.functional.one_hot(logits[k].argmax(), target.vocab_size).double()
+            else:
+                expected = reference_processed(logits[k], params.temperature, params.top_k, params.top_p)
+            torch.testing.assert_close(prop.probs[r, k].double(), expected, rtol=1e-4, atol=1e-5)
+            assert prop.probs[r, k, prop.tokens[r, k]] > 0  # the draft lies in the support of q
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION)
+def test_commit_keeps_only_accepted_rows_like_a_fresh_start(attention_type):
+    """Incremental cache after commits with rejections == a fresh start on the committed text."""
+    target = SyntheticTarget(seed=5)
+    model = make_model(target, attention_type, seed=5)
+    drafter = DSparkDrafter(model, max_slots=2)
+    prompt = torch.randint(0, 60, (10,))
+    start_request(target, drafter, 0, prompt)
+    committed = prompt.clone()
+    anchor = torch.tensor([7])
+    greedy = [SamplingParams(temperature=0.0)]
+    for kept in (3, 1, 8, 5):  # anchor + accepted drafts kept in each round
+        prop = drafter.propose([0], anchor, 7, greedy, [torch.Generator()])
+        verify_tokens = torch.cat([anchor, prop.tokens[0]])[None]
+        out = target.verify([0], verify_tokens, torch.tensor([8]), drafter.tap_layers)
+        target.commit([0], torch.tensor([kept]))
+        drafter.commit([0], verify_tokens, torch.tensor([kept]), out.taps)
+        committed = torch.cat([committed, verify_tokens[0, :kept]])
+        anchor = torch.randint(0, 60, (1,))
+    assert drafter.context_length(0) == committed.shape[0]
+    fresh = DSparkDrafter(model, max_slots=2)
+    start_request(SyntheticTarget(seed=5), fresh, 1, committed)
+    for a, b in zip(drafter._context[0], fresh._context[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    p1 = drafter.propose([0], anchor, 7, greedy, [torch.Generator()])
+    p2 = fresh.propose([1], anchor, 7, greedy, [torch.Generator()])
+    assert torch.equal(p1.tokens, p2.tokens)
+    drafter.crop(0, prompt.shape[0])
+    assert drafter.context_length(0) == prompt.shape[0]
+    drafter.release([0])
+    with pytest.raises(ValueError, match="slot=0"):
+        drafter.propose([0], anchor, 7, greedy, [torch.Generator()])
+
+
+def test_bad_input_names_the_field():
+    target = SyntheticTarget(seed=6)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        small_config(target, target_layer_ids=(0, target.num_layers - 1))  # the last layer is not tappable
+    with pytest.raises(ValueError, match="markov_head_type"):
+        small_config(target, markov_head_type="rnn")
+    drafter = DSparkDrafter(make_model(target), max_slots=1)
+    with pytest.raises(ValueError, match="k=8"):
+        drafter.propose([], torch.tensor([], dtype=torch.long), 8, [], [])
+    with pytest.raises(ValueError, match=r"missing target layers \[2\]"):
+        drafter.start(0, torch.tensor([1, 2]), {0: torch.randn(2, target.hidden_size)})
+
+
+def test_k3_dspark_preset_has_the_published_parameter_count():
+    """5 MLA layers at K3 dims: 2,387,907,841 drafter-owned parameters (4,775,815,682 bf16 bytes)
+    plus the 163840 x 7168 embedding copy = 3.562B, as published (spec kimi-k3 §4)."""
+    c = K3_DSPARK
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.intermediate_size, c.block_size) == (7168, 5, 64, 14336, 7)
+    assert c.target_layer_ids == (2, 23, 47, 71, 89) and c.mask_token_id == 163837 and c.markov_rank == 256
+    with torch.device("meta"):
+        embed = torch.empty(c.vocab_size, c.hidden_size)
+        model = DSparkModel(c, embed, embed)
+    owned = model.state_dict()
+    assert len(owned) + 1 == 68  # + the embedding copy in the published file
+    assert sum(t.numel() for t in owned.values()) == 2_387_907_841
+    assert tuple(owned["layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape) == (576, 7168)
+    assert tuple(owned["context_proj.weight"].shape) == (7168, 5 * 7168)
+    assert tuple(owned["confidence_head.proj.weight"].shape) == (1, 7168 + 256)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        dataclasses.replace(c, mask_token_id=c.vocab_size).validate()
+    assert DSparkConfig.from_json_dict(c.to_json_dict()) == c
