@@ -1,0 +1,593 @@
+"""Bytes, FLOPs and bandwidth floors of a Kimi K3 decode or verify step.
+
+Every byte count is derived from the tensor shapes of a K3Config (../shared/spec/kimi-k3.md §1.3);
+the model and its assumptions are those of spec §6:
+- every weight is read once per forward, whatever the number of tokens in the step;
+- routed experts are MXFP4 (4-bit codes + one 8-bit E8M0 scale per group of 32 = 4.25 bit/weight)
+  and only the distinct experts the step's tokens route to are read;
+- the MLA latent KV of every request is read once per step (all query tokens share the pages);
+- KDA recurrent state (fp32) and conv window (bf16) are read and written once per plain decode
+  step; a verify step either writes a snapshot after every token ("native", vLLM) or writes one
+  state plus per-token replay records ("replay", ReplaySSM / RecoverSSM), spec §2.3 and §6.4;
+- no activation, communication or launch costs: these are floors.
+
+`dspark roofline` (configure_parser / main) prints the byte breakdown and the floors.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.special import gammaln
+
+from dspark.targets.kimi_k3.config import K3, K3Config, get_preset
+
+# Bytes per element of the dense tensors. FP8 block scales (one fp32 per 128x128 block, +0.02%)
+# are left out.
+DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0}
+FP32 = 4.0
+BF16 = 2.0
+KDA_STATE_MODES = ("native", "replay")
+GB = 1e9
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: must be one of {list(choices)}")
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
+
+
+# ---- weights (spec §1.3 shapes, §6.1 table) -----------------------------------------------------
+
+# Kinds of trunk tensors: "proj" matmul weights stored in the trunk dtype; "matmul_bf16" matmul
+# weights kept bf16 in every mode (lm_head); "bf16" and "fp32" vectors (norms, AttnRes
+# pseudo-queries, KDA conv taps, dt_bias, A_log, o_norm, the router's correction bias).
+def trunk_elements(cfg: K3Config = K3) -> dict[str, dict[str, int]]:
+    """Element counts of every non-routed weight read by one forward, per component and kind."""
+    d = cfg.hidden_size
+    width = cfg.kda_width
+    num_kda, num_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    num_moe = cfg.num_layers - cfg.first_k_dense
+    h = cfg.mla_num_heads
+    # KDA layer: q, k, v, g [W, d] and o [d, W]; low-rank decay f_a [r, d], f_b [W, r]; beta b [H, d];
+    # fp32 conv taps [W, 1, conv] on q, k, v, dt_bias [W], A_log [a_log_size], o_norm [head_dim].
+    kda_proj = 5 * width * d + cfg.kda_gate_rank * d + width * cfg.kda_gate_rank + cfg.kda_num_heads * d
+    kda_fp32 = 3 * width * cfg.kda_conv_size + width + cfg.kda_a_log_size + cfg.kda_head_dim
+    # Gated MLA layer: q_a [q_lora, d], q_b [H*192, q_lora], kv_a [576, d], kv_b [H*(128+128), kv_lora],
+    # g [H*v, d], o [d, H*v]; q_a and kv_a layernorms.
+    mla_proj = (
+        cfg.q_lora_rank * d
+        + h * cfg.qk_head_dim * cfg.q_lora_rank
+        + cfg.kv_cache_width * d
+        + h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+        + 2 * h * cfg.v_head_dim * d
+    )
+    return {
+        "kda": {"proj": num_kda * kda_proj, "fp32": num_kda * kda_fp32},
+        "mla": {"proj": num_mla * mla_proj, "bf16": num_mla * (cfg.q_lora_rank + cfg.kv_lora_rank)},
+        # Router gate [N, d], latent down [L, d] and up [d, L]; correction bias [N]; routed_expert_norm [L].
+        "router_latent": {
+            "proj": num_moe * (cfg.num_experts + 2 * cfg.latent_size) * d,
+            "fp32": num_moe * cfg.num_experts,
+            "bf16": num_moe * cfg.latent_size,
+        },
+        # Shared experts, fused: gate/up [S, d], down [d, S].
+        "shared_experts": {"proj": num_moe * 3 * cfg.shared_intermediate_size * d},
+        "dense_ffn": {"proj": cfg.first_k_dense * 3 * cfg.intermediate_size * d},
+        "lm_head": {"matmul_bf16": cfg.vocab_size * d},
+        # Every layer: 4 RMSNorms [d] and 2 AttnRes pseudo-queries [1, d]; the model: final norm and
+        # the output AttnRes norm/proj. (The embedding is a row gather: one row per token, ignored.)
+        "norms_attnres": {"bf16": cfg.num_layers * 6 * d + 3 * d},
+    }
+
+
+def trunk_weight_bytes(cfg: K3Config = K3, trunk_dtype: str = "bf16") -> dict[str, float]:
+    """Bytes of every non-routed weight read by one forward, per component (spec §6.1).
+
+    `trunk_dtype` applies to every projection matrix of KDA, MLA, the router and latent down/up
+    projections, the shared experts and the dense FFN; lm_head stays bf16 and the vectors keep
+    their dtype. With "fp8" this is spec §6.1's requantized trunk (82.6 GB of weights per token).
+    """
+    _check_choice("trunk_dtype", trunk_dtype, DTYPE_BYTES)
+    per_kind = {"proj": DTYPE_BYTES[trunk_dtype], "matmul_bf16": BF16, "bf16": BF16, "fp32": FP32}
+    return {
+        component: float(sum(count * per_kind[kind] for kind, count in kinds.items()))
+        for component, kinds in trunk_elements(cfg).items()
+    }
+
+
+def trunk_matmul_params(cfg: K3Config = K3) -> int:
+    """Matmul weights of the trunk (each costs one multiply-add per token)."""
+    return sum(kinds.get("proj", 0) + kinds.get("matmul_bf16", 0) for kinds in trunk_elements(cfg).values())
+
+
+def expert_params(cfg: K3Config = K3) -> int:
+    """Weights of one routed expert: w1, w3 [I, L] and w2 [L, I] in latent space (spec §1.3)."""
+    return 3 * cfg.moe_intermediate_size * cfg.latent_size
+
+
+def expert_bytes(cfg: K3Config = K3) -> float:
+    """MXFP4 bytes of one routed expert: 4-bit codes + one uint8 scale per group (spec §1.3:
+    17,547,264 B for K3)."""
+    p = expert_params(cfg)
+    return p / 2 + p / cfg.mxfp4_group_size
+
+
+def distinct_experts(cfg: K3Config, num_tokens: int, expert_dedup: float | None = None) -> float:
+    """Expected distinct routed experts per MoE layer touched by `num_tokens` tokens.
+
+    Uniform independent routing (spec §6.3): N * (1 - (1 - k/N)^T), the pessimistic case.
+    `expert_dedup` is a measured overlap factor instead: routed (token, expert) pairs per distinct
+    expert, so distinct = k*T / dedup (1 = no sharing; colibri measured 2.7 in 32-token chunks).
+    """
+    _check_positive_int("num_tokens", num_tokens)
+    n, k = cfg.num_experts, cfg.num_experts_per_token
+    if expert_dedup is None:
+        return n * (1.0 - (1.0 - k / n) ** num_tokens)
+    if not isinstance(expert_dedup, (int, float)) or not 1.0 <= expert_dedup <= num_tokens:
+        raise ValueError(f"expert_dedup={expert_dedup!r}: must be in [1, num_tokens={num_tokens}]")
+    distinct = k * num_tokens / expert_dedup
+    if distinct > n:
+        raise ValueError(f"expert_dedup={expert_dedup!r}: gives {distinct:.1f} distinct experts > num_experts={n}")
+    return distinct
+
+
+# ---- the drafter's pass ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DraftShape:
+    """Shapes of a DSpark drafter; defaults are Inferact/Kimi-K3-DSpark (spec kimi-k3.md §4):
+    5 dense MLA layers (no output gate), hidden 7168, FFN 14336, 64 heads, q/kv LoRA 1536/512,
+    nope/rope/v 128/64/128, 5 target taps, Markov rank 256, block 7. Its parameter count with the
+    embedding copy comes out at 3.562B, the published figure. Embeddings and lm_head are the
+    target's (dspark-algorithm.md §2.4), so the embed copy is not read and lm_head is the target's."""
+
+    num_layers: int = 5
+    hidden_size: int = 7168
+    intermediate_size: int = 14336
+    num_heads: int = 64
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    num_taps: int = 5
+    markov_rank: int = 256
+    block_size: int = 7
+
+    @property
+    def kv_cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def layer_params(self) -> int:
+        d, h = self.hidden_size, self.num_heads
+        attn = (
+            self.q_lora_rank * d + self.q_lora_rank
+            + h * (self.qk_nope_head_dim + self.qk_rope_head_dim) * self.q_lora_rank
+            + self.kv_cache_width * d + self.kv_lora_rank
+            + h * (self.qk_nope_head_dim + self.v_head_dim) * self.kv_lora_rank
+            + d * h * self.v_head_dim
+        )
+        return attn + 3 * d * self.intermediate_size + 2 * d
+
+    def params(self, vocab_size: int) -> int:
+        """Drafter parameters read per pass (no embedding copy, no lm_head): layers, the tap
+        projection fc [d, m*d] + norms, Markov head W1/W2 [V, r], confidence head [d + r] + bias."""
+        d = self.hidden_size
+        return (
+            self.num_layers * self.layer_params()
+            + self.num_taps * d * d + 2 * d
+            + 2 * vocab_size * self.markov_rank
+            + d + self.markov_rank + 1
+        )
+
+
+# ---- one step -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepCost:
+    """Bytes and FLOPs of one target step (plus the draft pass if any), summed over the batch."""
+
+    label: str
+    batch: int
+    tokens_per_request: int
+    context: int
+    bytes: dict[str, float]
+    flops: dict[str, float]
+    distinct_experts: float  # per MoE layer
+    num_moe_layers: int
+    expert_bytes: float
+    num_experts: int
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.bytes.values())
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    @property
+    def routed_bytes(self) -> float:
+        return self.bytes["routed_experts"]
+
+    def as_dict(self) -> dict:
+        return {
+            "label": self.label, "batch": self.batch, "tokens_per_request": self.tokens_per_request,
+            "context": self.context, "bytes": dict(self.bytes), "total_bytes": self.total_bytes,
+            "flops": dict(self.flops), "total_flops": self.total_flops,
+            "distinct_experts_per_layer": self.distinct_experts,
+        }
+
+
+def step_cost(
+    cfg: K3Config = K3,
+    *,
+    batch: int = 1,
+    tokens_per_request: int = 1,
+    context: int = 8192,
+    trunk_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    kda_state: str = "native",
+    expert_dedup: float | None = None,
+    draft: DraftShape | None = None,
+    label: str | None = None,
+) -> StepCost:
+    """One target forward of `tokens_per_request` tokens for each of `batch` requests whose
+    committed context is `context` tokens. tokens_per_request = 1 without a draft is a plain
+    decode step; a verify of k drafts feeds T = k + 1 (anchor + drafts). With `draft`, the
+    drafter's pass for the next block is added (spec §6.4 "spec step")."""
+    _check_positive_int("batch", batch)
+    _check_positive_int("tokens_per_request", tokens_per_request)
+    _check_positive_int("context", context, minimum=0)
+    _check_choice("kv_dtype", kv_dtype, DTYPE_BYTES)
+    _check_choice("kda_state", kda_state, KDA_STATE_MODES)
+    T = tokens_per_request
+    tokens = batch * T
+    d = cfg.hidden_size
+    num_kda, num_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    num_moe = cfg.num_layers - cfg.first_k_dense
+
+    nbytes = trunk_weight_bytes(cfg, trunk_dtype)
+    distinct = distinct_experts(cfg, tokens, expert_dedup)
+    e_bytes = expert_bytes(cfg)
+    nbytes["routed_experts"] = num_moe * distinct * e_bytes
+
+    # MLA latent KV: read the committed context once, write the T new rows (spec §3, §6.2).
+    kv_row = cfg.kv_cache_width * DTYPE_BYTES[kv_dtype] * num_mla
+    nbytes["mla_kv"] = batch * (context + T) * kv_row
+
+    # KDA per request and layer: fp32 state H x K x V and a bf16 conv window of (conv-1) taps on q, k, v (spec §2.1).
+    state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * FP32
+    conv = (cfg.kda_conv_size - 1) * cfg.kda_width * 3 * BF16
+    # A replay record per head and token: u in fp32 plus k and the raw gate in bf16 (RecoverSSM, spec §2.3).
+    record = cfg.kda_num_heads * (cfg.kda_head_dim * FP32 + 2 * cfg.kda_head_dim * BF16)
+    verifying = T > 1
+    if verifying and kda_state == "native":
+        kda_traffic = (1 + T) * (state + conv)  # read 1, write a snapshot after each token
+    elif verifying:
+        kda_traffic = 2 * (state + conv) + T * record  # read 1 + write 1, records for the T tokens
+    else:
+        kda_traffic = 2 * (state + conv)  # plain decode: read 1, write 1
+    nbytes["kda_state"] = batch * num_kda * kda_traffic
+
+    # FLOPs: 2 per multiply-add of every matmul, plus the attention and recurrence cores.
+    # Elementwise work (norms, gates, activations, AttnRes mixing) is left out.
+    # MLA absorbed decode (kernels.md §2): per head, query and key, 576 MACs for the score and 512 for the output.
+    keys = sum(context + t + 1 for t in range(T))
+    flops = {
+        "trunk_matmuls": 2.0 * trunk_matmul_params(cfg) * tokens,
+        "routed_experts": 2.0 * num_moe * cfg.num_experts_per_token * expert_params(cfg) * tokens,
+        "mla_attention": 2.0 * batch * num_mla * cfg.mla_num_heads * keys * (cfg.kv_cache_width + cfg.kv_lora_rank),
+        # per head and token: decay K*V, S^T k 2KV, rank-1 update 2KV, S^T q 2KV (spec §2.1 step 5), and the
+        # depthwise conv on q, k, v.
+        "kda_recurrence": float(tokens * num_kda * (
+            cfg.kda_num_heads * 7 * cfg.kda_head_dim * cfg.kda_head_dim + 2 * 3 * cfg.kda_width * cfg.kda_conv_size
+        )),
+    }
+
+    if draft is not None:
+        # The drafter reads its own weights, the target's lm_head for its block_size positions and
+        # its MLA cache over the context; lm_head bytes are counted again because it is a second pass.
+        draft_tokens = batch * draft.block_size
+        draft_kv_row = draft.kv_cache_width * DTYPE_BYTES[kv_dtype] * draft.num_layers
+        nbytes["draft_weights"] = draft.params(cfg.vocab_size) * BF16
+        nbytes["draft_lm_head"] = cfg.vocab_size * d * BF16
+        nbytes["draft_kv"] = batch * (context + draft.block_size) * draft_kv_row
+        draft_keys = draft.block_size * (context + draft.block_size)  # non-causal inside the block
+        flops["draft"] = (
+            2.0 * (draft.params(cfg.vocab_size) + cfg.vocab_size * d) * draft_tokens
+            + 2.0 * batch * draft.num_layers * draft.num_heads * draft_keys * (draft.kv_cache_width + draft.kv_lora_rank)
+        )
+
+    if label is None:
+        label = "plain decode" if T == 1 and draft is None else f"verify T={T}" + (" + draft" if draft else "")
+    return StepCost(
+        label=label, batch=batch, tokens_per_request=T, context=context, bytes=nbytes, flops=flops,
+        distinct_experts=distinct, num_moe_layers=num_moe, expert_bytes=e_bytes, num_experts=cfg.num_experts,
+    )
+
+
+# ---- expert-parallel imbalance (spec §6.5, EP16 column) ---------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def _expected_max_per_rank_integer(num_experts: int, num_ranks: int, distinct: int) -> float:
+    """E[max over ranks of the experts a rank holds] when `distinct` experts out of `num_experts`
+    are touched uniformly at random and rank r owns the contiguous block of num_experts/num_ranks
+    (FlashInfer MegaMoE layout). The per-rank counts are multivariate hypergeometric. P(max <= m)
+    comes from placing the ranks one at a time: with `pool` experts not yet assigned and r touched
+    ones among them, the next rank takes j of them with probability
+    C(per_rank, j) C(pool - per_rank, r - j) / C(pool, r); E[max] = sum over m of (1 - P(max <= m))."""
+    per_rank = num_experts // num_ranks
+    left = np.arange(distinct + 1)[:, None]  # r: touched experts still to place
+    took = np.arange(min(per_rank, distinct) + 1)[None, :]  # j: how many land on this rank
+    transitions = []
+    for rank in range(num_ranks):
+        pool = num_experts - rank * per_rank
+        log_num = _log_comb(per_rank, took) + _log_comb(pool - per_rank, left - took)
+        log_den = np.broadcast_to(_log_comb(pool, left), log_num.shape)
+        # Impossible (r, j) pairs (numerator -inf) and states with more left than the pool (never
+        # reached, denominator -inf) get probability 0.
+        possible = np.isfinite(log_num) & np.isfinite(log_den)
+        log_p = np.full(log_num.shape, -np.inf)
+        np.subtract(log_num, log_den, out=log_p, where=possible)
+        transitions.append(np.exp(log_p))  # [r, j]
+    expected = 0.0
+    for m in range(min(per_rank, distinct)):
+        prob = np.zeros(distinct + 1)  # P(r left to place and every rank so far holds <= m)
+        prob[distinct] = 1.0
+        for pmf in transitions:
+            new = np.zeros(distinct + 1)
+            for j in range(min(m, pmf.shape[1] - 1) + 1):
+                new[: distinct + 1 - j] += prob[j:] * pmf[j:, j]
+            prob = new
+        expected += 1.0 - prob[0]
+        if 1.0 - prob[0] < 1e-12:
+            break
+    return expected
+
+
+def _log_comb(n, k) -> np.ndarray:
+    """log C(n, k) elementwise, -inf where k < 0 or k > n."""
+    n, k = np.broadcast_arrays(np.asarray(n, dtype=float), np.asarray(k, dtype=float))
+    valid = (k >= 0) & (k <= n)
+    safe_k = np.where(valid, k, 0.0)
+    safe_n = np.where(valid, n, 0.0)
+    return np.where(valid, gammaln(safe_n + 1) - gammaln(safe_k + 1) - gammaln(safe_n - safe_k + 1), -np.inf)
+
+
+def expected_max_experts_per_rank(num_experts: int, num_ranks: int, distinct: float) -> float:
+    """Expected experts on the busiest of `num_ranks` expert-parallel ranks when `distinct`
+    experts per layer are touched (spec §6.5: 3.05 for 16 experts on 16 ranks of 56, 12.28 for the
+    120.28 of an 8-token verify). Non-integer `distinct` interpolates linearly between its
+    neighbours."""
+    _check_positive_int("num_ranks", num_ranks)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_ranks={num_ranks!r}: must divide num_experts={num_experts}")
+    if not 0 <= distinct <= num_experts:
+        raise ValueError(f"distinct={distinct!r}: must be in [0, num_experts={num_experts}]")
+    lo = math.floor(distinct)
+    hi = min(lo + 1, num_experts)
+    e_lo = _expected_max_per_rank_integer(num_experts, num_ranks, lo)
+    if distinct == lo:
+        return e_lo
+    e_hi = _expected_max_per_rank_integer(num_experts, num_ranks, hi)
+    return e_lo + (distinct - lo) * (e_hi - e_lo)
+
+
+# ---- floors -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bandwidth: float  # bytes/s of HBM
+    peak_flops: float | None = None  # dense bf16 FLOP/s, for the compute floor; None = bandwidth only
+
+
+# Datasheet figures: H200 4.8 TB/s, 989 TFLOP/s dense bf16; GB300 8 TB/s (spec kimi-k3.md §6.5,
+# kernels.md §0). A measured bandwidth (the H200 copies at 4.3 TB/s) replaces the datasheet one.
+GPUS = {
+    "h200": GPU("H200", 4.8e12, 989e12),
+    "gb300": GPU("GB300", 8.0e12, None),
+}
+
+
+def get_gpu(name: str, bandwidth_tbs: float | None = None) -> GPU:
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"gpu={name!r}: known GPUs are {sorted(GPUS)}")
+    gpu = GPUS[key]
+    if bandwidth_tbs is None:
+        return gpu
+    if not isinstance(bandwidth_tbs, (int, float)) or not bandwidth_tbs > 0:
+        raise ValueError(f"bandwidth_tbs={bandwidth_tbs!r}: must be a number > 0 (TB/s)")
+    return GPU(f"{gpu.name}@{bandwidth_tbs:g}TB/s", bandwidth_tbs * 1e12, gpu.peak_flops)
+
+
+def step_time(
+    cost: StepCost,
+    gpu: GPU,
+    num_gpus: int = 1,
+    expert_parallel: bool = False,
+    max_experts_per_rank: float | None = None,
+) -> float:
+    """Seconds of the floor of one step on `num_gpus` GPUs.
+
+    Ideal sharding: every byte is split evenly (total / (G * bandwidth)). Expert parallel: the
+    non-routed bytes (trunk, KV, state, draft) are still split evenly (trunk TP-sharded over all
+    G), but each rank owns num_experts/G contiguous experts and the busiest rank bounds the step:
+    it reads E[max experts per rank] experts per MoE layer (spec §6.5). `max_experts_per_rank`
+    takes a measured figure instead of the uniform-routing expectation. The compute floor
+    (FLOPs / (G * peak)) applies when the GPU has a peak figure; the floor is the larger one.
+    """
+    _check_positive_int("num_gpus", num_gpus)
+    if expert_parallel:
+        if max_experts_per_rank is None:
+            max_experts_per_rank = expected_max_experts_per_rank(cost.num_experts, num_gpus, cost.distinct_experts)
+        elif not max_experts_per_rank > 0:
+            raise ValueError(f"max_experts_per_rank={max_experts_per_rank!r}: must be > 0")
+        busiest = (cost.total_bytes - cost.routed_bytes) / num_gpus + (
+            max_experts_per_rank * cost.num_moe_layers * cost.expert_bytes
+        )
+        memory_time = busiest / gpu.bandwidth
+    else:
+        memory_time = cost.total_bytes / (num_gpus * gpu.bandwidth)
+    if gpu.peak_flops is None:
+        return memory_time
+    return max(memory_time, cost.total_flops / (num_gpus * gpu.peak_flops))
+
+
+def tokens_per_second(acceptance_length: float, seconds_per_step: float) -> float:
+    """Tokens/s of one request: AL tokens per step (AL = 1 for plain decode)."""
+    if not acceptance_length >= 1:
+        raise ValueError(f"acceptance_length={acceptance_length!r}: must be >= 1 (includes the bonus token)")
+    if not seconds_per_step > 0:
+        raise ValueError(f"seconds_per_step={seconds_per_step!r}: must be > 0")
+    return acceptance_length / seconds_per_step
+
+
+# ---- report -----------------------------------------------------------------------------------------
+
+@dataclass
+class Roofline:
+    """The plain-decode step, the verify step (k drafts) and the spec step (verify + draft), with
+    floors for each (GPU, count, sharding) and tokens/s per acceptance length."""
+
+    plain: StepCost
+    verify: StepCost
+    spec: StepCost
+    acceptance_lengths: tuple[float, ...]
+    floors: list[dict] = field(default_factory=list)
+
+
+def build_roofline(
+    cfg: K3Config = K3,
+    *,
+    k: int = 7,
+    batch: int = 1,
+    context: int = 8192,
+    acceptance_lengths: tuple[float, ...] = (6.0, 3.84),
+    trunk_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    kda_state: str = "native",
+    expert_dedup: float | None = None,
+    draft: DraftShape | None = DraftShape(),
+    gpus: tuple[GPU, ...] = (GPUS["h200"], GPUS["gb300"]),
+    gpu_counts: tuple[int, ...] = (1, 16),
+    max_experts_per_rank: float | None = None,
+) -> Roofline:
+    _check_positive_int("k", k)
+    for al in acceptance_lengths:
+        if not 1 <= al <= k + 1:
+            raise ValueError(f"acceptance_lengths={acceptance_lengths!r}: {al} outside [1, k+1={k + 1}]")
+    common = dict(batch=batch, context=context, trunk_dtype=trunk_dtype, kv_dtype=kv_dtype, kda_state=kda_state)
+    plain = step_cost(cfg, tokens_per_request=1, **common)  # no dedup: one token has none
+    verify = step_cost(cfg, tokens_per_request=k + 1, expert_dedup=expert_dedup, **common)
+    spec = step_cost(cfg, tokens_per_request=k + 1, expert_dedup=expert_dedup, draft=draft,
+                     label=f"verify T={k + 1} + draft" if draft else f"verify T={k + 1}", **common)
+    result = Roofline(plain, verify, spec, tuple(acceptance_lengths))
+    for gpu in gpus:
+        for count in gpu_counts:
+            shardings = ["ideal"]
+            if count > 1 and cfg.num_experts % count == 0:
+                shardings.append("ep")
+            for sharding in shardings:
+                ep = sharding == "ep"
+                t_plain = step_time(plain, gpu, count, ep, max_experts_per_rank if ep else None)
+                t_verify = step_time(verify, gpu, count, ep, max_experts_per_rank if ep else None)
+                t_spec = step_time(spec, gpu, count, ep, max_experts_per_rank if ep else None)
+                result.floors.append({
+                    "gpu": gpu.name, "num_gpus": count, "sharding": sharding,
+                    "bandwidth_tbs": gpu.bandwidth / 1e12,
+                    "plain_ms": t_plain * 1e3,
+                    "plain_tokens_per_s": tokens_per_second(1.0, t_plain),
+                    "verify_ms": t_verify * 1e3,
+                    "spec_ms": t_spec * 1e3,
+                    "spec_tokens_per_s": {al: tokens_per_second(al, t_spec) for al in acceptance_lengths},
+                })
+    return result
+
+
+def _format_table(result: Roofline) -> str:
+    steps = (result.plain, result.verify, result.spec)
+    names = sorted({name for s in steps for name in s.bytes}, key=lambda n: list(result.spec.bytes).index(n))
+    lines = [f"{'bytes per step (GB)':<22}" + "".join(f"{s.label:>24}" for s in steps)]
+    for name in names:
+        lines.append(f"{name:<22}" + "".join(f"{s.bytes.get(name, 0.0) / GB:>24.3f}" for s in steps))
+    lines.append(f"{'total':<22}" + "".join(f"{s.total_bytes / GB:>24.2f}" for s in steps))
+    lines.append(f"{'TFLOPs':<22}" + "".join(f"{s.total_flops / 1e12:>24.2f}" for s in steps))
+    lines.append(f"{'distinct experts/layer':<22}" + "".join(f"{s.distinct_experts:>24.2f}" for s in steps))
+    lines.append("")
+    al_heads = "".join(f"{'tok/s AL=' + format(al, 'g'):>16}" for al in result.acceptance_lengths)
+    lines.append(f"{'floor':<30}{'plain ms':>10}{'tok/s':>10}{'verify ms':>11}{'spec ms':>10}" + al_heads)
+    for f in result.floors:
+        name = f"{f['num_gpus']}x {f['gpu']} {f['sharding']}"
+        lines.append(
+            f"{name:<30}{f['plain_ms']:>10.2f}{f['plain_tokens_per_s']:>10.1f}{f['verify_ms']:>11.2f}"
+            f"{f['spec_ms']:>10.2f}" + "".join(f"{f['spec_tokens_per_s'][al]:>16.1f}" for al in result.acceptance_lengths)
+        )
+    return "\n".join(lines)
+
+
+def _parse_gpu(text: str) -> GPU:
+    """NAME or NAME=TBPS, the second form with a measured bandwidth in TB/s."""
+    name, _, bw = text.partition("=")
+    if not bw:
+        return get_gpu(name)
+    try:
+        value = float(bw)
+    except ValueError:
+        raise ValueError(f"gpu={text!r}: bandwidth after '=' must be a number in TB/s") from None
+    return get_gpu(name, value)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--preset", default="k3", help="target preset (k3, k3-tiny, k3-slice)")
+    parser.add_argument("--batch", type=int, default=1, help="requests per step")
+    parser.add_argument("--context", type=int, default=8192, help="committed context per request, tokens")
+    parser.add_argument("--k", type=int, default=7, help="drafts verified per request (T = k + 1)")
+    parser.add_argument("--al", type=float, nargs="+", default=[6.0, 3.84], help="acceptance lengths for tokens/s")
+    parser.add_argument("--trunk-dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    parser.add_argument("--kda-state", choices=KDA_STATE_MODES, default="native",
+                        help="verify writes a state per token (native) or one state + replay records (replay)")
+    parser.add_argument("--expert-dedup", type=float, default=None,
+                        help="measured (token, expert) pairs per distinct expert; default uniform routing")
+    parser.add_argument("--no-draft", action="store_true", help="leave the DSpark draft pass out of the spec step")
+    parser.add_argument("--gpu", nargs="+", default=["h200", "gb300"],
+                        help="GPUs, each NAME or NAME=TBPS with a measured bandwidth (e.g. h200=4.3)")
+    parser.add_argument("--num-gpus", type=int, nargs="+", default=[1, 16], help="GPU counts to floor for")
+    parser.add_argument("--max-experts-per-rank", type=float, default=None,
+                        help="measured busiest-rank experts per layer for the EP floor (default: uniform expectation)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    result = build_roofline(
+        get_preset(args.preset),
+        k=args.k, batch=args.batch, context=args.context, acceptance_lengths=tuple(args.al),
+        trunk_dtype=args.trunk_dtype, kv_dtype=args.kv_dtype, kda_state=args.kda_state,
+        expert_dedup=args.expert_dedup, draft=None if args.no_draft else DraftShape(),
+        gpus=tuple(_parse_gpu(g) for g in args.gpu), gpu_counts=tuple(args.num_gpus),
+        max_experts_per_rank=args.max_experts_per_rank,
+    )
+    if args.json:
+        payload = {
+            "preset": args.preset,
+            "steps": [s.as_dict() for s in (result.plain, result.verify, result.spec)],
+            "floors": [{**f, "spec_tokens_per_s": {str(al): v for al, v in f["spec_tokens_per_s"].items()}}
+                       for f in result.floors],
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        print(_format_table(result))
+    return 0
