@@ -8,7 +8,6 @@ import torch
 from dspark.config import SamplingParams
 from dspark.drafters.dspark.config import K3_DSPARK, DSparkConfig
 from dspark.drafters.dspark.drafter import DSparkDrafter
-from dspark.drafters.dspark.heads import processed_probs
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.protocols import Drafter
 from dspark_fixtures import SyntheticTarget, small_config
@@ -119,15 +118,6 @@ def reference_processed(logits, temperature, top_k, top_p):
     out = torch.zeros_like(z)
     out[kept] = torch.softmax(z[kept], 0)
     return out
-
-
-def test_processed_probs_matches_reference():
-    logits = torch.randn(4, 50) * 3
-    params = [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.6)]
-    got = processed_probs(logits, torch.tensor([p[0] for p in params]), torch.tensor([p[1] for p in params]),
-                          torch.tensor([p[2] for p in params]))
-    for i, (t, k, p) in enumerate(params):
-        torch.testing.assert_close(got[i].double(), reference_processed(logits[i], t, k, p), rtol=1e-5, atol=1e-6)
 
 
 def start_request(target, drafter, slot, prompt):

@@ -2,10 +2,10 @@
 checkpoints. Spec: ../shared/spec/dspark-algorithm.md."""
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import K3_DSPARK, K3_TINY_DSPARK, DSparkConfig, get_preset
-from .drafter import DSparkDrafter
+from .drafter import DSparkDrafter, load_drafter, shared_embeddings
 from .model import DSparkModel
 
 __all__ = [
     "DSparkConfig", "DSparkDrafter", "DSparkModel", "K3_DSPARK", "K3_TINY_DSPARK", "get_preset",
-    "load_checkpoint", "save_checkpoint",
+    "load_checkpoint", "load_drafter", "save_checkpoint", "shared_embeddings",
 ]

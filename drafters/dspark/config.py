@@ -124,7 +124,7 @@ class DSparkConfig:
             "hidden_act": self.hidden_act,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads if self.attention_type == "gqa" else self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
             "attention_type": self.attention_type,
             "q_lora_rank": self.q_lora_rank,
             "kv_lora_rank": self.kv_lora_rank,

@@ -18,8 +18,8 @@ import torch
 
 from dspark.config import SamplingParams
 from dspark.protocols import Proposal
+from dspark.sampling import SamplingTensors, processed_probs
 
-from .heads import processed_probs
 from .model import DSparkModel
 
 
@@ -182,14 +182,14 @@ class DSparkDrafter:
 
         probabilistic = self.draft_sample_method == "probabilistic"
         sampled_rows = [i for i, p in enumerate(sampling) if probabilistic and not p.greedy]
-        if sampled_rows:
-            temperature = torch.tensor([sampling[i].temperature for i in sampled_rows], device=device)
-            top_k = torch.tensor([sampling[i].top_k for i in sampled_rows], device=device)
-            top_p = torch.tensor([sampling[i].top_p for i in sampled_rows], device=device)
+        if probabilistic:
+            # The same temperature/top-k/top-p processing the target side uses (dspark.sampling);
+            # greedy rows come back one-hot.
+            params = SamplingTensors.from_params(sampling, device)
 
         tokens = torch.empty(batch, gamma, dtype=torch.long, device=device)
         conf_logits = torch.empty(batch, gamma, device=device)
-        probs = torch.zeros(batch, gamma, base.shape[-1], device=device) if probabilistic else None
+        probs = torch.empty(batch, gamma, base.shape[-1], device=device) if probabilistic else None
         prev = anchors
         for k in range(gamma):  # the sequential stage: one gather + one [r] x [r, V] product per slot
             prev_embedding = model.markov_head.embed_previous(prev)
@@ -197,11 +197,33 @@ class DSparkDrafter:
             conf_logits[:, k] = model.confidence_head(hidden[:, k], prev_embedding).float()
             tokens[:, k] = logits.argmax(dim=-1)
             if probabilistic:
-                probs[:, k] = torch.nn.functional.one_hot(tokens[:, k], base.shape[-1]).float()
-            if sampled_rows:
-                q = processed_probs(logits[sampled_rows], temperature, top_k, top_p)
-                for j, i in enumerate(sampled_rows):
-                    tokens[i, k] = torch.multinomial(q[j], 1, generator=generators[i]).item()
-                probs[sampled_rows, k] = q
+                probs[:, k] = processed_probs(logits, params)
+                for i in sampled_rows:
+                    tokens[i, k] = torch.multinomial(probs[i, k], 1, generator=generators[i]).item()
             prev = tokens[:, k]
         return Draft(tokens, probs, conf_logits, model.confidence_probs(conf_logits))
+
+
+def shared_embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's (embed_tokens [V, d], lm_head [V, d]), through its `embedding_weights()`
+    accessor (not yet part of dspark.protocols.Target)."""
+    accessor = getattr(target, "embedding_weights", None)
+    if accessor is None:
+        raise ValueError(f"target {type(target).__name__}: has no embedding_weights() accessor; the DSpark drafter "
+                         "shares the target's embedding and lm_head")
+    return accessor()
+
+
+def load_drafter(path, target, *, draft_sample_method: str = "greedy") -> DSparkDrafter:
+    """A DSparkDrafter from a checkpoint directory, sharing the target's embedding and lm_head."""
+    from .checkpoint import load_checkpoint
+
+    embed, lm_head = shared_embeddings(target)
+    model = load_checkpoint(path, embed, lm_head, device=target.device, dtype=embed.dtype)
+    c = model.config
+    for field, mine, theirs in (("vocab_size", c.vocab_size, target.vocab_size),
+                                ("target_hidden_size", c.target_hidden_size, target.hidden_size),
+                                ("target_num_layers", c.target_num_layers, target.num_layers)):
+        if mine != theirs:
+            raise ValueError(f"drafter {path}: DSparkConfig.{field}={mine} does not match the target's {theirs}")
+    return DSparkDrafter(model, target.max_slots, draft_sample_method)

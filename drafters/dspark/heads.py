@@ -1,7 +1,6 @@
-"""DSpark's sequential stage: the Markov head, the confidence head, and draft-logit processing.
+"""DSpark's sequential-stage heads: the Markov head and the confidence head.
 
-Spec: ../shared/spec/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head), §3 (draft
-sampling with the request's temperature / top-k / top-p on the Markov-corrected logits).
+Spec: ../shared/spec/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head).
 """
 from __future__ import annotations
 
@@ -55,26 +54,3 @@ class ConfidenceHead(nn.Module):
         features = torch.cat([hidden, prev_embedding], dim=-1) if self.with_markov else hidden
         return self.proj(features).squeeze(-1)
 
-
-def processed_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """softmax of logits [N, V] after per-row temperature (> 0), top-k (0 = off) and top-p
-    (1 = off) filtering; float32. Top-k keeps the k highest logits (ties at the boundary broken
-    by sort order); top-p keeps the smallest prefix of the sorted distribution whose mass reaches
-    top_p (the most likely token is always kept).
-    """
-    if bool((temperature <= 0).any()):
-        raise ValueError(f"processed_probs: temperature={temperature.tolist()} must be > 0 (greedy rows are argmax)")
-    scaled = logits.float() / temperature.float().unsqueeze(-1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
-    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = (mass_before >= top_p.float().unsqueeze(-1)) & (rank > 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
