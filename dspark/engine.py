@@ -100,6 +100,10 @@ class Engine:
         self.sampler = sampler
         self.sync_timing = self.device.type == "cuda" if sync_timing is None else sync_timing
         self.metrics = SpecMetrics()
+        self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
+        self._no_uniforms = torch.zeros(1, 1, device=self.device)
+        self._no_noise = torch.ones(1, 1, device=self.device)
+        self._last_mark = 0.0
         self._next_id = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -182,8 +186,7 @@ class Engine:
         reqs = self._running
         B = len(reqs)
         slots = [r.slot for r in reqs]
-        params = [r.params for r in reqs]
-        sampling = SamplingTensors.from_params(params, self.device)
+        sampling = self._sampling_tensors(reqs)
         anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=self.device)
 
         # 1-2. draft and decide how many drafts each request verifies
@@ -230,13 +233,15 @@ class Engine:
         self.metrics.observe(num_drafts_l, num_acc_l)
         self.metrics.num_steps += 1
         if keep:
-            idx = torch.tensor(keep, device=self.device)
-            kept = (num_acc + 1).index_select(0, idx)
+            kept, keep_tokens, taps = num_acc + 1, tokens, out.taps
+            if len(keep) < B:
+                idx = torch.tensor(keep, device=self.device)
+                kept, keep_tokens = kept.index_select(0, idx), tokens.index_select(0, idx)
+                taps = {layer: t.index_select(0, idx) for layer, t in taps.items()}
             keep_slots = [slots[i] for i in keep]
             self.target.commit(keep_slots, kept)
             if self.drafter is not None:
-                taps = {layer: t.index_select(0, idx) for layer, t in out.taps.items()}
-                self.drafter.commit(keep_slots, tokens.index_select(0, idx), kept, taps)
+                self.drafter.commit(keep_slots, keep_tokens, kept, taps)
         self._release([reqs[i] for i in finished])
         self._running = [reqs[i] for i in keep]
         self._mark("commit")
@@ -283,8 +288,9 @@ class Engine:
             pick([r.params for r in reqs]),
             pick([r.generator for r in reqs]),
         )
-        cap = torch.tensor([k_req[i] for i in rows], dtype=torch.long, device=dev)
-        num = torch.minimum(prop.num_drafts.to(dev), cap)
+        num = prop.num_drafts.to(dev)
+        if any(k_req[i] < kmax for i in rows):
+            num = torch.minimum(num, torch.tensor([k_req[i] for i in rows], dtype=torch.long, device=dev))
         if self.policy is not None:
             num = torch.minimum(num, self.policy.verify_lengths(Proposal(prop.tokens, num, prop.probs, prop.confidence)))
         if sub is None:
@@ -301,10 +307,19 @@ class Engine:
             probs[idx] = prop.probs
         return Proposal(tokens, full_num, probs)
 
+    def _sampling_tensors(self, reqs: list[_Request]) -> SamplingTensors:
+        """The batch's sampling parameters as tensors, rebuilt only when the batch changes."""
+        ids = tuple(r.out.request_id for r in reqs)
+        if self._sampling_cache is None or self._sampling_cache[0] != ids:
+            self._sampling_cache = (ids, SamplingTensors.from_params([r.params for r in reqs], self.device))
+        return self._sampling_cache[1]
+
     def _draw_noise(self, reqs, sampling: SamplingTensors, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-request randomness from each request's own generator, so a seeded request gives
-        the same output whatever else is in the batch."""
+        the same output whatever else is in the batch. All-greedy standard acceptance uses none."""
         V = self.target.vocab_size
+        if sampling.all_greedy and self._cond_rates is None:
+            return self._no_uniforms.expand(len(reqs), k), self._no_noise.expand(len(reqs), V)
         uniforms = torch.stack([torch.rand(k, generator=r.generator, device=self.device) for r in reqs])
         noise = torch.ones(len(reqs), V, device=self.device)
         for i, r in enumerate(reqs):
@@ -379,8 +394,6 @@ class Engine:
         self._free_slots.extend(slots)
 
     # ---- timing ---------------------------------------------------------------------------
-
-    _last_mark: float = 0.0
 
     def _mark(self, phase: str) -> None:
         """Attribute the time since the previous mark to `phase` (synchronising the device first

@@ -33,13 +33,18 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32, 0 = greedy
     top_k: torch.Tensor  # long, 0 = off
     top_p: torch.Tensor  # float32, 1 = off
+    all_greedy: bool = False  # every row greedy: samplers take the argmax-only path
+    filters: bool = True  # some row uses top-k or top-p (False skips the sort)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
+        values = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=values[:, 0].to(device=device, dtype=torch.float32),
+            top_k=values[:, 1].to(device=device, dtype=torch.long),
+            top_p=values[:, 2].to(device=device, dtype=torch.float32),
+            all_greedy=all(p.greedy for p in params),
+            filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
 
     @property
@@ -48,7 +53,7 @@ class SamplingTensors:
 
     def expand(self, n: int) -> "SamplingTensors":
         """Repeat each request's parameters n times (one row per position)."""
-        return SamplingTensors(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p)))
+        return SamplingTensors(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p)), self.all_greedy, self.filters)
 
 
 def processed_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -61,6 +66,17 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Te
     greedy = sampling.greedy
     temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     scaled = logits / temperature[:, None]
+    if not sampling.filters:
+        probs = scaled.softmax(dim=-1)
+    else:
+        probs = _top_k_top_p(scaled, sampling)
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _top_k_top_p(scaled: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     drop = (sampling.top_k[:, None] > 0) & (rank >= sampling.top_k[:, None])
@@ -72,11 +88,7 @@ def processed_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Te
     drop_p = mass_before >= sampling.top_p[:, None]
     sorted_probs = sorted_probs.masked_fill(drop_p, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    probs = torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
-    if greedy.any():
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    return torch.empty_like(sorted_probs).scatter_(-1, order, sorted_probs)
 
 
 def race(probs: torch.Tensor, race_noise: torch.Tensor) -> torch.Tensor:
@@ -105,6 +117,12 @@ def rejection_sample(
     device = target_logits.device
     positions = torch.arange(k, device=device)
     valid = positions[None, :] < num_drafts[:, None]  # [B, k]
+    if sampling.all_greedy:
+        # Fast path (no softmax, sort or noise): accept while the draft is the target argmax.
+        argmax = target_logits.argmax(dim=-1)  # [B, T]
+        accept = (draft_tokens == argmax[:, :k]) & valid
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        return num_accepted, argmax.gather(1, num_accepted[:, None]).squeeze(1)
 
     probs = processed_probs(target_logits.reshape(B * T, V), sampling.expand(T)).view(B, T, V)
     p_draft = probs[:, :k].gather(-1, draft_tokens[:, :, None]).squeeze(-1)  # p_i(x_i)  [B, k]

@@ -143,3 +143,18 @@ def test_synthetic_sample_accepts_by_rate_whatever_the_tokens():
         observed = (acc > i).float().mean().item()
         se = math.sqrt(r * (1 - r) / B)
         assert abs(observed - r) <= 3 * se + 1e-9, (i, observed, r)
+
+
+def test_fast_paths_decide_like_the_general_path():
+    """all_greedy skips softmax/noise and filters=False skips the sort; decisions must not change."""
+    B, k, V = 64, 4, 9
+    logits = torch.randn(B, k + 1, V)
+    q = torch.softmax(torch.randn(B, k, V), -1)
+    drafts = torch.where(torch.rand(B, k) < 0.5, logits[:, :k].argmax(-1), torch.randint(0, V, (B, k)))
+    num, u, noise = torch.randint(0, k + 1, (B,)), torch.rand(B, k), torch.empty(B, V).exponential_()
+    for temperature in (0.0, 0.8):
+        general = _sampling(B, temperature)  # all_greedy=False, filters=True: the general path
+        fast = SamplingTensors(general.temperature, general.top_k, general.top_p, all_greedy=temperature == 0.0, filters=False)
+        a = rejection_sample(logits, drafts, num, q, general, u, noise)
+        b = rejection_sample(logits, drafts, num, q, fast, u, noise)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

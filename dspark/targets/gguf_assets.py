@@ -74,19 +74,26 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
+    def _info(self, name: str):
+        if name not in self._tensors:
+            raise ValueError(f"tensor name={name!r} is not in {self.path.name}")
+        return self._tensors[name]
+
     def tensor_type(self, name: str) -> str:
-        return self._tensors[name].tensor_type.name
+        return self._info(name).tensor_type.name
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Row-major (torch) shape: GGUF lists dimensions fastest-first, so this is its reverse."""
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+        return tuple(int(n) for n in reversed(self._info(name).shape))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (quantised blocks as uint8 rows), without dequantising."""
+        return self._info(name).data
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantised to float32, shaped `tensor_shape(name)` ([out, in] for weights)."""
         gguf = _require_gguf()
-        if name not in self._tensors:
-            raise ValueError(f"tensor name={name!r} is not in {self.path.name}")
-        info = self._tensors[name]
+        info = self._info(name)
         values = gguf.quants.dequantize(info.data, info.tensor_type)
         # F32 comes back as a view of the read-only memory map: copy it into torch-owned memory.
         result = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))

@@ -1,0 +1,86 @@
+"""`dspark generate`: run prompts through the engine and print tokens, AL and tokens/s."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..build import build_engine, build_target
+from ..config import SamplingParams, SpecConfig
+
+
+def add_spec_arguments(p: argparse.ArgumentParser, k_default: int = 7) -> None:
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=k_default, help="drafts per step; 0 = plain decoding")
+    p.add_argument("--drafter", default="ngram", choices=["ngram", "dspark"])
+    p.add_argument("--drafter-path", default=None, help="DSpark drafter checkpoint directory")
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
+
+
+def spec_from_args(args, **overrides) -> SpecConfig:
+    fields = dict(
+        num_speculative_tokens=args.num_speculative_tokens,
+        drafter=args.drafter,
+        drafter_path=args.drafter_path,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        draft_sample_method=args.draft_sample_method,
+    )
+    fields.update(overrides)
+    return SpecConfig(**fields).validate()
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="k3-tiny", help="k3 | k3-tiny | k3-slice | smollm2 | toy | checkpoint dir")
+    p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
+    p.add_argument("--prompt", action="append", default=[], help="text (needs a target with a tokenizer: smollm2)")
+    add_spec_arguments(p)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+
+
+def main(args) -> int:
+    prompts = [_parse_ids(t) for t in args.prompt_ids]
+    tokenizer = None
+    if args.prompt:
+        if args.target != "smollm2":
+            raise ValueError(f"--prompt needs a target with a tokenizer (smollm2), not --target {args.target}")
+        from ..targets.llama import load_smollm2_target
+
+        target, tokenizer = load_smollm2_target(max_slots=len(args.prompt) + len(prompts), max_seq_len=args.max_seq_len)
+        prompts += [tokenizer.encode_chat(t) for t in args.prompt]
+    if not prompts:
+        prompts = [[1, 5, 9, 5, 9, 5]]
+    if tokenizer is None:
+        target = build_target(args.target, max_slots=len(prompts), max_seq_len=args.max_seq_len, device=args.device)
+    spec = spec_from_args(args)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    engine = build_engine(spec, target)
+    outputs = engine.generate(prompts, params)
+    summary = engine.metrics.summary()
+    if args.json:
+        print(json.dumps({"outputs": [o.__dict__ for o in outputs], "metrics": summary}))
+        return 0
+    for o in outputs:
+        if o.error:
+            print(f"[{o.request_id}] error: {o.error}")
+            continue
+        text = f"  {tokenizer.decode(o.token_ids)!r}" if tokenizer else ""
+        print(f"[{o.request_id}] {o.token_ids} ({o.finish_reason}){text}")
+    print(f"acceptance length {summary['acceptance_length']:.2f}  tokens/s {summary['tokens_per_s']:.1f}  "
+          f"steps {summary['steps']}  (k={spec.num_speculative_tokens}, drafter={spec.drafter})")
+    return 0 if all(o.error is None for o in outputs) else 1

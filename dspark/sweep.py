@@ -1,0 +1,237 @@
+"""`dspark sweep`: tokens/s against acceptance length.
+
+A grid over forced acceptance length (synthetic acceptance, vLLM's semantics), k, batch size and
+verification policy on one target. Every point runs the real pipeline (draft, full-width verify,
+accept, commit); only the acceptance decision is forced. Plain decoding (k = 0) is measured at each
+batch size as the baseline for speedups.
+
+Output (in --out, default runs/sweep-<target>): sweep.json, sweep.csv and sweep.png.
+sweep.json schema:
+  {"schema": "dspark.sweep/1",
+   "meta": {"device", "device_name", "torch", "git_commit", "command", "created", "target",
+            "context", "max_tokens", "warmup_tokens"},
+   "points": [{"key", "batch", "k", "policy", "al_target" (null for plain decoding),
+               "al_measured", "tokens_per_s", "tpot_ms", "step_ms_p50", "step_ms_p90",
+               "step_ms_mean", "split_ms": {"draft", "verify", "accept", "commit"} (mean per step),
+               "steps", "output_tokens", "per_position_acceptance"}]}
+The CSV has one row per point with the same fields (split_ms flattened to draft_ms, ...).
+Points already in an existing sweep.json are skipped, so an interrupted sweep resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .build import build_target, default_device, eos_ids
+from .config import SamplingParams, SpecConfig
+from .drafters.uniform import UniformDrafter
+from .engine import Engine
+
+SCHEMA = "dspark.sweep/1"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_meta(device: str, **extra) -> dict:
+    """Provenance recorded in every result file: device, versions, commit, command line."""
+    dev = torch.device(device)
+    return {
+        "device": dev.type,
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "command": " ".join(["dspark", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("dspark") else " ".join(sys.argv),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def point_key(batch: int, k: int, policy: str, al: float | None) -> str:
+    return f"b{batch}-k{k}-{policy}-" + ("plain" if al is None else f"al{al:g}")
+
+
+def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, context: int,
+                  max_tokens: int, warmup_tokens: int, seed: int) -> dict:
+    """Run one grid point on `target` and return its row."""
+    if al is None:
+        spec = SpecConfig(num_speculative_tokens=0, seed=seed)
+    else:
+        spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
+                          synthetic_acceptance_length=al, verify_policy=policy, seed=seed)
+    drafter = UniformDrafter(target.vocab_size) if spec.max_k else None
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+
+    def run(tokens: int) -> Engine:
+        engine = Engine(target, drafter, spec, eos_token_ids=eos_ids(target))
+        engine.generate(prompts, SamplingParams(**{**params.__dict__, "max_tokens": tokens}))
+        return engine
+
+    run(warmup_tokens)  # allocation, caches, compilation stay out of the numbers
+    engine = run(max_tokens)
+    m = engine.metrics
+    steps = m.step_seconds
+    decode_s = sum(steps)
+    decode_tokens = m.num_output_tokens - batch  # the first token of each request comes from prefill
+    return {
+        "key": point_key(batch, k if al is not None else 0, policy, al),
+        "batch": batch,
+        "k": k if al is not None else 0,
+        "policy": policy,
+        "al_target": al,
+        "al_measured": m.acceptance_length,
+        "tokens_per_s": decode_tokens / decode_s,
+        "tpot_ms": 1e3 * decode_s / (decode_tokens / batch),
+        "step_ms_p50": 1e3 * statistics.median(steps),
+        "step_ms_p90": 1e3 * sorted(steps)[max(0, int(round(0.9 * len(steps))) - 1)],
+        "step_ms_mean": 1e3 * decode_s / len(steps),
+        "split_ms": {p: 1e3 * m.phase_seconds[p] / len(steps) for p in ("draft", "verify", "accept", "commit")},
+        "steps": len(steps),
+        "output_tokens": m.num_output_tokens,
+        "per_position_acceptance": m.per_position_acceptance,
+    }
+
+
+def grid(ks, batches, als, policies) -> list[tuple[int, int, float | None, str]]:
+    points = []
+    for batch in batches:
+        points.append((batch, 0, None, "fixed"))
+        for k in ks:
+            for policy in policies:
+                points += [(batch, k, al, policy) for al in als if al <= k + 1]
+    return points
+
+
+def write_results(out: Path, meta: dict, points: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"schema": SCHEMA, "meta": meta, "points": points}, indent=1))
+    fields = [f for f in points[0] if f not in ("split_ms", "per_position_acceptance")] + [
+        f"{p}_ms" for p in ("draft", "verify", "accept", "commit")]
+    with open(out / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for p in points:
+            row = {k: v for k, v in p.items() if k in fields}
+            row.update({f"{ph}_ms": v for ph, v in p["split_ms"].items()})
+            w.writerow(row)
+
+
+def plot(out: Path, meta: dict, points: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for batch in sorted({p["batch"] for p in points}):
+        plain = [p for p in points if p["batch"] == batch and p["al_target"] is None]
+        for k in sorted({p["k"] for p in points if p["batch"] == batch and p["k"] > 0}):
+            series = sorted((p for p in points if p["batch"] == batch and p["k"] == k and p["al_target"] is not None),
+                            key=lambda p: p["al_measured"])
+            ax.plot([p["al_measured"] for p in series], [p["tokens_per_s"] for p in series], "o-", label=f"batch {batch}, k={k}")
+        if plain:
+            ax.axhline(plain[0]["tokens_per_s"], ls="--", lw=1, color="gray")
+            ax.annotate(f"plain decoding, batch {batch}", (1.0, plain[0]["tokens_per_s"]), fontsize=8, color="gray")
+    ax.set_xlabel("acceptance length (tokens per verify step)")
+    ax.set_ylabel("tokens/s (all requests)")
+    ax.set_title(f"{meta['target']} on {meta['device_name']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = out / "sweep.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in _floats(text)]
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="default: k3-slice when CUDA is present, else k3-tiny")
+    p.add_argument("--k", default="7", help="comma-separated k values")
+    p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--al", default="1,2,3,4,5,6,7,8", help="comma-separated forced acceptance lengths")
+    p.add_argument("--policy", default="fixed", help="comma-separated verification policies")
+    p.add_argument("--context", type=int, default=None, help="prompt length (default 32 on CPU, 8192 on CUDA)")
+    p.add_argument("--max-tokens", type=int, default=None, help="generated tokens per request (default 32 CPU / 64 CUDA)")
+    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default runs/sweep-<target>)")
+    p.add_argument("--backend", default="dspark", choices=["dspark", "vllm"])
+
+
+def main(args) -> int:
+    if args.backend == "vllm":
+        from .vllm import sweep_main
+
+        return sweep_main(args)
+    device = args.device or default_device()
+    on_cuda = torch.device(device).type == "cuda"
+    target_name = args.target or ("k3-slice" if on_cuda else "k3-tiny")
+    context = args.context or (8192 if on_cuda else 32)
+    max_tokens = args.max_tokens or (64 if on_cuda else 32)
+    ks, batches, als, policies = _ints(args.k), _ints(args.batch), _floats(args.al), [s for s in args.policy.split(",") if s]
+    for bad in [k for k in ks if k < 1]:
+        raise ValueError(f"--k {bad}: each k must be >= 1 (plain decoding is always measured)")
+    out = Path(args.out or f"runs/sweep-{target_name}")
+    points_todo = grid(ks, batches, als, policies)
+    done: dict[str, dict] = {}
+    if (out / "sweep.json").exists():
+        previous = json.loads((out / "sweep.json").read_text())
+        done = {p["key"]: p for p in previous["points"]}
+    meta = run_meta(device, target=target_name, context=context, max_tokens=max_tokens, warmup_tokens=args.warmup_tokens)
+    seq_len = context + max_tokens + max(ks) + 2
+    target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
+    points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
+    todo = [pt for pt in points_todo if point_key(pt[0], pt[1] if pt[2] is not None else 0, pt[3], pt[2]) not in done]
+    for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
+        points.append(measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
+                                    max_tokens=max_tokens, warmup_tokens=args.warmup_tokens, seed=args.seed))
+        write_results(out, meta, points)  # after every point, so an interruption loses little
+    write_results(out, meta, points)
+    png = plot(out, meta, points)
+    _print_table(points)
+    print(f"wrote {out / 'sweep.json'}, {out / 'sweep.csv'}, {png}")
+    return 0
+
+
+def _print_table(points: list[dict]) -> None:
+    print(f"{'batch':>5} {'k':>3} {'AL set':>7} {'AL got':>7} {'tok/s':>9} {'TPOT ms':>8} {'p50 ms':>7} {'p90 ms':>7}")
+    for p in sorted(points, key=lambda p: (p["batch"], p["k"], p["al_target"] or 0)):
+        al = "plain" if p["al_target"] is None else f"{p['al_target']:g}"
+        print(f"{p['batch']:>5} {p['k']:>3} {al:>7} {p['al_measured']:>7.2f} {p['tokens_per_s']:>9.1f} "
+              f"{p['tpot_ms']:>8.2f} {p['step_ms_p50']:>7.2f} {p['step_ms_p90']:>7.2f}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from .cli import main as cli_main
+
+    raise SystemExit(cli_main(["sweep", *sys.argv[1:]]))

@@ -1,0 +1,588 @@
+"""Our SpecConfig as vLLM's `speculative_config` (the drop-in: no plugin, our config becomes theirs).
+
+Released vLLM (0.25 and later) already ships `method: "dspark"`, synthetic acceptance (0.20+),
+block verification (0.25+) and adaptive verification (0.28+), but no registry for outside
+speculative methods (../shared/spec/vllm-integration.md "Key takeaways" 1-3). So this module:
+
+1. converts a SpecConfig to the dict for `LLM(speculative_config=...)` /
+   `vllm serve --speculative-config`, and lists what vLLM cannot express (never dropped silently);
+2. knows which vLLM release introduced each field/value we emit (spec §1.1-1.2), and validates a
+   dict against the installed vLLM, turning its errors into ValueErrors naming OUR field;
+3. is the `dspark vllm-config` command (configure_parser / main).
+
+vLLM is imported lazily, inside the functions that need it, so `import dspark.vllm` works without it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark.config import Profile, SpecConfig
+
+Version = tuple[int, int, int]
+
+# vLLM releases this module was checked against (spec §0: wheels 0.30-0.33, sdists 0.8-0.33).
+CHECKED_VLLM_RANGE = ((0, 9, 0), (0, 33, 0))
+
+# First vLLM release whose SpeculativeConfig has each field we emit (spec §1.2; "<= 0.9.0" is
+# written 0.9.0, the first dataclass-style SpeculativeConfig).
+FIELD_SINCE: dict[str, Version] = {
+    "method": (0, 9, 0),
+    "model": (0, 9, 0),
+    "num_speculative_tokens": (0, 9, 0),
+    "prompt_lookup_min": (0, 9, 0),
+    "prompt_lookup_max": (0, 9, 0),
+    "synthetic_acceptance_length": (0, 20, 0),
+    "synthetic_acceptance_rates": (0, 20, 0),
+    "draft_sample_method": (0, 21, 0),
+    "rejection_sample_method": (0, 18, 0),
+    "num_speculative_tokens_per_batch_size": (0, 24, 0),
+    "enable_adaptive_verification": (0, 28, 0),
+}
+
+# First release accepting each (field, value) we emit, where that is later than the field (spec §1.1).
+VALUE_SINCE: dict[tuple[str, object], Version] = {
+    ("method", "ngram"): (0, 9, 0),
+    ("method", "dspark"): (0, 25, 0),  # DSparkModelTypes, PR #46995
+    ("rejection_sample_method", "standard"): (0, 21, 0),  # was "strict"/"probabilistic" in 0.18-0.20
+    ("rejection_sample_method", "synthetic"): (0, 19, 0),
+    ("rejection_sample_method", "block"): (0, 25, 0),
+    ("draft_sample_method", "greedy"): (0, 21, 0),
+    ("draft_sample_method", "probabilistic"): (0, 22, 0),  # was "gumbel" in 0.21
+}
+
+# enable_adaptive_verification with a method other than dspark raised in 0.28-0.29 (spec §1.4).
+ADAPTIVE_ANY_METHOD_SINCE: Version = (0, 30, 0)
+
+# vLLM field -> the SpecConfig field a user sets to get it (for error messages that name OUR field).
+OUR_FIELD = {
+    "method": "drafter",
+    "model": "drafter_path",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "draft_sample_method": "draft_sample_method",
+    "rejection_sample_method": "rejection_sample_method",
+    "synthetic_acceptance_length": "synthetic_acceptance_length",
+    "synthetic_acceptance_rates": "synthetic_acceptance_rates",
+    "enable_adaptive_verification": "verify_policy",
+    "num_speculative_tokens_per_batch_size": "num_speculative_tokens_per_batch_size",
+}
+
+# Architectures vLLM 0.32 keeps as-is under method="dspark"; any other draft architecture is
+# rewritten to the DeepSeek-V4 class (spec §1.4 "Gotcha for out-of-tree architectures").
+VLLM_DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "Qwen3OmniDSparkModel", "Gemma4DSparkModel", "K3DSparkModel")
+
+
+def _fail(name: str, value, why: str) -> None:
+    raise ValueError(f"SpecConfig.{name}={value!r}: {why}")
+
+
+def format_version(v: Version) -> str:
+    return ".".join(str(x) for x in v)
+
+
+def parse_version(text: str) -> Version:
+    """'0.32.0', '0.32.0rc1.dev283+g1234' -> (0, 32, 0). A pre-release counts as its release."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if m is None:
+        raise ValueError(f"vllm version={text!r}: not a version number")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. SpecConfig -> vLLM speculative_config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmSpeculativeConfig:
+    """The conversion result.
+
+    config:       the dict for `LLM(speculative_config=...)` / `--speculative-config`.
+    engine_args:  settings that vLLM takes elsewhere (`LLM(**engine_args)`, `vllm serve --seed`).
+    not_carried:  one sentence per setting of ours that vLLM cannot express (dropped, with why).
+    """
+
+    config: dict
+    engine_args: dict
+    not_carried: tuple[str, ...] = ()
+
+
+class NotCarriedOverWarning(UserWarning):
+    """A SpecConfig setting that has no vLLM equivalent was left out of the vLLM config."""
+
+
+def read_drafter_block_size(drafter_path: str | os.PathLike) -> int | None:
+    """The trained block size from a DSpark drafter's config.json (`block_size`, or the
+    DeepSeek-V4 name `dspark_block_size`; spec dspark-algorithm §2.7), None if it has neither."""
+    path = Path(drafter_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"drafter_path={str(drafter_path)!r}: no config.json there")
+    cfg = json.loads(path.read_text())
+    for key in ("block_size", "dspark_block_size"):
+        if cfg.get(key) is not None:
+            return int(cfg[key])
+    return None
+
+
+def convert(spec: SpecConfig, *, drafter_path: str | None = None, block_size: int | None = None,
+            block_verification: bool = False) -> VllmSpeculativeConfig:
+    """Build vLLM's speculative_config from a SpecConfig.
+
+    drafter_path overrides spec.drafter_path; block_size is the drafter's trained block size when
+    it cannot be read from the drafter's config.json. block_verification=True asks vLLM for
+    `rejection_sample_method="block"` (Sun et al. 2024, vLLM >= 0.25): a vLLM-only option, our
+    engine has no block verifier, so it is a keyword here and not a SpecConfig field.
+    """
+    spec.validate()
+    k = spec.num_speculative_tokens
+    if k == 0:
+        _fail("num_speculative_tokens", 0, "plain decoding has no vLLM speculative_config; run vLLM without one")
+    not_carried: list[str] = []
+    out: dict = {}
+
+    path = drafter_path if drafter_path is not None else spec.drafter_path
+    if spec.drafter == "ngram":
+        if path is not None:
+            _fail("drafter_path", path, "the n-gram drafter has no checkpoint; use drafter='dspark'")
+        out.update(method="ngram", num_speculative_tokens=k,
+                   prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+    else:
+        out["method"] = "dspark"
+        if path is not None:
+            out["model"] = str(path)  # None: vLLM drafts from the target checkpoint (DeepSeek-V4 style)
+        out["num_speculative_tokens"] = k
+        _check_block_size(spec, path, block_size)
+
+    out["draft_sample_method"] = spec.draft_sample_method
+    if block_verification:
+        if spec.rejection_sample_method != "standard":
+            _fail("rejection_sample_method", spec.rejection_sample_method,
+                  "block verification replaces the standard verifier; it cannot be combined with synthetic acceptance")
+        out["rejection_sample_method"] = "block"
+    else:
+        out["rejection_sample_method"] = spec.rejection_sample_method
+    if spec.synthetic_acceptance_length is not None:
+        out["synthetic_acceptance_length"] = float(spec.synthetic_acceptance_length)
+    if spec.synthetic_acceptance_rates is not None:
+        out["synthetic_acceptance_rates"] = [float(r) for r in spec.synthetic_acceptance_rates]
+
+    # Verification length (spec dspark-algorithm §5): vLLM's adaptive verification is the
+    # confidence scheduler; it profiles its own cost tables at start-up (spec vllm §2.5).
+    if spec.verify_policy == "scheduler":
+        out["enable_adaptive_verification"] = True
+        if spec.sps_table_path is not None:
+            not_carried.append(f"sps_table_path={spec.sps_table_path!r}: vLLM profiles its own step-cost tables at "
+                               "start-up (VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN); ours is not used")
+    elif spec.verify_policy == "threshold":
+        not_carried.append(f"verify_policy='threshold' (confidence_threshold={spec.confidence_threshold}): vLLM has no "
+                           "confidence-threshold policy; it verifies all k drafts (verify_policy='scheduler' maps to "
+                           "enable_adaptive_verification)")
+
+    schedule, schedule_notes = _batch_size_schedule(spec)
+    not_carried.extend(schedule_notes)
+    if schedule is not None:
+        out["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+
+    if spec.max_speculative_seq_len is not None:
+        not_carried.append(f"max_speculative_seq_len={spec.max_speculative_seq_len}: vLLM's V1/V2 engines have no "
+                           "sequence-length gate for speculation (speculative_config.max_model_len only caps the "
+                           "draft model); long sequences keep speculating")
+    return VllmSpeculativeConfig(config=out, engine_args={"seed": spec.seed}, not_carried=tuple(not_carried))
+
+
+def speculative_config(spec: SpecConfig, *, drafter_path: str | None = None, block_size: int | None = None,
+                       block_verification: bool = False) -> dict:
+    """The dict for `LLM(speculative_config=...)`; settings vLLM cannot express are reported as
+    NotCarriedOverWarning (use `convert` to get them as a list, and the engine seed)."""
+    result = convert(spec, drafter_path=drafter_path, block_size=block_size, block_verification=block_verification)
+    for note in result.not_carried:
+        warnings.warn(f"not carried over to vLLM: {note}", NotCarriedOverWarning, stacklevel=2)
+    return result.config
+
+
+def sampling_params_not_carried(params) -> list[str]:
+    """Per-request settings of our SamplingParams that vLLM's SamplingParams cannot express."""
+    if params.speculate:
+        return []
+    return ["SamplingParams.speculate=False: vLLM has no per-request opt-out of speculation; "
+            "this request is speculated like the others"]
+
+
+def _check_block_size(spec: SpecConfig, drafter_path: str | None, block_size: int | None) -> None:
+    """A DSpark drafter drafts exactly its trained block: fewer query slots than trained shifts
+    every slot's non-causal attention out of distribution, more slots collapse acceptance at all
+    positions (spec vllm §2.1, PR #41834 comment: block 5 run with k=7). vLLM checks this only for
+    Qwen3-Omni drafters, so we check it. Synthetic acceptance ignores draft quality (it accepts by
+    coin flip), so a k sweep over one drafter stays allowed there."""
+    trained = block_size
+    if trained is None and drafter_path is not None:
+        if not Path(drafter_path).is_dir():
+            _fail("drafter_path", drafter_path, "not a local directory, so its trained block size cannot be read; "
+                  "pass block_size (the block the drafter was trained with) so k can be checked against it")
+        trained = read_drafter_block_size(drafter_path)
+    if trained is None or spec.rejection_sample_method == "synthetic":
+        return
+    k = spec.num_speculative_tokens
+    if k < trained:
+        _fail("num_speculative_tokens", k, f"below the drafter's trained block size {trained}: vLLM's DSpark drafts "
+              f"one block of k query slots, and a drafter trained on {trained} slots drafts badly with fewer; "
+              f"use k={trained} (verify fewer with num_speculative_tokens_per_batch_size or verify_policy='scheduler')")
+    if k > trained:
+        _fail("num_speculative_tokens", k, f"above the drafter's trained block size {trained}: slots past the "
+              "trained block were never trained and acceptance collapses at all positions; "
+              f"use k={trained}")
+
+
+def _batch_size_schedule(spec: SpecConfig) -> tuple[list[tuple[int, int, int]] | None, list[str]]:
+    """Our batch-size gates (and the batch-1 profile's k) as vLLM's num_speculative_tokens_per_batch_size.
+
+    Semantics differ at the edges, so the schedule is written out in full: our engine uses
+    num_speculative_tokens for a batch size no gate covers, vLLM requires the first range to start
+    at 1 and carries the previous range's K through gaps and past the last range
+    (vllm/v1/spec_decode/dynamic/utils.py). The batch-1 profile's k wins at batch size 1, as in
+    Engine.step_k.
+    """
+    k = spec.num_speculative_tokens
+    notes: list[str] = []
+    segments: list[tuple[int, int, int]] = []
+    next_size = 1
+    for start, end, gate_k in spec.num_speculative_tokens_per_batch_size or ():
+        if start > next_size:
+            segments.append((next_size, start - 1, k))
+        segments.append((start, end, gate_k))
+        next_size = end + 1
+    segments.append((next_size, next_size, k))  # vLLM carries this K on to every larger batch
+
+    profile = spec.batch1_profile
+    if profile is not None:
+        k1 = profile.num_speculative_tokens
+        if k1 <= k:
+            first_start, first_end, first_k = segments[0]
+            rest = [(2, first_end, first_k)] if first_end >= 2 else []
+            segments = [(1, 1, k1)] + rest + segments[1:]
+        else:
+            notes.append(f"batch1_profile.num_speculative_tokens={k1}: above num_speculative_tokens={k}, and vLLM "
+                         "caps every batch size's K at num_speculative_tokens")
+        differs = [f"{name}={getattr(profile, name)!r}" for name in ("verify_policy", "confidence_threshold",
+                                                                   "cuda_graphs", "kernels")
+                   if getattr(profile, name) != getattr(Profile(), name)]
+        if differs:
+            notes.append(f"batch1_profile ({', '.join(differs)}): vLLM has one profile for all batch sizes; only "
+                         "the batch-1 k is expressible (as a batch-size range)")
+
+    merged: list[tuple[int, int, int]] = []
+    for start, end, seg_k in segments:
+        if merged and merged[-1][2] == seg_k:
+            merged[-1] = (merged[-1][0], end, seg_k)
+        else:
+            merged.append((start, end, seg_k))
+    if len(merged) == 1:  # k everywhere: no schedule needed
+        return None, notes
+    return merged, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. vLLM versions and validation against the installed vLLM
+# ---------------------------------------------------------------------------------------------
+
+
+def required_versions(config: dict) -> list[tuple[str, str, Version]]:
+    """(vLLM field, what needs it, first release) for every field and value in a config dict."""
+    unknown = sorted(set(config) - set(FIELD_SINCE))
+    if unknown:
+        raise ValueError(f"speculative_config fields={unknown!r}: not fields this module emits "
+                         f"(known: {sorted(FIELD_SINCE)})")
+    needs = []
+    for name, value in config.items():
+        needs.append((name, f"field {name}", FIELD_SINCE[name]))
+        if isinstance(value, str) and (name, value) in VALUE_SINCE:
+            needs.append((name, f"{name}={value!r}", VALUE_SINCE[(name, value)]))
+    if config.get("enable_adaptive_verification") and config.get("method") != "dspark":
+        needs.append(("enable_adaptive_verification",
+                      f"enable_adaptive_verification with method={config.get('method')!r}", ADAPTIVE_ANY_METHOD_SINCE))
+    return needs
+
+
+def minimum_vllm_version(config: dict) -> Version:
+    return max(since for _, _, since in required_versions(config))
+
+
+def check_vllm_version(config: dict, installed: str) -> None:
+    """Raise a ValueError naming every field/value the installed vLLM release is too old for."""
+    have = parse_version(installed)
+    too_new = [(name, what, since) for name, what, since in required_versions(config) if since > have]
+    if too_new:
+        lines = [f"SpecConfig.{OUR_FIELD[name]}: {what} needs vLLM >= {format_version(since)} (installed {installed})"
+                 for name, what, since in too_new]
+        raise ValueError("; ".join(lines))
+
+
+@dataclass(frozen=True)
+class VllmValidation:
+    """What validate_with_vllm checked.
+
+    vllm_version:              the installed release.
+    method, num_speculative_tokens, synthetic_acceptance_rates: as vLLM resolved them.
+    vllm_config_built:         whether the full VllmConfig (runner selection, feature checks) was built.
+    vllm_config_skipped:       why not, when it was not (e.g. Model Runner V2 needs Triton with a GPU).
+    """
+
+    vllm_version: str
+    method: str
+    num_speculative_tokens: int
+    synthetic_acceptance_rates: list[float] | None
+    vllm_config_built: bool
+    vllm_config_skipped: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+
+_TINY_TARGET = {  # a two-layer Qwen3: ModelConfig reads only config.json (skip_tokenizer_init)
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1024, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+
+
+def write_tiny_target(directory: str | os.PathLike, vocab_size: int = 1024) -> str:
+    """Write a tiny local target model config (config.json only) for vLLM's ModelConfig."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / "config.json").write_text(json.dumps({**_TINY_TARGET, "vocab_size": vocab_size}))
+    return str(directory)
+
+
+@contextlib.contextmanager
+def _env(updates: dict[str, str]):
+    """Set environment variables the caller has not set, and restore them afterwards."""
+    added = [name for name in updates if name not in os.environ]
+    for name in added:
+        os.environ[name] = updates[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def _vllm_message(exc: Exception) -> tuple[list[str], str]:
+    """The vLLM field names an exception points at, and its message without pydantic's framing."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # pydantic ValidationError
+        fields, messages = [], []
+        for err in errors():
+            loc = [str(x) for x in err.get("loc", ()) if isinstance(x, str)]
+            fields.extend(loc)
+            messages.append(re.sub(r"^Value error, ", "", str(err.get("msg", ""))))
+        text = "; ".join(messages)
+    else:
+        fields, text = [], str(exc)
+    mentioned = [name for name in OUR_FIELD if re.search(rf"\b{name}\b", text)]
+    return [f for f in fields if f in OUR_FIELD] or mentioned, text
+
+
+def _as_our_error(exc: Exception, config: dict, installed: str, stage: str) -> ValueError:
+    fields, text = _vllm_message(exc)
+    if fields:
+        named = ", ".join(f"SpecConfig.{OUR_FIELD[f]} (vLLM {f}={config.get(f)!r})" for f in dict.fromkeys(fields))
+    else:
+        named = f"speculative_config {json.dumps(config)}"
+    return ValueError(f"{named}: vLLM {installed} rejects it in {stage}: {text}")
+
+
+def validate_with_vllm(config: dict, *, target_model: str | None = None) -> VllmValidation:
+    """Check a speculative_config dict with the installed vLLM's own SpeculativeConfig and, where
+    it can be built here, VllmConfig. Raises ValueError naming our field on any rejection.
+
+    target_model: a local model directory (config.json is enough); None writes a tiny Qwen3 one.
+    Needs no GPU: without CUDA it sets VLLM_TARGET_DEVICE=cpu (vLLM reads it once, when it first
+    picks its platform). dspark and adaptive verification run only on Model Runner V2, so
+    VLLM_USE_V2_MODEL_RUNNER=1 is set while VllmConfig is built (spec vllm §5.3); neither variable
+    is touched when the caller has set it.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import vllm
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+
+    installed = vllm.__version__
+    check_vllm_version(config, installed)
+    notes = []
+    if not CHECKED_VLLM_RANGE[0] <= parse_version(installed) <= CHECKED_VLLM_RANGE[1]:
+        notes.append(f"vLLM {installed} is outside the releases this table was checked against "
+                     f"({format_version(CHECKED_VLLM_RANGE[0])}-{format_version(CHECKED_VLLM_RANGE[1])})")
+
+    with tempfile.TemporaryDirectory(prefix="dspark-vllm-target-") as tmp:
+        if target_model is None:
+            vocab = 1024
+            if config.get("model") is not None and (Path(config["model"]) / "config.json").is_file():
+                vocab = json.loads((Path(config["model"]) / "config.json").read_text()).get("vocab_size", vocab)
+            target_model = write_tiny_target(tmp, vocab)
+        try:
+            model_config = ModelConfig(model=target_model, skip_tokenizer_init=True)
+        except Exception as exc:
+            raise ValueError(f"target_model={target_model!r}: vLLM cannot read it: {exc}") from exc
+        try:
+            spec_config = SpeculativeConfig(**config, target_model_config=model_config,
+                                            target_parallel_config=ParallelConfig())
+        except Exception as exc:
+            raise _as_our_error(exc, config, installed, "SpeculativeConfig") from exc
+
+        schedule = config.get("num_speculative_tokens_per_batch_size")
+        if schedule is not None:
+            # vLLM checks the schedule only when the scheduler starts; check it now.
+            from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+            try:
+                validate_and_normalize_dynamic_sd_schedule(schedule)
+            except ValueError as exc:
+                raise _as_our_error(exc, config, installed, "its batch-size schedule check") from exc
+
+        needs_v2 = spec_config.method == "dspark" or spec_config.enable_adaptive_verification
+        built, skipped = False, None
+        with _env({"VLLM_USE_V2_MODEL_RUNNER": "1"} if needs_v2 else {}):
+            try:
+                VllmConfig(model_config=model_config, speculative_config=spec_config)
+                built = True
+            except Exception as exc:
+                _, text = _vllm_message(exc)
+                if "requires Triton" not in text:
+                    raise _as_our_error(exc, config, installed, "VllmConfig") from exc
+                skipped = f"VllmConfig not checked on this machine: {text} (Model Runner V2 needs Triton with a GPU driver)"
+    return VllmValidation(
+        vllm_version=installed,
+        method=spec_config.method,
+        num_speculative_tokens=spec_config.num_speculative_tokens,
+        synthetic_acceptance_rates=(list(spec_config.synthetic_acceptance_rates)
+                                    if spec_config.synthetic_acceptance_rates is not None else None),
+        vllm_config_built=built,
+        vllm_config_skipped=skipped,
+        notes=tuple(notes),
+    )
+
+
+def vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. CLI: dspark vllm-config
+# ---------------------------------------------------------------------------------------------
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _gates(text: str) -> tuple[tuple[int, int, int], ...]:
+    try:
+        entries = json.loads(text)
+        return tuple(tuple(int(x) for x in entry) for entry in entries)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON like [[1, 4, 7], [5, 64, 3]]") from None
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags for `dspark vllm-config` (SpecConfig fields, same names as vLLM where vLLM has them)."""
+    d = SpecConfig()
+    parser.description = ("Print the JSON for `vllm serve --speculative-config` (or LLM(speculative_config=...)) "
+                          "built from a dspark SpecConfig, and validate it with the installed vLLM when there is one.")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+    parser.add_argument("--drafter", choices=("ngram", "dspark"), default=d.drafter)
+    parser.add_argument("--drafter-path", default=None, help="DSpark drafter checkpoint directory (vLLM `model`)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="the drafter's trained block size, if its config.json is not at hand")
+    parser.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min)
+    parser.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max)
+    parser.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default=d.draft_sample_method)
+    parser.add_argument("--rejection-sample-method", choices=("standard", "synthetic", "block"),
+                        default=d.rejection_sample_method, help="'block' is vLLM-only (block verification)")
+    parser.add_argument("--synthetic-acceptance-length", type=float, default=None)
+    parser.add_argument("--synthetic-acceptance-rates", type=_rates, default=None, help="e.g. 1,1,0.8,0.5")
+    parser.add_argument("--verify-policy", choices=("fixed", "threshold", "scheduler"), default=d.verify_policy)
+    parser.add_argument("--confidence-threshold", type=float, default=d.confidence_threshold)
+    parser.add_argument("--sps-table-path", default=None)
+    parser.add_argument("--num-speculative-tokens-per-batch-size", type=_gates, default=None,
+                        help="JSON [[batch_start, batch_end, k], ...]")
+    parser.add_argument("--max-speculative-seq-len", type=int, default=None)
+    parser.add_argument("--batch1-num-speculative-tokens", type=int, default=None,
+                        help="k of the batch-1 profile (its other settings keep their defaults)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--target-model", default=None,
+                        help="local target model directory for validation (default: a tiny generated one)")
+    parser.add_argument("--no-validate", action="store_true", help="do not validate with the installed vLLM")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace) -> tuple[SpecConfig, bool]:
+    """The SpecConfig and the block_verification flag the parsed flags describe."""
+    block = args.rejection_sample_method == "block"
+    spec = SpecConfig(
+        num_speculative_tokens=args.num_speculative_tokens,
+        drafter=args.drafter,
+        drafter_path=args.drafter_path,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        draft_sample_method=args.draft_sample_method,
+        rejection_sample_method="standard" if block else args.rejection_sample_method,
+        synthetic_acceptance_length=args.synthetic_acceptance_length,
+        synthetic_acceptance_rates=args.synthetic_acceptance_rates,
+        verify_policy=args.verify_policy,
+        confidence_threshold=args.confidence_threshold,
+        sps_table_path=args.sps_table_path,
+        num_speculative_tokens_per_batch_size=args.num_speculative_tokens_per_batch_size,
+        max_speculative_seq_len=args.max_speculative_seq_len,
+        batch1_profile=(Profile(num_speculative_tokens=args.batch1_num_speculative_tokens)
+                        if args.batch1_num_speculative_tokens is not None else None),
+        seed=args.seed,
+    )
+    return spec, block
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the speculative_config JSON on stdout; notes and validation status on stderr.
+    Exit status 0 when valid, 2 when the config is rejected (by us or by vLLM)."""
+    try:
+        spec, block = spec_from_args(args)
+        result = convert(spec, block_size=args.block_size, block_verification=block)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.config))
+    print(f"needs vLLM >= {format_version(minimum_vllm_version(result.config))}; "
+          f"engine arguments: {json.dumps(result.engine_args)} (vllm serve --seed {spec.seed})", file=sys.stderr)
+    for note in result.not_carried:
+        print(f"not carried over to vLLM: {note}", file=sys.stderr)
+    if args.no_validate:
+        print("not validated (--no-validate)", file=sys.stderr)
+        return 0
+    if not vllm_importable():
+        print("not validated: vllm is not importable in this environment", file=sys.stderr)
+        return 0
+    try:
+        checked = validate_with_vllm(result.config, target_model=args.target_model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    what = "SpeculativeConfig and VllmConfig" if checked.vllm_config_built else "SpeculativeConfig"
+    print(f"validated with vLLM {checked.vllm_version}: {what} accept it "
+          f"(method={checked.method}, num_speculative_tokens={checked.num_speculative_tokens})", file=sys.stderr)
+    for note in (checked.vllm_config_skipped, *checked.notes):
+        if note:
+            print(note, file=sys.stderr)
+    return 0
