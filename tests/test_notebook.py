@@ -1,0 +1,27 @@
+"""The tokens/s-vs-AL notebook executes end to end on a small sweep result this test produces."""
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from dspark.sweep import measure_point, run_meta, write_results
+from dspark.targets.toy import MarkovTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_notebook_executes_on_a_fresh_sweep(tmp_path, monkeypatch):
+    target = MarkovTarget(16, seed=0, max_slots=2, max_seq_len=256)
+    points = [measure_point(target, batch=b, k=3, al=al, policy="fixed", context=8, max_tokens=12, warmup_tokens=2, seed=0)
+              for b in (1, 2) for al in (None, 1.0, 2.5, 4.0)]
+    write_results(tmp_path, run_meta("cpu", target="toy", context=8, max_tokens=12, warmup_tokens=2), points)
+    nb = nbformat.read(ROOT / "notebooks" / "tokens_vs_al.ipynb", as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
+    monkeypatch.setenv("DSPARK_SWEEP_FILES", str(tmp_path / "sweep.json"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "toy on" in text and "points" in text
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
