@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .registry import resolve
+from .registry import select
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[M, N] = x[M, K] @ weight[N, K]^T."""
-    return resolve("linear", x.device).fn(x, weight)
+    return select("linear", x, weight).fn(x, weight)

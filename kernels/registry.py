@@ -34,6 +34,13 @@ class Implementation:
     max_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper-only instructions
     priority: int = 0  # reference = 0; faster implementations higher
     available: Callable[[], bool] = field(default=lambda: True)
+    # Per-call predicate on the op's arguments (shapes, dtypes, strides); None = takes every call.
+    # An implementation that is fast only for some shapes says so here, and `select` passes
+    # other calls to the next implementation by priority.
+    supports: Callable[..., bool] | None = None
+
+    def takes(self, *args) -> bool:
+        return self.supports is None or self.supports(*args)
 
     def runs_on(self, device: torch.device) -> bool:
         if device.type not in self.devices:
@@ -129,3 +136,23 @@ def resolve(op: str, device: torch.device | str) -> Implementation:
         impl = max(candidates, key=lambda i: i.priority)
     _resolved[key] = impl
     return impl
+
+
+def select(op: str, *args: torch.Tensor) -> Implementation:
+    """The implementation for one call of `op` on `args` (dispatched on the first one's device).
+
+    Like `resolve`, but an implementation whose `supports` rejects these arguments is skipped for
+    the best one that takes them. An override is never skipped: forcing an implementation on
+    arguments it does not support is an error naming the op, the implementation and the shapes.
+    """
+    device = args[0].device
+    impl = resolve(op, device)
+    if impl.takes(*args):
+        return impl
+    shapes = [(tuple(a.shape), a.dtype) for a in args]
+    if (overrides.get(op) or _env_overrides().get(op)) is not None:
+        raise ValueError(f"kernel override {op}={impl.name!r} does not support arguments {shapes}")
+    candidates = [i for i in implementations(op).values() if i.runs_on(device) and i.takes(*args)]
+    if not candidates:
+        raise RuntimeError(f"kernel op {op!r} has no implementation on {device} for arguments {shapes}")
+    return max(candidates, key=lambda i: i.priority)

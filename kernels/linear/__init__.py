@@ -1,2 +1,3 @@
 """linear: y[M, N] = x[M, K] @ W[N, K]^T, the skinny GEMM of a verify step (M = tokens <= 16 per request)."""
 from . import reference  # noqa: F401  (registers the reference implementation)
+from . import cute_sm90  # noqa: F401  (CuTe DSL Hopper kernel; imports cutlass only when first used)

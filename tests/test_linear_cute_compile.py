@@ -1,0 +1,70 @@
+"""CPU-only compile checks of the CuTe DSL skinny GEMM (spec: kernels.md §1.4 tier (b)).
+
+Nothing runs here (no GPU): each kernel variant is traced, lowered and assembled for its target
+with the target named explicitly, and the PTX must contain the tensor-core instructions the design
+relies on: `wgmma` for sm_90a (Hopper), `tcgen05` for sm_103a (GB300). Shapes: a split-K one
+(KDA o_proj), one with an N tail (MLA kv_a, N = 576) and a no-split wide one (KDA q/k/v/g), each
+at M = 1, 8 (token tile 8) and 16 (token tile 16). Skips when nvidia-cutlass-dsl is not installed.
+"""
+import pytest
+import torch
+
+from dspark.kernels import cute_common
+from dspark.kernels.linear import cute_sm90
+
+pytestmark = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
+
+SHAPES = {"kda_o": (7168, 12288), "mla_kv_a": (576, 7168), "kda_qkvg": (49152, 7168)}
+TOKEN_COUNTS = (1, 8, 16)
+
+
+@pytest.fixture(autouse=True)
+def _ptx_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(name):
+    n, k = SHAPES[name]
+    for tokens in sorted({cute_sm90.token_tile(m) for m in TOKEN_COUNTS}):
+        compiled, splits = cute_sm90.compile_skinny_gemm(
+            n, k, tokens, torch.bfloat16, "sm_90a", extra_options=("--keep-ptx",)
+        )
+        ptx = compiled.__ptx__
+        assert f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16" in ptx
+        assert "cp.async.bulk.tensor" in ptx  # TMA loads
+        assert "griddepcontrol.wait" in ptx  # PDL
+        assert ".local" not in ptx  # no register spills to local memory
+        assert splits == cute_sm90.choose_splits(n, k)
+
+
+def test_compile_cache_builds_each_key_once():
+    before = cute_sm90._cache.compiles
+    first, _ = cute_sm90.compile_skinny_gemm(1536, 7168, 16, torch.bfloat16, "sm_90a")
+    again, _ = cute_sm90.compile_skinny_gemm(1536, 7168, 16, torch.bfloat16, "sm_90a")
+    assert first is again
+    assert cute_sm90._cache.compiles == before + 1
+
+
+def test_split_heuristic_fills_the_gpu_and_never_leaves_a_split_empty():
+    for n, k in cute_sm90.K3_TRUNK_SHAPES.values():
+        splits = cute_sm90.choose_splits(n, k)
+        k_tiles = -(-k // cute_sm90.K_TILE)
+        per_split = -(-k_tiles // splits)
+        assert (splits - 1) * per_split < k_tiles  # the last split has work
+        ctas = -(-n // cute_sm90.WEIGHT_TILE) * splits
+        # small matrices are split until they occupy most SMs (at most one partial wave idle)
+        assert ctas >= min(cute_sm90.H200_SMS // 2, -(-n // cute_sm90.WEIGHT_TILE) * k_tiles)
+
+
+def test_shape_check_accepts_k3_shapes_and_rejects_what_the_kernel_cannot_take():
+    for n, k in cute_sm90.K3_TRUNK_SHAPES.values():
+        for m in (1, 16):
+            assert cute_sm90.shape_supported(m, n, k, torch.bfloat16, (k, 1))
+    assert not cute_sm90.shape_supported(17, 1536, 7168, torch.bfloat16, (7168, 1))  # > 16 tokens
+    assert not cute_sm90.shape_supported(0, 1536, 7168, torch.bfloat16, (7168, 1))
+    assert not cute_sm90.shape_supported(4, 1536, 7168, torch.float32, (7168, 1))  # dtype
+    assert not cute_sm90.shape_supported(4, 1536, 7164, torch.bfloat16, (7164, 1))  # K % 8
+    assert not cute_sm90.shape_supported(4, 1536, 7168, torch.bfloat16, (1, 1536))  # transposed weight
+    # CPU tensors never go to the CUDA kernel
+    assert not cute_sm90.supports(torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(64, 7168, dtype=torch.bfloat16))
