@@ -127,17 +127,21 @@ class SPSTable:
 
     def __call__(self, num_tokens: int) -> float:
         """Steps/s for a step of `num_tokens` tokens."""
-        counts, times = self.token_counts, [1.0 / s for s in self.steps_per_s]
-        if num_tokens <= counts[0]:
-            return self.steps_per_s[0]
+        return float(self.rates(torch.tensor([num_tokens]))[0])
+
+    def rates(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Steps/s (float64) for each entry of `num_tokens`."""
+        n = num_tokens.double().cpu()
+        counts = torch.tensor(self.token_counts, dtype=torch.float64)
+        times = 1.0 / torch.tensor(self.steps_per_s, dtype=torch.float64)
         if len(counts) == 1:
-            return self.steps_per_s[0]
-        for i in range(1, len(counts)):
-            if num_tokens <= counts[i]:
-                break
-        lo, hi = i - 1, i  # the segment containing num_tokens, or the last one above the table
+            return torch.full_like(n, self.steps_per_s[0])
+        # The segment [lo, hi] holding n; above the table the last segment, extended.
+        hi = torch.searchsorted(counts, n).clamp(1, len(counts) - 1)
+        lo = hi - 1
         slope = (times[hi] - times[lo]) / (counts[hi] - counts[lo])
-        return 1.0 / (times[lo] + slope * (num_tokens - counts[lo]))
+        step_time = torch.where(n <= counts[0], times[0], times[lo] + slope * (n - counts[lo]))
+        return 1.0 / step_time
 
     @classmethod
     def from_file(cls, path: str | Path) -> "SPSTable":
@@ -257,8 +261,7 @@ class ConfidenceScheduler:
         # Θ after admitting the first i candidates, i = 0..len(pool): B = R + i, τ = R + Σ a.
         admitted = torch.arange(len(a) + 1)
         tau = R + torch.cat([torch.zeros(1, dtype=a.dtype), torch.cumsum(a, dim=0)])
-        sps = torch.tensor([self.sps(R + int(i)) for i in admitted], dtype=a.dtype)
-        theta = tau * sps
+        theta = tau * self.sps.rates(R + admitted)
         if self.early_stop:
             # Admit while every admission strictly improves Θ; stop at the first that does not.
             not_better = (theta[1:] <= theta[:-1]).nonzero()

@@ -512,6 +512,9 @@ def build_roofline(
                     "verify_ms": t_verify * 1e3,
                     "spec_ms": t_spec * 1e3,
                     "spec_tokens_per_s": {al: tokens_per_second(al, t_spec) for al in acceptance_lengths},
+                    # all requests of the batch together
+                    "plain_aggregate_tokens_per_s": batch * tokens_per_second(1.0, t_plain),
+                    "spec_aggregate_tokens_per_s": {al: batch * tokens_per_second(al, t_spec) for al in acceptance_lengths},
                 })
     return result
 
@@ -526,6 +529,8 @@ def _format_table(result: Roofline) -> str:
     lines.append(f"{'TFLOPs':<22}" + "".join(f"{s.total_flops / 1e12:>24.2f}" for s in steps))
     lines.append(f"{'distinct experts/layer':<22}" + "".join(f"{s.distinct_experts:>24.2f}" for s in steps))
     lines.append("")
+    lines.append(f"floors: bandwidth (and compute, where the GPU has a peak) time of one step; tok/s per request"
+                 + (f", x{result.plain.batch} requests for the aggregate" if result.plain.batch > 1 else ""))
     al_heads = "".join(f"{'tok/s AL=' + format(al, 'g'):>16}" for al in result.acceptance_lengths)
     lines.append(f"{'floor':<30}{'plain ms':>10}{'tok/s':>10}{'verify ms':>11}{'spec ms':>10}" + al_heads)
     for f in result.floors:
@@ -584,8 +589,11 @@ def main(args: argparse.Namespace) -> int:
         payload = {
             "preset": args.preset,
             "steps": [s.as_dict() for s in (result.plain, result.verify, result.spec)],
-            "floors": [{**f, "spec_tokens_per_s": {str(al): v for al, v in f["spec_tokens_per_s"].items()}}
-                       for f in result.floors],
+            "floors": [
+                {**f, **{key: {str(al): v for al, v in f[key].items()}
+                         for key in ("spec_tokens_per_s", "spec_aggregate_tokens_per_s")}}
+                for f in result.floors
+            ],
         }
         print(json.dumps(payload, indent=2))
     else:

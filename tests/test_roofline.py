@@ -219,6 +219,17 @@ def test_floors_match_spec_6_5(row):
         assert rel(t_plain * 1e3, plain_ms) < 0.01
 
 
+def test_floors_at_128k_context_match_spec_prose():
+    # spec §6.5, paragraph after the table: 128k context, BF16 KV.
+    h200, gb300 = rf.get_gpu("h200"), rf.get_gpu("gb300")
+    plain = rf.step_cost(K3, context=131072)
+    spec = rf.step_cost(K3, context=131072, tokens_per_request=8, draft=rf.DraftShape())
+    assert rel(rf.step_time(plain, h200) * 1e3, 29.5) < 0.01
+    assert rel(rf.tokens_per_second(1.0, rf.step_time(plain, gb300, 16)), 905) < 0.01
+    assert rel(rf.tokens_per_second(6.0, rf.step_time(spec, h200)), 90.0) < 0.01
+    assert rel(rf.tokens_per_second(6.0, rf.step_time(spec, gb300, 16)), 2399) < 0.01
+
+
 def test_measured_busiest_rank_replaces_the_expectation():
     cost = rf.step_cost(K3, tokens_per_request=8)
     gpu = rf.get_gpu("gb300")
@@ -261,6 +272,9 @@ def test_cli_json_and_table(capsys):
     ideal = next(f for f in payload["floors"] if f["sharding"] == "ideal")
     assert rel(ideal["plain_tokens_per_s"], 927) < 0.01
     assert rel(ideal["spec_tokens_per_s"]["6.0"], 2425) < 0.01
+    assert rf.main(parser.parse_args(["--json", "--batch", "4", "--gpu", "h200", "--num-gpus", "1"])) == 0
+    floor = json.loads(capsys.readouterr().out)["floors"][0]
+    assert floor["spec_aggregate_tokens_per_s"]["6.0"] == pytest.approx(4 * floor["spec_tokens_per_s"]["6.0"])
     assert rf.main(parser.parse_args(["--gpu", "h200=4.3", "--num-gpus", "1", "--trunk-dtype", "fp8"])) == 0
     out = capsys.readouterr().out
     assert "routed_experts" in out and "H200@4.3TB/s" in out
