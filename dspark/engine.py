@@ -87,8 +87,14 @@ class Engine:
         self.drafter = drafter
         self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.policy = policy
         self.device = torch.device(target.device)
+        # Verification-length policies: the configured one, and the batch-1 profile's own.
+        # "fixed" needs no policy object: the per-request cap already verifies every draft.
+        self._policy = policy if policy is not None else self._make_policy(
+            self.spec.verify_policy, self.spec.confidence_threshold)
+        profile = self.spec.batch1_profile
+        self._policy_batch1 = self._policy if profile is None or policy is not None else self._make_policy(
+            profile.verify_policy, profile.confidence_threshold)
         # The lossless sampler unless the config asks for synthetic acceptance; `sampler` lets a
         # test substitute a deliberately broken one to show the distribution test can fail.
         self._cond_rates = None
@@ -108,6 +114,32 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(target.max_slots - 1, -1, -1))
+
+    def _make_policy(self, name: str, threshold: float):
+        from .policy import ConfidenceScheduler, make_policy
+
+        if name == "fixed":
+            return None
+        if name == "scheduler" and self.spec.sps_table_path is None:
+            return ConfidenceScheduler(self.profile_sps())
+        return make_policy(name, confidence_threshold=threshold, sps_table_path=self.spec.sps_table_path)
+
+    def profile_sps(self) -> "SPSTable":
+        """Steps/s of target.verify against the tokens it feeds, measured now on this device
+        (the confidence scheduler's cost curve; ../shared/spec/dspark-algorithm.md §5.3). Runs
+        on the last slot before any request holds it and commits nothing."""
+        from .policy import SPSTable
+
+        slot = self.target.max_slots - 1
+        most = min(self.target.max_slots * (self.spec.max_k + 1), self.target.max_seq_len)
+        counts = sorted({1, *range(2, most + 1, max(1, most // 8)), most})
+        gen = torch.Generator().manual_seed(self.spec.seed)
+
+        def verify(n: int):
+            tokens = torch.randint(0, self.target.vocab_size, (1, n), generator=gen).to(self.device)
+            self.target.verify([slot], tokens, torch.tensor([n], device=self.device))
+
+        return SPSTable.profile(verify, counts, warmup=1, repeats=3)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -291,8 +323,9 @@ class Engine:
         num = prop.num_drafts.to(dev)
         if any(k_req[i] < kmax for i in rows):
             num = torch.minimum(num, torch.tensor([k_req[i] for i in rows], dtype=torch.long, device=dev))
-        if self.policy is not None:
-            num = torch.minimum(num, self.policy.verify_lengths(Proposal(prop.tokens, num, prop.probs, prop.confidence)))
+        policy = self._policy_batch1 if B == 1 else self._policy
+        if policy is not None:
+            num = torch.minimum(num, policy.verify_lengths(Proposal(prop.tokens, num, prop.probs, prop.confidence)))
         if sub is None:
             return Proposal(prop.tokens, num, prop.probs, prop.confidence)
         # Scatter the proposing rows back into the full batch; the others verify no drafts.

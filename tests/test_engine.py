@@ -236,3 +236,48 @@ def test_opt_out_and_sequence_length_gate_switch_speculation_off_per_request():
                                      SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert engine.metrics.num_drafts == 0 and all(o.num_steps == 11 for o in outs)
+
+
+def _policy_engine(spec, confidences, prompts, ref):
+    from toy_drafters import ConfidenceDrafter
+
+    scripts = {tuple(p): r.token_ids for p, r in zip(prompts, ref)}
+    drafter = ConfidenceDrafter(scripts, 8, confidences, corrupt_every=7)
+    return Engine(MarkovTarget(8, seed=2, max_slots=len(prompts), max_seq_len=128), drafter, spec)
+
+
+def test_threshold_policy_verifies_the_confident_prefix_and_stays_lossless():
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    ref = _greedy_reference(8, prompts, 20)
+    engine = _policy_engine(SpecConfig(num_speculative_tokens=5, verify_policy="threshold", confidence_threshold=0.5),
+                            [0.9, 0.8, 0.7, 0.4, 0.9], prompts, ref)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert len(engine.metrics.drafts_per_position) == 3  # position 4 (c = 0.4) is never verified
+
+
+def test_confidence_scheduler_through_the_engine_never_exceeds_k(tmp_path):
+    import json
+
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 1]]
+    ref = _greedy_reference(8, prompts, 16)
+    # Flat steps/s: every admitted draft with positive survival improves tau * SPS, so it admits all k.
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"token_counts": [1, 64], "steps_per_s": [100.0, 100.0]}))
+    spec = SpecConfig(num_speculative_tokens=3, verify_policy="scheduler", sps_table_path=str(table))
+    engine = _policy_engine(spec, [0.9, 0.9, 0.9, 0.9, 0.9], prompts, ref)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert len(engine.metrics.drafts_per_position) == 3 and engine.metrics.num_drafts > 0
+    # A steep cost curve admits nothing: speculation switches itself off, output unchanged.
+    table.write_text(json.dumps({"token_counts": [1, 4, 5], "steps_per_s": [100.0, 100.0, 1.0]}))
+    engine = _policy_engine(spec, [0.9] * 5, prompts, ref)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref] and engine.metrics.num_drafts == 0
+
+
+def test_scheduler_profiles_its_cost_curve_when_no_table_is_given():
+    spec = SpecConfig(num_speculative_tokens=3, verify_policy="scheduler")
+    engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=64), NgramDrafter(), spec)
+    table = engine._policy.sps
+    assert table.token_counts[0] == 1 and table.token_counts[-1] == 8 and all(s > 0 for s in table.steps_per_s)

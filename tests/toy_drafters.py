@@ -82,3 +82,18 @@ class ScriptedDrafter:
     def release(self, slots):
         for s in slots:
             self._pos.pop(s, None)
+
+
+class ConfidenceDrafter(ScriptedDrafter):
+    """A ScriptedDrafter that also reports given per-position confidences (the shape a DSpark
+    drafter's confidence head produces), for testing verification policies through the engine."""
+
+    def __init__(self, continuations, vocab_size, confidences: list[float], corrupt_every: int = 5):
+        super().__init__(continuations, vocab_size, corrupt_every)
+        self.confidences = confidences
+        self.seen_lengths: list[int] = []
+
+    def propose(self, slots, anchors, k, sampling, generators):
+        prop = super().propose(slots, anchors, k, sampling, generators)
+        prop.confidence = torch.tensor(self.confidences[:k]).expand(len(slots), k).clone()
+        return prop
