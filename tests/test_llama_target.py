@@ -29,8 +29,18 @@ MAX_SEQ = 128
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The 135M model's per-token ops are tiny: one thread is as fast as two on an idle 2-core
+    runner and many times faster when other jobs share the cores (OpenMP waits). Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def model():
+def model(one_thread):
     config, weights, gguf_file = load_llama_gguf(GGUF_PATH)
     target = LlamaTarget(config, weights, max_slots=3, max_seq_len=MAX_SEQ)
     from dspark.targets.gguf_assets import GGUFTokenizer
@@ -73,6 +83,8 @@ def test_loader_shapes_match_gguf_metadata(model):
     w = target.weights
     assert w.embedding.shape == (vocab, d) and w.output.shape == (vocab, d)
     assert "output.weight" not in gguf_file.tensor_names and w.output is w.embedding  # tied head
+    embed, lm_head = target.embedding_weights()  # what a DSpark drafter shares
+    assert embed is w.embedding and lm_head is w.output
     assert w.output_norm.shape == (d,)
     assert len(w.layers) == n_layer
     for layer in w.layers:

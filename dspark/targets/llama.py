@@ -282,6 +282,11 @@ class LlamaTarget:
             self.cache_lengths[slot] = 0
             self.pending[slot] = None
 
+    def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embed_tokens [V, d], lm_head [V, d]) that a DSpark drafter shares with the target
+        (drafters/dspark/drafter.py, shared_embeddings). SmolLM2 ties them: the same tensor twice."""
+        return self.weights.embedding, self.weights.output
+
     # ---- the model --------------------------------------------------------------------------
     def _forward(self, slots, rows, starts, tap_layers) -> TargetOutput:
         """Run each request's new tokens `rows[r]` at positions starts[r]... of slot slots[r]:
