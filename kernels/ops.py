@@ -11,3 +11,32 @@ from .registry import select
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[M, N] = x[M, K] @ weight[N, K]^T."""
     return select("linear", x, weight).fn(x, weight)
+
+
+def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
+               o_norm_weight, state, lengths, *, lower_bound: float, eps: float):
+    """KDA over T tokens per request from the committed state, output-only -> (o [B,T,W], records)."""
+    args = (q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
+            o_norm_weight, state, lengths)
+    return select("kda_verify", *args).fn(*args, lower_bound=lower_bound, eps=eps)
+
+
+def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records, num_tokens: torch.Tensor) -> None:
+    """In place: advance state/conv_state by the first num_tokens[b] positions of `records`."""
+    return select("kda_commit", state, conv_state).fn(state, conv_state, records, num_tokens)
+
+
+def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:
+    """Absorbed MLA attention of T queries per request over the latent cache -> o_latent [B,T,H,R]."""
+    args = (q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
+    return select("mla_verify_attention", *args).fn(*args, scale)
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """K3 router -> (expert ids [M, k] long, weights [M, k] fp32)."""
+    return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)
+
+
+def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
+    """The whole K3 latent-MoE FFN: x [M, D] -> [M, D]."""
+    return select("latent_moe", x).fn(x, weights, cfg)

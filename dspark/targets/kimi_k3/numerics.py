@@ -1,0 +1,55 @@
+"""Token-invariant elementwise helpers shared by the K3 model and its op references.
+
+Why per row: on the CPU, torch's elementwise kernels run a vectorised loop and finish the tail
+with a scalar loop, and transcendental functions (exp, sigmoid, tanh) differ by an ulp between
+the two; inner reductions also change their accumulation pattern with the tensor's size. So a
+token's value could depend on where it sits in a batch. Applying such functions to one token's
+row at a time gives every token the same shapes, hence the same bits, however many tokens share
+the call. On the GPU results are compared to tolerance, so the batched call is used there.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn applied to each row x[..., :] separately on the CPU (fn(x) at once elsewhere)."""
+    if x.device.type != "cpu":
+        return fn(x)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.stack([fn(row) for row in rows])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, result in x.dtype (K3 uses RMSNorm everywhere, spec §1.2)."""
+
+    def norm(row: torch.Tensor) -> torch.Tensor:
+        row = row.float()
+        return row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+    return per_row(norm, x).to(x.dtype)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU (spec kimi-k3.md §1.2 hidden_act): b1*tanh(g/b1)*sigmoid(g) * b2*tanh(u/b2), fp32
+    math, result in gate.dtype."""
+    width = gate.shape[-1]
+
+    def act(row: torch.Tensor) -> torch.Tensor:
+        g, u = row[:width].float(), row[width:].float()
+        return (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
+
+    return per_row(act, torch.cat([gate, up], dim=-1)).to(gate.dtype)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) in fp32, result in x.dtype (the output gates of KDA and gated MLA)."""
+    width = x.shape[-1]
+
+    def apply(row: torch.Tensor) -> torch.Tensor:
+        return row[:width].float() * torch.sigmoid(row[width:].float())
+
+    return per_row(apply, torch.cat([x, gate.to(x.dtype)], dim=-1)).to(x.dtype)

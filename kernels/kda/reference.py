@@ -1,0 +1,134 @@
+"""Reference KDA (Kimi Delta Attention) verify and commit, the contract of the `kda_verify` and
+`kda_commit` ops.
+
+Math: spec kimi-k3.md §2.1 (FLA fla/ops/kda naive/fused_recurrent), per request b, head h,
+token t, with the short conv window of the last 3 pre-conv inputs per channel:
+    q, k, v = SiLU(causal_conv4([window ; inputs]))          (depthwise, fp32 taps)
+    q = q / sqrt(sum q^2 + l2_eps) * D^-0.5 ;  k = k / sqrt(sum k^2 + l2_eps)
+    g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))  per channel, in (lower_bound, 0)
+    beta = sigmoid(beta_in)
+    S = exp(g)[:, None] * S ;  u = beta * (v - S^T k) ;  S = S + k u^T ;  o = S^T q
+    out = RMSNorm_head(o; o_norm_weight, eps) * sigmoid(gate_in)
+
+Verify is output-only and records, per position, the normalised key k, the update u and the
+decay exp(g) (spec kernels.md §3.3, design C), plus the pre-conv inputs. Commit replays the
+first n records with the same two float operations per step, in the same order, as the step
+inside verify, so the committed state is bitwise the sequentially decoded one.
+
+Token invariance: every request and token is computed with the shapes of one-token decoding
+([3, W] conv, [H, D] vectors, [H, D, D] state), so a token's bits do not depend on T or B.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..registry import register
+
+CONV_TAPS = 4
+
+
+@dataclass
+class KDARecords:
+    """What `kda_commit` needs to replay accepted positions of one verify."""
+
+    keys: torch.Tensor  # [B, T, H, D] fp32, L2-normalised k
+    updates: torch.Tensor  # [B, T, H, D] fp32, u = beta * (v - S^T k)
+    decays: torch.Tensor  # [B, T, H, D] fp32, exp(g)
+    conv_inputs: torch.Tensor  # [B, 3, W, T] pre-conv q/k/v inputs, in the conv window's dtype
+    lengths: torch.Tensor  # [B] valid positions per request
+
+
+def _check(name: str, tensor: torch.Tensor, shape: tuple) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def _l2_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@register("kda_verify", "reference", priority=0)
+def kda_verify(
+    q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
+    state, lengths, *, lower_bound: float, eps: float, l2_eps: float = 1e-6,
+):
+    B, T, W = q_in.shape
+    H = beta_in.shape[-1]
+    if H == 0 or W % H:
+        raise ValueError(f"beta_in: {H} heads do not divide width {W}")
+    D = W // H
+    for name, tensor, shape in (
+        ("k_in", k_in, (B, T, W)), ("v_in", v_in, (B, T, W)), ("f", f, (B, T, W)),
+        ("beta_in", beta_in, (B, T, H)), ("gate_in", gate_in, (B, T, W)),
+        ("conv_weight", conv_weight, (3, W, CONV_TAPS)), ("conv_state", conv_state, (B, 3, W, CONV_TAPS - 1)),
+        ("A_log", A_log, (H,)), ("dt_bias", dt_bias, (W,)), ("o_norm_weight", o_norm_weight, (D,)),
+        ("state", state, (B, H, D, D)), ("lengths", lengths, (B,)),
+    ):
+        _check(name, tensor, shape)
+    if state.dtype != torch.float32:
+        raise ValueError(f"state: dtype must be float32, got {state.dtype}")
+    lengths_list = [int(n) for n in lengths]
+    for n in lengths_list:
+        if not 0 <= n <= T:
+            raise ValueError(f"lengths: {n} outside [0, {T}]")
+
+    device = q_in.device
+    out = torch.zeros(B, T, W, dtype=q_in.dtype, device=device)
+    keys = torch.zeros(B, T, H, D, dtype=torch.float32, device=device)
+    updates = torch.zeros_like(keys)
+    decays = torch.zeros_like(keys)
+    # Inputs are rounded to the window's dtype first, so a position reads the same value whether
+    # it comes from this block or, later, from the committed window.
+    conv_inputs = torch.stack([q_in, k_in, v_in], dim=1).to(conv_state.dtype).transpose(2, 3)  # [B,3,W,T]
+    taps = conv_weight.float()
+    decay_rate = torch.exp(A_log.float()).unsqueeze(-1)  # [H, 1]
+    dt = dt_bias.float().view(H, D)
+    norm_weight = o_norm_weight.float()
+    scale = D ** -0.5
+
+    for b in range(B):
+        window = torch.cat([conv_state[b], conv_inputs[b]], dim=-1).float()  # [3, W, 3 + T]
+        S = state[b].clone()
+        for t in range(lengths_list[b]):
+            x = window[..., t : t + CONV_TAPS]  # oldest first; tap 3 is the current input
+            conv = taps[..., 0] * x[..., 0]
+            for j in range(1, CONV_TAPS):
+                conv = conv + taps[..., j] * x[..., j]
+            q, k, v = torch.nn.functional.silu(conv).view(3, H, D)
+            q = _l2_normalise(q, l2_eps) * scale
+            k = _l2_normalise(k, l2_eps)
+            g = lower_bound * torch.sigmoid(decay_rate * (f[b, t].float().view(H, D) + dt))
+            decay = torch.exp(g)
+            beta = torch.sigmoid(beta_in[b, t].float()).unsqueeze(-1)  # [H, 1]
+            S = decay.unsqueeze(-1) * S
+            u = beta * (v - (S * k.unsqueeze(-1)).sum(-2))
+            S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
+            o = (S * q.unsqueeze(-1)).sum(-2)  # S^T q: [H, D_v]
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
+            o = o * torch.sigmoid(gate_in[b, t].float().view(H, D))
+            out[b, t] = o.reshape(W).to(out.dtype)
+            keys[b, t], updates[b, t], decays[b, t] = k, u, decay
+    records = KDARecords(keys, updates, decays, conv_inputs, lengths.detach().clone())
+    return out, records
+
+
+@register("kda_commit", "reference", priority=0)
+def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records: KDARecords, num_tokens) -> None:
+    B = state.shape[0]
+    _check("num_tokens", torch.as_tensor(num_tokens), (B,))
+    _check("conv_state", conv_state, (B,) + tuple(records.conv_inputs.shape[1:3]) + (CONV_TAPS - 1,))
+    for b in range(B):
+        n = int(num_tokens[b])
+        if not 0 <= n <= int(records.lengths[b]):
+            raise ValueError(f"num_tokens: {n} for request {b} outside [0, {int(records.lengths[b])}]")
+        if n == 0:
+            continue
+        S = state[b].clone()
+        for t in range(n):  # the same two operations, in the same order, as in kda_verify
+            S = records.decays[b, t].unsqueeze(-1) * S
+            S = S + records.keys[b, t].unsqueeze(-1) * records.updates[b, t].unsqueeze(-2)
+        state[b].copy_(S)
+        window = torch.cat([conv_state[b], records.conv_inputs[b, :, :, :n]], dim=-1)
+        conv_state[b].copy_(window[..., -(CONV_TAPS - 1) :])

@@ -1,0 +1,103 @@
+"""Reference K3 latent MoE FFN and router, the contracts of the `latent_moe` and `moe_route` ops.
+
+Spec kimi-k3.md §1.2-1.3, per token x [D]:
+    router: logits = x @ gate^T (fp32), scores = sigmoid(logits); the top-k experts by
+            scores + e_score_correction_bias (the bias chooses, it does not weigh);
+            weights = the chosen raw scores / their sum * routed_scaling_factor
+    h = latent_down x                                    [latent]
+    routed = sum over the chosen experts, in top-k order, of weight_e * w2_e situ(w1_e h, w3_e h)
+    out = latent_up RMSNorm(routed; routed_expert_norm) + shared_down situ(shared_gate x, shared_up x)
+Routed experts are MXFP4 (dspark/targets/kimi_k3/mxfp4.py); only the touched ones are
+dequantised. Token invariance: projections go through the row-invariant `linear` op, each
+expert runs on one token's row, and elementwise math is per row (numerics.per_row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.targets.kimi_k3.mxfp4 import dequantise
+from dspark.targets.kimi_k3.numerics import per_row, rms_norm, situ
+
+from .. import ops
+from ..registry import register
+
+
+@dataclass
+class LatentMoEWeights:
+    """One MoE layer. Dense tensors in the model dtype (router bias fp32); routed experts are
+    stacked MXFP4: w1/w3 [E, I, latent/2] + scales [E, I, latent/32], w2 [E, latent, I/2] +
+    scales [E, latent, I/32]."""
+
+    gate: torch.Tensor  # [E, D] router
+    score_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
+    latent_down: torch.Tensor  # [latent, D]
+    latent_norm: torch.Tensor  # [latent]
+    latent_up: torch.Tensor  # [D, latent]
+    shared_gate: torch.Tensor  # [S, D]
+    shared_up: torch.Tensor  # [S, D]
+    shared_down: torch.Tensor  # [D, S]
+    w1_packed: torch.Tensor
+    w1_scale: torch.Tensor
+    w3_packed: torch.Tensor
+    w3_scale: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dequantised (w1, w3, w2) of expert e."""
+        return (
+            dequantise(self.w1_packed[e], self.w1_scale[e], dtype),
+            dequantise(self.w3_packed[e], self.w3_scale[e], dtype),
+            dequantise(self.w2_packed[e], self.w2_scale[e], dtype),
+        )
+
+
+@register("moe_route", "reference", priority=0)
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    num_experts = gate_weight.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: {top_k} outside [1, {num_experts}]")
+    if tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"bias: expected shape ({num_experts},), got {tuple(bias.shape)}")
+    logits = ops.linear(x.float(), gate_weight.float())  # fp32 router (spec §1.2)
+    selection_bias = bias.float()
+
+    def route(row: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(row)
+        ids = torch.topk(scores + selection_bias, top_k).indices
+        chosen = scores[ids]
+        weights = chosen / chosen.sum() * scaling
+        return torch.cat([ids.float(), weights])  # ids < 2^24 are exact in fp32
+
+    routed = per_row(route, logits)
+    return routed[:, :top_k].long(), routed[:, top_k:]
+
+
+@register("latent_moe", "reference", priority=0)
+def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
+        raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
+    ids, route_weights = moe_route(
+        x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
+    )
+    latent = ops.linear(x, weights.latent_down)  # [M, latent]
+    experts: dict[int, tuple] = {}
+    routed_rows = []
+    for m in range(x.shape[0]):
+        h = latent[m : m + 1]
+        routed = torch.zeros(latent.shape[1], dtype=torch.float32, device=x.device)
+        for slot in range(ids.shape[1]):  # fixed order: the top-k order
+            e = int(ids[m, slot])
+            if e not in experts:
+                experts[e] = weights.expert(e, x.dtype)
+            w1, w3, w2 = experts[e]
+            act = situ(ops.linear(h, w1), ops.linear(h, w3), cfg.situ_beta, cfg.situ_linear_beta)
+            routed = routed + route_weights[m, slot] * ops.linear(act, w2)[0].float()
+        routed_rows.append(routed)
+    routed = rms_norm(torch.stack(routed_rows), weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
+    shared = situ(
+        ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta
+    )
+    return ops.linear(routed, weights.latent_up) + ops.linear(shared, weights.shared_down)

@@ -1,0 +1,185 @@
+"""The K3 op references (kernels/kda, kernels/mla, kernels/moe) against straightforward float64
+computations, and their token invariance (a token's bits do not depend on its batch)."""
+import math
+
+import pytest
+import torch
+
+from dspark.kernels import ops
+from dspark.kernels.moe.reference import LatentMoEWeights
+from dspark.targets.kimi_k3.config import K3_TINY
+from dspark.targets.kimi_k3.mxfp4 import dequantise, pack
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def randn(gen, *shape, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------- KDA
+H, D = 2, 8
+W = H * D
+LOWER_BOUND, EPS, L2_EPS = -5.0, 1e-5, 1e-6
+
+
+def kda_inputs(gen, B, T):
+    return dict(
+        q_in=randn(gen, B, T, W), k_in=randn(gen, B, T, W), v_in=randn(gen, B, T, W),
+        f=randn(gen, B, T, W), beta_in=randn(gen, B, T, H), gate_in=randn(gen, B, T, W),
+        conv_weight=randn(gen, 3, W, 4, scale=0.5), conv_state=randn(gen, B, 3, W, 3),
+        A_log=randn(gen, H, scale=0.5), dt_bias=randn(gen, W, scale=0.5), o_norm_weight=1 + randn(gen, D, scale=0.1),
+        state=randn(gen, B, H, D, D, scale=0.3),
+    )
+
+
+def kda_naive(inp, b, n):
+    """Float64 token-by-token recurrence of spec kimi-k3.md §2.1 for request b -> (o [n, W], S, window)."""
+    d = {k: v.double() for k, v in inp.items()}
+    seq = torch.cat([d["conv_state"][b], torch.stack([d["q_in"][b], d["k_in"][b], d["v_in"][b]]).transpose(1, 2)], -1)
+    S = d["state"][b].clone()
+    outs = []
+    for t in range(n):
+        conv = sum(d["conv_weight"][..., j] * seq[..., t + j] for j in range(4))
+        q, k, v = torch.nn.functional.silu(conv).view(3, H, D)
+        q = q / torch.sqrt((q**2).sum(-1, keepdim=True) + L2_EPS) / math.sqrt(D)
+        k = k / torch.sqrt((k**2).sum(-1, keepdim=True) + L2_EPS)
+        g = LOWER_BOUND * torch.sigmoid(torch.exp(d["A_log"])[:, None] * (d["f"][b, t].view(H, D) + d["dt_bias"].view(H, D)))
+        beta = torch.sigmoid(d["beta_in"][b, t])
+        o = torch.zeros(H, D, dtype=torch.float64)
+        for h in range(H):
+            S[h] = torch.diag(torch.exp(g[h])) @ S[h]
+            u = beta[h] * (v[h] - S[h].T @ k[h])
+            S[h] = S[h] + torch.outer(k[h], u)
+            o[h] = S[h].T @ q[h]
+        o = o / torch.sqrt((o**2).mean(-1, keepdim=True) + EPS) * d["o_norm_weight"]
+        outs.append((o * torch.sigmoid(d["gate_in"][b, t].view(H, D))).reshape(W))
+    return torch.stack(outs) if outs else torch.zeros(0, W), S, seq[..., n : n + 3]
+
+
+def run_verify(inp, lengths):
+    return ops.kda_verify(**inp, lengths=torch.tensor(lengths), lower_bound=LOWER_BOUND, eps=EPS)
+
+
+def test_kda_matches_float64_recurrence_and_is_output_only(gen):
+    inp = kda_inputs(gen, 2, 6)
+    before = {k: v.clone() for k, v in inp.items()}
+    out, records = run_verify(inp, [6, 4])
+    for k in inp:
+        assert torch.equal(inp[k], before[k]), f"verify modified {k}"
+    assert torch.equal(out[1, 4:], torch.zeros(2, W)), "padding positions must be zero"
+    for b, n in ((0, 6), (1, 4)):
+        o, S, window = kda_naive(inp, b, n)
+        torch.testing.assert_close(out[b, :n].double(), o, rtol=1e-4, atol=1e-5)
+        state, conv = inp["state"][b : b + 1].clone(), inp["conv_state"][b : b + 1].clone()
+        sub = type(records)(*(x[b : b + 1] for x in (records.keys, records.updates, records.decays,
+                                                        records.conv_inputs, records.lengths)))
+        ops.kda_commit(state, conv, sub, torch.tensor([n]))
+        torch.testing.assert_close(state[0].double(), S, rtol=1e-4, atol=1e-5)
+        assert torch.equal(conv[0], window.float())
+
+
+def test_kda_commit_is_bitwise_sequential_and_verify_is_token_invariant(gen):
+    T = 5
+    inp = kda_inputs(gen, 2, T)
+    out, records = run_verify(inp, [T, 3])
+    for n in range(T + 1):
+        state, conv = inp["state"].clone(), inp["conv_state"].clone()
+        ops.kda_commit(state, conv, records, torch.tensor([n, min(n, 3)]))
+        # sequential: request 0 alone, one token per verify + commit
+        seq_state, seq_conv = inp["state"][:1].clone(), inp["conv_state"][:1].clone()
+        for t in range(n):
+            one = {k: (v[:1, t : t + 1] if v.dim() >= 3 and k not in ("conv_weight", "conv_state", "state") else v)
+                   for k, v in inp.items()}
+            one["conv_state"], one["state"] = seq_conv, seq_state
+            o1, r1 = run_verify(one, [1])
+            assert torch.equal(o1[0, 0], out[0, t]), f"token {t}: block and single-token outputs differ"
+            ops.kda_commit(seq_state, seq_conv, r1, torch.tensor([1]))
+        assert torch.equal(state[0], seq_state[0]) and torch.equal(conv[0], seq_conv[0]), f"n={n}"
+        if n == 0:
+            assert torch.equal(state, inp["state"]) and torch.equal(conv, inp["conv_state"])
+
+
+def test_kda_rejects_bad_shapes(gen):
+    inp = kda_inputs(gen, 1, 2)
+    inp["dt_bias"] = inp["dt_bias"][:-1]
+    with pytest.raises(ValueError, match="dt_bias"):
+        run_verify(inp, [2])
+
+
+# ---------------------------------------------------------------- MLA
+def test_mla_matches_unabsorbed_float64_and_is_token_invariant(gen):
+    Hq, R, P, nope, vdim, T, L = 3, 16, 4, 8, 8, 4, 12
+    w_uk, w_uv = randn(gen, Hq, nope, R, scale=0.3), randn(gen, Hq, vdim, R, scale=0.3)
+    cache = randn(gen, 3, L, R + P)
+    slots, cache_lens, lengths = torch.tensor([2, 0]), torch.tensor([5, 2]), torch.tensor([4, 3])
+    q_nope, q_pe = randn(gen, 2, T, Hq, nope), randn(gen, 2, T, Hq, P)
+    q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+    scale = (nope + P) ** -0.5
+    out = ops.mla_verify_attention(q_latent, q_pe, cache, slots, cache_lens, lengths, scale)
+    c = cache.double()
+    for b in range(2):
+        rows = c[slots[b]]
+        k_nope = torch.einsum("hnr,lr->hln", w_uk.double(), rows[:, :R])
+        v = torch.einsum("hvr,lr->hlv", w_uv.double(), rows[:, :R])
+        for j in range(int(lengths[b])):
+            visible = int(cache_lens[b]) + j + 1
+            s = (torch.einsum("hn,hln->hl", q_nope[b, j].double(), k_nope[:, :visible])
+                 + q_pe[b, j].double() @ rows[:visible, R:].T) * scale
+            expected = torch.einsum("hl,hlv->hv", torch.softmax(s, -1), v[:, :visible])
+            got = torch.einsum("hvr,hr->hv", w_uv.double(), out[b, j].double())
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, 3], torch.zeros(Hq, R))
+    # token invariance: request 1 alone, one query at a time
+    for j in range(3):
+        single = ops.mla_verify_attention(q_latent[1:, j : j + 1], q_pe[1:, j : j + 1], cache, slots[1:],
+                                          cache_lens[1:] + j, torch.tensor([1]), scale)
+        assert torch.equal(single[0, 0], out[1, j])
+
+
+# ---------------------------------------------------------------- MoE
+def moe_weights(gen, cfg):
+    E, Dm, Lt, I, S = cfg.num_experts, cfg.hidden_size, cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    w1, w3, w2 = randn(gen, E, I, Lt, scale=Lt**-0.5), randn(gen, E, I, Lt, scale=Lt**-0.5), randn(gen, E, Lt, I, scale=I**-0.5)
+    (p1, s1), (p3, s3), (p2, s2) = pack(w1), pack(w3), pack(w2)
+    return LatentMoEWeights(
+        gate=randn(gen, E, Dm, scale=Dm**-0.5), score_bias=randn(gen, E, scale=0.1),
+        latent_down=randn(gen, Lt, Dm, scale=Dm**-0.5), latent_norm=1 + randn(gen, Lt, scale=0.1),
+        latent_up=randn(gen, Dm, Lt, scale=Lt**-0.5), shared_gate=randn(gen, S, Dm, scale=Dm**-0.5),
+        shared_up=randn(gen, S, Dm, scale=Dm**-0.5), shared_down=randn(gen, Dm, S, scale=S**-0.5),
+        w1_packed=p1, w1_scale=s1, w3_packed=p3, w3_scale=s3, w2_packed=p2, w2_scale=s2,
+    )
+
+
+def test_latent_moe_matches_dense_float64_loop_and_is_token_invariant(gen):
+    cfg = K3_TINY
+    wts = moe_weights(gen, cfg)
+    x = randn(gen, 5, cfg.hidden_size)
+    out = ops.latent_moe(x, wts, cfg)
+    ids, weights = ops.moe_route(x, wts.gate, wts.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor)
+    torch.testing.assert_close(weights.sum(-1), torch.full((5,), cfg.routed_scaling_factor))
+
+    def situ(g, u):
+        return cfg.situ_beta * torch.tanh(g / cfg.situ_beta) * torch.sigmoid(g) * cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta)
+
+    d = {k: getattr(wts, k).double() for k in ("gate", "score_bias", "latent_down", "latent_norm", "latent_up",
+                                                "shared_gate", "shared_up", "shared_down")}
+    for m in range(5):
+        xm = x[m].double()
+        scores = torch.sigmoid(d["gate"] @ xm)
+        chosen = torch.topk(scores + d["score_bias"], cfg.num_experts_per_token).indices
+        assert torch.equal(chosen, ids[m])
+        w = scores[chosen] / scores[chosen].sum() * cfg.routed_scaling_factor
+        h = d["latent_down"] @ xm
+        routed = torch.zeros_like(h)
+        for e, we in zip(chosen.tolist(), w):
+            w1, w3, w2 = (dequantise(getattr(wts, f"{n}_packed")[e], getattr(wts, f"{n}_scale")[e], torch.float64)
+                          for n in ("w1", "w3", "w2"))
+            routed += we * (w2 @ situ(w1 @ h, w3 @ h))
+        routed = routed / torch.sqrt((routed**2).mean() + cfg.rms_norm_eps) * d["latent_norm"]
+        expected = d["latent_up"] @ routed + d["shared_down"] @ situ(d["shared_gate"] @ xm, d["shared_up"] @ xm)
+        torch.testing.assert_close(out[m].double(), expected, rtol=1e-4, atol=1e-5)
+        assert torch.equal(ops.latent_moe(x[m : m + 1], wts, cfg)[0], out[m]), f"token {m} not invariant"
