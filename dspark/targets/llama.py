@@ -212,8 +212,9 @@ class LlamaTarget:
         self.rope_sin = angles.sin().float().to(self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
-        self.cache_lengths = [0] * max_slots  # committed tokens per slot
-        self.in_use = [False] * max_slots
+        # Committed tokens per slot; 0 = free. A free slot verifies against an empty prefix
+        # (the engine profiles verify cost on a slot no request holds).
+        self.cache_lengths = [0] * max_slots
         self.pending = [None] * max_slots  # tokens written by the last verify, until commit
 
     # ---- Target protocol --------------------------------------------------------------------
@@ -222,8 +223,8 @@ class LlamaTarget:
         if len(prompts) != len(slots):
             raise ValueError(f"prompts: {len(prompts)} prompts for {len(slots)} slots")
         for slot in slots:
-            if self.in_use[slot]:
-                raise ValueError(f"slots: slot {slot} is in use; release it before prefilling it again")
+            if self.cache_lengths[slot]:
+                raise ValueError(f"slots: slot {slot} holds {self.cache_lengths[slot]} tokens; release it before prefilling it again")
         rows = []
         for r, prompt in enumerate(prompts):
             if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
@@ -233,7 +234,6 @@ class LlamaTarget:
             rows.append(self._check_token_ids(f"prompts[{r}]", prompt))
         output = self._forward(slots, rows, [0] * len(slots), self._check_taps(tap_layers))
         for slot, prompt in zip(slots, prompts):
-            self.in_use[slot] = True
             self.cache_lengths[slot] = len(prompt)
             self.pending[slot] = None
         return output
@@ -247,8 +247,6 @@ class LlamaTarget:
         lengths = self._check_counts("lengths", lengths, len(slots))
         rows, starts = [], []
         for r, (slot, n) in enumerate(zip(slots, lengths)):
-            if not self.in_use[slot]:
-                raise ValueError(f"slots: slot {slot} holds no request; prefill it first")
             if not 1 <= n <= tokens.shape[1]:
                 raise ValueError(f"lengths[{r}]={n}: must be in [1, T={tokens.shape[1]}]")
             if self.cache_lengths[slot] + n > self.max_seq_len:
@@ -278,7 +276,6 @@ class LlamaTarget:
 
     def release(self, slots) -> None:
         for slot in self._check_slots(slots):
-            self.in_use[slot] = False
             self.cache_lengths[slot] = 0
             self.pending[slot] = None
 
