@@ -185,14 +185,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/sweep-<target>)")
-    p.add_argument("--backend", default="dspark", choices=["dspark", "vllm"])
 
 
 def main(args) -> int:
-    if args.backend == "vllm":
-        from .vllm import sweep_main
-
-        return sweep_main(args)
     device = args.device or default_device()
     on_cuda = torch.device(device).type == "cuda"
     target_name = args.target or ("k3-slice" if on_cuda else "k3-tiny")
