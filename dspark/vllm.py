@@ -332,7 +332,8 @@ class VllmValidation:
     """What validate_with_vllm checked.
 
     vllm_version:              the installed release.
-    method, num_speculative_tokens, synthetic_acceptance_rates: as vLLM resolved them.
+    method, num_speculative_tokens, synthetic_acceptance_rates, draft_architectures: as vLLM
+                               resolved them (draft_architectures is empty without a draft model).
     vllm_config_built:         whether the full VllmConfig (runner selection, feature checks) was built.
     vllm_config_skipped:       why not, when it was not (e.g. Model Runner V2 needs Triton with a GPU).
     """
@@ -341,6 +342,7 @@ class VllmValidation:
     method: str
     num_speculative_tokens: int
     synthetic_acceptance_rates: list[float] | None
+    draft_architectures: tuple[str, ...]
     vllm_config_built: bool
     vllm_config_skipped: str | None = None
     notes: tuple[str, ...] = field(default=())
@@ -374,6 +376,14 @@ def _env(updates: dict[str, str]):
             os.environ.pop(name, None)
 
 
+# How vLLM 0.32 words errors about a field without naming it (config/vllm.py, v1/spec_decode/dynamic/utils.py).
+_VLLM_PHRASES = (
+    (r"adaptive (draft )?verification", "enable_adaptive_verification"),
+    (r"\bdspark speculative decoding\b|speculative method '", "method"),
+    (r"batch-size range|num_speculative_tokens_per_batch_size", "num_speculative_tokens_per_batch_size"),
+)
+
+
 def _vllm_message(exc: Exception) -> tuple[list[str], str]:
     """The vLLM field names an exception points at, and its message without pydantic's framing."""
     errors = getattr(exc, "errors", None)
@@ -387,6 +397,7 @@ def _vllm_message(exc: Exception) -> tuple[list[str], str]:
     else:
         fields, text = [], str(exc)
     mentioned = [name for name in OUR_FIELD if re.search(rf"\b{name}\b", text)]
+    mentioned += [name for pattern, name in _VLLM_PHRASES if re.search(pattern, text, re.IGNORECASE)]
     return [f for f in fields if f in OUR_FIELD] or mentioned, text
 
 
@@ -397,6 +408,21 @@ def _as_our_error(exc: Exception, config: dict, installed: str, stage: str) -> V
     else:
         named = f"speculative_config {json.dumps(config)}"
     return ValueError(f"{named}: vLLM {installed} rejects it in {stage}: {text}")
+
+
+def _check_draft_architecture(config: dict, spec_config, installed: str) -> None:
+    """Under method="dspark" vLLM rewrites a draft architecture it does not know as a DSpark class
+    into the DeepSeek-V4 in-checkpoint drafter (spec vllm §1.4), which would load our weights into
+    the wrong model without a word. Refuse that."""
+    path = config.get("model")
+    if spec_config.method != "dspark" or path is None or not (Path(path) / "config.json").is_file():
+        return
+    on_disk = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    resolved = list(spec_config.draft_model_config.architectures or [])
+    if resolved != on_disk and not set(resolved) & set(VLLM_DSPARK_ARCHITECTURES):
+        raise ValueError(f"SpecConfig.drafter_path={path!r}: its architectures {on_disk} are not a DSpark drafter "
+                         f"vLLM {installed} knows ({', '.join(VLLM_DSPARK_ARCHITECTURES)}); under method 'dspark' "
+                         f"vLLM would load it as {resolved} (the DeepSeek-V4 in-checkpoint drafter)")
 
 
 def validate_with_vllm(config: dict, *, target_model: str | None = None) -> VllmValidation:
@@ -439,6 +465,8 @@ def validate_with_vllm(config: dict, *, target_model: str | None = None) -> Vllm
         except Exception as exc:
             raise _as_our_error(exc, config, installed, "SpeculativeConfig") from exc
 
+        _check_draft_architecture(config, spec_config, installed)
+
         schedule = config.get("num_speculative_tokens_per_batch_size")
         if schedule is not None:
             # vLLM checks the schedule only when the scheduler starts; check it now.
@@ -465,6 +493,8 @@ def validate_with_vllm(config: dict, *, target_model: str | None = None) -> Vllm
         num_speculative_tokens=spec_config.num_speculative_tokens,
         synthetic_acceptance_rates=(list(spec_config.synthetic_acceptance_rates)
                                     if spec_config.synthetic_acceptance_rates is not None else None),
+        draft_architectures=tuple(spec_config.draft_model_config.architectures or ())
+        if spec_config.method not in ("ngram", "ngram_gpu") else (),
         vllm_config_built=built,
         vllm_config_skipped=skipped,
         notes=tuple(notes),
