@@ -22,8 +22,13 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from scipy.special import gammaln
 
+from dspark.drafters.dspark.config import PRESETS as DRAFTER_PRESETS
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.drafters.dspark.config import get_preset as get_drafter_preset
+from dspark.drafters.dspark.model import DSparkModel
 from dspark.targets.kimi_k3.config import K3, K3Config, get_preset
 
 # Bytes per element of the dense tensors. FP8 block scales (one fp32 per 128x128 block, +0.02%)
@@ -142,52 +147,32 @@ def distinct_experts(cfg: K3Config, num_tokens: int, expert_dedup: float | None 
 
 # ---- the drafter's pass ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class DraftShape:
-    """Shapes of a DSpark drafter; defaults are Inferact/Kimi-K3-DSpark (spec kimi-k3.md §4):
-    5 dense MLA layers (no output gate), hidden 7168, FFN 14336, 64 heads, q/kv LoRA 1536/512,
-    nope/rope/v 128/64/128, 5 target taps, Markov rank 256, block 7. Its parameter count with the
-    embedding copy comes out at 3.562B, the published figure. Embeddings and lm_head are the
-    target's (dspark-algorithm.md §2.4), so the embed copy is not read and lm_head is the target's."""
+@functools.lru_cache(maxsize=16)
+def draft_params(draft: DSparkConfig) -> int:
+    """Parameters a DSpark drafter reads per pass, counted on the real module (built on the meta
+    device, so nothing is allocated): its layers, tap projection, norms, Markov and confidence
+    heads. Embeddings and lm_head are the target's (dspark-algorithm.md §2.4), buffers there,
+    so not counted; a published checkpoint's embed copy is never read at serving time."""
+    with torch.device("meta"):
+        shared = torch.empty(draft.vocab_size, draft.hidden_size)
+        model = DSparkModel(draft, shared, shared)
+    return sum(p.numel() for p in model.parameters())
 
-    num_layers: int = 5
-    hidden_size: int = 7168
-    intermediate_size: int = 14336
-    num_heads: int = 64
-    q_lora_rank: int = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    num_taps: int = 5
-    markov_rank: int = 256
-    block_size: int = 7
 
-    @property
-    def kv_cache_width(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
+def draft_cache_width(draft: DSparkConfig) -> int:
+    """Elements of one context row of the drafter's cache per layer (drafters/dspark/model.py):
+    MLA [RMSNorm(c_kv) | k_pe], GQA [k | v]."""
+    if draft.attention_type == "mla":
+        return draft.kv_lora_rank + draft.qk_rope_head_dim
+    return 2 * draft.num_kv_heads * draft.head_dim
 
-    def layer_params(self) -> int:
-        d, h = self.hidden_size, self.num_heads
-        attn = (
-            self.q_lora_rank * d + self.q_lora_rank
-            + h * (self.qk_nope_head_dim + self.qk_rope_head_dim) * self.q_lora_rank
-            + self.kv_cache_width * d + self.kv_lora_rank
-            + h * (self.qk_nope_head_dim + self.v_head_dim) * self.kv_lora_rank
-            + d * h * self.v_head_dim
-        )
-        return attn + 3 * d * self.intermediate_size + 2 * d
 
-    def params(self, vocab_size: int) -> int:
-        """Drafter parameters read per pass (no embedding copy, no lm_head): layers, the tap
-        projection fc [d, m*d] + norms, Markov head W1/W2 [V, r], confidence head [d + r] + bias."""
-        d = self.hidden_size
-        return (
-            self.num_layers * self.layer_params()
-            + self.num_taps * d * d + 2 * d
-            + 2 * vocab_size * self.markov_rank
-            + d + self.markov_rank + 1
-        )
+def default_draft(cfg: K3Config) -> DSparkConfig | None:
+    """The drafter preset that drafts for this target (same hidden size and vocabulary), if any."""
+    for draft in DRAFTER_PRESETS.values():
+        if draft.hidden_size == cfg.hidden_size and draft.vocab_size == cfg.vocab_size:
+            return draft
+    return None
 
 
 # ---- one step -------------------------------------------------------------------------------------
@@ -238,7 +223,7 @@ def step_cost(
     kv_dtype: str = "bf16",
     kda_state: str = "native",
     expert_dedup: float | None = None,
-    draft: DraftShape | None = None,
+    draft: DSparkConfig | None = None,
     label: str | None = None,
 ) -> StepCost:
     """One target forward of `tokens_per_request` tokens for each of `batch` requests whose
@@ -295,17 +280,25 @@ def step_cost(
     }
 
     if draft is not None:
-        # The drafter reads its own weights, the target's lm_head for its block_size positions and
-        # its MLA cache over the context; lm_head bytes are counted again because it is a second pass.
+        # The drafter reads its own weights (bf16), the target's lm_head for its block_size
+        # positions (counted again: it is a second pass) and its context cache.
+        for name in ("hidden_size", "vocab_size"):
+            if getattr(draft, name) != getattr(cfg, name):
+                raise ValueError(f"draft.{name}={getattr(draft, name)!r}: must equal the target's {getattr(cfg, name)}")
+        params = draft_params(draft)
+        width = draft_cache_width(draft)
         draft_tokens = batch * draft.block_size
-        draft_kv_row = draft.kv_cache_width * DTYPE_BYTES[kv_dtype] * draft.num_layers
-        nbytes["draft_weights"] = draft.params(cfg.vocab_size) * BF16
+        nbytes["draft_weights"] = params * BF16
         nbytes["draft_lm_head"] = cfg.vocab_size * d * BF16
-        nbytes["draft_kv"] = batch * (context + draft.block_size) * draft_kv_row
-        draft_keys = draft.block_size * (context + draft.block_size)  # non-causal inside the block
+        nbytes["draft_kv"] = batch * (context + draft.block_size) * width * DTYPE_BYTES[kv_dtype] * draft.num_layers
+        # Attention: every block query sees the context and the whole block (non-causal, §2.3);
+        # MLA absorbed like the target (score over the cache row + kv_lora_rank output), GQA
+        # q.k + p.v per head.
+        per_key = width + draft.kv_lora_rank if draft.attention_type == "mla" else 2 * draft.head_dim
+        draft_keys = draft.block_size * (context + draft.block_size)
         flops["draft"] = (
-            2.0 * (draft.params(cfg.vocab_size) + cfg.vocab_size * d) * draft_tokens
-            + 2.0 * batch * draft.num_layers * draft.num_heads * draft_keys * (draft.kv_cache_width + draft.kv_lora_rank)
+            2.0 * (params + cfg.vocab_size * d) * draft_tokens
+            + 2.0 * batch * draft.num_layers * draft.num_heads * draft_keys * per_key
         )
 
     if label is None:
@@ -479,7 +472,7 @@ def build_roofline(
     kv_dtype: str = "bf16",
     kda_state: str = "native",
     expert_dedup: float | None = None,
-    draft: DraftShape | None = DraftShape(),
+    draft: DSparkConfig | None | str = "auto",
     gpus: tuple[GPU, ...] = (GPUS["h200"], GPUS["gb300"]),
     gpu_counts: tuple[int, ...] = (1, 16),
     max_experts_per_rank: float | None = None,
@@ -488,6 +481,8 @@ def build_roofline(
     for al in acceptance_lengths:
         if not 1 <= al <= k + 1:
             raise ValueError(f"acceptance_lengths={acceptance_lengths!r}: {al} outside [1, k+1={k + 1}]")
+    if draft == "auto":
+        draft = default_draft(cfg)
     common = dict(batch=batch, context=context, trunk_dtype=trunk_dtype, kv_dtype=kv_dtype, kda_state=kda_state)
     plain = step_cost(cfg, tokens_per_request=1, **common)  # no dedup: one token has none
     verify = step_cost(cfg, tokens_per_request=k + 1, expert_dedup=expert_dedup, **common)
@@ -522,11 +517,14 @@ def build_roofline(
 def _format_table(result: Roofline) -> str:
     steps = (result.plain, result.verify, result.spec)
     names = sorted({name for s in steps for name in s.bytes}, key=lambda n: list(result.spec.bytes).index(n))
-    lines = [f"{'bytes per step (GB)':<22}" + "".join(f"{s.label:>24}" for s in steps)]
+    # GB and TFLOPs for K3; MB and GFLOPs for the small test presets
+    unit, scale = ("GB", GB) if result.plain.total_bytes >= GB else ("MB", 1e6)
+    f_unit, f_scale = ("TFLOPs", 1e12) if result.plain.total_flops >= 1e12 else ("GFLOPs", 1e9)
+    lines = [f"{'bytes per step (' + unit + ')':<22}" + "".join(f"{s.label:>24}" for s in steps)]
     for name in names:
-        lines.append(f"{name:<22}" + "".join(f"{s.bytes.get(name, 0.0) / GB:>24.3f}" for s in steps))
-    lines.append(f"{'total':<22}" + "".join(f"{s.total_bytes / GB:>24.2f}" for s in steps))
-    lines.append(f"{'TFLOPs':<22}" + "".join(f"{s.total_flops / 1e12:>24.2f}" for s in steps))
+        lines.append(f"{name:<22}" + "".join(f"{s.bytes.get(name, 0.0) / scale:>24.3f}" for s in steps))
+    lines.append(f"{'total':<22}" + "".join(f"{s.total_bytes / scale:>24.2f}" for s in steps))
+    lines.append(f"{f_unit:<22}" + "".join(f"{s.total_flops / f_scale:>24.2f}" for s in steps))
     lines.append(f"{'distinct experts/layer':<22}" + "".join(f"{s.distinct_experts:>24.2f}" for s in steps))
     lines.append("")
     lines.append(f"floors: bandwidth (and compute, where the GPU has a peak) time of one step; tok/s per request"
@@ -536,8 +534,8 @@ def _format_table(result: Roofline) -> str:
     for f in result.floors:
         name = f"{f['num_gpus']}x {f['gpu']} {f['sharding']}"
         lines.append(
-            f"{name:<30}{f['plain_ms']:>10.2f}{f['plain_tokens_per_s']:>10.1f}{f['verify_ms']:>11.2f}"
-            f"{f['spec_ms']:>10.2f}" + "".join(f"{f['spec_tokens_per_s'][al]:>16.1f}" for al in result.acceptance_lengths)
+            f"{name:<30}{f['plain_ms']:>10.4g}{f['plain_tokens_per_s']:>10.1f}{f['verify_ms']:>11.4g}"
+            f"{f['spec_ms']:>10.4g}" + "".join(f"{f['spec_tokens_per_s'][al]:>16.1f}" for al in result.acceptance_lengths)
         )
     return "\n".join(lines)
 
@@ -554,6 +552,12 @@ def _parse_gpu(text: str) -> GPU:
     return get_gpu(name, value)
 
 
+def _parse_draft(name: str) -> DSparkConfig | None | str:
+    if name in ("auto", "none"):
+        return None if name == "none" else name
+    return get_drafter_preset(name)
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="k3", help="target preset (k3, k3-tiny, k3-slice)")
     parser.add_argument("--batch", type=int, default=1, help="requests per step")
@@ -566,7 +570,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="verify writes a state per token (native) or one state + replay records (replay)")
     parser.add_argument("--expert-dedup", type=float, default=None,
                         help="measured (token, expert) pairs per distinct expert; default uniform routing")
-    parser.add_argument("--no-draft", action="store_true", help="leave the DSpark draft pass out of the spec step")
+    parser.add_argument("--draft", default="auto",
+                        help="drafter preset for the draft pass (auto = the one matching the target, none = no draft): "
+                             + ", ".join(sorted(DRAFTER_PRESETS)))
     parser.add_argument("--gpu", nargs="+", default=["h200", "gb300"],
                         help="GPUs, each NAME or NAME=TBPS with a measured bandwidth (e.g. h200=4.3)")
     parser.add_argument("--num-gpus", type=int, nargs="+", default=[1, 16], help="GPU counts to floor for")
@@ -581,7 +587,7 @@ def main(args: argparse.Namespace) -> int:
         get_preset(args.preset),
         k=args.k, batch=args.batch, context=args.context, acceptance_lengths=tuple(args.al),
         trunk_dtype=args.trunk_dtype, kv_dtype=args.kv_dtype, kda_state=args.kda_state,
-        expert_dedup=args.expert_dedup, draft=None if args.no_draft else DraftShape(),
+        expert_dedup=args.expert_dedup, draft=_parse_draft(args.draft),
         gpus=tuple(_parse_gpu(g) for g in args.gpu), gpu_counts=tuple(args.num_gpus),
         max_experts_per_rank=args.max_experts_per_rank,
     )

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from dspark import roofline as rf
+from dspark.drafters.dspark.config import get_preset as get_drafter_preset
 from dspark.targets.kimi_k3.config import K3, K3_TINY
 
 GB = 1e9
+K3_DRAFT = get_drafter_preset("k3_dspark")
 
 
 def rel(actual, expected):
@@ -157,18 +159,21 @@ def test_verify_step_bytes_match_spec_6_4():
     assert rel(replay.bytes["kda_state"] / GB, 0.95) < 0.01
     assert rel(native.total_bytes / GB, 309.6) < 0.001
     assert rel(replay.total_bytes / GB, 306.5) < 0.001
-    spec = rf.step_cost(K3, tokens_per_request=8, draft=rf.DraftShape())
+    spec = rf.step_cost(K3, tokens_per_request=8, draft=K3_DRAFT)
     draft = sum(v for name, v in spec.bytes.items() if name.startswith("draft"))
     assert rel(draft / GB, 7.1) < 0.02  # "≈7.1 GB" (4.78 draft weights + 2.35 lm_head)
     assert rel(spec.total_bytes / GB, 316.7) < 0.001
     assert rel(spec.total_bytes / 6 / GB, 52.8) < 0.002  # per accepted token at AL = 6
 
 
-def test_draft_shape_matches_published_parameter_count():
-    draft = rf.DraftShape()
-    with_embed = draft.params(K3.vocab_size) + K3.vocab_size * K3.hidden_size
-    assert rel(with_embed / 1e9, 3.562) < 0.001  # Inferact/Kimi-K3-DSpark, spec §4
-    assert rel(draft.params(K3.vocab_size) * 2 / GB, 4.78) < 0.002
+def test_drafter_parameters_match_published_count():
+    with_embed = rf.draft_params(K3_DRAFT) + K3.vocab_size * K3.hidden_size
+    assert rel(with_embed / 1e9, 3.562) < 0.001  # Inferact/Kimi-K3-DSpark incl. its embed copy, spec §4
+    assert rel(rf.draft_params(K3_DRAFT) * 2 / GB, 4.78) < 0.002
+    assert rf.default_draft(K3) == K3_DRAFT
+    assert rf.default_draft(K3_TINY).hidden_size == K3_TINY.hidden_size
+    with pytest.raises(ValueError, match="draft.hidden_size"):
+        rf.step_cost(K3_TINY, draft=K3_DRAFT)
 
 
 # ---- §6.5 floors -------------------------------------------------------------------------------------
@@ -207,7 +212,7 @@ def test_floors_match_spec_6_5(row):
     gpu = rf.get_gpu(name, tbs)
     plain = rf.step_cost(K3)
     verify = rf.step_cost(K3, tokens_per_request=8)
-    spec = rf.step_cost(K3, tokens_per_request=8, draft=rf.DraftShape())
+    spec = rf.step_cost(K3, tokens_per_request=8, draft=K3_DRAFT)
     t_plain = rf.step_time(plain, gpu, count, expert_parallel=ep)
     t_verify = rf.step_time(verify, gpu, count, expert_parallel=ep)
     t_spec = rf.step_time(spec, gpu, count, expert_parallel=ep)
@@ -223,7 +228,7 @@ def test_floors_at_128k_context_match_spec_prose():
     # spec §6.5, paragraph after the table: 128k context, BF16 KV.
     h200, gb300 = rf.get_gpu("h200"), rf.get_gpu("gb300")
     plain = rf.step_cost(K3, context=131072)
-    spec = rf.step_cost(K3, context=131072, tokens_per_request=8, draft=rf.DraftShape())
+    spec = rf.step_cost(K3, context=131072, tokens_per_request=8, draft=K3_DRAFT)
     assert rel(rf.step_time(plain, h200) * 1e3, 29.5) < 0.01
     assert rel(rf.tokens_per_second(1.0, rf.step_time(plain, gb300, 16)), 905) < 0.01
     assert rel(rf.tokens_per_second(6.0, rf.step_time(spec, h200)), 90.0) < 0.01
