@@ -250,11 +250,10 @@ class ConfidenceScheduler:
 
         # The pool, ranked by a descending; ties keep (position, request) order so a request's
         # positions with equal survival (c = 1) are admitted in prefix order.
-        position, request = torch.meshgrid(torch.arange(width), torch.arange(R), indexing="ij")
-        a = survival.cpu().T.reshape(-1)  # position-major
-        position, request = position.reshape(-1), request.reshape(-1)
+        a = survival.cpu().T.reshape(-1)  # position-major: (j=0, r=0), (j=0, r=1), ...
+        request = torch.arange(R).repeat(width)
         keep = a > 0
-        a, position, request = a[keep], position[keep], request[keep]
+        a, request = a[keep], request[keep]
         order = torch.sort(a, descending=True, stable=True).indices
         a, request = a[order], request[order]
 
@@ -267,8 +266,7 @@ class ConfidenceScheduler:
             not_better = (theta[1:] <= theta[:-1]).nonzero()
             count = int(not_better[0]) if len(not_better) else len(a)
         else:
-            best = int(torch.argmax(theta))  # first maximum; Θ0 itself when nothing beats it
-            count = best
+            count = int(torch.argmax(theta))  # the first maximum; 0 when nothing beats Θ0
         lengths = torch.bincount(request[:count], minlength=R)
         return lengths.to(device=proposal.num_drafts.device, dtype=torch.long)
 

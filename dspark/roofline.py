@@ -9,6 +9,7 @@ the model and its assumptions are those of spec §6:
 - KDA recurrent state (fp32) and conv window (bf16) are read and written once per plain decode
   step; a verify step either writes a snapshot after every token ("native", vLLM) or writes one
   state plus per-token replay records ("replay", ReplaySSM / RecoverSSM), spec §2.3 and §6.4;
+- the draft pass reads the drafter's weights, the target's lm_head and the drafter's context cache;
 - no activation, communication or launch costs: these are floors.
 
 `dspark roofline` (configure_parser / main) prints the byte breakdown and the floors.
@@ -420,6 +421,9 @@ def step_time(
     it reads E[max experts per rank] experts per MoE layer (spec §6.5). `max_experts_per_rank`
     takes a measured figure instead of the uniform-routing expectation. The compute floor
     (FLOPs / (G * peak)) applies when the GPU has a peak figure; the floor is the larger one.
+
+    Spec §6.5's EP16 column leaves the KV and KDA-state bytes off the busiest rank; here they are
+    split over the ranks like the trunk, so these floors come out 0.7-1.0% slower than that column.
     """
     _check_positive_int("num_gpus", num_gpus)
     if expert_parallel:
