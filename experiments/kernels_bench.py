@@ -26,6 +26,12 @@ from dspark.kernels import cute_common
 from dspark.kernels.linear import cute_sm90
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
+# Kernel variants timed side by side (compile_skinny_gemm options); the first is the default.
+VARIANTS = {
+    "cute_sm90": dict(stages=4, fused_reduce=True),
+    "cute_sm90_5st": dict(stages=5, fused_reduce=True),
+    "cute_sm90_2pass": dict(stages=5, fused_reduce=False),  # bench run 1's kernel
+}
 
 
 def median_event_ms(fn, repeats: int) -> float:
@@ -70,14 +76,16 @@ def time_calls(calls, reps: int, repeats: int = 15) -> dict:
 
 
 def read_ceiling(gib: float = 4.0) -> dict:
-    """Pure-read bandwidth: torch reductions over a large bf16 buffer (read once, tiny output),
-    and a device-to-device copy (bytes read + written) for comparison."""
+    """Pure-read bandwidth: torch reductions and a cuBLAS GEMV over a large bf16 buffer (read once,
+    tiny output), and a device-to-device copy (bytes read + written) for comparison."""
     numel = int(gib * 2**30) // 2
     buf = torch.randn(numel, device="cuda").to(torch.bfloat16)
+    vec = torch.randn(8192, device="cuda").to(torch.bfloat16)
     result = {}
     for name, fn in {
         "sum_bf16": lambda: buf.sum(dtype=torch.float32),
         "amax_bf16": lambda: buf.amax(),
+        "gemv_bf16": lambda: torch.mv(buf.view(-1, 8192), vec),
     }.items():
         fn()
         torch.cuda.synchronize()
@@ -86,7 +94,7 @@ def read_ceiling(gib: float = 4.0) -> dict:
     dst = torch.empty_like(buf)
     ms = median_event_ms(lambda: dst.copy_(buf), 20)
     result["d2d_copy_rw_GBps"] = 2 * numel * 2 / ms / 1e6
-    result["read_ceiling_GBps"] = max(result["sum_bf16_GBps"], result["amax_bf16_GBps"])
+    result["read_ceiling_GBps"] = max(result[f"{k}_bf16_GBps"] for k in ("sum", "amax", "gemv"))
     del buf, dst
     torch.cuda.empty_cache()
     return result
@@ -106,25 +114,28 @@ def bench_shape(name, n, k, l2_bytes, arch, ceiling):
         # cuBLAS
         cublas_calls = [lambda w=w, o=o: torch.mm(x, w.t(), out=o) for w, o in zip(weights, outs)]
         row["cublas"] = time_calls(cublas_calls, reps)
-        # ours, with and without PDL
-        for label, pdl in (("cute_sm90", True), ("cute_sm90_nopdl", False)):
+        # ours: the default (fused split-K reduction, 4 stages) and the variants it is compared with
+        for label, options in VARIANTS.items():
             try:
                 compiled, splits = cute_sm90.compile_skinny_gemm(
-                    n, k, cute_sm90.token_tile(m), torch.bfloat16, arch, use_pdl=pdl
+                    n, k, cute_sm90.token_tile(m), torch.bfloat16, arch, **options
                 )
                 workspace = torch.empty((splits, m, n), dtype=torch.float32, device="cuda")
-                ours_calls = [lambda w=w, o=o: compiled(x, w, o, workspace) for w, o in zip(weights, outs)]
+                counters = cute_sm90.split_counters(x.device, n)
+                ours_calls = [
+                    lambda w=w, o=o: compiled(x, w, o, workspace, counters) for w, o in zip(weights, outs)
+                ]
                 row["splits"] = splits
                 row[label] = time_calls(ours_calls, reps)
                 # spot-check the result of the last call against cuBLAS
                 ref = torch.mm(x, weights[0].t()).float()
-                compiled(x, weights[0], outs[0], workspace)
+                compiled(x, weights[0], outs[0], workspace, counters)
                 torch.cuda.synchronize()
                 row[label]["rel_err_vs_cublas"] = ((outs[0].float() - ref).norm() / ref.norm()).item()
             except Exception as exc:
                 row[label] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"  {name} M={m} {label} failed: {row[label]['error']}", file=sys.stderr)
-        for impl in ("cublas", "cute_sm90", "cute_sm90_nopdl"):
+        for impl in ("cublas", *VARIANTS):
             r = row.get(impl, {})
             for mode in ("graph", "eager"):
                 us = r.get(f"{mode}_us")
@@ -183,20 +194,23 @@ def main():
         json.dump(result, f, indent=1)
 
     c = ceiling["read_ceiling_GBps"]
-    print(f"\nread ceiling {c:.0f} GB/s (sum {ceiling['sum_bf16_GBps']:.0f}, amax {ceiling['amax_bf16_GBps']:.0f}); "
+    print(f"\nread ceiling {c:.0f} GB/s (sum {ceiling['sum_bf16_GBps']:.0f}, amax {ceiling['amax_bf16_GBps']:.0f}, "
+          f"gemv {ceiling['gemv_bf16_GBps']:.0f}); "
           f"d2d copy {ceiling['d2d_copy_rw_GBps']:.0f} GB/s r+w. Graph-replay GB/s of weights (eager in brackets):")
-    print(f"{'shape':22s} {'N x K':>13s} {'M':>2s} {'sp':>2s} {'cuBLAS':>12s} {'cute_sm90':>12s} {'noPDL':>6s} {'ours/ceil':>9s} {'ours/cuBLAS':>11s}")
+    print(f"{'shape':20s} {'N x K':>12s} {'M':>2s} {'sp':>2s} {'cuBLAS':>11s} {'cute_sm90':>11s} {'5st':>5s} {'2pass':>5s} {'ours/ceil':>9s} {'ours/cuBLAS':>11s}")
 
     def gbps(r, mode):
         v = r.get(f"{mode}_GBps") if isinstance(r, dict) else None
         return v or 0.0
 
     for row in rows:
-        cb, ours, nopdl = row["cublas"], row.get("cute_sm90", {}), row.get("cute_sm90_nopdl", {})
+        cb, ours = row["cublas"], row.get("cute_sm90", {})
+        five, two = row.get("cute_sm90_5st", {}), row.get("cute_sm90_2pass", {})
         print(
-            f"{row['shape']:22s} {row['N']:>6d}x{row['K']:<6d} {row['M']:>2d} {row.get('splits', 0):>2d} "
-            f"{gbps(cb, 'graph'):5.0f} ({gbps(cb, 'eager'):4.0f}) {gbps(ours, 'graph'):5.0f} ({gbps(ours, 'eager'):4.0f}) "
-            f"{gbps(nopdl, 'graph'):6.0f} {gbps(ours, 'graph') / c:9.2f} {gbps(ours, 'graph') / max(gbps(cb, 'graph'), 1e-9):11.2f}"
+            f"{row['shape'][:20]:20s} {row['N']:>6d}x{row['K']:<5d} {row['M']:>2d} {row.get('splits', 0):>2d} "
+            f"{gbps(cb, 'graph'):4.0f} ({gbps(cb, 'eager'):4.0f}) {gbps(ours, 'graph'):4.0f} ({gbps(ours, 'eager'):4.0f}) "
+            f"{gbps(five, 'graph'):5.0f} {gbps(two, 'graph'):5.0f} {gbps(ours, 'graph') / c:9.2f} "
+            f"{gbps(ours, 'graph') / max(gbps(cb, 'graph'), 1e-9):11.2f}"
         )
 
 

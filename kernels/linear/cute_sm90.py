@@ -31,8 +31,10 @@ from ..registry import register
 WEIGHT_TILE = 128  # weight rows per CTA (two m64 WGMMAs)
 K_TILE = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row per stage
 MAX_TOKENS = 16
-STAGES = 5  # 5 x 18 KB of tiles: two CTAs fit one SM's 228 KB, ~160 KB of loads in flight per SM
-CTAS_PER_SM = 2
+# Pipeline depth. 4 x 18 KB of tiles per CTA lets three CTAs share an SM (~200 KB of loads in
+# flight per SM) so 396 CTAs are resident at once; 5 stages allow only two (264 resident), which
+# leaves a partial second wave on 384-tile matrices (KDA q/k/v/g). Bench run 2 compares both.
+STAGES = 4
 H200_SMS = 132
 REDUCE_THREADS = 256
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -122,20 +124,30 @@ def _build_kernel_class():
     class SkinnyGemmSm90:
         """One compiled instance per (N, K, token tile, splits, dtype); M is a runtime value."""
 
-        def __init__(self, n: int, k: int, tokens: int, splits: int, use_pdl: bool = True):
+        def __init__(
+            self, n: int, k: int, tokens: int, splits: int, stages: int, fused_reduce: bool, use_pdl: bool
+        ):
             self.n, self.k, self.tokens, self.splits, self.use_pdl = n, k, tokens, splits, use_pdl
+            self.fused_reduce = fused_reduce
             self.tile_mnk = (WEIGHT_TILE, tokens, K_TILE)
             self.k_tiles = math.ceil(k / K_TILE)
             self.k_tiles_per_split = math.ceil(self.k_tiles / splits)
-            self.stages = STAGES
+            self.stages = min(stages, self.k_tiles_per_split)  # no deeper than a split's work
             self.threads = 128  # one warpgroup
 
         # ---------------------------------------------------------------- host side
         @cute.jit
         def __call__(
-            self, x: cute.Tensor, w: cute.Tensor, y: cute.Tensor, workspace: cute.Tensor, stream: cuda.CUstream
+            self,
+            x: cute.Tensor,
+            w: cute.Tensor,
+            y: cute.Tensor,
+            workspace: cute.Tensor,
+            counters: cute.Tensor,
+            stream: cuda.CUstream,
         ):
-            """x [M, K], w [N, K], y [M, N]; workspace [splits, M, N] fp32 (unused with 1 split).
+            """x [M, K], w [N, K], y [M, N]; workspace [splits, M, N] fp32 (any contents) and
+            counters [weight tiles] int32, zero between calls (both unused with 1 split).
 
             `stream` is bound to torch's current stream by TVM-FFI (compiled with an env stream).
             """
@@ -146,8 +158,9 @@ def _build_kernel_class():
             # GEMM views in (rows, K, batch) form. The accumulator tile is y^T: (weight rows, tokens).
             mA = cute.make_tensor(w.iterator, cute.make_layout((n, k, 1), stride=(k, 1, n * k)))
             mB = cute.make_tensor(x.iterator, cute.make_layout((m, k, 1), stride=(k, 1, m * k)))
+            mY = cute.make_tensor(y.iterator, cute.make_layout((n, m, 1), stride=(1, n, m * n)))
             if cutlass.const_expr(self.splits == 1):
-                mC = cute.make_tensor(y.iterator, cute.make_layout((n, m, 1), stride=(1, n, m * n)))
+                mC = mY
             else:
                 # batch mode = split index: split s writes workspace[s, :, :]^T
                 mC = cute.make_tensor(
@@ -183,14 +196,15 @@ def _build_kernel_class():
                 barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
                 sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_smem_staged)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_smem_staged)], 1024]
+                arrival: cutlass.Int32  # split-K: how many splits of this tile finished before us
 
             self.shared_storage = SharedStorage
             grid = (cute.ceil_div(n, WEIGHT_TILE), 1, self.splits)
             self.gemm_kernel(
-                tma_a, tma_tensor_a, tma_b, tma_tensor_b, mC, tiled_mma, a_smem_staged, b_smem_staged
+                tma_a, tma_tensor_a, tma_b, tma_tensor_b, mC, mY, counters, tiled_mma, a_smem_staged, b_smem_staged
             ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=self.use_pdl)
 
-            if cutlass.const_expr(self.splits > 1):
+            if cutlass.const_expr(self.splits > 1 and not self.fused_reduce):
                 total = m * n
                 partials = cute.make_tensor(
                     workspace.iterator, cute.make_layout((total, self.splits), stride=(1, total))
@@ -212,6 +226,8 @@ def _build_kernel_class():
             tma_b: cute.CopyAtom,
             mB: cute.Tensor,
             mC: cute.Tensor,
+            mY: cute.Tensor,
+            counters: cute.Tensor,
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
@@ -347,6 +363,30 @@ def _build_kernel_class():
                 if cute.elem_less(tCcC[i], mC.shape):
                     tCgC[i] = out[i]
 
+            if cutlass.const_expr(self.splits > 1 and self.fused_reduce):
+                # Serial split-K fixup (the threadFenceReduction pattern): publish this split's
+                # partial, count arrivals per weight tile; the last split to arrive sums all
+                # partials of the tile and writes y, then re-arms the counter for the next call.
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                arrival = cute.make_tensor(storage.arrival.ptr, cute.make_layout(1))
+                if tidx == 0:
+                    arrival[0] = cute.arch.atomic_add(
+                        counters.iterator + tile_idx, cutlass.Int32(1), sem="acq_rel", scope="gpu"
+                    )
+                cute.arch.sync_threads()
+                if arrival[0] == self.splits - 1:
+                    cute.arch.fence_acq_rel_gpu()
+                    row = tile_idx * WEIGHT_TILE + tidx  # one weight row (= y column) per thread
+                    for token in cutlass.range_constexpr(self.tokens):
+                        if row < mY.shape[0] and token < mY.shape[1]:
+                            total = cutlass.Float32(0.0)
+                            for split in cutlass.range_constexpr(self.splits):
+                                total += mC[row, token, split]
+                            mY[row, token, 0] = total.to(mY.element_type)
+                    if tidx == 0:
+                        counters[tile_idx] = cutlass.Int32(0)
+
         @cute.kernel
         def reduce_kernel(self, partials: cute.Tensor, y: cute.Tensor, total: cutlass.Int32):
             """y[i] = sum over splits of partials[i, split] (fp32), cast to y's dtype."""
@@ -375,18 +415,27 @@ def kernel_class():
 
 
 def compile_skinny_gemm(
-    n: int, k: int, tokens: int, dtype: torch.dtype, arch: str, use_pdl: bool = True, extra_options: tuple = ()
+    n: int,
+    k: int,
+    tokens: int,
+    dtype: torch.dtype,
+    arch: str,
+    use_pdl: bool = True,
+    stages: int = STAGES,
+    fused_reduce: bool = True,
+    extra_options: tuple = (),
 ):
     """Compiled kernel for weight [n, k] and up to `tokens` rows, cached per (shape, dtype, arch).
 
     M (<= tokens) is a runtime value, so one compile serves every token count of a bucket.
-    `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for the compile tests).
-    Returns (compiled function taking (x, w, y, workspace) torch tensors, split-K factor).
+    `fused_reduce` sums split-K partials in the GEMM kernel (last CTA per tile) instead of in a
+    second kernel. `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
+    Returns (compiled function taking (x, w, y, workspace, counters) torch tensors, split-K factor).
     """
     if tokens not in (8, 16):
         raise ValueError(f"tokens={tokens} must be 8 or 16")
     splits = choose_splits(n, k)
-    key = ("linear_sm90", n, k, tokens, splits, dtype, arch, use_pdl, tuple(extra_options))
+    key = ("linear_sm90", n, k, tokens, splits, stages, fused_reduce, dtype, arch, use_pdl, tuple(extra_options))
 
     def build():
         import cutlass
@@ -401,15 +450,33 @@ def compile_skinny_gemm(
         workspace = make_fake_compact_tensor(
             cutlass.Float32, (splits, m, n), stride_order=(2, 1, 0), assumed_align=16
         )
-        gemm = kernel_class()(n, k, tokens, splits, use_pdl)
+        counters = make_fake_compact_tensor(cutlass.Int32, (math.ceil(n / WEIGHT_TILE),), assumed_align=16)
+        gemm = kernel_class()(n, k, tokens, splits, stages, fused_reduce, use_pdl)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(gemm, x, w, y, workspace, stream, options=cute_common.compile_options(arch, *extra_options))
+        return cute.compile(gemm, x, w, y, workspace, counters, stream, options=cute_common.compile_options(arch, *extra_options))
 
     return _cache.get(key, build), splits
 
 
 def available() -> bool:
     return cute_common.cutlass_available()
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-tile arrival counters of the fused split-K reduction, zeroed once and re-armed to zero by
+    the kernel itself. One buffer per (device, stream, tile count): calls on one stream run in
+    order, so they never share counters concurrently. (Two CUDA graphs that captured the same
+    stream and are replayed concurrently would; capture them on different streams.)"""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    tiles = math.ceil(n / WEIGHT_TILE)
+    key = (device, stream, tiles)
+    counters = _counters.get(key)
+    if counters is None:
+        counters = _counters[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
+    return counters
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None = None):
@@ -435,7 +502,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
         workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     elif workspace.shape != (splits, m, n) or workspace.dtype != torch.float32:
         raise ValueError(f"workspace must be fp32 [{splits}, {m}, {n}], got {workspace.dtype} {tuple(workspace.shape)}")
-    compiled(x, weight, out, workspace)
+    compiled(x, weight, out, workspace, split_counters(x.device, n))
     return out
 
 
