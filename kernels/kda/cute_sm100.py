@@ -1,0 +1,35 @@
+"""KDA verify + commit for Blackwell (sm_100a B200/GB200, sm_103a B300/GB300).
+
+The same kernel body as Hopper (kda/cute_common.py): the recurrence is SIMT work (fp32 FMAs,
+shuffles, shared-memory broadcasts, a cluster exchange through distributed shared memory) that
+needs no tcgen05/TMEM, so this build differs from cute_sm90 only in its target. That is an
+honest port, not a Blackwell-tuned kernel: it is compile-checked in CI for sm_103a and has never
+run on a Blackwell GPU here.
+"""
+import torch
+
+from ..cute_common import arch_of_capability, cutlass_available
+from ..registry import register
+from . import cute_common
+
+
+def _arch(device: torch.device) -> str:
+    arch = arch_of_capability(torch.cuda.get_device_capability(device))
+    if arch not in ("sm_100a", "sm_103a"):
+        raise ValueError(f"device={device}: compute capability has no Blackwell KDA build (got {arch})")
+    return arch
+
+
+@register("kda_verify", "cute_sm100", devices=("cuda",), min_capability=(10, 0), max_capability=(10, 3),
+          priority=10, available=cutlass_available, supports=cute_common.supports_verify)
+def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
+               state, lengths, *, lower_bound, eps):
+    return cute_common.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
+                              o_norm_weight, state, lengths, lower_bound=lower_bound, eps=eps,
+                              arch=_arch(state.device))
+
+
+@register("kda_commit", "cute_sm100", devices=("cuda",), min_capability=(10, 0), max_capability=(10, 3),
+          priority=10, available=cutlass_available, supports=cute_common.supports_commit)
+def kda_commit(state, conv_state, records, num_tokens):
+    cute_common.commit(state, conv_state, records, num_tokens, arch=_arch(state.device))

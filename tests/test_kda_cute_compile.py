@@ -1,0 +1,99 @@
+"""CPU-only compile checks of the CuTe DSL KDA verify/commit kernels (kernels/kda/cute_common.py).
+
+Nothing runs here (no GPU): each variant is traced, lowered and assembled by ptxas for Hopper
+(sm_90a) and GB300 (sm_103a) at Kimi K3 dims (H=96 heads are a runtime grid size; D=128 is
+compiled in) for T in {1, 8}, and the PTX is checked for what the design relies on: the cluster
+exchange for the head-wide RMSNorm, no local-memory spills of the register-resident state.
+The argument checks of the torch wrappers run on CPU tensors without compiling anything.
+"""
+import pytest
+import torch
+
+from dspark.kernels import cute_common
+from dspark.kernels.kda import cute_common as kda_cute
+
+needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed")
+
+HEAD_DIM = 128  # Kimi K3 KDA head_dim (kimi-k3.md §1.2)
+
+
+def _ptx_of(compiled, tmp_path) -> str:
+    ptx = compiled.__ptx__
+    if ptx is None:  # some versions only write the file
+        files = sorted(tmp_path.glob("*.ptx"))
+        assert files, "no PTX was written"
+        ptx = files[-1].read_text()
+    return ptx
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_verify_compiles_with_cluster_exchange_and_no_spills(arch, tokens, tmp_path):
+    block_v = kda_cute.default_block_v(HEAD_DIM)
+    compiled = kda_cute.compile_verify(arch, HEAD_DIM, block_v, tokens, torch.bfloat16, torch.bfloat16,
+                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
+    ptx = _ptx_of(compiled, tmp_path)
+    assert f".target {arch}" in ptx
+    assert "ld.shared::cluster" in ptx and "barrier.cluster.wait" in ptx  # V-split RMSNorm exchange
+    # the remote reads must stay after the cluster barrier that publishes the partial sums
+    assert ptx.index("barrier.cluster.wait") < ptx.index("ld.shared::cluster")
+    assert "ld.local" not in ptx and "st.local" not in ptx  # state slice stays in registers
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
+def test_commit_compiles_without_spills(arch, tmp_path):
+    compiled = kda_cute.compile_commit(arch, HEAD_DIM, kda_cute.default_block_v(HEAD_DIM), torch.bfloat16,
+                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
+    ptx = _ptx_of(compiled, tmp_path)
+    assert f".target {arch}" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def _small_inputs(B=1, T=2, H=2, D=32):
+    W = H * D
+    r = torch.randn
+    return dict(
+        q_in=r(B, T, W), k_in=r(B, T, W), v_in=r(B, T, W), f=r(B, T, W), beta_in=r(B, T, H), gate_in=r(B, T, W),
+        conv_weight=r(3, W, 4), conv_state=r(B, 3, W, 3), A_log=r(H), dt_bias=r(W), o_norm_weight=r(D),
+        state=r(B, H, D, D), lengths=torch.full((B,), T),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(q_in=torch.randn(1, 17, 64), k_in=torch.randn(1, 17, 64), v_in=torch.randn(1, 17, 64),
+              f=torch.randn(1, 17, 64), gate_in=torch.randn(1, 17, 64), beta_in=torch.randn(1, 17, 2)), "T"),
+        (dict(state=torch.randn(1, 2, 16, 16)), "head_dim"),
+        (dict(conv_weight=torch.randn(3, 64, 3)), "conv_weight"),
+        (dict(dt_bias=torch.randn(64).double()), "dt_bias"),
+        (dict(lengths=torch.ones(1)), "lengths"),
+    ],
+)
+def test_verify_rejects_bad_arguments_naming_the_field(change, field):
+    args = _small_inputs()
+    args.update(change)
+    with pytest.raises(ValueError, match=field):
+        kda_cute.verify(*args.values(), lower_bound=-5.0, eps=1e-5, arch="sm_90a")
+
+
+def test_commit_rejects_bad_shapes_naming_the_field():
+    state = torch.randn(1, 2, 32, 32)
+    conv_state = torch.randn(1, 3, 64, 3)
+    records = kda_cute.allocate_records(1, 2, 2, 32, torch.float32, "cpu", torch.tensor([2]))
+    with pytest.raises(ValueError, match="conv_states.shape"):
+        kda_cute.commit(state, conv_state[:, :, :32], records, torch.tensor([1]), arch="sm_90a")
+    with pytest.raises(ValueError, match="num_tokens.shape"):
+        kda_cute.commit(state, conv_state, records, torch.tensor([1, 1, 1]), arch="sm_90a")
+    with pytest.raises(ValueError, match="records.conv_inputs"):
+        kda_cute.commit(state, conv_state.double(), records, torch.tensor([1]), arch="sm_90a")
+
+
+def test_registry_sends_shapes_the_kernels_do_not_take_to_the_reference():
+    args = _small_inputs(D=16)  # k3-tiny's head_dim: below the kernels' 32-column warps
+    assert not kda_cute.supports_verify(*args.values())
+    assert not kda_cute.supports_commit(args["state"], args["conv_state"])
+    k3 = _small_inputs(H=1, D=128, T=8)
+    assert kda_cute.supports_verify(*k3.values()) and kda_cute.supports_commit(k3["state"], k3["conv_state"])
