@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from dspark.protocols import TargetOutput
@@ -117,3 +118,13 @@ def small_config(target: SyntheticTarget, attention_type: str = "gqa", **overrid
         markov_rank=32,
     )
     return dataclasses.replace(base, **overrides).validate()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Import into a test module to run its tests on one intra-op thread: these tiny ops are
+    launch-bound, and extra threads only contend on a busy 2-core machine (40x slower there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from dspark.config import SamplingParams
 from dspark.drafters.dspark import DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
-from dspark_fixtures import SyntheticTarget, small_config
+from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
 
 
 def randomize(model, seed):

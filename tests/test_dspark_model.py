@@ -10,7 +10,7 @@ from dspark.drafters.dspark.config import K3_DSPARK, DSparkConfig
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.protocols import Drafter
-from dspark_fixtures import SyntheticTarget, small_config
+from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
 
 ATTENTION = ["gqa", "mla"]
 

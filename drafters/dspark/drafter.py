@@ -48,12 +48,15 @@ class DSparkDrafter:
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"DSparkDrafter.max_slots={max_slots!r}: must be an integer >= 1")
         self.model = model.eval()
-        self.config = model.config
         self.tap_layers: tuple[int, ...] = tuple(self.config.target_layer_ids)
         self.max_slots = max_slots
         self.draft_sample_method = draft_sample_method
         # slot -> per-layer context rows [S, W]; absent = slot not in use
         self._context: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def config(self):
+        return self.model.config
 
     @property
     def device(self) -> torch.device:

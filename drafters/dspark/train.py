@@ -1,0 +1,392 @@
+"""Training the DSpark drafter online against a live target (spec dspark-algorithm §6).
+
+Each step prefills a batch of training sequences into the target with the drafter's tap layers
+(online capture of the tapped hidden states and the target logits), samples up to
+`num_anchors` anchors per sequence, builds one block per anchor ([tok[a], MASK...] at positions
+a..a+G-1, labels tok[a+1..a+G], §6.2), runs every block in one parallel pass with the Markov and
+confidence heads teacher-forced on the true previous tokens, and minimises (§6.3)
+
+    L = 0.1 * CE + 0.9 * ||p_d - p_t||_1 + 1.0 * BCE(conf_logit, 1 - 0.5 * ||p_d - p_t||_1 (detached)),
+
+each term a mean weighted by w_k = exp(-(k-1)/4) over supervised slots. AdamW with linear
+warm-up and cosine decay to 0, gradient clipping; checkpoints (safetensors + config.json +
+trainer_state.pt) resume exactly; a jsonl loss log and a tqdm bar.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .checkpoint import load_trainer_state, load_weights, read_tensors, save_checkpoint
+from .model import DSparkModel
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    num_anchors: int = 512
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    conf_weight: float = 1.0
+    decay_gamma: float = 4.0  # all released configs use 4.0, not the block size (spec §6.3 ⚠)
+    grad_clip: float = 1.0
+    seed: int = 42
+    save_every: int = 0  # 0: save only at the end
+
+    def validate(self) -> "TrainConfig":
+        for name in ("steps", "batch_size", "num_anchors"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= 1")
+        for name in ("lr", "decay_gamma", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"TrainConfig.warmup_frac={self.warmup_frac!r}: must be in [0, 1)")
+        for name in ("weight_decay", "ce_weight", "l1_weight", "conf_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
+        if not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ValueError(f"TrainConfig.save_every={self.save_every!r}: must be an integer >= 0")
+        return self
+
+
+# ---- blocks -----------------------------------------------------------------------------------
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator):
+    """Up to num_anchors distinct valid anchors per sequence, uniformly at random, sorted (spec §6.2).
+
+    Valid a: a <= len-2, loss_mask[a] and loss_mask[a+1]. Returns anchors [B, A] and keep [B, A]
+    (False for padding blocks)."""
+    B, S = loss_mask.shape
+    pos = torch.arange(S)
+    valid = (pos < lengths[:, None] - 1) & loss_mask.bool()
+    valid[:, :-1] &= loss_mask[:, 1:].bool()
+    valid[:, -1] = False
+    keys = torch.rand(B, S, generator=generator).masked_fill(~valid, 2.0)  # random keys, invalid last
+    count = min(num_anchors, max(int(valid.sum(1).max()), 1))
+    chosen = keys.topk(count, dim=1, largest=False).indices
+    keep = valid.gather(1, chosen)
+    anchors = torch.where(keep, chosen, torch.zeros_like(chosen))
+    order = torch.where(keep, anchors, torch.full_like(anchors, S)).argsort(dim=1)
+    return anchors.gather(1, order), keep.gather(1, order)
+
+
+def build_blocks(tokens, lengths, loss_mask, anchors, keep, block_size: int, mask_token_id: int):
+    """Block inputs, positions, labels, teacher-forced previous tokens and the eval mask (spec §6.2).
+
+    Slot k (1..G) of the block at anchor a has input tok[a] (k = 1) or MASK, position a+k-1,
+    label tok[a+k], previous token tok[a+k-1], and is supervised while every slot up to it is
+    inside the sequence and the loss mask: eval_mask[k] = prod_{i<=k} (a+i < len and mask[a+i]).
+    """
+    B, S = tokens.shape
+    offsets = torch.arange(block_size)
+    positions = anchors[..., None] + offsets  # a + k - 1
+    label_pos = positions + 1
+    inside = label_pos < lengths[:, None, None]
+    clamped = label_pos.clamp(max=S - 1)
+    flat = lambda t, idx: t.gather(1, idx.flatten(1)).view(idx.shape)  # noqa: E731
+    labels = flat(tokens, clamped)
+    prev = flat(tokens, positions.clamp(max=S - 1))
+    supervised = inside & flat(loss_mask, clamped).bool()
+    eval_mask = supervised.long().cumprod(dim=-1).bool() & keep[..., None]
+    block = torch.full_like(labels, mask_token_id)
+    block[..., 0] = flat(tokens, anchors[..., None])[..., 0]
+    return block, positions, labels, prev, eval_mask
+
+
+def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig):
+    """The DSpark objective (spec §6.3, §11 item 8): full L1 (not halved), decay exp(-(k-1)/gamma_w),
+    weighted means, soft confidence label detached, softmaxes in float32.
+
+    draft_logits, target_logits [..., G, V]; labels, conf_logits, eval_mask [..., G]."""
+    log_pd = draft_logits.float().log_softmax(dim=-1)
+    p_d, p_t = log_pd.exp(), target_logits.float().softmax(dim=-1)
+    ce = -log_pd.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    l1 = (p_d - p_t).abs().sum(dim=-1)
+    soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
+    G = labels.shape[-1]
+    decay = torch.exp(-torch.arange(G, dtype=torch.float32, device=labels.device) / cfg.decay_gamma)
+    weight = decay * eval_mask.float()
+    denom = weight.sum().clamp(min=1e-12)
+    ce_m, l1_m, bce_m = ((t * weight).sum() / denom for t in (ce, l1, bce))
+    loss = cfg.ce_weight * ce_m + cfg.l1_weight * l1_m + cfg.conf_weight * bce_m
+    # Diagnostics (spec §6.3): accept_rate@k = mean soft label, tau = 1 + sum_k prod_{i<=k} c*_i.
+    mask_f = eval_mask.float()
+    per_slot = (soft_label * mask_f).flatten(0, -2).sum(0) / mask_f.flatten(0, -2).sum(0).clamp(min=1)
+    blocks = eval_mask[..., 0]
+    tau = (1 + (soft_label * mask_f).cumprod(dim=-1).sum(-1))[blocks].mean() if blocks.any() else torch.tensor(1.0)
+    metrics = {"loss": loss.item(), "ce": ce_m.item(), "l1": l1_m.item(), "conf": bce_m.item(),
+               "tau": float(tau), "accept": [round(x, 4) for x in per_slot.tolist()]}
+    return loss, metrics
+
+
+# ---- target side ------------------------------------------------------------------------------
+def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
+    """Online capture: prefill the sequences (in chunks of at most max_slots), return the target's
+    logits [B, S, V] and taps {layer: [B, S, d]}, and release the slots."""
+    logits, taps = [], {layer: [] for layer in tap_layers}
+    width = max(s.shape[0] for s in sequences)
+    for start in range(0, len(sequences), target.max_slots):
+        chunk = sequences[start : start + target.max_slots]
+        slots = list(range(len(chunk)))
+        try:
+            out = target.prefill(slots, [s.to(target.device) for s in chunk], tap_layers)
+        finally:
+            target.release(slots)
+        pad = width - out.logits.shape[1]
+        logits.append(F.pad(out.logits, (0, 0, 0, pad)))
+        for layer in tap_layers:
+            taps[layer].append(F.pad(out.taps[layer], (0, 0, 0, pad)))
+    return torch.cat(logits), {layer: torch.cat(t) for layer, t in taps.items()}
+
+
+@torch.no_grad()
+def generate_sequences(target, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float = 1.0,
+                       generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Prompt + target-generated continuation for each prompt (spec §6.1: responses are
+    regenerated by the target), plain decoding through prefill / verify / commit."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature!r}: must be >= 0")
+    results = []
+    for start in range(0, len(prompts), target.max_slots):
+        chunk = prompts[start : start + target.max_slots]
+        slots = list(range(len(chunk)))
+        lengths = torch.tensor([p.shape[0] for p in chunk])
+        out = target.prefill(slots, [p.to(target.device) for p in chunk])
+        last = out.logits[torch.arange(len(chunk)), lengths - 1]
+        generated = [[] for _ in chunk]
+        try:
+            for step in range(max_new_tokens):
+                if temperature == 0:
+                    nxt = last.argmax(-1)
+                else:
+                    nxt = torch.multinomial((last.float() / temperature).softmax(-1).cpu(), 1, generator=generator)[:, 0]
+                for i, t in enumerate(nxt.tolist()):
+                    generated[i].append(t)
+                if step == max_new_tokens - 1:
+                    break
+                one = torch.ones(len(chunk), dtype=torch.long)
+                out = target.verify(slots, nxt.view(-1, 1).to(target.device), one.to(target.device))
+                target.commit(slots, one.to(target.device))
+                last = out.logits[:, 0]
+        finally:
+            target.release(slots)
+        results += [torch.cat([p.cpu(), torch.tensor(g, dtype=torch.long)]) for p, g in zip(chunk, generated)]
+    return results
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+def _pad(sequences: list[torch.Tensor], value: int = 0) -> torch.Tensor:
+    width = max(s.shape[0] for s in sequences)
+    return torch.stack([F.pad(s, (0, width - s.shape[0]), value=value) for s in sequences])
+
+
+def train_step_loss(model: DSparkModel, target, sequences, loss_masks, cfg: TrainConfig, generator):
+    """Loss and metrics of one batch (forward only)."""
+    c = model.config
+    device = model.context_proj.weight.device
+    with torch.no_grad():
+        target_logits, taps = capture(target, sequences, c.target_layer_ids)
+    tokens = _pad(sequences)
+    lengths = torch.tensor([s.shape[0] for s in sequences])
+    mask = _pad(loss_masks)
+    anchors, keep = sample_anchors(mask, lengths, cfg.num_anchors, generator)
+    block, positions, labels, prev, eval_mask = build_blocks(tokens, lengths, mask, anchors, keep,
+                                                             c.block_size, c.mask_token_id)
+    block, positions, labels, prev, eval_mask, anchors = (t.to(device) for t in (block, positions, labels, prev, eval_mask, anchors))
+    S = tokens.shape[1]
+    fused = model.fuse_taps({layer: t.to(device) for layer, t in taps.items()})
+    context_rows = model.context_rows(fused, torch.arange(S, device=device).expand(len(sequences), S))
+    visible = torch.arange(S, device=device) < anchors[..., None]  # context strictly before the anchor
+    hidden = model.backbone(block, positions, context_rows, visible)
+    draft_logits, conf_logits = model.head_outputs(hidden, prev)  # teacher-forced heads
+    # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]).
+    index = positions.clamp(max=S - 1).flatten(1)
+    tgt = target_logits.to(device).gather(1, index[..., None].expand(-1, -1, target_logits.shape[-1]))
+    return dspark_loss(draft_logits, tgt.view(*positions.shape, -1), labels, conf_logits, eval_mask, cfg)
+
+
+def _lr_factor(step: int, cfg: TrainConfig) -> float:
+    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
+
+
+def train(
+    target,
+    model: DSparkModel,
+    sequences: list[torch.Tensor],
+    *,
+    loss_masks: list[torch.Tensor] | None = None,
+    config: TrainConfig = TrainConfig(),
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> list[dict]:
+    """Train `model` in place for config.steps steps; returns the per-step metrics.
+
+    With out_dir, checkpoints go to out_dir (every save_every steps and at the end) and the
+    loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state.
+    Data order and anchors depend only on (seed, step), so a resumed run equals an unbroken one.
+    stop_after ends this call after that many steps (saving a checkpoint to resume from), for
+    runs split across time-limited jobs.
+    """
+    cfg = config.validate()
+    if loss_masks is None:
+        loss_masks = [torch.ones_like(s) for s in sequences]
+    if len(loss_masks) != len(sequences):
+        raise ValueError(f"loss_masks: {len(loss_masks)} masks for {len(sequences)} sequences")
+    sequences = [s for s in sequences if s.shape[0] >= 2]
+    if not sequences:
+        raise ValueError("sequences: none has the 2 tokens an anchor needs")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
+    step = 0
+    if resume:
+        if out_dir is None:
+            raise ValueError("resume=True: needs out_dir")
+        state = load_trainer_state(out_dir)
+        if state is None:
+            raise ValueError(f"resume=True: no trainer state in {str(out_dir)!r}")
+        load_weights(model, read_tensors(out_dir))
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    log = open(Path(out_dir) / "train_log.jsonl", "a") if out_dir is not None else None
+    history = []
+    try:
+        per_epoch = max(1, len(sequences) // cfg.batch_size)
+        bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train-drafter")
+        last_step = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
+        while step < last_step:
+            epoch, offset = divmod(step, per_epoch)
+            order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+            pick = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size].tolist()
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (step + 1))
+            loss, metrics = train_step_loss(model, target, [sequences[i] for i in pick],
+                                            [loss_masks[i] for i in pick], cfg, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            metrics["lr"] = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            metrics["step"] = step
+            history.append(metrics)
+            if log is not None:
+                log.write(json.dumps(metrics) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", tau=f"{metrics['tau']:.2f}")
+            if out_dir is not None and (step == last_step or (cfg.save_every and step % cfg.save_every == 0)):
+                save_checkpoint(model, out_dir, trainer_state={
+                    "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "train_config": asdict(cfg)})
+        bar.close()
+    finally:
+        if log is not None:
+            log.close()
+    model.eval()
+    return history
+
+
+# ---- CLI: dspark train-drafter ----------------------------------------------------------------
+def read_jsonl_sequences(path: str | Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Training data: one JSON object per line with "tokens" (or "input_ids") and an optional
+    "loss_mask" (1 = supervised, e.g. assistant tokens)."""
+    sequences, masks = [], []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ids = row.get("tokens", row.get("input_ids"))
+        if ids is None:
+            raise ValueError(f"{path}:{number}: needs a 'tokens' or 'input_ids' list")
+        mask = row.get("loss_mask", [1] * len(ids))
+        if len(mask) != len(ids):
+            raise ValueError(f"{path}:{number}: loss_mask has {len(mask)} entries for {len(ids)} tokens")
+        sequences.append(torch.tensor(ids, dtype=torch.long))
+        masks.append(torch.tensor(mask, dtype=torch.long))
+    return sequences, masks
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target name for dspark.build.build_target (e.g. k3-tiny)")
+    parser.add_argument("--drafter", default=None,
+                        help="drafter preset name (e.g. k3-tiny_dspark, k3_dspark) or a checkpoint directory to start from")
+    parser.add_argument("--out", required=True, help="checkpoint directory (config.json, model.safetensors, train_log.jsonl)")
+    parser.add_argument("--data", default=None, help="jsonl with 'tokens' and optional 'loss_mask' per line")
+    parser.add_argument("--num-prompts", type=int, default=256, help="without --data: random prompts the target continues")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--gen-len", type=int, default=112)
+    parser.add_argument("--gen-temperature", type=float, default=1.0)
+    defaults = TrainConfig()
+    for name in ("steps", "batch_size", "num_anchors", "save_every", "seed"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in ("lr", "warmup_frac", "weight_decay", "grad_clip", "decay_gamma"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    parser.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def build_model_for(target, drafter: str | None, seed: int) -> DSparkModel:
+    """A fresh drafter from a preset (or a checkpoint directory) around the target's embedding."""
+    from .checkpoint import load_checkpoint
+    from .config import get_preset
+    from .drafter import shared_embeddings
+
+    embed, lm_head = shared_embeddings(target)
+    if drafter is not None and Path(drafter).is_dir():
+        model = load_checkpoint(drafter, embed, lm_head, device=target.device)
+    else:
+        name = drafter or f"{getattr(getattr(target, 'config', None), 'name', '?')}_dspark"
+        torch.manual_seed(seed)
+        model = DSparkModel(get_preset(name), embed, lm_head).to(target.device)
+    c = model.config
+    if (c.vocab_size, c.target_hidden_size, c.target_num_layers) != (target.vocab_size, target.hidden_size, target.num_layers):
+        raise ValueError(f"drafter={drafter!r}: built for vocab/hidden/layers {(c.vocab_size, c.target_hidden_size, c.target_num_layers)}, "
+                         f"the target has {(target.vocab_size, target.hidden_size, target.num_layers)}")
+    return model
+
+
+def main(args: argparse.Namespace) -> int:
+    from dspark.build import build_target
+
+    target = build_target(args.target, max_slots=args.batch_size, max_seq_len=args.max_seq_len, device=args.device, seed=args.seed)
+    model = build_model_for(target, args.drafter, args.seed)
+    if args.data:
+        sequences, masks = read_jsonl_sequences(args.data)
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(0, target.vocab_size, (args.prompt_len,), generator=g) for _ in range(args.num_prompts)]
+        sequences = generate_sequences(target, prompts, args.gen_len, args.gen_temperature, g)
+        masks = [torch.cat([torch.zeros(args.prompt_len, dtype=torch.long), torch.ones(args.gen_len, dtype=torch.long)])
+                 for _ in sequences]
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
+                      weight_decay=args.weight_decay, num_anchors=args.num_anchors, decay_gamma=args.decay_gamma,
+                      grad_clip=args.grad_clip, seed=args.seed, save_every=args.save_every)
+    history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=args.out, resume=args.resume,
+                    progress=not args.no_progress)
+    if history:
+        print(json.dumps({"final": history[-1], "out": str(args.out)}))
+    return 0

@@ -1,0 +1,129 @@
+"""DSpark drafter training (spec dspark-algorithm §6) on the synthetic learnable target."""
+import json
+import math
+
+import pytest
+import torch
+
+from dspark.drafters.dspark import DSparkDrafter, DSparkModel
+from dspark.drafters.dspark.calibrate import run_rounds
+from dspark.drafters.dspark.train import (
+    TrainConfig,
+    build_blocks,
+    dspark_loss,
+    generate_sequences,
+    sample_anchors,
+    train,
+)
+from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
+
+
+def test_loss_matches_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    N, G, V = 5, 7, 11
+    draft = torch.randn(N, G, V, generator=g).requires_grad_()
+    tgt = torch.randn(N, G, V, generator=g) * 2
+    labels = torch.randint(0, V, (N, G), generator=g)
+    conf = torch.randn(N, G, generator=g, requires_grad=True)
+    mask = torch.rand(N, G, generator=g) > 0.3
+    cfg = TrainConfig()
+    loss, metrics = dspark_loss(draft, tgt, labels, conf, mask, cfg)
+    draft_ref, conf_ref = draft.detach().double(), conf.detach().double()
+    sums = {"ce": 0.0, "l1": 0.0, "conf": 0.0}
+    wsum = 0.0
+    for n in range(N):
+        for k in range(G):
+            if not mask[n, k]:
+                continue
+            w = math.exp(-k / 4.0)  # exp(-(k-1)/4) with 1-based k
+            pd = torch.softmax(draft_ref[n, k], 0)
+            pt = torch.softmax(tgt[n, k].double(), 0)
+            l1 = float((pd - pt).abs().sum())  # full L1, not halved
+            c_star = min(max(1 - 0.5 * l1, 0.0), 1.0)
+            s = torch.sigmoid(conf_ref[n, k])
+            sums["ce"] += w * -math.log(float(pd[labels[n, k]]))
+            sums["l1"] += w * l1
+            sums["conf"] += w * float(-(c_star * torch.log(s) + (1 - c_star) * torch.log(1 - s)))
+            wsum += w
+    expected = {key: v / wsum for key, v in sums.items()}
+    for key in expected:
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * expected["ce"] + 0.9 * expected["l1"] + expected["conf"], rel=1e-5)
+    # The soft label is detached: the confidence term alone sends no gradient into the draft logits.
+    conf_only, _ = dspark_loss(draft, tgt, labels, conf, mask, TrainConfig(ce_weight=0.0, l1_weight=0.0))
+    conf_only.backward()
+    assert draft.grad is None or draft.grad.abs().max() == 0
+    assert conf.grad[mask].abs().min() > 0 and conf.grad[~mask].abs().max() == 0
+
+
+def test_anchors_and_blocks_follow_the_spec():
+    g = torch.Generator().manual_seed(1)
+    B, S, G, MASK = 3, 20, 7, 99
+    tokens = torch.randint(0, 50, (B, S), generator=g)
+    lengths = torch.tensor([20, 13, 6])
+    loss_mask = (torch.rand(B, S, generator=g) > 0.2).long()
+    anchors, keep = sample_anchors(loss_mask, lengths, 8, g)
+    block, positions, labels, prev, eval_mask = build_blocks(tokens, lengths, loss_mask, anchors, keep, G, MASK)
+    for b in range(B):
+        valid = [a for a in range(int(lengths[b]) - 1) if loss_mask[b, a] and loss_mask[b, a + 1]]
+        chosen = anchors[b][keep[b]].tolist()
+        assert len(chosen) == min(8, len(valid)) and chosen == sorted(set(chosen)) and set(chosen) <= set(valid)
+        for i, a in enumerate(anchors[b].tolist()):
+            if not keep[b, i]:
+                assert not eval_mask[b, i].any()
+                continue
+            assert block[b, i].tolist() == [int(tokens[b, a])] + [MASK] * (G - 1)
+            assert positions[b, i].tolist() == list(range(a, a + G))
+            ok = True
+            for k in range(1, G + 1):  # 1-based slot k: label tok[a+k], previous token tok[a+k-1]
+                ok = ok and a + k < lengths[b] and bool(loss_mask[b, a + k])
+                assert bool(eval_mask[b, i, k - 1]) == ok
+                if ok:
+                    assert labels[b, i, k - 1] == tokens[b, a + k] and prev[b, i, k - 1] == tokens[b, a + k - 1]
+
+
+def make_data(target, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(n)]
+    return generate_sequences(target, prompts, 56, temperature=1.0, generator=g)
+
+
+@pytest.mark.parametrize("attention_type", ["gqa", "mla"])
+def test_training_lowers_loss_and_raises_acceptance_length(tmp_path, attention_type):
+    target = SyntheticTarget(seed=0)
+    torch.manual_seed(0)
+    model = DSparkModel(small_config(target, attention_type), *target.embedding_weights())
+    drafter = DSparkDrafter(model, max_slots=target.max_slots)
+    held_out = [torch.randint(0, target.vocab_size - 1, (8,)) for _ in range(8)]
+    before = run_rounds(target, drafter, held_out, max_new_tokens=40).acceptance_length
+    history = train(target, model, make_data(target, 64, seed=1), out_dir=tmp_path, progress=False,
+                    config=TrainConfig(steps=80, batch_size=8, num_anchors=32, lr=3e-3))
+    after = run_rounds(target, drafter, held_out, max_new_tokens=40).acceptance_length
+    first = sum(h["loss"] for h in history[:10]) / 10
+    last = sum(h["loss"] for h in history[-10:]) / 10
+    assert last < 0.8 * first
+    assert before < 1.3 and after > 2.5, (before, after)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == list(range(1, 81)) and {"ce", "l1", "conf", "tau", "lr"} <= set(log[0])
+
+
+def test_resumed_run_equals_unbroken_run(tmp_path):
+    target = SyntheticTarget(seed=2)
+    data = make_data(target, 16, seed=3)
+    cfg = TrainConfig(steps=6, batch_size=4, num_anchors=8, lr=1e-3, seed=5)
+
+    def fresh():
+        torch.manual_seed(7)
+        return DSparkModel(small_config(target, "gqa", markov_head_type="gated"), *target.embedding_weights())
+
+    straight = fresh()
+    train(target, straight, data, config=cfg, out_dir=tmp_path / "a", progress=False)
+    split = fresh()
+    train(target, split, data, config=cfg, out_dir=tmp_path / "b", progress=False, stop_after=4)
+    resumed = fresh()  # a new process: weights, optimizer and step come from the checkpoint
+    train(target, resumed, data, config=cfg, out_dir=tmp_path / "b", progress=False, resume=True)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert len((tmp_path / "b" / "train_log.jsonl").read_text().splitlines()) == 6
+    with pytest.raises(ValueError, match="TrainConfig.batch_size=0"):
+        train(target, resumed, data, config=TrainConfig(batch_size=0))
