@@ -23,6 +23,7 @@ import argparse
 import csv
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -41,6 +42,10 @@ SCHEMA = "dspark.sweep/1"
 
 
 def git_commit() -> str:
+    """HEAD of the source checkout; DSPARK_GIT_COMMIT names it where the tree was copied without
+    its .git (the GPU machine)."""
+    if os.environ.get("DSPARK_GIT_COMMIT"):
+        return os.environ["DSPARK_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()
