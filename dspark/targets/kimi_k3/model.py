@@ -1,0 +1,229 @@
+"""The Kimi K3 decoder in plain torch over the dspark op registry.
+
+Per layer i (spec kimi-k3.md §7, Block AttnRes): attention is KDA or gated MLA by
+cfg.layer_type(i) (§2, §3), the FFN is the dense SiTU-GLU MLP for i < first_k_dense, else the
+latent MoE (§1.2); after the last layer one more AttnRes mix, the final norm and lm_head.
+Projections go through `ops.linear`, KDA through `ops.kda_verify`, MLA attention through
+`ops.mla_verify_attention`, the MoE through `ops.latent_moe`; the elementwise parts are per row
+(numerics.py), so on the CPU a token's logits do not depend on its batch, bit for bit.
+
+`forward` runs B requests of T tokens from their committed decode state without changing it,
+except that MLA rows of the new tokens are written past each slot's committed length (they are
+never read before being written again, so rejected rows leave no trace); it returns the KDA
+records that `ops.kda_commit` replays to keep accepted tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.kernels import ops
+from dspark.kernels.moe.reference import LatentMoEWeights
+
+from . import weights as layout
+from .config import K3Config
+from .numerics import per_row, rms_norm, sigmoid_gate, situ
+
+# Spec §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
+# output (one JAX re-implementation feeds attention and FFN from the same value set instead).
+# This flag is the one place that choice is made.
+FFN_MIX_INCLUDES_LAYER_ATTENTION = True
+
+
+@dataclass
+class DecodeState:
+    """The committed state a forward reads, for the B requests of a call.
+
+    kda: per KDA layer (state [B, H, D, D] fp32, conv window [B, 3, W, 3]); read only.
+    mla: per MLA layer the latent cache [slots, max_len, R + P]; rows of the new tokens are
+         written at cache_lens[b] + j of slot slots[b].
+    """
+
+    kda: list[tuple[torch.Tensor, torch.Tensor]]
+    mla: list[torch.Tensor]
+    slots: torch.Tensor  # [B] long
+    cache_lens: torch.Tensor  # [B] long, committed length per request
+
+
+class K3Model:
+    def __init__(self, cfg: K3Config, tensors: dict[str, torch.Tensor]):
+        layout.check_tensors(cfg, tensors)
+        self.cfg = cfg
+        self.dtype = tensors[layout.EMBED].dtype
+        self.device = tensors[layout.EMBED].device
+        # Routed experts are stacked per layer [E, ...] for the MoE op; the rest stay by name.
+        self.tensors = {n: t for n, t in tensors.items() if ".block_sparse_moe.experts." not in n}
+        self.moe: dict[int, LatentMoEWeights] = {}
+        self.conv_weights: dict[int, torch.Tensor] = {}
+        self.mla_absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kda_index = {i: k for k, i in enumerate(cfg.kda_layers)}
+        self.mla_index = {i: k for k, i in enumerate(cfg.mla_layers)}
+        for i in range(cfg.num_layers):
+            a = f"{layout.layer_prefix(i)}.self_attn"
+            if cfg.layer_type(i) == "kda":
+                # q, k, v depthwise taps [W, 1, 4] -> [3, W, 4]
+                self.conv_weights[i] = torch.stack(
+                    [tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
+                ).float()
+            else:
+                # kv_b [H*(nope+v), R] splits per head into W_UK [nope, R] and W_UV [v, R]
+                # (spec §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
+                kv_b = tensors[f"{a}.kv_b_proj.weight"].view(cfg.mla_num_heads, -1, cfg.kv_lora_rank)
+                w_uk_t = kv_b[:, : cfg.qk_nope_head_dim].transpose(1, 2).contiguous()  # [H, R, nope]
+                w_uv = kv_b[:, cfg.qk_nope_head_dim :].contiguous()  # [H, v, R]
+                self.mla_absorbed[i] = (w_uk_t, w_uv)
+            if cfg.ffn_type(i) == "moe":
+                self.moe[i] = self._stack_moe(i, tensors)
+
+    @classmethod
+    def random(cls, cfg: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "K3Model":
+        return cls(cfg, layout.random_tensors(cfg, seed, dtype, device))
+
+    @classmethod
+    def from_checkpoint(cls, path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "K3Model":
+        cfg, tensors = layout.load_checkpoint(path, dtype, device)
+        return cls(cfg, tensors)
+
+    def _stack_moe(self, i: int, tensors) -> LatentMoEWeights:
+        m = f"{layout.layer_prefix(i)}.block_sparse_moe"
+        experts = [layout.expert_prefix(i, e) for e in range(self.cfg.num_experts)]
+
+        def stacked(w, part):
+            return torch.stack([tensors[f"{x}.{w}.{part}"] for x in experts])
+
+        return LatentMoEWeights(
+            gate=tensors[f"{m}.gate.weight"],
+            score_bias=tensors[f"{m}.gate.e_score_correction_bias"],
+            latent_down=tensors[f"{m}.routed_expert_down_proj.weight"],
+            latent_norm=tensors[f"{m}.routed_expert_norm.weight"],
+            latent_up=tensors[f"{m}.routed_expert_up_proj.weight"],
+            shared_gate=tensors[f"{m}.shared_experts.gate_proj.weight"],
+            shared_up=tensors[f"{m}.shared_experts.up_proj.weight"],
+            shared_down=tensors[f"{m}.shared_experts.down_proj.weight"],
+            w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
+            w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),
+            w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
+        )
+
+    def named_tensors(self):
+        """(name, tensor) in the checkpoint layout; experts are views of the stacked tensors."""
+        yield from self.tensors.items()
+        for i, moe in self.moe.items():
+            for e in range(self.cfg.num_experts):
+                x = layout.expert_prefix(i, e)
+                for w in ("w1", "w3", "w2"):
+                    yield f"{x}.{w}.weight_packed", getattr(moe, f"{w}_packed")[e]
+                    yield f"{x}.{w}.weight_scale", getattr(moe, f"{w}_scale")[e]
+
+    # ------------------------------------------------------------------------ pieces
+    def _w(self, i: int, suffix: str) -> torch.Tensor:
+        return self.tensors[f"{layout.layer_prefix(i)}.{suffix}"]
+
+    def _mix(self, current, checkpoints, norm_weight, proj_weight):
+        """AttnRes mix (spec §7): softmax over {checkpoints..., current} of proj . RMSNorm(v),
+        weighted sum of the raw candidates in that fixed order (fp32)."""
+        candidates = checkpoints + [current]
+        scores = torch.cat(
+            [ops.linear(rms_norm(v, norm_weight, self.cfg.rms_norm_eps), proj_weight).float() for v in candidates],
+            dim=-1,
+        )
+        weights = per_row(lambda row: torch.softmax(row, dim=-1), scores)
+        out = weights[:, :1] * candidates[0].float()
+        for j in range(1, len(candidates)):
+            out = out + weights[:, j : j + 1] * candidates[j].float()
+        return out.to(current.dtype)
+
+    def _kda(self, i, h, B, T, lengths, state, conv_state):
+        cfg, a = self.cfg, "self_attn"
+        W = cfg.kda_width
+
+        def proj(name, x=h):
+            return ops.linear(x, self._w(i, f"{a}.{name}.weight"))
+
+        f = proj("f_b_proj", proj("f_a_proj"))
+        o, records = ops.kda_verify(
+            proj("q_proj").view(B, T, W), proj("k_proj").view(B, T, W), proj("v_proj").view(B, T, W),
+            f.view(B, T, W), proj("b_proj").view(B, T, cfg.kda_num_heads), proj("g_proj").view(B, T, W),
+            self.conv_weights[i], conv_state, self._w(i, f"{a}.A_log")[: cfg.kda_num_heads],
+            self._w(i, f"{a}.dt_bias"), self._w(i, f"{a}.o_norm.weight"), state, lengths,
+            lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps,
+        )
+        return ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight")), records
+
+    def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens):
+        cfg, a = self.cfg, "self_attn"
+        H, R, P, nope = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        eps = cfg.rms_norm_eps
+        c_q = rms_norm(ops.linear(h, self._w(i, f"{a}.q_a_proj.weight")), self._w(i, f"{a}.q_a_layernorm.weight"), eps)
+        q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
+        kv = ops.linear(h, self._w(i, f"{a}.kv_a_proj_with_mqa.weight"))
+        c_kv = rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
+        rows = torch.cat([c_kv, kv[:, R:]], dim=-1).view(B, T, R + P)
+        for b in range(B):  # the new tokens' rows, past the committed length
+            start, n = int(cache_lens[b]), int(lengths[b])
+            cache[int(slots[b]), start : start + n] = rows[b, :n].to(cache.dtype)
+        w_uk_t, w_uv = self.mla_absorbed[i]
+        q_latent = torch.stack([ops.linear(q[:, hd, :nope].contiguous(), w_uk_t[hd]) for hd in range(H)], dim=1)
+        q_pe = q[:, :, nope:].contiguous()
+        o_latent = ops.mla_verify_attention(
+            q_latent.view(B, T, H, R), q_pe.view(B, T, H, P), cache, slots, cache_lens, lengths,
+            cfg.qk_head_dim**-0.5,
+        ).view(B * T, H, R)
+        o = torch.cat([ops.linear(o_latent[:, hd].contiguous(), w_uv[hd]) for hd in range(H)], dim=-1)
+        o = sigmoid_gate(o, ops.linear(h, self._w(i, f"{a}.g_proj.weight")))
+        return ops.linear(o, self._w(i, f"{a}.o_proj.weight"))
+
+    def _ffn(self, i, y):
+        cfg = self.cfg
+        if cfg.ffn_type(i) == "dense":
+            act = situ(ops.linear(y, self._w(i, "mlp.gate_proj.weight")), ops.linear(y, self._w(i, "mlp.up_proj.weight")),
+                       cfg.situ_beta, cfg.situ_linear_beta)
+            return ops.linear(act, self._w(i, "mlp.down_proj.weight"))
+        return ops.latent_moe(y, self.moe[i], cfg)
+
+    # ------------------------------------------------------------------------ forward
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, state: DecodeState, tap_layers=()):
+        """tokens [B, T] (row b uses its first lengths[b]) -> (logits [B, T, V] fp32,
+        taps {layer: [B, T, d]}, KDA records per KDA layer)."""
+        cfg = self.cfg
+        B, T = tokens.shape
+        positions = torch.arange(T, device=tokens.device)
+        valid = positions[None, :] < lengths.to(tokens.device)[:, None]
+        ids = torch.where(valid, tokens, torch.zeros_like(tokens))  # padding: any valid id
+        hidden = self.tensors[layout.EMBED][ids.reshape(-1)]
+        taps = {}
+        if -1 in tap_layers:
+            taps[-1] = hidden.view(B, T, -1)
+        records = []
+        checkpoints: list[torch.Tensor] = []
+        prefix = hidden  # running sum of the current block (spec §7)
+        eps = cfg.rms_norm_eps
+        for i in range(cfg.num_layers):
+            x = prefix if not checkpoints else self._mix(
+                prefix, checkpoints, self._w(i, "self_attention_res_norm.weight"), self._w(i, "self_attention_res_proj.weight")
+            )
+            before_prefix, before_checkpoints = prefix, list(checkpoints)
+            block_prefix = prefix
+            if i % cfg.attn_res_block_size == 0:  # seal: the block so far becomes a checkpoint
+                checkpoints.append(prefix)
+                block_prefix = None
+            h = rms_norm(x, self._w(i, "input_layernorm.weight"), eps)
+            if cfg.layer_type(i) == "kda":
+                k = self.kda_index[i]
+                attn, rec = self._kda(i, h, B, T, lengths, *state.kda[k])
+                records.append(rec)
+            else:
+                attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens)
+            prefix = attn if block_prefix is None else block_prefix + attn
+            mix_norm, mix_proj = self._w(i, "mlp_res_norm.weight"), self._w(i, "mlp_res_proj.weight")
+            if FFN_MIX_INCLUDES_LAYER_ATTENTION:
+                y = self._mix(prefix, checkpoints, mix_norm, mix_proj)
+            else:
+                y = before_prefix if not before_checkpoints else self._mix(before_prefix, before_checkpoints, mix_norm, mix_proj)
+            prefix = prefix + self._ffn(i, rms_norm(y, self._w(i, "post_attention_layernorm.weight"), eps))
+            if i in tap_layers:
+                taps[i] = prefix.view(B, T, -1)
+        final = self._mix(prefix, checkpoints, self.tensors[layout.OUTPUT_RES_NORM], self.tensors[layout.OUTPUT_RES_PROJ])
+        logits = ops.linear(rms_norm(final, self.tensors[layout.FINAL_NORM], eps), self.tensors[layout.LM_HEAD]).float()
+        return logits.view(B, T, -1), taps, records

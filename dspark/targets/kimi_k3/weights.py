@@ -1,0 +1,338 @@
+"""K3 checkpoint layout: tensor names, shapes and dtypes of the released Hugging Face checkpoint,
+random initialisation in that layout, and safetensors load/save.
+
+Names (spec kimi-k3.md §1.3): the text model sits under `language_model.` of
+KimiK3ForConditionalGeneration, layers as `language_model.model.layers.{i}.…`. KDA and MLA
+tensors are under `self_attn`, the dense layer-0 FFN under `mlp`, the latent MoE under
+`block_sparse_moe` (the Kimi-Linear module name), with routed experts
+`experts.{e}.w{1,2,3}.weight_packed / weight_scale`. The per-layer suffixes follow two
+independent K3 loaders read with the search tool (a Rust K3 layer-weight loader that lists
+every layer tensor with dtype and shape, and the pie CUDA driver's K3 weight contract, whose
+manifest names `block_sparse_moe.gate.e_score_correction_bias` and
+`block_sparse_moe.routed_expert_down_proj.weight`). Dtypes: BF16 except the fp32 KDA conv
+taps, A_log, dt_bias, o_norm and router bias, and the uint8 MXFP4 experts (spec §1.2).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .config import K3Config
+from .mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP_SIZE
+
+PREFIX = "language_model.model"
+LM_HEAD = "language_model.lm_head.weight"
+EMBED = f"{PREFIX}.embed_tokens.weight"
+FINAL_NORM = f"{PREFIX}.norm.weight"
+OUTPUT_RES_NORM = f"{PREFIX}.output_attn_res_norm.weight"
+OUTPUT_RES_PROJ = f"{PREFIX}.output_attn_res_proj.weight"
+
+# Tensor kinds: "float" = the model dtype (bf16 in the checkpoint), "fp32" = always float32,
+# "u8" = MXFP4 bytes.
+FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
+
+
+def layer_prefix(i: int) -> str:
+    return f"{PREFIX}.layers.{i}"
+
+
+def expert_prefix(i: int, e: int) -> str:
+    return f"{layer_prefix(i)}.block_sparse_moe.experts.{e}"
+
+
+def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the checkpoint: name -> (shape, kind)."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    specs: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def add(name, *shape):
+        kind = "fp32" if name.endswith(FP32_SUFFIXES) else "float"
+        specs[name] = (tuple(shape), kind)
+
+    add(EMBED, V, D)
+    add(FINAL_NORM, D)
+    add(OUTPUT_RES_NORM, D)
+    add(OUTPUT_RES_PROJ, 1, D)
+    add(LM_HEAD, V, D)
+    W, H, Dh = cfg.kda_width, cfg.kda_num_heads, cfg.kda_head_dim
+    for i in range(cfg.num_layers):
+        p = layer_prefix(i)
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            add(f"{p}.{norm}.weight", D)
+        add(f"{p}.self_attention_res_proj.weight", 1, D)
+        add(f"{p}.mlp_res_proj.weight", 1, D)
+        a = f"{p}.self_attn"
+        if cfg.layer_type(i) == "kda":
+            for proj in ("q", "k", "v", "g"):
+                add(f"{a}.{proj}_proj.weight", W, D)
+            for proj in ("q", "k", "v"):
+                add(f"{a}.{proj}_conv1d.weight", W, 1, cfg.kda_conv_size)
+            add(f"{a}.f_a_proj.weight", cfg.kda_gate_rank, D)
+            add(f"{a}.f_b_proj.weight", W, cfg.kda_gate_rank)
+            add(f"{a}.b_proj.weight", H, D)
+            add(f"{a}.dt_bias", W)
+            add(f"{a}.A_log", cfg.kda_a_log_size)
+            add(f"{a}.o_norm.weight", Dh)
+            add(f"{a}.o_proj.weight", D, W)
+        else:
+            Hm = cfg.mla_num_heads
+            add(f"{a}.q_a_proj.weight", cfg.q_lora_rank, D)
+            add(f"{a}.q_a_layernorm.weight", cfg.q_lora_rank)
+            add(f"{a}.q_b_proj.weight", Hm * cfg.qk_head_dim, cfg.q_lora_rank)
+            add(f"{a}.kv_a_proj_with_mqa.weight", cfg.kv_cache_width, D)
+            add(f"{a}.kv_a_layernorm.weight", cfg.kv_lora_rank)
+            add(f"{a}.kv_b_proj.weight", Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+            add(f"{a}.g_proj.weight", Hm * cfg.v_head_dim, D)
+            add(f"{a}.o_proj.weight", D, Hm * cfg.v_head_dim)
+        if cfg.ffn_type(i) == "dense":
+            add(f"{p}.mlp.gate_proj.weight", cfg.intermediate_size, D)
+            add(f"{p}.mlp.up_proj.weight", cfg.intermediate_size, D)
+            add(f"{p}.mlp.down_proj.weight", D, cfg.intermediate_size)
+        else:
+            m, Lt, I, S = f"{p}.block_sparse_moe", cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+            add(f"{m}.gate.weight", cfg.num_experts, D)
+            add(f"{m}.gate.e_score_correction_bias", cfg.num_experts)
+            add(f"{m}.routed_expert_down_proj.weight", Lt, D)
+            add(f"{m}.routed_expert_norm.weight", Lt)
+            add(f"{m}.routed_expert_up_proj.weight", D, Lt)
+            add(f"{m}.shared_experts.gate_proj.weight", S, D)
+            add(f"{m}.shared_experts.up_proj.weight", S, D)
+            add(f"{m}.shared_experts.down_proj.weight", D, S)
+            for e in range(cfg.num_experts):
+                x = expert_prefix(i, e)
+                for w, (n, k) in (("w1", (I, Lt)), ("w3", (I, Lt)), ("w2", (Lt, I))):
+                    specs[f"{x}.{w}.weight_packed"] = ((n, k // 2), "u8")
+                    specs[f"{x}.{w}.weight_scale"] = ((n, k // GROUP_SIZE), "u8")
+    return specs
+
+
+def tensor_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    return {"float": dtype, "fp32": torch.float32, "u8": torch.uint8}[kind]
+
+
+# ---------------------------------------------------------------------------- random init
+def _random_mxfp4(shape, fan_in: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random E2M1 codes with one power-of-two scale chosen so the weight's std is about
+    fan_in^-1/2 (uniform codes have an rms of sqrt(mean(m^2)) over the 8 magnitudes)."""
+    n, k = shape
+    code_rms = math.sqrt(sum(m * m for m in E2M1_MAGNITUDES) / len(E2M1_MAGNITUDES))
+    exponent = round(math.log2(fan_in**-0.5 / code_rms))
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
+    scale = torch.full((n, k // GROUP_SIZE), exponent + E8M0_BIAS, dtype=torch.uint8, device=device)
+    return packed, scale
+
+
+def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """A random checkpoint whose activations stay O(1): linear weights ~ N(0, 1/fan_in) on
+    RMS-normalised inputs, norms near 1, logits of unit scale (varied argmax)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (shape, kind) in tensor_specs(cfg).items():
+        if kind == "u8":
+            if name.endswith(".weight_scale"):
+                continue  # written with its weight_packed
+            base = name[: -len(".weight_packed")]
+            n, half_k = shape
+            packed, scale = _random_mxfp4((n, half_k * 2), half_k * 2, gen, device)
+            tensors[name], tensors[f"{base}.weight_scale"] = packed, scale
+            continue
+
+        def normal(std):
+            return torch.randn(shape, generator=gen, device=device) * std
+
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            value = 1.0 + normal(0.1)
+        elif name.endswith("_conv1d.weight"):
+            value = normal(0.5)
+        elif name.endswith(".A_log"):
+            # FLA's init: A in [1, 16]; entries past the head count are storage padding (zero).
+            value = torch.zeros(shape, device=device)
+            heads = cfg.kda_num_heads
+            value[:heads] = torch.log(1 + 15 * torch.rand(heads, generator=gen, device=device))
+        elif name.endswith(".dt_bias"):
+            value = normal(0.5)
+        elif name.endswith(".e_score_correction_bias"):
+            value = normal(0.1)
+        elif name == EMBED:
+            value = normal(1.0)
+        else:  # projections [out, in], including the AttnRes pseudo-queries [1, D]
+            value = normal(shape[-1] ** -0.5)
+        tensors[name] = value.to(tensor_dtype(kind, dtype))
+    return tensors
+
+
+def check_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError on a missing, unexpected or misshapen tensor, naming it."""
+    specs = tensor_specs(cfg)
+    missing = [n for n in specs if n not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r} (expected shape {specs[missing[0]][0]}; "
+                         f"{len(missing)} missing in all)")
+    unexpected = [n for n in tensors if n not in specs]
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} with shape "
+                         f"{tuple(tensors[unexpected[0]].shape)} ({len(unexpected)} unexpected in all)")
+    for name, (shape, kind) in specs.items():
+        found = tuple(tensors[name].shape)
+        if found != shape:
+            raise ValueError(f"tensor {name!r}: expected shape {shape}, found {found}")
+        if kind == "u8" and tensors[name].dtype != torch.uint8:
+            raise ValueError(f"tensor {name!r}: expected dtype uint8 (MXFP4), found {tensors[name].dtype}")
+
+
+# ---------------------------------------------------------------------------- config.json
+def config_to_json(cfg: K3Config) -> dict:
+    text = {
+        "model_type": "kimi_linear",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.mla_num_heads,
+        "num_key_value_heads": cfg.mla_num_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "first_k_dense_replace": cfg.first_k_dense,
+        "intermediate_size": cfg.intermediate_size,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_token": cfg.num_experts_per_token,
+        "num_shared_experts": cfg.num_shared_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_expert_hidden_size": cfg.latent_size,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "hidden_act": "situ",
+        "activation_situ_beta": cfg.situ_beta,
+        "activation_situ_linear_beta": cfg.situ_linear_beta,
+        "attn_res_block_size": cfg.attn_res_block_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "linear_attn_config": {
+            "kda_layers": [i + 1 for i in cfg.kda_layers],  # 1-based in the released config
+            "full_attn_layers": [i + 1 for i in cfg.mla_layers],
+            "num_heads": cfg.kda_num_heads,
+            "head_dim": cfg.kda_head_dim,
+            "short_conv_kernel_size": cfg.kda_conv_size,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": cfg.kda_gate_lower_bound,
+        },
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": cfg.mxfp4_group_size,
+                                                       "scale_dtype": "uint8", "symmetric": True}}},
+        },
+    }
+    # Sizes the released config leaves implicit (both equal head_dim = 128 in K3).
+    if cfg.kda_gate_rank != cfg.kda_head_dim:
+        text["dspark_kda_gate_rank"] = cfg.kda_gate_rank
+    if cfg.kda_a_log_size != cfg.kda_head_dim:
+        text["dspark_kda_a_log_size"] = cfg.kda_a_log_size
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
+
+
+def config_from_json(data: dict, name: str = "checkpoint") -> K3Config:
+    t = data.get("text_config", data)
+    lin = t["linear_attn_config"]
+    group_size = 32
+    for group in t.get("quantization_config", {}).get("config_groups", {}).values():
+        group_size = group.get("weights", {}).get("group_size", group_size)
+    return K3Config(
+        name=name,
+        vocab_size=t["vocab_size"],
+        hidden_size=t["hidden_size"],
+        num_layers=t["num_hidden_layers"],
+        mla_layers=tuple(i - 1 for i in lin["full_attn_layers"]),
+        kda_num_heads=lin["num_heads"],
+        kda_head_dim=lin["head_dim"],
+        kda_conv_size=lin.get("short_conv_kernel_size", 4),
+        kda_gate_rank=t.get("dspark_kda_gate_rank", lin["head_dim"]),
+        kda_gate_lower_bound=lin.get("gate_lower_bound", -5.0),
+        kda_a_log_size=t.get("dspark_kda_a_log_size", lin["head_dim"]),
+        mla_num_heads=t["num_attention_heads"],
+        q_lora_rank=t["q_lora_rank"],
+        kv_lora_rank=t["kv_lora_rank"],
+        qk_nope_head_dim=t["qk_nope_head_dim"],
+        qk_rope_head_dim=t["qk_rope_head_dim"],
+        v_head_dim=t["v_head_dim"],
+        first_k_dense=t["first_k_dense_replace"],
+        intermediate_size=t["intermediate_size"],
+        num_experts=t["num_experts"],
+        num_experts_per_token=t["num_experts_per_token"],
+        num_shared_experts=t["num_shared_experts"],
+        moe_intermediate_size=t["moe_intermediate_size"],
+        latent_size=t["routed_expert_hidden_size"],
+        routed_scaling_factor=t.get("routed_scaling_factor", 1.0),
+        situ_beta=t["activation_situ_beta"],
+        situ_linear_beta=t["activation_situ_linear_beta"],
+        mxfp4_group_size=group_size,
+        attn_res_block_size=t["attn_res_block_size"],
+        rms_norm_eps=t["rms_norm_eps"],
+        max_position_embeddings=t["max_position_embeddings"],
+        bos_token_id=t.get("bos_token_id", 0),
+        eos_token_id=t.get("eos_token_id", 0),
+        pad_token_id=t.get("pad_token_id", 0),
+        tie_word_embeddings=t.get("tie_word_embeddings", False),
+    ).validate()
+
+
+# ---------------------------------------------------------------------------- safetensors I/O
+def load_checkpoint(path, dtype: torch.dtype, device) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """config.json + *.safetensors in `path` -> (config, tensors in the model's dtypes)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"checkpoint {str(path)!r}: no config.json")
+    cfg = config_from_json(json.loads(config_file.read_text()), name=path.name)
+    if cfg.mxfp4_group_size != GROUP_SIZE:
+        raise ValueError(f"quantization_config group_size={cfg.mxfp4_group_size}: only {GROUP_SIZE} is supported")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"checkpoint {str(path)!r}: no *.safetensors files")
+    specs = tensor_specs(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not name.startswith("language_model."):
+                    continue  # vision tower and projector: not part of the text target
+                tensor = f.get_tensor(name)
+                kind = specs[name][1] if name in specs else "float"
+                tensors[name] = tensor.to(device=device, dtype=tensor_dtype(kind, dtype) if kind != "u8" else tensor.dtype)
+    check_tensors(cfg, tensors)
+    return cfg, tensors
+
+
+def save_checkpoint(model, directory, shard_bytes: int = 4 << 30) -> None:
+    """Write `model` as config.json + model-0000N.safetensors in the real K3 layout."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config_to_json(model.cfg), indent=2))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in model.named_tensors():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+    for k, shard in enumerate(shards):
+        save_file(shard, str(directory / f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"))
