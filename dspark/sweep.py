@@ -13,7 +13,9 @@ sweep.json schema:
    "points": [{"key", "batch", "k", "policy", "al_target" (null for plain decoding),
                "al_measured", "tokens_per_s", "tpot_ms", "step_ms_p50", "step_ms_p90",
                "step_ms_mean", "split_ms": {"draft", "verify", "accept", "commit"} (mean per step),
-               "steps", "output_tokens", "per_position_acceptance"}]}
+               "steps", "output_tokens", "per_position_acceptance",
+               for K3 presets also "floor_ms_h200" (bandwidth floor of the step on one H200 at
+               4.3 TB/s) and "roofline_fraction" (floor / measured step time)}]}
 The CSV has one row per point with the same fields (split_ms flattened to draft_ms, ...).
 Points already in an existing sweep.json are skipped, so an interrupted sweep resumes.
 """
@@ -115,6 +117,26 @@ def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, 
     }
 
 
+# The H200's measured read bandwidth (../shared/gpu/README.md: a 163840 x 7168 GEMV reads at
+# 4.33 TB/s, a device copy moves 4.25 TB/s), the yardstick of the floors written beside results.
+H200_READ_TBS = 4.3
+
+
+def add_floor(point: dict, target_name: str, context: int) -> dict:
+    """For K3-shaped targets: the bandwidth floor of the same step on one H200 (dspark.roofline,
+    replay-style KDA state, no draft cost: the sweep's drafter costs nothing) and the measured
+    step's fraction of it."""
+    from .roofline import get_gpu, step_cost, step_time
+    from .targets.kimi_k3.config import PRESETS
+
+    cfg = PRESETS.get(target_name)
+    if cfg is None:
+        return point
+    cost = step_cost(cfg, batch=point["batch"], tokens_per_request=point["k"] + 1, context=context, kda_state="replay")
+    floor_ms = 1e3 * step_time(cost, get_gpu("h200", H200_READ_TBS))
+    return {**point, "floor_ms_h200": floor_ms, "roofline_fraction": floor_ms / point["step_ms_mean"]}
+
+
 def grid(ks, batches, als, policies) -> list[tuple[int, int, float | None, str]]:
     points = []
     for batch in batches:
@@ -213,8 +235,9 @@ def main(args) -> int:
     points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
     todo = [pt for pt in points_todo if point_key(pt[0], pt[1] if pt[2] is not None else 0, pt[3], pt[2]) not in done]
     for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
-        points.append(measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
-                                    max_tokens=max_tokens, warmup_tokens=args.warmup_tokens, seed=args.seed))
+        point = measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
+                              max_tokens=max_tokens, warmup_tokens=args.warmup_tokens, seed=args.seed)
+        points.append(add_floor(point, target_name, context))
         write_results(out, meta, points)  # after every point, so an interruption loses little
     write_results(out, meta, points)
     png = plot(out, meta, points)
