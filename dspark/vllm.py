@@ -502,9 +502,13 @@ def validate_with_vllm(config: dict, *, target_model: str | None = None) -> Vllm
 
 
 def vllm_importable() -> bool:
+    """Whether a vllm package is installed. A folder named vllm on sys.path without an __init__.py
+    (this repository's tests/vllm/, when pytest puts tests/ on the path) is a namespace package
+    with no origin, not vLLM."""
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 # ---------------------------------------------------------------------------------------------
