@@ -64,12 +64,12 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     logits = ops.linear(x.float(), gate_weight.float())  # fp32 router (spec §1.2)
     selection_bias = bias.float()
 
-    def route(row: torch.Tensor) -> torch.Tensor:
-        scores = torch.sigmoid(row)
-        ids = torch.topk(scores + selection_bias, top_k).indices
-        chosen = scores[ids]
-        weights = chosen / chosen.sum() * scaling
-        return torch.cat([ids.float(), weights])  # ids < 2^24 are exact in fp32
+    def route(rows: torch.Tensor) -> torch.Tensor:  # [..., E] -> [..., 2k]: ids | weights
+        scores = torch.sigmoid(rows)
+        ids = torch.topk(scores + selection_bias, top_k, dim=-1).indices
+        chosen = scores.gather(-1, ids)
+        weights = chosen / chosen.sum(-1, keepdim=True) * scaling
+        return torch.cat([ids.float(), weights], dim=-1)  # ids < 2^24 are exact in fp32
 
     routed = per_row(route, logits)
     return routed[:, :top_k].long(), routed[:, top_k:]

@@ -14,9 +14,15 @@ from typing import Callable
 import torch
 
 
+def splits_rows(device: torch.device) -> bool:
+    """Whether per_row runs row by row on this device (the CPU, where bitwise invariance is promised)."""
+    return device.type == "cpu"
+
+
 def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn applied to each row x[..., :] separately on the CPU (fn(x) at once elsewhere)."""
-    if x.device.type != "cpu":
+    """fn applied to each row x[..., :] separately on the CPU (fn(x) at once elsewhere, so fn
+    must work on [..., N] as well as on one row [N])."""
+    if not splits_rows(x.device):
         return fn(x)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.stack([fn(row) for row in rows])
@@ -39,7 +45,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
     width = gate.shape[-1]
 
     def act(row: torch.Tensor) -> torch.Tensor:
-        g, u = row[:width].float(), row[width:].float()
+        g, u = row[..., :width].float(), row[..., width:].float()
         return (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
 
     return per_row(act, torch.cat([gate, up], dim=-1)).to(gate.dtype)
@@ -50,6 +56,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
 
     def apply(row: torch.Tensor) -> torch.Tensor:
-        return row[:width].float() * torch.sigmoid(row[width:].float())
+        return row[..., :width].float() * torch.sigmoid(row[..., width:].float())
 
     return per_row(apply, torch.cat([x, gate.to(x.dtype)], dim=-1)).to(x.dtype)
