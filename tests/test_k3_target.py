@@ -89,6 +89,13 @@ def test_rollback_and_block_logits_are_bitwise_sequential(model, gen):
         for r, slot in enumerate((2, 0)):
             assert_same_state(snapshot(spec, slot), seq_states[r][counts[r]], f"request {r}, accepted {counts[r]}")
 
+    # The engine commits only the requests that go on: the other verified slot keeps nothing.
+    restore(spec, after_prefill)
+    spec.verify([2, 0], drafts, torch.tensor([T, T]), taps)
+    spec.commit([0], torch.tensor([3]))
+    assert_same_state(snapshot(spec, 0), seq_states[1][3], "committed subset")
+    assert_same_state(snapshot(spec, 2), seq_states[0][0], "slot left out of the commit")
+
 
 def test_verify_is_output_only_and_ragged_batches_are_token_invariant(model, gen):
     target = load_target("k3-tiny", max_slots=2, max_seq_len=MAX_SEQ, dtype=torch.float32, seed=3)

@@ -98,23 +98,32 @@ class K3Target:
         return TargetOutput(logits=logits, taps=taps)
 
     def commit(self, slots, num_tokens: torch.Tensor) -> None:
+        """Keep num_tokens[r] tokens of slots[r]; slots must be among the last verify's (the
+        engine commits only the requests that go on; the others keep nothing)."""
         index = self._slot_index(slots)
-        if self._pending is None or self._pending[0] != index.tolist():
-            raise ValueError(f"slots: commit of {index.tolist()} does not follow a verify of the same slots")
-        _, records, lengths = self._pending
+        if self._pending is None:
+            raise ValueError("slots: commit without a preceding verify")
+        verified, records, lengths = self._pending
         counts = [int(n) for n in torch.as_tensor(num_tokens).tolist()]
         if len(counts) != len(index):
             raise ValueError(f"num_tokens: expected {len(index)} entries, got {len(counts)}")
-        for n, limit in zip(counts, lengths):
-            if not 0 <= n <= limit:
-                raise ValueError(f"num_tokens: {n} outside [0, {limit}]")
-        counts_t = torch.tensor(counts, dtype=torch.long, device=self.device)
+        # Counts over the whole verified batch, 0 (unchanged) for slots not committed now.
+        batch_counts = [0] * len(verified)
+        for slot, n in zip(index.tolist(), counts):
+            if slot not in verified:
+                raise ValueError(f"slots: {slot} was not in the last verify (slots {verified})")
+            r = verified.index(slot)
+            if not 0 <= n <= lengths[r]:
+                raise ValueError(f"num_tokens: {n} for slot {slot} outside [0, {lengths[r]}]")
+            batch_counts[r] = n
+        batch_index = torch.tensor(verified, dtype=torch.long, device=self.device)
+        counts_t = torch.tensor(batch_counts, dtype=torch.long, device=self.device)
         for k, rec in enumerate(records):
-            state, conv = self.kda_state[index, k], self.conv_state[index, k]
+            state, conv = self.kda_state[batch_index, k], self.conv_state[batch_index, k]
             ops.kda_commit(state, conv, rec, counts_t)
-            self.kda_state[index, k] = state
-            self.conv_state[index, k] = conv
-        self.lengths[index] += counts_t
+            self.kda_state[batch_index, k] = state
+            self.conv_state[batch_index, k] = conv
+        self.lengths[batch_index] += counts_t
         self._pending = None
 
     def prefill(self, slots, prompts: list[torch.Tensor], tap_layers=()) -> TargetOutput:
