@@ -8,6 +8,8 @@ warm-up first; median over repeats. Two timings per implementation:
            (the verify step runs as a graph, so this is the number that matters);
   eager  - the same calls launched from Python (adds host overhead where it exceeds GPU time).
 GB/s counts the weight bytes read once (N*K*2); x, y and split-K partials are ignored.
+Our kernel is timed in three variants (VARIANTS below): the default (fused split-K reduction,
+4 stages), fused with 5 stages, and bench run 1's two-kernel split-K (separate reduce pass).
 
 Usage: python experiments/kernels_bench.py [--out experiments/results/h200/kernels_bench.json]
 """

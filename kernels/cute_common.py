@@ -89,3 +89,54 @@ class CompileCache:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+
+@functools.cache
+def split_k_fixup():
+    """The fused split-K reduction shared by the GEMM kernels, as a @cute.jit device function.
+
+    Serial fixup (the CUDA threadFenceReduction pattern; spec kernels.md §7 row 1, split-K): every
+    split of a weight tile has stored its fp32 partial; a gpu-scope fence publishes it, one thread
+    counts the arrival on the tile's counter, and the last split to arrive sums all partials of the
+    tile in split order (deterministic) and writes y, then re-arms the counter to zero for the next
+    call. Each of the tile's threads owns one weight row (= one y column), so loads are coalesced.
+
+    partials: (N, M, splits) fp32 view; y: (N, M, 1) view of y[M, N]; counters: (tiles,) int32;
+    arrival_ptr: one int32 of shared memory; the CTA has `tile_rows` threads.
+    """
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.jit
+    def fixup(
+        partials: cute.Tensor,
+        y: cute.Tensor,
+        counters: cute.Tensor,
+        arrival_ptr: cute.Pointer,
+        tile_idx: cutlass.Int32,
+        tidx: cutlass.Int32,
+        tile_rows: cutlass.Constexpr,
+        tokens: cutlass.Constexpr,
+        splits: cutlass.Constexpr,
+    ):
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        arrival = cute.make_tensor(arrival_ptr, cute.make_layout(1))
+        if tidx == 0:
+            arrival[0] = cute.arch.atomic_add(
+                counters.iterator + tile_idx, cutlass.Int32(1), sem="acq_rel", scope="gpu"
+            )
+        cute.arch.sync_threads()
+        if arrival[0] == splits - 1:
+            cute.arch.fence_acq_rel_gpu()
+            row = tile_idx * tile_rows + tidx
+            for token in cutlass.range_constexpr(tokens):
+                if row < y.shape[0] and token < y.shape[1]:
+                    total = cutlass.Float32(0.0)
+                    for split in cutlass.range_constexpr(splits):
+                        total += partials[row, token, split]
+                    y[row, token, 0] = total.to(y.element_type)
+            if tidx == 0:
+                counters[tile_idx] = cutlass.Int32(0)
+
+    return fixup

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark.kernels import cute_common
-from dspark.kernels.linear import cute_sm90
+from dspark.kernels.linear import cute_sm90, cute_sm100
 
 pytestmark = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
 
@@ -36,6 +36,30 @@ def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(name):
         assert "griddepcontrol.wait" in ptx  # PDL
         assert ".local" not in ptx  # no register spills to local memory
         assert splits == cute_sm90.choose_splits(n, k)
+
+
+@pytest.mark.parametrize("arch", ["sm_103a", "sm_100a"])
+def test_blackwell_compiles_to_tcgen05(arch):
+    # The tcgen05 kernel has never run (no Blackwell GPU here): this is all the checking it gets.
+    for name in ("kda_o", "mla_kv_a") if arch == "sm_103a" else ("kda_qkvg",):
+        n, k = SHAPES[name]
+        compiled, splits = cute_sm100.compile_skinny_gemm(n, k, torch.bfloat16, arch, extra_options=("--keep-ptx",))
+        ptx = compiled.__ptx__
+        assert "tcgen05.mma" in ptx and "tcgen05.ld" in ptx  # UMMA into TMEM, TMEM -> registers
+        assert "cp.async.bulk.tensor" in ptx and "griddepcontrol.wait" in ptx
+        assert ".local" not in ptx
+        assert ("atom.global" in ptx) == (splits > 1)  # fused split-K reduction only when split
+
+
+def test_fused_and_two_pass_split_k_variants_compile():
+    fused, splits = cute_sm90.compile_skinny_gemm(7168, 12288, 16, torch.bfloat16, "sm_90a", extra_options=("--keep-ptx",))
+    two_pass, _ = cute_sm90.compile_skinny_gemm(
+        7168, 12288, 16, torch.bfloat16, "sm_90a", fused_reduce=False, stages=5, extra_options=("--keep-ptx",)
+    )
+    assert splits > 1
+    assert "atom.global.acq_rel.add" in fused.__ptx__ and "atom.global" not in two_pass.__ptx__
+    # the two-pass variant launches a second (reduce) kernel
+    assert two_pass.__ptx__.count(".entry") == 2 and fused.__ptx__.count(".entry") == 1
 
 
 def test_compile_cache_builds_each_key_once():

@@ -364,28 +364,9 @@ def _build_kernel_class():
                     tCgC[i] = out[i]
 
             if cutlass.const_expr(self.splits > 1 and self.fused_reduce):
-                # Serial split-K fixup (the threadFenceReduction pattern): publish this split's
-                # partial, count arrivals per weight tile; the last split to arrive sums all
-                # partials of the tile and writes y, then re-arms the counter for the next call.
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.sync_threads()
-                arrival = cute.make_tensor(storage.arrival.ptr, cute.make_layout(1))
-                if tidx == 0:
-                    arrival[0] = cute.arch.atomic_add(
-                        counters.iterator + tile_idx, cutlass.Int32(1), sem="acq_rel", scope="gpu"
-                    )
-                cute.arch.sync_threads()
-                if arrival[0] == self.splits - 1:
-                    cute.arch.fence_acq_rel_gpu()
-                    row = tile_idx * WEIGHT_TILE + tidx  # one weight row (= y column) per thread
-                    for token in cutlass.range_constexpr(self.tokens):
-                        if row < mY.shape[0] and token < mY.shape[1]:
-                            total = cutlass.Float32(0.0)
-                            for split in cutlass.range_constexpr(self.splits):
-                                total += mC[row, token, split]
-                            mY[row, token, 0] = total.to(mY.element_type)
-                    if tidx == 0:
-                        counters[tile_idx] = cutlass.Int32(0)
+                cute_common.split_k_fixup()(
+                    mC, mY, counters, storage.arrival.ptr, tile_idx, tidx, WEIGHT_TILE, self.tokens, self.splits
+                )
 
         @cute.kernel
         def reduce_kernel(self, partials: cute.Tensor, y: cute.Tensor, total: cutlass.Int32):
