@@ -56,7 +56,10 @@ def restore(target, saved):
         dst.copy_(src)
 
 
-def test_rollback_and_block_logits_are_bitwise_sequential(model, gen):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rollback_and_block_logits_are_bitwise_sequential(model, gen, dtype):
+    if dtype != torch.float32:  # the default checkpoint dtype: bf16 weights, fp32 KDA state
+        model = K3Model.random(K3_TINY, seed=int(torch.randint(0, 2**31 - 1, ())), dtype=dtype)
     taps = (-1, 2, 3)
     drafts = torch.randint(0, K3_TINY.vocab_size, (2, T), generator=gen)
     ps = prompts(gen)

@@ -23,7 +23,7 @@ from dspark.kernels.moe.reference import LatentMoEWeights
 
 from . import weights as layout
 from .config import K3Config
-from .numerics import per_row, rms_norm, sigmoid_gate, situ
+from .numerics import per_row, rms_normalise, rms_norm, sigmoid_gate, situ
 
 # Spec §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
 # output (one JAX re-implementation feeds attention and FFN from the same value set instead).
@@ -121,17 +121,18 @@ class K3Model:
         return self.tensors[f"{layout.layer_prefix(i)}.{suffix}"]
 
     def _mix(self, current, checkpoints, norm_weight, proj_weight):
-        """AttnRes mix (spec §7): softmax over {checkpoints..., current} of proj . RMSNorm(v),
-        weighted sum of the raw candidates in that fixed order (fp32)."""
+        """AttnRes mix (spec §7; `_apply_attn_res` of modeling_kimi_linear.py): candidates
+        {checkpoints..., current} in that order, score = RMSNorm(v) . (norm_weight * proj) in
+        fp32, softmax over candidates, weighted sum of the raw candidates in fp32."""
         candidates = checkpoints + [current]
+        score_weight = (norm_weight.float() * proj_weight.float().view(-1)).view(1, -1)
         scores = torch.cat(
-            [ops.linear(rms_norm(v, norm_weight, self.cfg.rms_norm_eps), proj_weight).float() for v in candidates],
-            dim=-1,
+            [ops.linear(rms_normalise(v, self.cfg.rms_norm_eps), score_weight) for v in candidates], dim=-1
         )
         weights = per_row(lambda row: torch.softmax(row, dim=-1), scores)
-        out = weights[:, :1] * candidates[0].float()
+        out = weights[..., :1] * candidates[0].float()
         for j in range(1, len(candidates)):
-            out = out + weights[:, j : j + 1] * candidates[j].float()
+            out = out + weights[..., j : j + 1] * candidates[j].float()
         return out.to(current.dtype)
 
     def _kda(self, i, h, B, T, lengths, state, conv_state):

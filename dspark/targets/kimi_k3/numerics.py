@@ -29,14 +29,15 @@ def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (no weight)."""
+    return per_row(lambda row: row.float() * torch.rsqrt(row.float().pow(2).mean(-1, keepdim=True) + eps), x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32, result in x.dtype (K3 uses RMSNorm everywhere, spec §1.2)."""
-
-    def norm(row: torch.Tensor) -> torch.Tensor:
-        row = row.float()
-        return row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-    return per_row(norm, x).to(x.dtype)
+    """K3's RMSNorm (spec §1.2; the Kimi norm of modeling_kimi_linear.py): normalise in fp32,
+    cast back to x.dtype, then scale by the weight."""
+    return weight.to(x.dtype) * rms_normalise(x, eps).to(x.dtype)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
