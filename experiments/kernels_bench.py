@@ -8,8 +8,9 @@ warm-up first; median over repeats. Two timings per implementation:
            (the verify step runs as a graph, so this is the number that matters);
   eager  - the same calls launched from Python (adds host overhead where it exceeds GPU time).
 GB/s counts the weight bytes read once (N*K*2); x, y and split-K partials are ignored.
-Our kernel is timed in three variants (VARIANTS below): the default (fused split-K reduction,
-4 stages), fused with 5 stages, and bench run 1's two-kernel split-K (separate reduce pass).
+Our kernel is timed in four variants (VARIANTS below): the default (fused split-K reduction,
+4 stages), fused with 5 stages, bench run 1's two-kernel split-K (separate reduce pass), and
+no split-K at all.
 
 Usage: python experiments/kernels_bench.py [--out experiments/results/h200/kernels_bench.json]
 """
@@ -33,6 +34,7 @@ VARIANTS = {
     "cute_sm90": dict(stages=4, fused_reduce=True),
     "cute_sm90_5st": dict(stages=5, fused_reduce=True),
     "cute_sm90_2pass": dict(stages=5, fused_reduce=False),  # bench run 1's kernel
+    "cute_sm90_nosplit": dict(stages=4, fused_reduce=True, splits=1),  # what split-K buys
 }
 
 
@@ -127,10 +129,11 @@ def bench_shape(name, n, k, l2_bytes, arch, ceiling):
                 ours_calls = [
                     lambda w=w, o=o: compiled(x, w, o, workspace, counters) for w, o in zip(weights, outs)
                 ]
-                row["splits"] = splits
+                row.setdefault("splits", splits)  # the default variant's (first in VARIANTS)
                 row[label] = time_calls(ours_calls, reps)
                 # spot-check the result of the last call against cuBLAS
                 ref = torch.mm(x, weights[0].t()).float()
+                outs[0].fill_(float("nan"))  # poison: an unwritten element must show
                 compiled(x, weights[0], outs[0], workspace, counters)
                 torch.cuda.synchronize()
                 row[label]["rel_err_vs_cublas"] = ((outs[0].float() - ref).norm() / ref.norm()).item()
@@ -177,8 +180,6 @@ def main():
     if args.shapes:
         shapes = {s: shapes[s] for s in args.shapes.split(",")}
     rows = []
-    for name, (n, k) in shapes.items():
-        rows += bench_shape(name, n, k, l2_bytes, arch, ceiling["read_ceiling_GBps"])
     result = {
         "device": torch.cuda.get_device_name(0),
         "sms": props.multi_processor_count,
@@ -192,14 +193,17 @@ def main():
         "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    for name, (n, k) in shapes.items():
+        rows += bench_shape(name, n, k, l2_bytes, arch, ceiling["read_ceiling_GBps"])
+        result["seconds"] = time.time() - started
+        with open(args.out, "w") as f:  # after every shape, so a cut-off run keeps what it measured
+            json.dump(result, f, indent=1)
 
     c = ceiling["read_ceiling_GBps"]
     print(f"\nread ceiling {c:.0f} GB/s (sum {ceiling['sum_bf16_GBps']:.0f}, amax {ceiling['amax_bf16_GBps']:.0f}, "
           f"gemv {ceiling['gemv_bf16_GBps']:.0f}); "
           f"d2d copy {ceiling['d2d_copy_rw_GBps']:.0f} GB/s r+w. Graph-replay GB/s of weights (eager in brackets):")
-    print(f"{'shape':20s} {'N x K':>12s} {'M':>2s} {'sp':>2s} {'cuBLAS':>11s} {'cute_sm90':>11s} {'5st':>5s} {'2pass':>5s} {'ours/ceil':>9s} {'ours/cuBLAS':>11s}")
+    print(f"{'shape':20s} {'N x K':>12s} {'M':>2s} {'sp':>2s} {'cuBLAS':>11s} {'cute_sm90':>11s} {'5st':>5s} {'2pass':>5s} {'nospl':>5s} {'ours/ceil':>9s} {'ours/cuBLAS':>11s}")
 
     def gbps(r, mode):
         v = r.get(f"{mode}_GBps") if isinstance(r, dict) else None
@@ -208,10 +212,11 @@ def main():
     for row in rows:
         cb, ours = row["cublas"], row.get("cute_sm90", {})
         five, two = row.get("cute_sm90_5st", {}), row.get("cute_sm90_2pass", {})
+        nosplit = row.get("cute_sm90_nosplit", {})
         print(
             f"{row['shape'][:20]:20s} {row['N']:>6d}x{row['K']:<5d} {row['M']:>2d} {row.get('splits', 0):>2d} "
             f"{gbps(cb, 'graph'):4.0f} ({gbps(cb, 'eager'):4.0f}) {gbps(ours, 'graph'):4.0f} ({gbps(ours, 'eager'):4.0f}) "
-            f"{gbps(five, 'graph'):5.0f} {gbps(two, 'graph'):5.0f} {gbps(ours, 'graph') / c:9.2f} "
+            f"{gbps(five, 'graph'):5.0f} {gbps(two, 'graph'):5.0f} {gbps(nosplit, 'graph'):5.0f} {gbps(ours, 'graph') / c:9.2f} "
             f"{gbps(ours, 'graph') / max(gbps(cb, 'graph'), 1e-9):11.2f}"
         )
 

@@ -404,18 +404,24 @@ def compile_skinny_gemm(
     use_pdl: bool = True,
     stages: int = STAGES,
     fused_reduce: bool = True,
+    splits: int | None = None,
     extra_options: tuple = (),
 ):
     """Compiled kernel for weight [n, k] and up to `tokens` rows, cached per (shape, dtype, arch).
 
     M (<= tokens) is a runtime value, so one compile serves every token count of a bucket.
     `fused_reduce` sums split-K partials in the GEMM kernel (last CTA per tile) instead of in a
-    second kernel. `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
+    second kernel. `splits` overrides choose_splits (for benchmarking the heuristic).
+    `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
     Returns (compiled function taking (x, w, y, workspace, counters) torch tensors, split-K factor).
     """
     if tokens not in (8, 16):
         raise ValueError(f"tokens={tokens} must be 8 or 16")
-    splits = choose_splits(n, k)
+    k_tiles = math.ceil(k / K_TILE)
+    if splits is None:
+        splits = choose_splits(n, k)
+    elif not 1 <= splits <= k_tiles or math.ceil(k_tiles / math.ceil(k_tiles / splits)) != splits:
+        raise ValueError(f"splits={splits} must leave no split of the {k_tiles} k-tiles empty")
     key = ("linear_sm90", n, k, tokens, splits, stages, fused_reduce, dtype, arch, use_pdl, tuple(extra_options))
 
     def build():
