@@ -246,49 +246,54 @@ def _check_block_size(spec: SpecConfig, drafter_path: str | None, block_size: in
 def _batch_size_schedule(spec: SpecConfig) -> tuple[list[tuple[int, int, int]] | None, list[str]]:
     """Our batch-size gates (and the batch-1 profile's k) as vLLM's num_speculative_tokens_per_batch_size.
 
-    Semantics differ at the edges, so the schedule is written out in full: our engine uses
-    num_speculative_tokens for a batch size no gate covers, vLLM requires the first range to start
-    at 1 and carries the previous range's K through gaps and past the last range
-    (vllm/v1/spec_decode/dynamic/utils.py). The batch-1 profile's k wins at batch size 1, as in
-    Engine.step_k.
+    The edges differ, so the schedule is written out in full: our engine uses
+    num_speculative_tokens for a batch size no gate covers and the batch-1 profile's k at batch
+    size 1 (Engine.step_k); vLLM requires the first range to start at 1 and carries the previous
+    range's K through gaps and past the last range (vllm/v1/spec_decode/dynamic/utils.py).
     """
     k = spec.num_speculative_tokens
+    gates = spec.num_speculative_tokens_per_batch_size or ()
     notes: list[str] = []
-    segments: list[tuple[int, int, int]] = []
-    next_size = 1
-    for start, end, gate_k in spec.num_speculative_tokens_per_batch_size or ():
-        if start > next_size:
-            segments.append((next_size, start - 1, k))
-        segments.append((start, end, gate_k))
-        next_size = end + 1
-    segments.append((next_size, next_size, k))  # vLLM carries this K on to every larger batch
-
     profile = spec.batch1_profile
+    batch1_k = None
     if profile is not None:
-        k1 = profile.num_speculative_tokens
-        if k1 <= k:
-            first_start, first_end, first_k = segments[0]
-            rest = [(2, first_end, first_k)] if first_end >= 2 else []
-            segments = [(1, 1, k1)] + rest + segments[1:]
+        if profile.num_speculative_tokens <= k:
+            batch1_k = profile.num_speculative_tokens
         else:
-            notes.append(f"batch1_profile.num_speculative_tokens={k1}: above num_speculative_tokens={k}, and vLLM "
-                         "caps every batch size's K at num_speculative_tokens")
-        differs = [f"{name}={getattr(profile, name)!r}" for name in ("verify_policy", "confidence_threshold",
-                                                                   "cuda_graphs", "kernels")
-                   if getattr(profile, name) != getattr(Profile(), name)]
+            notes.append(f"batch1_profile.num_speculative_tokens={profile.num_speculative_tokens}: above "
+                         f"num_speculative_tokens={k}, and vLLM caps every batch size's K at num_speculative_tokens")
+        # What the profile changes at batch 1: its policy against the top-level one, its engine
+        # settings (CUDA graphs, kernel choices) against the defaults.
+        reference = {"verify_policy": spec.verify_policy, "confidence_threshold": spec.confidence_threshold,
+                     "cuda_graphs": Profile().cuda_graphs, "kernels": Profile().kernels}
+        differs = [f"{name}={getattr(profile, name)!r}" for name, value in reference.items()
+                   if getattr(profile, name) != value]
         if differs:
             notes.append(f"batch1_profile ({', '.join(differs)}): vLLM has one profile for all batch sizes; only "
                          "the batch-1 k is expressible (as a batch-size range)")
 
-    merged: list[tuple[int, int, int]] = []
-    for start, end, seg_k in segments:
-        if merged and merged[-1][2] == seg_k:
-            merged[-1] = (merged[-1][0], end, seg_k)
+    def k_at(batch_size: int) -> int:
+        if batch_size == 1 and batch1_k is not None:
+            return batch1_k
+        for start, end, gate_k in gates:
+            if start <= batch_size <= end:
+                return gate_k
+        return k
+
+    # k_at is constant between these points; the last one lies past every gate, where k applies
+    # and vLLM carries it on to every larger batch.
+    points = sorted({1, 2} | {start for start, _, _ in gates} | {end + 1 for _, end, _ in gates})
+    schedule: list[tuple[int, int, int]] = []
+    for i, start in enumerate(points):
+        end = points[i + 1] - 1 if i + 1 < len(points) else start
+        seg_k = k_at(start)
+        if schedule and schedule[-1][2] == seg_k:
+            schedule[-1] = (schedule[-1][0], end, seg_k)
         else:
-            merged.append((start, end, seg_k))
-    if len(merged) == 1:  # k everywhere: no schedule needed
+            schedule.append((start, end, seg_k))
+    if len(schedule) == 1:  # k at every batch size: no schedule needed
         return None, notes
-    return merged, notes
+    return schedule, notes
 
 
 # ---------------------------------------------------------------------------------------------

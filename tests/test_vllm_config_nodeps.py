@@ -168,8 +168,8 @@ def test_features_vllm_lacks_are_reported_not_dropped():
 @pytest.mark.parametrize("trial", range(6))
 def test_batch_size_schedule_matches_the_engine(rng, trial):
     k = rng.randint(1, 8)
-    gates = _random_gates(rng, k) if trial != 0 else None
-    profile = Profile(num_speculative_tokens=rng.randint(0, k)) if trial % 2 else None
+    gates = _random_gates(rng, k) if trial % 3 else None
+    profile = Profile(num_speculative_tokens=rng.randint(0, k - 1)) if trial % 2 else None  # k - 1: it must show
     spec = SpecConfig(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=gates, batch1_profile=profile)
     schedule = convert(spec).config.get("num_speculative_tokens_per_batch_size")
     engine = Engine(MarkovTarget(8), NgramDrafter(), spec)

@@ -159,8 +159,8 @@ def test_batch_size_schedule_gives_vllm_the_engine_k(rng, trial):
         end = start + rng.randint(0, 6)
         gates.append((start, end, rng.randint(0, k)))
         start = end + 1 + rng.choice([0, rng.randint(1, 4)])
-    profile = Profile(num_speculative_tokens=rng.randint(0, k)) if trial % 2 else None
-    spec = SpecConfig(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=tuple(gates),
+    profile = Profile(num_speculative_tokens=rng.randint(0, k - 1)) if trial % 2 else None  # k - 1: it must show
+    spec = SpecConfig(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=tuple(gates) if trial != 1 else None,
                       batch1_profile=profile)
     cfg, checked = _check(spec)
     assert checked.vllm_config_built
