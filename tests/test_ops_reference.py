@@ -103,6 +103,19 @@ def test_kda_commit_is_bitwise_sequential_and_verify_is_token_invariant(gen):
             assert torch.equal(state, inp["state"]) and torch.equal(conv, inp["conv_state"])
 
 
+def test_kda_runs_in_float64_for_float64_inputs(gen):
+    """Kernel tests use the reference as a float64 oracle: float64 inputs (state kept fp32)."""
+    inp = kda_inputs(gen, 1, 4)
+    wide = {k: (v if k == "state" else v.double()) for k, v in inp.items()}
+    out, records = run_verify(wide, [4])
+    assert out.dtype == torch.float64 and records.keys.dtype == torch.float64
+    o, S, _ = kda_naive(inp, 0, 4)
+    torch.testing.assert_close(out[0], o, rtol=1e-10, atol=1e-12)
+    state = wide["state"].clone()
+    ops.kda_commit(state, wide["conv_state"].clone(), records, torch.tensor([4]))
+    torch.testing.assert_close(state[0].double(), S, rtol=1e-7, atol=1e-9)  # fp32 rounding of the float64 state
+
+
 def test_kda_rejects_bad_shapes(gen):
     inp = kda_inputs(gen, 1, 2)
     inp["dt_bias"] = inp["dt_bias"][:-1]

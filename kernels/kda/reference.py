@@ -33,9 +33,9 @@ CONV_TAPS = 4
 class KDARecords:
     """What `kda_commit` needs to replay accepted positions of one verify."""
 
-    keys: torch.Tensor  # [B, T, H, D] fp32, L2-normalised k
-    updates: torch.Tensor  # [B, T, H, D] fp32, u = beta * (v - S^T k)
-    decays: torch.Tensor  # [B, T, H, D] fp32, exp(g)
+    keys: torch.Tensor  # [B, T, H, D] fp32 (float64 for float64 inputs), L2-normalised k
+    updates: torch.Tensor  # [B, T, H, D] u = beta * (v - S^T k)
+    decays: torch.Tensor  # [B, T, H, D] exp(g)
     conv_inputs: torch.Tensor  # [B, 3, W, T] pre-conv q/k/v inputs, in the conv window's dtype
     lengths: torch.Tensor  # [B] valid positions per request
 
@@ -75,22 +75,25 @@ def kda_verify(
             raise ValueError(f"lengths: {n} outside [0, {T}]")
 
     device = q_in.device
+    # fp32 arithmetic (float64 when the inputs are float64, so tests can use this as a float64
+    # oracle); the state itself is always stored fp32.
+    compute = torch.float64 if q_in.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, T, W, dtype=q_in.dtype, device=device)
-    keys = torch.zeros(B, T, H, D, dtype=torch.float32, device=device)
+    keys = torch.zeros(B, T, H, D, dtype=compute, device=device)
     updates = torch.zeros_like(keys)
     decays = torch.zeros_like(keys)
     # Inputs are rounded to the window's dtype first, so a position reads the same value whether
     # it comes from this block or, later, from the committed window.
     conv_inputs = torch.stack([q_in, k_in, v_in], dim=1).to(conv_state.dtype).transpose(2, 3)  # [B,3,W,T]
-    taps = conv_weight.float()
-    decay_rate = torch.exp(A_log.float()).unsqueeze(-1)  # [H, 1]
-    dt = dt_bias.float().view(H, D)
-    norm_weight = o_norm_weight.float()
+    taps = conv_weight.to(compute)
+    decay_rate = torch.exp(A_log.to(compute)).unsqueeze(-1)  # [H, 1]
+    dt = dt_bias.to(compute).view(H, D)
+    norm_weight = o_norm_weight.to(compute)
     scale = D ** -0.5
 
     for b in range(B):
-        window = torch.cat([conv_state[b], conv_inputs[b]], dim=-1).float()  # [3, W, 3 + T]
-        S = state[b].clone()
+        window = torch.cat([conv_state[b], conv_inputs[b]], dim=-1).to(compute)  # [3, W, 3 + T]
+        S = state[b].to(compute)
         for t in range(lengths_list[b]):
             x = window[..., t : t + CONV_TAPS]  # oldest first; tap 3 is the current input
             conv = taps[..., 0] * x[..., 0]
@@ -99,15 +102,15 @@ def kda_verify(
             q, k, v = torch.nn.functional.silu(conv).view(3, H, D)
             q = _l2_normalise(q, l2_eps) * scale
             k = _l2_normalise(k, l2_eps)
-            g = lower_bound * torch.sigmoid(decay_rate * (f[b, t].float().view(H, D) + dt))
+            g = lower_bound * torch.sigmoid(decay_rate * (f[b, t].to(compute).view(H, D) + dt))
             decay = torch.exp(g)
-            beta = torch.sigmoid(beta_in[b, t].float()).unsqueeze(-1)  # [H, 1]
+            beta = torch.sigmoid(beta_in[b, t].to(compute)).unsqueeze(-1)  # [H, 1]
             S = decay.unsqueeze(-1) * S
             u = beta * (v - (S * k.unsqueeze(-1)).sum(-2))
             S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
             o = (S * q.unsqueeze(-1)).sum(-2)  # S^T q: [H, D_v]
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
-            o = o * torch.sigmoid(gate_in[b, t].float().view(H, D))
+            o = o * torch.sigmoid(gate_in[b, t].to(compute).view(H, D))
             out[b, t] = o.reshape(W).to(out.dtype)
             keys[b, t], updates[b, t], decays[b, t] = k, u, decay
     records = KDARecords(keys, updates, decays, conv_inputs, lengths.detach().clone())
@@ -125,7 +128,7 @@ def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records: KDARecord
             raise ValueError(f"num_tokens: {n} for request {b} outside [0, {int(records.lengths[b])}]")
         if n == 0:
             continue
-        S = state[b].clone()
+        S = state[b].to(records.keys.dtype)
         for t in range(n):  # the same two operations, in the same order, as in kda_verify
             S = records.decays[b, t].unsqueeze(-1) * S
             S = S + records.keys[b, t].unsqueeze(-1) * records.updates[b, t].unsqueeze(-2)

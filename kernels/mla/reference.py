@@ -4,7 +4,7 @@ Spec kimi-k3.md §3 (absorbed form, NoPE) and kernels.md §2: every cache row is
 [c_kv (R) | k_pe (P)]; query j of request b sees cache positions < cache_lens[b] + j + 1
 (bottom-right causal: the T new rows are already written at cache_lens[b] .. + T - 1) and
     score = (q_latent . c_kv + q_pe . k_pe) * scale,   o_latent = softmax(score) . c_kv
-in fp32. Queries past lengths[b] are padding and return zeros.
+in fp32 (float64 for float64 inputs). Queries past lengths[b] are padding and return zeros.
 
 Token invariance: each query is computed alone over exactly the keys it sees, with the shapes
 of one-token decoding at that position.
@@ -28,6 +28,7 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
         if tuple(tensor.shape) != (B,):
             raise ValueError(f"{name}: expected shape ({B},), got {tuple(tensor.shape)}")
     max_len = kv_cache.shape[1]
+    compute = torch.float64 if q_latent.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, T, H, R, dtype=q_latent.dtype, device=q_latent.device)
     for b in range(B):
         slot, start, n = int(slots[b]), int(cache_lens[b]), int(lengths[b])
@@ -36,8 +37,8 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
         if not 0 <= n <= T or start < 0 or start + n > max_len:
             raise ValueError(f"cache_lens/lengths: {start} + {n} tokens do not fit max_len {max_len} (T={T})")
         for j in range(n):
-            rows = kv_cache[slot, : start + j + 1].float()
+            rows = kv_cache[slot, : start + j + 1].to(compute)
             c_kv, k_pe = rows[:, :R], rows[:, R:]
-            scores = (q_latent[b, j].float() @ c_kv.t() + q_pe[b, j].float() @ k_pe.t()) * scale  # [H, L]
+            scores = (q_latent[b, j].to(compute) @ c_kv.t() + q_pe[b, j].to(compute) @ k_pe.t()) * scale  # [H, L]
             out[b, j] = (torch.softmax(scores, dim=-1) @ c_kv).to(out.dtype)
     return out
