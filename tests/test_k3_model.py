@@ -81,7 +81,6 @@ def reference_logits(model, tokens):
         return (o * torch.sigmoid(x @ t[f"{p}.g_proj.weight"].T)) @ t[f"{p}.o_proj.weight"].T
 
     def moe(i, p, x):
-        E = cfg.num_experts
         w = model.moe[i]
         scores = torch.sigmoid(x @ t[f"{p}.gate.weight"].T)
         chosen = torch.topk(scores + t[f"{p}.gate.e_score_correction_bias"], cfg.num_experts_per_token, -1).indices
@@ -93,7 +92,6 @@ def reference_logits(model, tokens):
                 w1, w3, w2 = (dequantise(getattr(w, f"{n}_packed")[e], getattr(w, f"{n}_scale")[e], torch.float64)
                               for n in ("w1", "w3", "w2"))
                 routed[m] += we * (w2 @ situ(w1 @ latent[m], w3 @ latent[m]))
-        assert E == w.w1_packed.shape[0]
         shared = situ(x @ t[f"{p}.shared_experts.gate_proj.weight"].T, x @ t[f"{p}.shared_experts.up_proj.weight"].T)
         return (rms(routed, t[f"{p}.routed_expert_norm.weight"]) @ t[f"{p}.routed_expert_up_proj.weight"].T
                 + shared @ t[f"{p}.shared_experts.down_proj.weight"].T)

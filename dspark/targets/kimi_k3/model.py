@@ -48,6 +48,9 @@ class DecodeState:
 
 class K3Model:
     def __init__(self, cfg: K3Config, tensors: dict[str, torch.Tensor]):
+        """Build from checkpoint-layout tensors. Takes ownership of `tensors`: the per-expert
+        entries are removed as each layer's experts are stacked, so the routed experts (most
+        of the bytes) are never held twice."""
         layout.check_tensors(cfg, tensors)
         self.cfg = cfg
         self.dtype = tensors[layout.EMBED].dtype
@@ -90,7 +93,11 @@ class K3Model:
         experts = [layout.expert_prefix(i, e) for e in range(self.cfg.num_experts)]
 
         def stacked(w, part):
-            return torch.stack([tensors[f"{x}.{w}.{part}"] for x in experts])
+            names = [f"{x}.{w}.{part}" for x in experts]
+            result = torch.stack([tensors[n] for n in names])
+            for n in names:
+                del tensors[n]
+            return result
 
         return LatentMoEWeights(
             gate=tensors[f"{m}.gate.weight"],
