@@ -185,8 +185,8 @@ def test_missing_package_names_the_pip_line(monkeypatch):
 
 
 # ---- the model -----------------------------------------------------------------------------
-def _reference_logits(gguf_file, config, tokens):
-    """Independent float64 forward on the GGUF tensors as stored: q/k keep llama.cpp's row order
+def _reference_forward(gguf_file, config, tokens):
+    """(logits [n, V], residual stream {-1: embeddings, i: after layer i}): an independent float64 forward on the GGUF tensors as stored: q/k keep llama.cpp's row order
     and RoPE rotates adjacent pairs, as llama.cpp does; full causal attention, no cache."""
     def w(name):
         return gguf_file.tensor(name).double()
@@ -205,6 +205,7 @@ def _reference_logits(gguf_file, config, tokens):
 
     mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)
     x = w("token_embd.weight")[tokens]
+    residual = {-1: x}
     for i in range(config.num_layers):
         h = rms(x, w(f"blk.{i}.attn_norm.weight"))
         q = rope((h @ w(f"blk.{i}.attn_q.weight").T).reshape(n, heads, hd))
@@ -216,18 +217,25 @@ def _reference_logits(gguf_file, config, tokens):
         h = rms(x, w(f"blk.{i}.ffn_norm.weight"))
         gate, up = h @ w(f"blk.{i}.ffn_gate.weight").T, h @ w(f"blk.{i}.ffn_up.weight").T
         x = x + (torch.nn.functional.silu(gate) * up) @ w(f"blk.{i}.ffn_down.weight").T
-    return rms(x, w("output_norm.weight")) @ w("token_embd.weight").T
+        residual[i] = x
+    return rms(x, w("output_norm.weight")) @ w("token_embd.weight").T, residual
 
 
 def test_prefill_matches_float64_reference(model, rng):
     target, tok, gguf_file = model
     prompt = torch.cat([tok.encode_chat([{"role": "user", "content": "Name a fruit."}])[-12:], _random_tokens(rng, 4, target.vocab_size)])
-    out = target.prefill([2], [prompt])
+    taps = (-1, 0, 14, 29)
+    out = target.prefill([2], [prompt], taps)
     target.release([2])
-    expected = _reference_logits(gguf_file, target.config, prompt)
+    expected, residual = _reference_forward(gguf_file, target.config, prompt)
     # float32 against float64 through 30 layers: logits are O(10); measured error ~3e-5, bound 1e-3.
     err = (out.logits[0].double() - expected).abs().max().item()
     assert err < 1e-3, (SEED, err)
+    # Taps are the residual stream after each layer (-1: embeddings), relative error ~1e-6, bound 1e-5.
+    for layer in taps:
+        ref = residual[layer]
+        rel = ((out.taps[layer][0].double() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-5, (SEED, layer, rel)
 
 
 def _greedy(target, tok, slot, question, max_new):

@@ -186,7 +186,6 @@ class LlamaTarget:
         weights: LlamaWeights,
         max_slots: int,
         max_seq_len: int,
-        device: torch.device | str = "cpu",
     ):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots={max_slots!r}: must be an integer >= 1")
@@ -198,7 +197,8 @@ class LlamaTarget:
         self.num_layers = config.num_layers
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
-        self.device = torch.device(device)
+        # The target runs where its weights are (float32 on the CPU is the tested configuration).
+        self.device = weights.embedding.device
         self.weights = weights
 
         c = config
