@@ -7,8 +7,11 @@ Spec: ../shared/spec/kimi-k3.md §1.2 (quantization_config) and §1.3 (tensor sh
 - Packing: two codes per uint8 along K (the input dimension, the last axis of a [N, K] weight).
   The LOW nibble holds the EVEN index: compressed-tensors
   `compressors/quantized_compressors/fp4_quantized.py::pack_fp4_to_uint8` packs
-  `indices[:, 0] | (indices[:, 1] << 4)` and its `unpack_fp4_from_uint8` stacks (low, high);
-  llama.cpp's MXFP4 blocks use the same low-nibble-first order.
+  `indices[:, 0] | (indices[:, 1] << 4)` and its `unpack_fp4_from_uint8` stacks (low, high).
+  llama.cpp's GGUF MXFP4 block is laid out differently (ggml-quants.c dequantize_row_mxfp4:
+  byte j holds element j in its low nibble and element j + 16 in its high nibble, with the
+  E8M0 byte in front of each 32-block), so a GGUF conversion must repack; this module is the
+  safetensors (compressed-tensors) layout only.
 - Scale: one E8M0 uint8 per 32 consecutive values along K, value 2^(s - 127)
   (s = 255 is NaN in OCP MX and is rejected here).
 
