@@ -491,7 +491,8 @@ def validate_with_vllm(config: dict, *, target_model: str | None = None) -> Vllm
                 _, text = _vllm_message(exc)
                 if "requires Triton" not in text:
                     raise _as_our_error(exc, config, installed, "VllmConfig") from exc
-                skipped = f"VllmConfig not checked on this machine: {text} (Model Runner V2 needs Triton with a GPU driver)"
+                skipped = (f"VllmConfig not checked on this machine: {text.rstrip('.')} "
+                           "(Model Runner V2 needs Triton with a GPU driver)")
     return VllmValidation(
         vllm_version=installed,
         method=spec_config.method,
@@ -618,8 +619,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    what = "SpeculativeConfig and VllmConfig" if checked.vllm_config_built else "SpeculativeConfig"
-    print(f"validated with vLLM {checked.vllm_version}: {what} accept it "
+    what = "SpeculativeConfig and VllmConfig accept it" if checked.vllm_config_built else "SpeculativeConfig accepts it"
+    print(f"validated with vLLM {checked.vllm_version}: {what} "
           f"(method={checked.method}, num_speculative_tokens={checked.num_speculative_tokens})", file=sys.stderr)
     for note in (checked.vllm_config_skipped, *checked.notes):
         if note:
