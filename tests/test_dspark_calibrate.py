@@ -69,7 +69,7 @@ def test_calibrate_a_trained_drafter_end_to_end(tmp_path):
     prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(32)]
     train(target, model, generate_sequences(target, prompts, 40, 1.0, g), progress=False,
           config=TrainConfig(steps=30, batch_size=8, num_anchors=32, lr=3e-3))
-    drafter = DSparkDrafter(model, max_slots=16, draft_sample_method="probabilistic")
+    drafter = DSparkDrafter(model, max_slots=16, max_seq_len=target.max_seq_len, draft_sample_method="probabilistic")
     fit_prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(16)]
     eval_prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(16)]
     result = calibrate(target, drafter, fit_prompts, eval_prompts=eval_prompts, max_new_tokens=48,

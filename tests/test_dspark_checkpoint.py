@@ -19,7 +19,7 @@ def randomize(model, seed):
 
 
 def propose(model, target, prompt):
-    drafter = DSparkDrafter(model, max_slots=1, draft_sample_method="probabilistic")
+    drafter = DSparkDrafter(model, max_slots=1, max_seq_len=64, draft_sample_method="probabilistic")
     out = target.prefill([0], [prompt], drafter.tap_layers)
     target.release([0])
     drafter.start(0, prompt, {layer: t[0] for layer, t in out.taps.items()})

@@ -36,7 +36,7 @@ def test_k3_tiny_greedy_speculation_equals_plain_decoding(k):
     target = k3_tiny(3)
     torch.manual_seed(0)
     model = DSparkModel(K3_TINY_DSPARK, target.model.tensors[EMBED], target.model.tensors[LM_HEAD])
-    engine = Engine(target, DSparkDrafter(model, target.max_slots), SpecConfig(num_speculative_tokens=k, drafter="dspark"))
+    engine = Engine(target, DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len), SpecConfig(num_speculative_tokens=k, drafter="dspark"))
     outs = engine.generate(work, greedy)
     for o, ref in zip(outs, plain):
         assert o.token_ids == ref.token_ids, o.request_id
@@ -51,7 +51,7 @@ def test_k3_tiny_probabilistic_drafting_is_seeded():
         target = k3_tiny(3)
         torch.manual_seed(0)
         model = DSparkModel(K3_TINY_DSPARK, target.model.tensors[EMBED], target.model.tensors[LM_HEAD])
-        drafter = DSparkDrafter(model, target.max_slots, draft_sample_method="probabilistic")
+        drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method="probabilistic")
         return Engine(target, drafter, SpecConfig(num_speculative_tokens=7, drafter="dspark",
                                                   draft_sample_method="probabilistic")).generate(work, params)
 
@@ -70,7 +70,7 @@ def test_trained_drafter_long_blocks_equal_plain_decoding():
     work = prompts(4, 64, seed=7)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = Engine(target, None, SpecConfig(num_speculative_tokens=0)).generate(work, greedy)
-    engine = Engine(target, DSparkDrafter(model, target.max_slots), SpecConfig(num_speculative_tokens=7, drafter="dspark"))
+    engine = Engine(target, DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len), SpecConfig(num_speculative_tokens=7, drafter="dspark"))
     outs = engine.generate(work, greedy)
     for o, ref in zip(outs, plain):
         assert o.token_ids == ref.token_ids, o.request_id

@@ -130,7 +130,7 @@ def start_request(target, drafter, slot, prompt):
 def test_probabilistic_drafts_return_processed_markov_corrected_softmax(attention_type):
     target = SyntheticTarget(seed=4)
     model = make_model(target, attention_type, seed=4)
-    drafter = DSparkDrafter(model, max_slots=4, draft_sample_method="probabilistic")
+    drafter = DSparkDrafter(model, max_slots=4, max_seq_len=64, draft_sample_method="probabilistic")
     assert isinstance(drafter, Drafter)
     prompts = [torch.randint(0, 60, (n,)) for n in (12, 7, 9)]
     for slot, p in enumerate(prompts):
@@ -165,7 +165,7 @@ def test_commit_keeps_only_accepted_rows_like_a_fresh_start(attention_type):
     """Incremental cache after commits with rejections == a fresh start on the committed text."""
     target = SyntheticTarget(seed=5)
     model = make_model(target, attention_type, seed=5)
-    drafter = DSparkDrafter(model, max_slots=2)
+    drafter = DSparkDrafter(model, max_slots=2, max_seq_len=64)
     prompt = torch.randint(0, 60, (10,))
     start_request(target, drafter, 0, prompt)
     committed = prompt.clone()
@@ -180,9 +180,9 @@ def test_commit_keeps_only_accepted_rows_like_a_fresh_start(attention_type):
         committed = torch.cat([committed, verify_tokens[0, :kept]])
         anchor = torch.randint(0, 60, (1,))
     assert drafter.context_length(0) == committed.shape[0]
-    fresh = DSparkDrafter(model, max_slots=2)
+    fresh = DSparkDrafter(model, max_slots=2, max_seq_len=64)
     start_request(SyntheticTarget(seed=5), fresh, 1, committed)
-    for a, b in zip(drafter._context[0], fresh._context[1]):
+    for a, b in zip(drafter.context_rows(0), fresh.context_rows(1)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     p1 = drafter.propose([0], anchor, 7, greedy, [torch.Generator()])
     p2 = fresh.propose([1], anchor, 7, greedy, [torch.Generator()])
@@ -200,11 +200,13 @@ def test_bad_input_names_the_field():
         small_config(target, target_layer_ids=(0, target.num_layers - 1))  # the last layer is not tappable
     with pytest.raises(ValueError, match="markov_head_type"):
         small_config(target, markov_head_type="rnn")
-    drafter = DSparkDrafter(make_model(target), max_slots=1)
+    drafter = DSparkDrafter(make_model(target), max_slots=1, max_seq_len=16)
     with pytest.raises(ValueError, match="k=8"):
         drafter.propose([], torch.tensor([], dtype=torch.long), 8, [], [])
     with pytest.raises(ValueError, match=r"missing target layers \[2\]"):
         drafter.start(0, torch.tensor([1, 2]), {0: torch.randn(2, target.hidden_size)})
+    with pytest.raises(ValueError, match="context of 17 tokens exceeds max_seq_len=16"):
+        drafter.start(0, torch.zeros(17, dtype=torch.long), {layer: torch.randn(17, target.hidden_size) for layer in (0, 2)})
 
 
 def test_k3_dspark_preset_has_the_published_parameter_count():

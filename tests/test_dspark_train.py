@@ -93,7 +93,7 @@ def test_training_lowers_loss_and_raises_acceptance_length(tmp_path, attention_t
     target = SyntheticTarget(seed=0)
     torch.manual_seed(0)
     model = DSparkModel(small_config(target, attention_type), *target.embedding_weights())
-    drafter = DSparkDrafter(model, max_slots=target.max_slots)
+    drafter = DSparkDrafter(model, max_slots=target.max_slots, max_seq_len=target.max_seq_len)
     held_out = [torch.randint(0, target.vocab_size - 1, (8,)) for _ in range(8)]
     before = run_rounds(target, drafter, held_out, max_new_tokens=40).acceptance_length
     history = train(target, model, make_data(target, 64, seed=1), out_dir=tmp_path, progress=False,

@@ -3,7 +3,7 @@
 Per request slot it keeps a draft context cache holding only context rows: per draft layer the
 K/V cache row (`BlockAttention.kv_rows`) of every committed token. Block rows are computed in
 `propose` and thrown away, so rejected drafts never enter the cache (spec §11 items 1-2); `commit`
-appends the rows of the kept tokens only, and `crop` rolls a slot back to a shorter prefix.
+writes the rows of the kept tokens only, and `crop` rolls a slot back to a shorter prefix.
 
 One round (spec §3): block [x0, MASK...] at positions p(x0) + 0..G-1 -> one parallel backbone
 pass over the cached context -> U = lm_head(h) -> sequential Markov loop that samples x_k from
@@ -40,19 +40,26 @@ class DSparkDrafter:
     probs=None (one-hot proposals); "probabilistic" samples every request with temperature > 0
     from its processed distribution with the request's generator and returns those
     distributions as q (requests with temperature 0 get argmax drafts and one-hot q).
+    The context cache is preallocated: per layer [max_slots, max_seq_len, W] in the model's
+    dtype (W = 576 for the K3 drafter), like the target's MLA cache.
     """
 
-    def __init__(self, model: DSparkModel, max_slots: int, draft_sample_method: str = "greedy"):
+    def __init__(self, model: DSparkModel, max_slots: int, *, max_seq_len: int, draft_sample_method: str = "greedy"):
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"DSparkDrafter.draft_sample_method={draft_sample_method!r}: must be 'greedy' or 'probabilistic'")
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"DSparkDrafter.max_slots={max_slots!r}: must be an integer >= 1")
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"DSparkDrafter.max_seq_len={max_seq_len!r}: must be an integer >= 1")
         self.model = model.eval()
         self.tap_layers: tuple[int, ...] = tuple(self.config.target_layer_ids)
-        self.max_slots = max_slots
+        self.max_slots, self.max_seq_len = max_slots, max_seq_len
         self.draft_sample_method = draft_sample_method
-        # slot -> per-layer context rows [S, W]; absent = slot not in use
-        self._context: dict[int, list[torch.Tensor]] = {}
+        dtype = model.context_proj.weight.dtype
+        self._cache = [torch.zeros(max_slots, max_seq_len, layer.self_attn.row_width, dtype=dtype, device=self.device)
+                       for layer in model.layers]
+        self._lengths = [0] * max_slots
+        self._live: set[int] = set()
 
     @property
     def config(self):
@@ -65,30 +72,46 @@ class DSparkDrafter:
     def _check_slot(self, slot: int, live: bool) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot={slot}: outside [0, max_slots={self.max_slots})")
-        if live and slot not in self._context:
+        if live and slot not in self._live:
             raise ValueError(f"slot={slot}: no request in this slot (call start first)")
 
     def context_length(self, slot: int) -> int:
         self._check_slot(slot, live=True)
-        return self._context[slot][0].shape[0]
+        return self._lengths[slot]
+
+    def context_rows(self, slot: int) -> list[torch.Tensor]:
+        """The cached context rows of a slot, per layer [S, W]."""
+        length = self.context_length(slot)
+        return [cache[slot, :length] for cache in self._cache]
+
+    def _need(self, taps: dict[int, torch.Tensor]) -> tuple[int, ...]:
+        missing = [layer for layer in self.tap_layers if layer not in taps]
+        if missing:
+            raise ValueError(f"taps: missing target layers {missing}; the drafter needs {list(self.tap_layers)}")
+        return self.tap_layers
+
+    def _check_room(self, slot: int, length: int) -> None:
+        if length > self.max_seq_len:
+            raise ValueError(f"slot={slot}: context of {length} tokens exceeds max_seq_len={self.max_seq_len}")
 
     # ---- Drafter protocol --------------------------------------------------------------------
     @torch.no_grad()
     def start(self, slot: int, prompt: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
         self._check_slot(slot, live=False)
-        if slot in self._context:
+        if slot in self._live:
             raise ValueError(f"slot={slot}: already holds a request (release it first)")
         length = prompt.shape[0]
+        self._check_room(slot, length)
         for layer in self._need(taps):
             if taps[layer].shape[0] != length:
                 raise ValueError(f"taps[{layer}]: {taps[layer].shape[0]} rows for a prompt of {length} tokens")
         # The whole prompt is context: the first anchor is the token sampled after it.
-        self._context[slot] = self._rows({layer: taps[layer].to(self.device) for layer in self.tap_layers}, 0, length)
-
-    def _rows(self, taps: dict[int, torch.Tensor], start: int, count: int) -> list[torch.Tensor]:
-        fused = self.model.fuse_taps(taps)  # [count, d]
-        positions = torch.arange(start, start + count, device=self.device)
-        return self.model.context_rows(fused, positions)
+        fused = self.model.fuse_taps({layer: taps[layer].to(self.device) for layer in self.tap_layers})
+        rows = self.model.context_rows(fused, torch.arange(length, device=self.device))
+        for cache, r in zip(self._cache, rows):
+            cache[slot, :length] = r
+        self._lengths[slot] = length
+        self._live.add(slot)
 
     @torch.no_grad()
     def propose(
@@ -123,34 +146,36 @@ class DSparkDrafter:
         if len(num_tokens) != len(slots):
             raise ValueError(f"num_tokens: {len(num_tokens)} entries for {len(slots)} slots")
         width = tokens.shape[1]
+        kept = [int(n) for n in num_tokens.tolist()]
         for i, slot in enumerate(slots):
             self._check_slot(slot, live=True)
-            kept = int(num_tokens[i])
-            if not 0 <= kept <= width:
-                raise ValueError(f"num_tokens[{i}]={kept}: outside [0, {width}]")
-            if kept == 0:
-                continue
-            start = self.context_length(slot)
-            new_rows = self._rows({layer: taps[layer][i, :kept].to(self.device) for layer in self._need(taps)}, start, kept)
-            self._context[slot] = [torch.cat([old, new]) for old, new in zip(self._context[slot], new_rows)]
+            if not 0 <= kept[i] <= width:
+                raise ValueError(f"num_tokens[{i}]={kept[i]}: outside [0, {width}]")
+            self._check_room(slot, self._lengths[slot] + kept[i])
+        if not any(kept):
+            return
+        # One fused pass over every verified row; only the kept ones are written.
+        fused = self.model.fuse_taps({layer: taps[layer].to(self.device) for layer in self._need(taps)})  # [B, T, d]
+        starts = torch.tensor([self._lengths[s] for s in slots], device=self.device)
+        rows = self.model.context_rows(fused, starts[:, None] + torch.arange(width, device=self.device))
+        for i, slot in enumerate(slots):
+            start, n = self._lengths[slot], kept[i]
+            for cache, r in zip(self._cache, rows):
+                cache[slot, start : start + n] = r[i, :n]
+            self._lengths[slot] = start + n
 
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             self._check_slot(slot, live=False)
-            self._context.pop(slot, None)
+            self._live.discard(slot)
+            self._lengths[slot] = 0
 
     def crop(self, slot: int, length: int) -> None:
         """Roll a slot's context back to its first `length` tokens."""
         current = self.context_length(slot)
         if not 0 <= length <= current:
             raise ValueError(f"length={length}: outside [0, context length {current}] of slot {slot}")
-        self._context[slot] = [rows[:length] for rows in self._context[slot]]
-
-    def _need(self, taps: dict[int, torch.Tensor]) -> tuple[int, ...]:
-        missing = [layer for layer in self.tap_layers if layer not in taps]
-        if missing:
-            raise ValueError(f"taps: missing target layers {missing}; the drafter needs {list(self.tap_layers)}")
-        return self.tap_layers
+        self._lengths[slot] = length
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -166,16 +191,12 @@ class DSparkDrafter:
             raise ValueError(f"anchors ({len(anchors)}) and sampling ({len(sampling)}) need one entry per slot ({len(slots)})")
         model, device, gamma = self.model, self.device, self.config.block_size
         batch = len(slots)
-        lengths = torch.tensor([self.context_length(s) for s in slots], device=device)
+        for s in slots:
+            self._check_slot(s, live=True)
+        lengths = torch.tensor([self._lengths[s] for s in slots], device=device)
         longest = int(lengths.max()) if batch else 0
-        # Pad every slot's context to the longest; padding is masked out.
-        context_rows = []
-        for layer in range(self.config.num_layers):
-            rows = [self._context[s][layer] for s in slots]
-            padded = rows[0].new_zeros(batch, longest, rows[0].shape[-1])
-            for i, r in enumerate(rows):
-                padded[i, : r.shape[0]] = r
-            context_rows.append(padded)
+        index = torch.tensor(slots, dtype=torch.long, device=device)
+        context_rows = [cache[index, :longest] for cache in self._cache]  # padding is masked out
         visible = (torch.arange(longest, device=device) < lengths[:, None]).unsqueeze(1)  # [B, 1, S]
         anchors = anchors.to(device).long()
         block = model.block_inputs(anchors).unsqueeze(1)  # [B, 1, G]
@@ -202,19 +223,25 @@ class DSparkDrafter:
             if probabilistic:
                 probs[:, k] = processed_probs(logits, params)
                 for i in sampled_rows:
-                    tokens[i, k] = torch.multinomial(probs[i, k], 1, generator=generators[i]).item()
+                    tokens[i, k] = torch.multinomial(probs[i, k], 1, generator=generators[i])[0]
             prev = tokens[:, k]
         return Draft(tokens, probs, conf_logits, model.confidence_probs(conf_logits))
 
 
 def shared_embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's (embed_tokens [V, d], lm_head [V, d]), through its `embedding_weights()`
-    accessor (not yet part of dspark.protocols.Target)."""
+    """The target's (embed_tokens [V, d], lm_head [V, d]) through its `embedding_weights()`
+    accessor. dspark.protocols.Target has no such accessor yet; until K3Target grows one its
+    tensors are read by their checkpoint names."""
     accessor = getattr(target, "embedding_weights", None)
-    if accessor is None:
-        raise ValueError(f"target {type(target).__name__}: has no embedding_weights() accessor; the DSpark drafter "
-                         "shares the target's embedding and lm_head")
-    return accessor()
+    if accessor is not None:
+        return accessor()
+    from dspark.targets.kimi_k3.target import K3Target
+    from dspark.targets.kimi_k3.weights import EMBED, LM_HEAD
+
+    if isinstance(target, K3Target):
+        return target.model.tensors[EMBED], target.model.tensors[LM_HEAD]
+    raise ValueError(f"target {type(target).__name__}: has no embedding_weights() accessor; the DSpark drafter "
+                     "shares the target's embedding and lm_head")
 
 
 def load_drafter(path, target, *, draft_sample_method: str = "greedy") -> DSparkDrafter:
@@ -229,4 +256,4 @@ def load_drafter(path, target, *, draft_sample_method: str = "greedy") -> DSpark
                                 ("target_num_layers", c.target_num_layers, target.num_layers)):
         if mine != theirs:
             raise ValueError(f"drafter {path}: DSparkConfig.{field}={mine} does not match the target's {theirs}")
-    return DSparkDrafter(model, target.max_slots, draft_sample_method)
+    return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=draft_sample_method)

@@ -95,6 +95,7 @@ class BlockAttention(nn.Module):
 
     num_heads: int
     scale: float
+    row_width: int  # W, the width of one cached context row
 
     def kv_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -135,6 +136,7 @@ class MLAAttention(BlockAttention):
         super().__init__()
         self.num_heads, self.kv_lora_rank = c.num_heads, c.kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.row_width = c.kv_lora_rank + c.qk_rope_head_dim
         self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
@@ -175,6 +177,7 @@ class GQAAttention(BlockAttention):
     def __init__(self, c: DSparkConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.row_width = 2 * c.num_kv_heads * c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
