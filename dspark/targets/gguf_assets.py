@@ -145,9 +145,9 @@ class GGUFTokenizer:
         self.vocab_size = len(tokens)
         self.tokens = tokens
         self.special_token_ids = frozenset(i for i, kind in enumerate(token_types) if kind in _WHOLE_WORD_TOKEN_TYPES)
-        self.bos_token_id = _optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
-        self.eos_token_id = _optional_int(metadata.get("tokenizer.ggml.eos_token_id"))
-        self.pad_token_id = _optional_int(metadata.get("tokenizer.ggml.padding_token_id"))
+        self.bos_token_id = optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
+        self.eos_token_id = optional_int(metadata.get("tokenizer.ggml.eos_token_id"))
+        self.pad_token_id = optional_int(metadata.get("tokenizer.ggml.padding_token_id"))
         self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
         self.chat_template = metadata.get("tokenizer.chat_template")
 
@@ -192,5 +192,5 @@ class GGUFTokenizer:
         return torch.tensor(self.encode(text), dtype=torch.long)
 
 
-def _optional_int(value) -> int | None:
+def optional_int(value) -> int | None:
     return None if value is None else int(value)

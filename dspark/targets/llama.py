@@ -26,7 +26,7 @@ import torch
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 
-from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf
+from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf, optional_int
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class LlamaConfig:
     rms_norm_eps: float
     context_length: int
     tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None  # end of a chat turn (<|im_end|> for SmolLM2); the engine stops on it
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +74,8 @@ class LlamaConfig:
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             context_length=int(key("context_length")),
             tie_word_embeddings="output.weight" not in gguf.tensor_names,
+            bos_token_id=optional_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=optional_int(meta.get("tokenizer.ggml.eos_token_id")),
         )
         if hidden % num_heads or num_heads % config.num_kv_heads:
             raise ValueError(
@@ -197,6 +201,7 @@ class LlamaTarget:
         self.num_layers = config.num_layers
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
+        self.tokenizer: GGUFTokenizer | None = None  # set by load_llama_target
         # The target runs where its weights are (float32 on the CPU is the tested configuration).
         self.device = weights.embedding.device
         self.weights = weights
@@ -369,8 +374,12 @@ class LlamaTarget:
 
 
 def load_llama_target(path: str | Path, max_slots: int, max_seq_len: int) -> tuple[LlamaTarget, GGUFTokenizer]:
+    """(target, tokenizer) from a llama GGUF file; the tokenizer also rides on `target.tokenizer`
+    so code that only receives the target (CLI) can turn text into prompts."""
     config, weights, gguf = load_llama_gguf(path)
-    return LlamaTarget(config, weights, max_slots, max_seq_len), GGUFTokenizer(gguf.metadata)
+    target = LlamaTarget(config, weights, max_slots, max_seq_len)
+    target.tokenizer = GGUFTokenizer(gguf.metadata)
+    return target, target.tokenizer
 
 
 def load_smollm2_target(max_slots: int = 4, max_seq_len: int = 2048) -> tuple[LlamaTarget, GGUFTokenizer]:
