@@ -73,6 +73,26 @@ def time_per_call(calls, repeats: int = 20, graph: bool = True) -> dict:
     return result
 
 
+def warm_up_clocks(seconds: float = 1.0) -> dict:
+    """Run bf16 matmuls for `seconds` so the SM clock has ramped up before a timed section (the
+    H200 idles at 345 MHz and a few-us latency-bound kernel alone does not raise it: run 1
+    measured everything at a low clock). Clocks are only read, never set."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.time()
+    while time.time() - start < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+    return {"sm_clock_mhz_after_warmup": _sm_clock_mhz()}
+
+
+def _sm_clock_mhz():
+    try:
+        return torch.cuda.clock_rate()
+    except Exception as exc:
+        return f"unreadable: {type(exc).__name__}"
+
+
 def make_layer(batch, tokens, gen):
     width = HEADS * HEAD_DIM
 
@@ -162,13 +182,16 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [make_layer(B, T, gen) for _ in range(L)]
     state_bytes = B * HEADS * HEAD_DIM * HEAD_DIM * 4
-    rows = {"ceilings": ceilings(state_bytes, L)}
+    rows = {"clock_before_warmup_mhz": _sm_clock_mhz(), "warmup": warm_up_clocks(2.0)}
+    rows["ceilings"] = ceilings(state_bytes, L)
     accepted = torch.full((B,), T, device="cuda", dtype=torch.int64)  # worst case: replay all T
 
     # ours, block_v = 32 (4 CTAs per head, cluster of 4) and 128 (1 CTA per head, no cluster)
     for block_v in (32, 64, 128):
         try:
+            warm = warm_up_clocks()
             rows[f"cute_block_v{block_v}"] = bench_ours(layers, accepted, arch, block_v)
+            rows[f"cute_block_v{block_v}"].update(warm, sm_clock_mhz_after=_sm_clock_mhz())
         except Exception as exc:  # one failing variant must not hide the others
             rows[f"cute_block_v{block_v}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print(json.dumps({f"cute_block_v{block_v}": rows[f"cute_block_v{block_v}"]}), flush=True)
@@ -190,7 +213,9 @@ def main():
                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                        use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
 
+        warm = warm_up_clocks()
         rows["fla_fused_recurrent_kda"] = {
+            **warm,
             "output_only": time_per_call([lambda y=y: fla_call(y, False) for y in fla_inputs]),
             "with_final_state": time_per_call([lambda y=y: fla_call(y, True) for y in fla_inputs]),
         }

@@ -63,6 +63,8 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
     NWARPS = NT // 32
     NCONV = 2 * D + BV  # conv outputs per token in this CTA: q (D), k (D), this CTA's v slice (BV)
     PER_LANE = D // 32
+    ACC = 4  # partial sums per row-chunk dot product (R = 32 rows -> chains of 8 FMAs)
+    OUT_ROUNDS = (TM * BV + NT - 1) // NT  # output elements per thread (t-major, column tidx % BV)
     SCALE = D**-0.5
 
     def sigmoid(x):
@@ -121,6 +123,26 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         S = cute.make_rmem_tensor((R,), Float32)
         for i in cutlass.range_constexpr(R):
             S[i] = state[b, h, kc * R + i, v_col]
+        # Also prefetch what later phases read from global memory (f for the decay, the output
+        # gate and norm weight), so that latency overlaps the conv loads instead of adding
+        # round trips of its own.
+        gate_pre = cute.make_rmem_tensor((OUT_ROUNDS,), Float32)
+        for r in cutlass.range_constexpr(OUT_ROUNDS):
+            t_out = (tidx + r * NT) // BV
+            if t_out < T:
+                gate_pre[r] = gate_in[b, t_out, h * D + vs * BV + tidx % BV].to(Float32)
+        norm_weight = o_norm_weight[vs * BV + tidx % BV].to(Float32)
+        a_log_h = a_log[h].to(Float32)
+        f_pre = cute.make_rmem_tensor((TM,), Float32)
+        bias = Float32(0.0)
+        if tidx < D:
+            bias = dt_bias[h * D + tidx].to(Float32)
+            for t in cutlass.range_constexpr(TM):
+                if t < T:
+                    f_pre[t] = f[b, t, h * D + tidx].to(Float32)
+        beta_raw = Float32(0.0)
+        if tidx < T:
+            beta_raw = beta_in[b, tidx, h].to(Float32)
 
         # Prologue 1: causal conv4 + SiLU of q, k (whole head) and v (this CTA's columns).
         for j in cutlass.range(tidx, NCONV, NT):
@@ -156,15 +178,13 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
 
         # Prologue 2: decay exp(g) per key channel, g = lb * sigmoid(exp(A_log[h]) (f + dt_bias)).
         if tidx < D:
-            ch = h * D + tidx
-            a = cute.math.exp(a_log[h].to(Float32))
-            bias = dt_bias[ch].to(Float32)
+            a = cute.math.exp(a_log_h)
             for t in cutlass.range_constexpr(TM):
                 if t < T:
-                    g = lower_bound * sigmoid(a * (f[b, t, ch].to(Float32) + bias))
+                    g = lower_bound * sigmoid(a * (f_pre[t] + bias))
                     eg_s[t, tidx] = cute.math.exp(g)
         if tidx < T:
-            beta_s[tidx] = sigmoid(beta_in[b, tidx, h].to(Float32))
+            beta_s[tidx] = sigmoid(beta_raw)
         cute.arch.sync_threads()
 
         # Prologue 3: L2-normalise q (times D^-1/2) and k, one warp per token; k.q for the output.
@@ -204,14 +224,18 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         # reductions over rows happen before the update and each step needs one barrier.
         for t in cutlass.range(T):
             buf = t % 2
-            acc_k = Float32(0.0)
-            acc_q = Float32(0.0)
+            # 4 interleaved partial sums per dot product: short dependent FMA chains
+            acc_k = cute.make_rmem_tensor((ACC,), Float32)
+            acc_q = cute.make_rmem_tensor((ACC,), Float32)
+            for a in cutlass.range_constexpr(ACC):
+                acc_k[a] = Float32(0.0)
+                acc_q[a] = Float32(0.0)
             for i in cutlass.range_constexpr(R):
                 S[i] = S[i] * eg_s[t, kc * R + i]
-                acc_k = acc_k + S[i] * conv_s[t, D + kc * R + i]
-                acc_q = acc_q + S[i] * conv_s[t, kc * R + i]
-            part_s[buf, 0, kc, v_local] = acc_k
-            part_s[buf, 1, kc, v_local] = acc_q
+                acc_k[i % ACC] = acc_k[i % ACC] + S[i] * conv_s[t, D + kc * R + i]
+                acc_q[i % ACC] = acc_q[i % ACC] + S[i] * conv_s[t, kc * R + i]
+            part_s[buf, 0, kc, v_local] = (acc_k[0] + acc_k[1]) + (acc_k[2] + acc_k[3])
+            part_s[buf, 1, kc, v_local] = (acc_q[0] + acc_q[1]) + (acc_q[2] + acc_q[3])
             cute.arch.sync_threads()
             s_k = part_s[buf, 0, 0, v_local]
             s_q = part_s[buf, 1, 0, v_local]
@@ -258,16 +282,15 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
                 tot_s[tidx] = ssq_s[tidx]
         cute.arch.sync_threads()
 
-        for e in cutlass.range(tidx, T * BV, NT):
-            t = e // BV
-            v = e % BV
-            ch = h * D + vs * BV + v
-            result = Float32(0.0)
-            if t < n_valid:
-                inv_rms = cute.math.rsqrt(tot_s[t] / Float32(D) + eps)
-                gate = sigmoid(gate_in[b, t, ch].to(Float32))
-                result = o_s[t, v] * inv_rms * o_norm_weight[vs * BV + v].to(Float32) * gate
-            out[b, t, ch] = result.to(out.element_type)
+        for r in cutlass.range_constexpr(OUT_ROUNDS):
+            t = (tidx + r * NT) // BV
+            v = tidx % BV
+            if t < T:
+                result = Float32(0.0)
+                if t < n_valid:
+                    inv_rms = cute.math.rsqrt(tot_s[t] / Float32(D) + eps)
+                    result = o_s[t, v] * inv_rms * norm_weight * sigmoid(gate_pre[r])
+                out[b, t, h * D + vs * BV + v] = result.to(out.element_type)
 
         if cutlass.const_expr(NV > 1):
             # keep this CTA's shared memory alive until every peer has read it
@@ -338,12 +361,15 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
+    from cutlass.memory import SmemAllocator
 
     D, BV = head_dim, block_v
     NV = D // BV
     R = D // ROW_CHUNKS
     NT = ROW_CHUNKS * BV
     CONV_PER_CTA = 3 * D // NV  # conv channels (q, k, v of this head) shifted by each CTA
+    TM = MAX_TOKENS
+    STAGE_ROUNDS = (TM * D + NT - 1) // NT  # k / exp(g) record elements staged per thread
 
     @cute.kernel
     def commit_kernel(
@@ -360,22 +386,30 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
         kc = warp % ROW_CHUNKS
         v_col = vs * BV + (warp // ROW_CHUNKS) * 32 + lane
         n = cutlass.min(num_tokens[b].to(Int32), rec_u.shape[2])  # never replay past the verified T
+        smem = SmemAllocator()
+        k_s = smem.allocate_tensor(Float32, cute.make_layout((TM, D), stride=(D, 1)), 16)
+        eg_s = smem.allocate_tensor(Float32, cute.make_layout((TM, D), stride=(D, 1)), 16)
 
         # zero accepted tokens leaves state and window untouched (no stale write-back)
         if n > 0:
+            # Issue every global load first (state slice, this column's u, this head's k and
+            # exp(g) rows), so the replay costs one memory round trip instead of one per token.
             S = cute.make_rmem_tensor((R,), Float32)
             for i in cutlass.range_constexpr(R):
                 S[i] = state[layer, b, h, kc * R + i, v_col]
-            for t in cutlass.range(n):
-                u = rec_u[layer, b, t, h, v_col]
-                # the same mul + fma as verify's in-register update, so the bits agree
-                for i in cutlass.range_constexpr(R):
-                    S[i] = S[i] * rec_eg[layer, b, t, h, kc * R + i]
-                    S[i] = cute.math.fma(rec_k[layer, b, t, h, kc * R + i], u, S[i])
-            for i in cutlass.range_constexpr(R):
-                state[layer, b, h, kc * R + i, v_col] = S[i]
+            u_pre = cute.make_rmem_tensor((TM,), Float32)
+            for t in cutlass.range_constexpr(TM):
+                if t < n:
+                    u_pre[t] = rec_u[layer, b, t, h, v_col]
+            k_pre = cute.make_rmem_tensor((STAGE_ROUNDS,), Float32)
+            eg_pre = cute.make_rmem_tensor((STAGE_ROUNDS,), Float32)
+            for r in cutlass.range_constexpr(STAGE_ROUNDS):
+                t = (tidx + r * NT) // D
+                if t < n:
+                    k_pre[r] = rec_k[layer, b, t, h, (tidx + r * NT) % D]
+                    eg_pre[r] = rec_eg[layer, b, t, h, (tidx + r * NT) % D]
 
-            # conv window <- the last 3 of [window; first n inputs]
+            # conv window <- the last 3 of [window; first n inputs] (independent of the state)
             for j in cutlass.range(tidx, CONV_PER_CTA, NT):
                 c = vs * CONV_PER_CTA + j
                 proj = c // D
@@ -395,6 +429,22 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
                     else:
                         value = rec_x[layer, b, proj, ch, src - 3]
                     conv_state[layer, b, proj, ch, i] = value
+
+            for r in cutlass.range_constexpr(STAGE_ROUNDS):
+                t = (tidx + r * NT) // D
+                if t < n:
+                    k_s[t, (tidx + r * NT) % D] = k_pre[r]
+                    eg_s[t, (tidx + r * NT) % D] = eg_pre[r]
+            cute.arch.sync_threads()
+
+            for t in cutlass.range_constexpr(TM):  # unrolled: u_pre is indexed by constants only
+                if t < n:
+                    # the same mul + fma as verify's in-register update, so the bits agree
+                    for i in cutlass.range_constexpr(R):
+                        S[i] = S[i] * eg_s[t, kc * R + i]
+                        S[i] = cute.math.fma(k_s[t, kc * R + i], u_pre[t], S[i])
+            for i in cutlass.range_constexpr(R):
+                state[layer, b, h, kc * R + i, v_col] = S[i]
 
     @cute.jit
     def launch(

@@ -78,12 +78,17 @@ def cute_verify(inputs, **kw):
     return kda_cute.verify(*inputs.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch(), out=out, **kw)
 
 
-@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
-def test_verify_and_every_commit_count_match_the_float64_reference(tokens):
+# every T at the default block_v (4 V-split CTAs per head, cluster exchange); the other
+# block_v variants (2 per head; 1 per head without a cluster) at a few T
+CASES = [(t, 32) for t in TOKEN_COUNTS] + [(t, bv) for bv in (64, 128) for t in (1, 8, 16)]
+
+
+@pytest.mark.parametrize("tokens, block_v", CASES)
+def test_verify_and_every_commit_count_match_the_float64_reference(tokens, block_v):
     batch = 2
     inputs = make_inputs(batch, tokens)
     state_before, conv_before = inputs["state"].clone(), inputs["conv_state"].clone()
-    out, records = cute_verify(inputs, records=poisoned_records(batch, tokens, inputs))
+    out, records = cute_verify(inputs, records=poisoned_records(batch, tokens, inputs), block_v=block_v)
     torch.cuda.synchronize()
     # verify is output-only: the state and conv window are bitwise untouched
     assert torch.equal(inputs["state"], state_before) and torch.equal(inputs["conv_state"], conv_before)
@@ -102,7 +107,8 @@ def test_verify_and_every_commit_count_match_the_float64_reference(tokens):
 
     for accepted in range(tokens + 1):
         state, conv_state = state_before.clone(), conv_before.clone()
-        kda_cute.commit(state, conv_state, records, torch.full((batch,), accepted, device="cuda"), arch=arch())
+        kda_cute.commit(state, conv_state, records, torch.full((batch,), accepted, device="cuda"), arch=arch(),
+                        block_v=block_v)
         ref_state, ref_conv = ref_inputs["state"].clone(), ref_inputs["conv_state"].clone()
         reference.kda_commit(ref_state, ref_conv, ref_records, torch.full((batch,), accepted, device="cuda"))
         torch.cuda.synchronize()
@@ -137,14 +143,15 @@ def test_per_request_accepted_counts_and_padding_lengths():
         assert relative_error(getattr(records, name), getattr(ref_records, name)) <= STATE_TOL, name
 
 
-@pytest.mark.parametrize("tokens", [2, 4, 8, 16])
-def test_commit_equals_sequential_one_token_decode_bitwise(tokens):
+@pytest.mark.parametrize("tokens, block_v", [(2, 32), (4, 32), (8, 32), (16, 32), (8, 128)])
+def test_commit_equals_sequential_one_token_decode_bitwise(tokens, block_v):
     batch = 2
     inputs = make_inputs(batch, tokens)
-    out_all, records = cute_verify(inputs)
+    out_all, records = cute_verify(inputs, block_v=block_v)
     for accepted in (0, 1, tokens // 2, tokens):
         state, conv_state = inputs["state"].clone(), inputs["conv_state"].clone()
-        kda_cute.commit(state, conv_state, records, torch.full((batch,), accepted, device="cuda"), arch=arch())
+        kda_cute.commit(state, conv_state, records, torch.full((batch,), accepted, device="cuda"), arch=arch(),
+                        block_v=block_v)
 
         seq_state, seq_conv = inputs["state"].clone(), inputs["conv_state"].clone()
         for t in range(accepted):
@@ -152,9 +159,10 @@ def test_commit_equals_sequential_one_token_decode_bitwise(tokens):
                         lengths=torch.ones(batch, device="cuda", dtype=torch.int64))
             for name in ("q_in", "k_in", "v_in", "f", "beta_in", "gate_in"):
                 step[name] = inputs[name][:, t:t + 1].contiguous()
-            out_t, rec_t = cute_verify(step)
+            out_t, rec_t = cute_verify(step, block_v=block_v)
             assert torch.equal(out_t[:, 0], out_all[:, t]), f"T={tokens}: output {t} differs from one-token decode"
-            kda_cute.commit(seq_state, seq_conv, rec_t, torch.ones(batch, device="cuda", dtype=torch.int64), arch=arch())
+            kda_cute.commit(seq_state, seq_conv, rec_t, torch.ones(batch, device="cuda", dtype=torch.int64), arch=arch(),
+                            block_v=block_v)
         assert torch.equal(state, seq_state), f"T={tokens} accepted={accepted}: state not bitwise equal"
         assert torch.equal(conv_state, seq_conv), f"T={tokens} accepted={accepted}: conv window not bitwise equal"
 
