@@ -299,6 +299,7 @@ class LlamaTarget:
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(self.device)
         row_slots = torch.cat([torch.full((n,), slot) for slot, n in zip(slots, counts)]).to(self.device)
         num_rows = len(token_ids)
+        query_places = list(zip(row_slots.tolist(), positions.tolist()))  # (slot, position) per row
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -313,7 +314,7 @@ class LlamaTarget:
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
             attended = torch.stack([
-                self._attend(layer_index, q[i], int(row_slots[i]), int(positions[i])) for i in range(num_rows)
+                self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
             ])
             x = x + ops.linear(attended, layer.attn_output)
             gate_up = ops.linear(_rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
