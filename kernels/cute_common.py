@@ -7,7 +7,7 @@ a machine without the CuTe DSL. Kernels are compiled once per key (shape, dtype,
 TVM-FFI calling convention (`--enable-tvm-ffi`), so a compiled kernel is called with plain torch
 tensors on torch's current stream (about 5 us of host overhead instead of ~50 us via from_dlpack).
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: CuTe DSL evaluates the device functions' annotations.
 
 import functools
 import importlib.util
@@ -140,3 +140,49 @@ def split_k_fixup():
                 counters[tile_idx] = cutlass.Int32(0)
 
     return fixup
+
+
+REDUCE_THREADS = 256
+
+
+@functools.cache
+def split_k_reduce():
+    """The two-pass split-K reduction as a @cute.jit launcher: a second small kernel, launched
+    right after the GEMM on the same stream (PDL), sums the fp32 partials workspace[splits, M, N]
+    in split order (deterministic) and writes y[M, N] in y's dtype. One thread per element of y,
+    so loads and stores are coalesced and every split's partial is read once."""
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.kernel
+    def reduce_kernel(partials: cute.Tensor, y: cute.Tensor, total: cutlass.Int32, splits: cutlass.Constexpr):
+        cute.arch.griddepcontrol_wait()  # the partials come from the previous kernel
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * REDUCE_THREADS + tidx
+        if i < total:
+            acc = cutlass.Float32(0.0)
+            for split in cutlass.range_constexpr(splits):
+                acc += partials[i, split]
+            y[i] = acc.to(y.element_type)
+
+    @cute.jit
+    def launch(
+        workspace: cute.Tensor,
+        y: cute.Tensor,
+        total: cutlass.Int32,
+        splits: cutlass.Constexpr,
+        use_pdl: cutlass.Constexpr,
+        stream,
+    ):
+        """workspace: fp32 [splits, M, N] (compact), y: [M, N] (compact), total = M * N."""
+        partials = cute.make_tensor(workspace.iterator, cute.make_layout((total, splits), stride=(1, total)))
+        y_flat = cute.make_tensor(y.iterator, cute.make_layout(total))
+        reduce_kernel(partials, y_flat, total, splits).launch(
+            grid=(cute.ceil_div(total, REDUCE_THREADS), 1, 1),
+            block=[REDUCE_THREADS, 1, 1],
+            stream=stream,
+            use_pdl=use_pdl,
+        )
+
+    return launch

@@ -8,7 +8,8 @@ tests/gpu/test_linear_gpu.py on a B200/GB300 before it is trusted.
 Same design as the Hopper kernel (kernels/linear/cute_sm90.py; spec kernels.md §7 row 1, GB300
 note): swap-AB with a 128-row weight tile as the tcgen05 M side and the tokens as N = 16 (the
 smallest N of an M = 128 UMMA), TMA into a multi-stage mbarrier pipeline, fp32 accumulator in
-tensor memory, split-K with the fused last-CTA reduction (cute_common.split_k_fixup), PDL.
+tensor memory, split-K with the Hopper-measured default (two-pass reduction,
+cute_common.split_k_reduce; the fused last-CTA one, cute_common.split_k_fixup, is an option), PDL.
 Warp 0 issues the TMA loads and the MMAs (one thread issues a UMMA for the whole CTA); all four
 warps read the accumulator out of TMEM in the epilogue.
 """
@@ -19,9 +20,16 @@ import torch
 
 from .. import cute_common
 from ..registry import register
-from .cute_sm90 import K_TILE, MAX_TOKENS, STAGES, WEIGHT_TILE, choose_splits, split_counters, supports
+from .cute_sm90 import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports
 
 TOKENS = 16  # UMMA N for M = 128 must be a multiple of 16
+B200_SMS = 148  # split-K is balanced for this many SMs when no GPU is visible (CPU compile checks)
+
+
+def _num_sms() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return B200_SMS
 
 
 def _build_kernel_class():
@@ -37,8 +45,9 @@ def _build_kernel_class():
     class SkinnyGemmSm100:
         """One compiled instance per (N, K, splits, dtype, arch); M (<= 16) is a runtime value."""
 
-        def __init__(self, n: int, k: int, splits: int, stages: int, use_pdl: bool):
+        def __init__(self, n: int, k: int, splits: int, stages: int, fused_reduce: bool, use_pdl: bool):
             self.n, self.k, self.splits, self.use_pdl = n, k, splits, use_pdl
+            self.fused_reduce = fused_reduce
             self.mma_tiler = (WEIGHT_TILE, TOKENS, K_TILE)
             self.k_tiles = math.ceil(k / K_TILE)
             self.k_tiles_per_split = math.ceil(self.k_tiles / splits)
@@ -123,6 +132,8 @@ def _build_kernel_class():
                 stream=stream,
                 use_pdl=self.use_pdl,
             )
+            if cutlass.const_expr(self.splits > 1 and not self.fused_reduce):
+                cute_common.split_k_reduce()(workspace, y, m * n, self.splits, self.use_pdl, stream)
 
         @cute.kernel
         def kernel(
@@ -278,7 +289,7 @@ def _build_kernel_class():
                 if cute.elem_less(tTR_cC[i], mC.shape):
                     tTR_gC[i] = out[i]
 
-            if cutlass.const_expr(self.splits > 1):
+            if cutlass.const_expr(self.splits > 1 and self.fused_reduce):
                 cute_common.split_k_fixup()(
                     mC, mY, counters, storage.arrival.ptr, tile_idx, tidx, WEIGHT_TILE, TOKENS, self.splits
                 )
@@ -302,14 +313,22 @@ def kernel_class():
 
 
 def compile_skinny_gemm(
-    n: int, k: int, dtype: torch.dtype, arch: str, use_pdl: bool = True, stages: int = STAGES, extra_options: tuple = ()
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    arch: str,
+    use_pdl: bool = True,
+    fused_reduce: bool = False,
+    extra_options: tuple = (),
 ):
-    """Compiled Blackwell kernel for weight [n, k] and up to 16 tokens; same contract as
-    cute_sm90.compile_skinny_gemm (split-K partials reduced in the kernel)."""
+    """Compiled Blackwell kernel for weight [n, k] and up to 16 tokens; same contract and (Hopper-
+    tuned, unmeasured here) defaults as cute_sm90.compile_skinny_gemm."""
     if arch not in ("sm_100a", "sm_103a"):
         raise ValueError(f"arch={arch!r}: the tcgen05 kernel targets sm_100a or sm_103a")
-    splits = choose_splits(n, k)
-    key = ("linear_sm100", n, k, splits, stages, dtype, arch, use_pdl, tuple(extra_options))
+    num_sms = _num_sms()
+    splits = choose_splits(n, k, num_sms)
+    stages = choose_stages(n, splits, num_sms)
+    key = ("linear_sm100", n, k, splits, stages, fused_reduce, dtype, arch, use_pdl, tuple(extra_options))
 
     def build():
         import cutlass
@@ -324,7 +343,7 @@ def compile_skinny_gemm(
         workspace = make_fake_compact_tensor(cutlass.Float32, (splits, m, n), stride_order=(2, 1, 0), assumed_align=16)
         counters = make_fake_compact_tensor(cutlass.Int32, (math.ceil(n / WEIGHT_TILE),), assumed_align=16)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        gemm = kernel_class()(n, k, splits, stages, use_pdl)
+        gemm = kernel_class()(n, k, splits, stages, fused_reduce, use_pdl)
         options = cute_common.compile_options(arch, *extra_options)
         return cute.compile(gemm, x, w, y, workspace, counters, stream, options=options)
 

@@ -10,7 +10,10 @@ Design (spec: kernels.md §7 row 1, §1.1; §5 for PDL):
 - Split-K so that small matrices fill the 132 SMs: grid = (weight tiles, 1, splits). With one
   split the epilogue writes bf16 y directly; with several, each split writes an fp32 partial
   y^T slice into a workspace and a second small kernel (same host call, PDL-launched) sums the
-  splits and casts to bf16.
+  splits and casts to bf16 (cute_common.split_k_reduce). Option: `fused_reduce`, where the last
+  split of each tile to finish does the sum in the GEMM kernel (cute_common.split_k_fixup).
+  Splits, pipeline depth and reduction follow the H200 measurements in
+  experiments/notes/skinny_gemm.md (bench runs 1 and 2).
 - PDL: the kernel issues its first weight-tile loads before `griddepcontrol.wait` (weights never
   depend on the previous kernel), so they overlap the previous kernel's tail; the token loads and
   every global write come after the wait.
@@ -31,12 +34,13 @@ from ..registry import register
 WEIGHT_TILE = 128  # weight rows per CTA (two m64 WGMMAs)
 K_TILE = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row per stage
 MAX_TOKENS = 16
-# Pipeline depth. 4 x 18 KB of tiles per CTA lets three CTAs share an SM (~200 KB of loads in
-# flight per SM) so 396 CTAs are resident at once; 5 stages allow only two (264 resident), which
-# leaves a partial second wave on 384-tile matrices (KDA q/k/v/g). Bench run 2 compares both.
-STAGES = 4
+# Pipeline depth (choose_stages). 4 x 18 KB of tiles per CTA lets three CTAs share an SM, so 396
+# CTAs are resident at once; 5 stages allow two per SM (264 resident) with deeper prefetch each.
+FEW_STAGES, MANY_STAGES = 4, 5
+# K of at most 8 k-tiles (512): split-K lost at every M on MLA kv_b in bench run 2 (the pipeline
+# ramp and the partials' traffic outweigh the extra parallelism), so such matrices are not split.
+MIN_K_TILES_TO_SPLIT = 9
 H200_SMS = 132
-REDUCE_THREADS = 256
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 # Kimi K3 trunk GEMMs (weight N x K; spec: kernels.md §0 shapes, §7 row 1): what the split-K
@@ -72,6 +76,8 @@ def choose_splits(n: int, k: int, num_sms: int = H200_SMS) -> int:
     """
     weight_tiles = math.ceil(n / WEIGHT_TILE)
     k_tiles = math.ceil(k / K_TILE)
+    if k_tiles < MIN_K_TILES_TO_SPLIT:
+        return 1
     best, best_cost = 1, None
     for splits in range(1, min(k_tiles, 32) + 1):
         per_split = math.ceil(k_tiles / splits)
@@ -81,6 +87,15 @@ def choose_splits(n: int, k: int, num_sms: int = H200_SMS) -> int:
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
+
+
+def choose_stages(n: int, splits: int, num_sms: int = H200_SMS) -> int:
+    """Pipeline depth, from bench run 2 (experiments/notes/skinny_gemm.md): unsplit matrices whose
+    CTAs all fit at three per SM (KDA q/k/v/g: 384 CTAs, MLA kv_b: 192) run best with 4 stages
+    (no partial second wave); the many-wave LM head (1280 CTAs) and every split matrix were
+    measured best (or only) with 5."""
+    ctas = math.ceil(n / WEIGHT_TILE) * splits
+    return FEW_STAGES if splits == 1 and ctas <= 3 * num_sms else MANY_STAGES
 
 
 def shape_supported(m: int, n: int, k: int, dtype: torch.dtype, weight_stride: tuple[int, int]) -> bool:
@@ -205,17 +220,7 @@ def _build_kernel_class():
             ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=self.use_pdl)
 
             if cutlass.const_expr(self.splits > 1 and not self.fused_reduce):
-                total = m * n
-                partials = cute.make_tensor(
-                    workspace.iterator, cute.make_layout((total, self.splits), stride=(1, total))
-                )
-                y_flat = cute.make_tensor(y.iterator, cute.make_layout(total))
-                self.reduce_kernel(partials, y_flat, total).launch(
-                    grid=(cute.ceil_div(total, REDUCE_THREADS), 1, 1),
-                    block=[REDUCE_THREADS, 1, 1],
-                    stream=stream,
-                    use_pdl=self.use_pdl,
-                )
+                cute_common.split_k_reduce()(workspace, y, m * n, self.splits, self.use_pdl, stream)
 
         # ---------------------------------------------------------------- device side
         @cute.kernel
@@ -368,19 +373,6 @@ def _build_kernel_class():
                     mC, mY, counters, storage.arrival.ptr, tile_idx, tidx, WEIGHT_TILE, self.tokens, self.splits
                 )
 
-        @cute.kernel
-        def reduce_kernel(self, partials: cute.Tensor, y: cute.Tensor, total: cutlass.Int32):
-            """y[i] = sum over splits of partials[i, split] (fp32), cast to y's dtype."""
-            cute.arch.griddepcontrol_wait()
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            i = bidx * REDUCE_THREADS + tidx
-            if i < total:
-                acc = cutlass.Float32(0.0)
-                for s in cutlass.range_constexpr(self.splits):
-                    acc += partials[i, s]
-                y[i] = acc.to(y.element_type)
-
     return SkinnyGemmSm90
 
 
@@ -402,16 +394,19 @@ def compile_skinny_gemm(
     dtype: torch.dtype,
     arch: str,
     use_pdl: bool = True,
-    stages: int = STAGES,
-    fused_reduce: bool = True,
+    stages: int | None = None,
+    fused_reduce: bool = False,
     splits: int | None = None,
     extra_options: tuple = (),
 ):
     """Compiled kernel for weight [n, k] and up to `tokens` rows, cached per (shape, dtype, arch).
 
     M (<= tokens) is a runtime value, so one compile serves every token count of a bucket.
-    `fused_reduce` sums split-K partials in the GEMM kernel (last CTA per tile) instead of in a
-    second kernel. `splits` overrides choose_splits (for benchmarking the heuristic).
+    Defaults are the configuration measured best on the H200 (bench run 2): choose_splits,
+    choose_stages and the two-pass split-K reduction (a second small kernel). `fused_reduce`
+    instead sums the partials in the GEMM kernel (the last CTA of each tile does it: one launch,
+    but serial, and slower than two passes for M >= 4 in run 2). `stages` and `splits` override
+    the heuristics (for benchmarking them).
     `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
     Returns (compiled function taking (x, w, y, workspace, counters) torch tensors, split-K factor).
     """
@@ -422,6 +417,10 @@ def compile_skinny_gemm(
         splits = choose_splits(n, k)
     elif not 1 <= splits <= k_tiles or math.ceil(k_tiles / math.ceil(k_tiles / splits)) != splits:
         raise ValueError(f"splits={splits} must leave no split of the {k_tiles} k-tiles empty")
+    if stages is None:
+        stages = choose_stages(n, splits)
+    elif stages < 2:
+        raise ValueError(f"stages={stages} must be at least 2")
     key = ("linear_sm90", n, k, tokens, splits, stages, fused_reduce, dtype, arch, use_pdl, tuple(extra_options))
 
     def build():

@@ -104,3 +104,26 @@ def test_runs_on_a_side_stream_and_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(out, x.double() @ weight.double().t()) <= REL_TOL
+
+
+@pytest.mark.parametrize("name", ["kda_o/mla_o", "mla_kv_a", "router"])
+def test_fused_split_k_reduction_variant(name):
+    # The non-default fused reduction (last CTA of each tile sums the partials): same checks, and
+    # its arrival counters must be re-armed after every call.
+    n, k = cute_sm90.K3_TRUNK_SHAPES[name]
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        compiled, splits = cute_sm90.compile_skinny_gemm(
+            n, k, cute_sm90.token_tile(m), torch.bfloat16, cute_common.target_arch(), fused_reduce=True
+        )
+        assert splits > 1
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        workspace = torch.full((splits, m, n), float("nan"), dtype=torch.float32, device="cuda")
+        counters = cute_sm90.split_counters(x.device, n)
+        for _ in range(2):
+            compiled(x, weight, out, workspace, counters)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert relative_error(out, x.double() @ weight.double().t()) <= REL_TOL
+        assert (counters == 0).all()
