@@ -11,6 +11,7 @@ changes state, so rollback is exact by construction.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -120,11 +121,20 @@ def small_config(target: SyntheticTarget, attention_type: str = "gqa", **overrid
     return dataclasses.replace(base, **overrides).validate()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Import into a test module to run its tests on one intra-op thread: these tiny ops are
-    launch-bound, and extra threads only contend on a busy 2-core machine (40x slower there)."""
+@contextlib.contextmanager
+def single_thread():
+    """One intra-op thread: these tiny ops are launch-bound, and extra threads only contend on a
+    busy 2-core machine (up to 40x slower there)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Import into a test module to run each of its tests under `single_thread`."""
+    with single_thread():
+        yield

@@ -13,9 +13,9 @@ from dspark.drafters.dspark import K3_TINY_DSPARK, DSparkDrafter, DSparkModel
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, train
 from dspark.engine import Engine
 from dspark.targets.kimi_k3.weights import EMBED, LM_HEAD
-from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
+from dspark_fixtures import SyntheticTarget, one_thread, single_thread, small_config  # noqa: F401 (autouse fixture)
 
-MAX_TOKENS, SEQ_LEN = 20, 80
+MAX_TOKENS, SEQ_LEN = 12, 48
 
 
 def k3_tiny(slots):
@@ -28,27 +28,35 @@ def prompts(n, vocab, seed):
             for _ in range(n)]
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def k3_work_and_plain():
+    work = prompts(3, 256, seed=5)
+    with single_thread():
+        return work, Engine(k3_tiny(3), None, SpecConfig(num_speculative_tokens=0)).generate(work, GREEDY)
+
+
 @pytest.mark.parametrize("k", [1, 7])
-def test_k3_tiny_greedy_speculation_equals_plain_decoding(k):
-    work = prompts(6, 256, seed=5)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = Engine(k3_tiny(3), None, SpecConfig(num_speculative_tokens=0)).generate(work, greedy)
+def test_k3_tiny_greedy_speculation_equals_plain_decoding(k, k3_work_and_plain):
+    work, plain = k3_work_and_plain
     target = k3_tiny(3)
     torch.manual_seed(0)
     model = DSparkModel(K3_TINY_DSPARK, target.model.tensors[EMBED], target.model.tensors[LM_HEAD])
     engine = Engine(target, DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len), SpecConfig(num_speculative_tokens=k, drafter="dspark"))
-    outs = engine.generate(work, greedy)
+    outs = engine.generate(work, GREEDY)
     for o, ref in zip(outs, plain):
         assert o.token_ids == ref.token_ids, o.request_id
     assert engine.metrics.num_draft_tokens > 0
 
 
 def test_k3_tiny_probabilistic_drafting_is_seeded():
-    work = prompts(3, 256, seed=6)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=100 + i) for i in range(3)]
+    work = prompts(2, 256, seed=6)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=100 + i) for i in range(2)]
 
     def run():
-        target = k3_tiny(3)
+        target = k3_tiny(2)
         torch.manual_seed(0)
         model = DSparkModel(K3_TINY_DSPARK, target.model.tensors[EMBED], target.model.tensors[LM_HEAD])
         drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method="probabilistic")
@@ -57,7 +65,7 @@ def test_k3_tiny_probabilistic_drafting_is_seeded():
 
     first, second = run(), run()
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
-    assert all(len(o.token_ids) == 12 for o in first)
+    assert all(len(o.token_ids) == 8 for o in first)
 
 
 def test_trained_drafter_long_blocks_equal_plain_decoding():

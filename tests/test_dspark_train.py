@@ -88,11 +88,11 @@ def make_data(target, n, seed):
     return generate_sequences(target, prompts, 56, temperature=1.0, generator=g)
 
 
-@pytest.mark.parametrize("attention_type", ["gqa", "mla"])
-def test_training_lowers_loss_and_raises_acceptance_length(tmp_path, attention_type):
+def test_training_lowers_loss_and_raises_acceptance_length(tmp_path):
+    """GQA backbone here; the MLA backbone is trained to AL > 2.5 in test_dspark_engine.py."""
     target = SyntheticTarget(seed=0)
     torch.manual_seed(0)
-    model = DSparkModel(small_config(target, attention_type), *target.embedding_weights())
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
     drafter = DSparkDrafter(model, max_slots=target.max_slots, max_seq_len=target.max_seq_len)
     held_out = [torch.randint(0, target.vocab_size - 1, (8,)) for _ in range(8)]
     before = run_rounds(target, drafter, held_out, max_new_tokens=40).acceptance_length
