@@ -20,7 +20,7 @@ from dspark.drafters.ngram import NgramDrafter  # noqa: E402
 from dspark.engine import Engine  # noqa: E402
 from dspark.protocols import Target  # noqa: E402
 from dspark.targets import gguf_assets  # noqa: E402
-from dspark.targets.gguf_assets import MissingAssetError, find_smollm2_gguf  # noqa: E402
+from dspark.targets.gguf_assets import GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
 from dspark.targets.llama import LlamaTarget, load_llama_gguf, unpermute_rope_rows  # noqa: E402
 
 try:
@@ -46,8 +46,6 @@ def one_thread():
 def model(one_thread):
     config, weights, gguf_file = load_llama_gguf(GGUF_PATH)
     target = LlamaTarget(config, weights, max_slots=3, max_seq_len=MAX_SEQ)
-    from dspark.targets.gguf_assets import GGUFTokenizer
-
     return target, GGUFTokenizer(gguf_file.metadata), gguf_file
 
 
