@@ -1,5 +1,6 @@
-"""GPU numerics of the CuTe DSL Hopper skinny GEMM (kernels/linear/cute_sm90.py) at every Kimi K3
-trunk shape and M in {1, 2, 4, 8, 16}.
+"""GPU numerics of the CuTe DSL skinny GEMM at every Kimi K3 trunk shape and M in {1, 2, 4, 8, 16}:
+kernels/linear/cute_sm90.py on Hopper (run on the H200), cute_sm100.py on Blackwell (never run
+yet: this file is what must pass on a B200/GB300 before that kernel is trusted).
 
 Each case draws fresh random bf16 inputs (never zeros), poisons the output and the split-K
 workspace with NaN, and compares with a float64 reference: relative Frobenius error <= 1e-2
@@ -9,14 +10,25 @@ import pytest
 import torch
 
 from dspark.kernels import cute_common, registry
-from dspark.kernels.linear import cute_sm90
+from dspark.kernels.linear import cute_sm90, cute_sm100
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+KERNELS = {(9, 0): cute_sm90, (10, 0): cute_sm100, (10, 3): cute_sm100}
+kernel = KERNELS.get(CAPABILITY)
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not HOPPER, reason="the cute_sm90 kernel runs on compute capability 9.0 only"),
+    pytest.mark.skipif(kernel is None, reason="CuTe DSL linear kernels exist for sm_90, sm_100, sm_103 only"),
     pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed"),
 ]
+
+
+def compile_for(n: int, k: int, m: int, **options):
+    """(compiled kernel, splits) of this GPU's implementation for m tokens."""
+    if kernel is cute_sm90:
+        return cute_sm90.compile_skinny_gemm(
+            n, k, cute_sm90.token_tile(m), torch.bfloat16, cute_common.target_arch(), **options
+        )
+    return cute_sm100.compile_skinny_gemm(n, k, torch.bfloat16, cute_common.target_arch(), **options)
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 REL_TOL = 1e-2
@@ -37,9 +49,9 @@ def test_every_k3_shape_and_token_count(name):
     ref_all = x_all.double() @ weight.double().t()
     for m in TOKEN_COUNTS:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        _, splits = cute_sm90.compile_skinny_gemm(n, k, cute_sm90.token_tile(m), torch.bfloat16, cute_common.target_arch())
+        _, splits = compile_for(n, k, m)
         workspace = torch.full((splits, m, n), float("nan"), dtype=torch.float32, device="cuda")
-        cute_sm90.skinny_gemm(x_all[:m], weight, out, workspace)
+        kernel.skinny_gemm(x_all[:m], weight, out, workspace)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"{name} M={m}: {out.isnan().sum().item()} elements not written"
         err = relative_error(out, ref_all[:m])
@@ -48,12 +60,12 @@ def test_every_k3_shape_and_token_count(name):
         assert (cute_sm90.split_counters(weight.device, n) == 0).all()
 
 
-def test_registry_picks_cute_sm90_and_falls_back_for_unsupported_shapes():
+def test_registry_picks_the_cute_kernel_and_falls_back_for_unsupported_shapes():
     registry.overrides.pop("linear", None)
     n, k = 1536, 7168
     weight = torch.randn(n, k, device="cuda").to(torch.bfloat16)
     x = torch.randn(4, k, device="cuda").to(torch.bfloat16)
-    assert registry.select("linear", x, weight).name == "cute_sm90"
+    assert registry.select("linear", x, weight).name == kernel.__name__.rsplit(".", 1)[-1]
     from dspark.kernels import ops
 
     err = relative_error(ops.linear(x, weight), x.double() @ weight.double().t())
@@ -71,12 +83,12 @@ def test_unaligned_token_view_and_steady_state_has_no_recompiles():
     base = torch.randn(9, k + 1, device="cuda").to(torch.bfloat16)
     x = base[1:, 1:]  # non-contiguous and misaligned: the wrapper must copy it
     ref = x.double() @ weight.double().t()
-    cute_sm90.linear(x.contiguous(), weight)  # warm the cache for this key
-    compiles = cute_sm90._cache.compiles
+    kernel.linear(x.contiguous(), weight)  # warm the cache for this key
+    compiles = kernel._cache.compiles
     for _ in range(3):
-        out = cute_sm90.linear(x, weight)
+        out = kernel.linear(x, weight)
         assert relative_error(out, ref) <= REL_TOL
-    assert cute_sm90._cache.compiles == compiles
+    assert kernel._cache.compiles == compiles
 
 
 def test_runs_on_a_side_stream_and_in_a_cuda_graph():
@@ -85,20 +97,20 @@ def test_runs_on_a_side_stream_and_in_a_cuda_graph():
     x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
     ref = x.double() @ weight.double().t()
     out = torch.full((8, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cute_sm90.skinny_gemm(x, weight, out)  # compile outside the capture
+    kernel.skinny_gemm(x, weight, out)  # compile outside the capture
     out.fill_(float("nan"))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        cute_sm90.skinny_gemm(x, weight, out)
+        kernel.skinny_gemm(x, weight, out)
     torch.cuda.current_stream().wait_stream(stream)
     assert relative_error(out, ref) <= REL_TOL
 
-    _, splits = cute_sm90.compile_skinny_gemm(n, k, 8, torch.bfloat16, cute_common.target_arch())
+    _, splits = compile_for(n, k, 8)
     workspace = torch.empty((splits, 8, n), dtype=torch.float32, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cute_sm90.skinny_gemm(x, weight, out, workspace)
+        kernel.skinny_gemm(x, weight, out, workspace)
     out.fill_(float("nan"))
     x.copy_(torch.randn_like(x))  # new inputs, same buffers: the replay must see them
     graph.replay()
@@ -114,9 +126,7 @@ def test_fused_split_k_reduction_variant(name):
     weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
     for m in (1, 5, 16):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        compiled, splits = cute_sm90.compile_skinny_gemm(
-            n, k, cute_sm90.token_tile(m), torch.bfloat16, cute_common.target_arch(), fused_reduce=True
-        )
+        compiled, splits = compile_for(n, k, m, fused_reduce=True)
         assert splits > 1
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         workspace = torch.full((splits, m, n), float("nan"), dtype=torch.float32, device="cuda")
