@@ -73,10 +73,13 @@ class Rotary(nn.Module):
             mscale, mscale_all = float(scaling.get("mscale", 1.0)), float(scaling.get("mscale_all_dim", 0.0))
             self.cos_sin_scale = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
             self.attention_scale = _yarn_mscale(factor, mscale_all) ** 2
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., heads, dim], positions [...] (long) -> rotated x."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # [..., dim/2]
         cos = (angles.cos() * self.cos_sin_scale).unsqueeze(-2)
         sin = (angles.sin() * self.cos_sin_scale).unsqueeze(-2)

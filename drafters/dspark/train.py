@@ -330,7 +330,7 @@ def read_jsonl_sequences(path: str | Path) -> tuple[list[torch.Tensor], list[tor
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target name for dspark.build.build_target (e.g. k3-tiny)")
-    parser.add_argument("--drafter", default=None,
+    parser.add_argument("--drafter", required=True,
                         help="drafter preset name (e.g. k3-tiny_dspark, k3_dspark) or a checkpoint directory to start from")
     parser.add_argument("--out", required=True, help="checkpoint directory (config.json, model.safetensors, train_log.jsonl)")
     parser.add_argument("--data", default=None, help="jsonl with 'tokens' and optional 'loss_mask' per line")
@@ -349,19 +349,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def build_model_for(target, drafter: str | None, seed: int) -> DSparkModel:
+def build_model_for(target, drafter: str, seed: int) -> DSparkModel:
     """A fresh drafter from a preset (or a checkpoint directory) around the target's embedding."""
     from .checkpoint import load_checkpoint
     from .config import get_preset
     from .drafter import shared_embeddings
 
     embed, lm_head = shared_embeddings(target)
-    if drafter is not None and Path(drafter).is_dir():
+    if Path(drafter).is_dir():
         model = load_checkpoint(drafter, embed, lm_head, device=target.device)
     else:
-        name = drafter or f"{getattr(getattr(target, 'config', None), 'name', '?')}_dspark"
         torch.manual_seed(seed)
-        model = DSparkModel(get_preset(name), embed, lm_head).to(target.device)
+        model = DSparkModel(get_preset(drafter), embed, lm_head).to(target.device)
     c = model.config
     if (c.vocab_size, c.target_hidden_size, c.target_num_layers) != (target.vocab_size, target.hidden_size, target.num_layers):
         raise ValueError(f"drafter={drafter!r}: built for vocab/hidden/layers {(c.vocab_size, c.target_hidden_size, c.target_num_layers)}, "
