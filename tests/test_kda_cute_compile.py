@@ -2,8 +2,9 @@
 
 Nothing runs here (no GPU): each variant is traced, lowered and assembled by ptxas for Hopper
 (sm_90a) and GB300 (sm_103a) at Kimi K3 dims (H=96 heads are a runtime grid size; D=128 is
-compiled in) for T in {1, 8}, and the PTX is checked for what the design relies on: the cluster
-exchange for the head-wide RMSNorm, no local-memory spills of the register-resident state.
+compiled in) for T in {1, 8}, and the PTX is checked for what the design relies on: no local
+memory for the register-resident state, and in the V-split variant the cluster exchange for the
+head-wide RMSNorm ordered after its barrier.
 The argument checks of the torch wrappers run on CPU tensors without compiling anything.
 """
 import pytest
@@ -29,22 +30,31 @@ def _ptx_of(compiled, tmp_path) -> str:
 @needs_cutlass
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_verify_compiles_with_cluster_exchange_and_no_spills(arch, tokens, tmp_path):
-    block_v = kda_cute.default_block_v(HEAD_DIM)
+def test_default_verify_compiles_without_spills(arch, tokens, tmp_path):
+    block_v = kda_cute.default_block_v(HEAD_DIM, "verify")  # one CTA per head: no cluster
     compiled = kda_cute.compile_verify(arch, HEAD_DIM, block_v, tokens, torch.bfloat16, torch.bfloat16,
                                        extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
     ptx = _ptx_of(compiled, tmp_path)
     assert f".target {arch}" in ptx
-    assert "ld.shared::cluster" in ptx and "barrier.cluster.wait" in ptx  # V-split RMSNorm exchange
-    # the remote reads must stay after the cluster barrier that publishes the partial sums
-    assert ptx.index("barrier.cluster.wait") < ptx.index("ld.shared::cluster")
     assert "ld.local" not in ptx and "st.local" not in ptx  # state slice stays in registers
 
 
 @needs_cutlass
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
+def test_v_split_verify_compiles_with_the_cluster_exchange(arch, tmp_path):
+    compiled = kda_cute.compile_verify(arch, HEAD_DIM, 32, 8, torch.bfloat16, torch.bfloat16,
+                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
+    ptx = _ptx_of(compiled, tmp_path)
+    assert "ld.shared::cluster" in ptx and "barrier.cluster.wait" in ptx  # V-split RMSNorm exchange
+    # the remote reads must stay after the cluster barrier that publishes the partial sums
+    assert ptx.index("barrier.cluster.wait") < ptx.index("ld.shared::cluster")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
 def test_commit_compiles_without_spills(arch, tmp_path):
-    compiled = kda_cute.compile_commit(arch, HEAD_DIM, kda_cute.default_block_v(HEAD_DIM), torch.bfloat16,
+    compiled = kda_cute.compile_commit(arch, HEAD_DIM, kda_cute.default_block_v(HEAD_DIM, "commit"), torch.bfloat16,
                                        extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
     ptx = _ptx_of(compiled, tmp_path)
     assert f".target {arch}" in ptx

@@ -5,14 +5,16 @@ tcgen05, so the same kernel body is compiled for Hopper and Blackwell; only the 
 (spec: kernels.md §7 rows 4-5, "same kernel (SIMT-heavy, portable)").
 
 Verify (one launch per layer, output-only; spec: kimi-k3.md §2.1, §2.3 "output-only verify"):
-  grid (V-split, head, request), cluster = the V-splits of one head. Each CTA holds a
+  grid (V-split, head, request), cluster = the V-splits of one head (block_v columns per CTA;
+  the default is one CTA per head, the fastest on the H200: experiments/notes/kda.md). Each CTA holds a
   [D x BV] slice of the fp32 state in registers (read once, never written), recomputes the
   head's conv4+SiLU, L2 norms, gate and beta for all T tokens into shared memory, runs the
   T-step delta rule, and writes per-position records (k, u, exp(g)) for commit. The head-wide
   RMSNorm of the output needs the sum of squares over all V columns: the V-split CTAs of one
   head exchange their partial sums through distributed shared memory inside the cluster.
 Commit (one launch for a stack of layers): replays the accepted prefix from the records
-  (S <- exp(g) * S; S <- S + k u^T) and shifts the conv window by the accepted count.
+  (S <- exp(g) * S; S <- S + k u^T) and shifts the conv window by the accepted count. Records
+  do not depend on block_v, so verify and commit pick theirs independently (commit: 4 CTAs/head).
 
 Thread layout of a state slice: warp w owns state rows [kc*R, (kc+1)*R) with kc = w % 4 and
 column block vc = w // 4; lane l owns column vc*32 + l. A warp reads rows of the state (32
@@ -32,9 +34,13 @@ L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + 1e-6) (kimi-k3.md §2.1 step 2)
 _cache = CompileCache()
 
 
-def default_block_v(head_dim: int) -> int:
-    """Columns of the state per CTA: 32 gives 4 CTAs per K3 head (384 CTAs for 96 heads)."""
-    return 32 if head_dim >= 64 else head_dim
+def default_block_v(head_dim: int, op: str) -> int:
+    """State columns per CTA, from the H200 bench at K3 dims, B=1, T=8 (experiments/notes/kda.md):
+    verify is fastest with one CTA per head (no cluster exchange, the q/k conv not repeated per
+    V-split: 20.6 us vs 30.2 us with 4 CTAs/head); commit with 4 CTAs per head (8.4 vs 10.0 us)."""
+    if op == "verify":
+        return head_dim
+    return 32
 
 
 def _check_head_dim(head_dim: int, block_v: int) -> None:
@@ -541,7 +547,7 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
              "must be [B, H, D, D] fp32")
     B, H, D, D2 = state.shape
     _require(D == D2, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
-    block_v = block_v or default_block_v(D)
+    block_v = block_v or default_block_v(D, "verify")
     _check_head_dim(D, block_v)
     W = H * D
     _require(q_in.dim() == 3 and q_in.shape[0] == B and q_in.shape[2] == W, "q_in.shape", tuple(q_in.shape),
@@ -611,7 +617,7 @@ def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch:
     _require(states.dim() == 5 and states.dtype == torch.float32 and states.is_contiguous(), "states.shape",
              (tuple(states.shape), states.dtype), "must be contiguous [L, B, H, D, D] fp32")
     L, B, H, D, _ = states.shape
-    block_v = block_v or default_block_v(D)
+    block_v = block_v or default_block_v(D, "commit")
     _check_head_dim(D, block_v)
     W = H * D
     _require(tuple(conv_states.shape) == (L, B, 3, W, 3) and conv_states.is_contiguous(), "conv_states.shape",

@@ -78,8 +78,8 @@ def cute_verify(inputs, **kw):
     return kda_cute.verify(*inputs.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch(), out=out, **kw)
 
 
-# every T at the default block_v (4 V-split CTAs per head, cluster exchange); the other
-# block_v variants (2 per head; 1 per head without a cluster) at a few T
+# every T with 4 V-split CTAs per head (block_v 32: the cluster exchange), and 2 per head / one
+# per head without a cluster (block_v 64 / 128, verify's default) at a few T
 CASES = [(t, 32) for t in TOKEN_COUNTS] + [(t, bv) for bv in (64, 128) for t in (1, 8, 16)]
 
 
