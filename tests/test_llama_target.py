@@ -34,8 +34,9 @@ SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printe
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """The 135M model's per-token ops are tiny: one thread is as fast as two on an idle 2-core
-    runner and many times faster when other jobs share the cores (OpenMP waits). Restored after."""
+    """The 135M model's per-token ops are small, so a second thread gains little, while two
+    OpenMP threads stall when other jobs share the 2 cores (measured at load ~5: the greedy test
+    took 74 s on two threads, 5 s on one). Restored after the module."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
