@@ -163,3 +163,24 @@ def test_layout_errors_name_the_tensor(tmp_path):
     small = dataclasses.replace(small_config(target, "mla"), hidden_size=32)
     with pytest.raises(ValueError, match=r"embed_tokens: shape \(64, 48\)"):
         DSparkModel(small, *embed)
+
+
+def test_k3_dspark_config_json_carries_the_published_values():
+    """The published K3 DSpark config.json fields (spec kimi-k3 §4) come out of K3_DSPARK unchanged."""
+    from dspark.drafters.dspark import K3_DSPARK
+
+    published = {
+        "architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "hidden_size": 7168, "intermediate_size": 14336,
+        "num_hidden_layers": 5, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": False,
+        "mla_use_output_gate": False, "vocab_size": 163840, "rms_norm_eps": 1e-05, "max_position_embeddings": 1048576,
+        "rope_theta": 50000.0, "num_target_layers": 5, "target_hidden_size": 7168, "target_num_hidden_layers": 93,
+        "target_layer_ids": [2, 23, 47, 71, 89], "mask_token_id": 163837, "markov_rank": 256,
+        "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "tie_word_embeddings": False, "draft_vocab_size": 163840,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32768,
+                            "rope_theta": 50000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    }
+    ours = K3_DSPARK.to_json_dict()
+    for key, value in published.items():
+        assert ours[key] == value, key
