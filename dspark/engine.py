@@ -278,6 +278,7 @@ class Engine:
         self._running = [reqs[i] for i in keep]
         self._mark("commit")
         self.metrics.step_seconds.append(time.perf_counter() - t_start)
+        self.metrics.step_tokens.append(sum(len(e.new_token_ids) for e in events[len(events) - B:]))
         return events
 
     def _drafts_allowed(self, reqs: list[_Request]) -> list[int]:

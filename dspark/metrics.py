@@ -23,7 +23,8 @@ class SpecMetrics:
     drafts_per_position: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     phase_seconds: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
-    step_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each engine step
+    step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each engine step
     start_time: float = field(default_factory=time.perf_counter)
 
     def observe(self, num_verified_drafts: list[int], num_accepted: list[int]) -> None:

@@ -9,7 +9,7 @@ Output (in --out, default runs/sweep-<target>): sweep.json, sweep.csv and sweep.
 sweep.json schema:
   {"schema": "dspark.sweep/1",
    "meta": {"device", "device_name", "torch", "git_commit", "command", "created", "target",
-            "context", "max_tokens", "warmup_tokens"},
+            "context", "max_tokens", "warmup_steps"},
    "points": [{"key", "batch", "k", "policy", "al_target" (null for plain decoding),
                "al_measured", "tokens_per_s", "tpot_ms", "step_ms_p50", "step_ms_p90",
                "step_ms_mean", "split_ms": {"draft", "verify", "accept", "commit"} (mean per step),
@@ -75,7 +75,7 @@ def point_key(batch: int, k: int, policy: str, al: float | None) -> str:
 
 
 def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, context: int,
-                  max_tokens: int, warmup_tokens: int, seed: int) -> dict:
+                  max_tokens: int, warmup_steps: int, seed: int) -> dict:
     """Run one grid point on `target` and return its row."""
     if al is None:
         spec = SpecConfig(num_speculative_tokens=0, seed=seed)
@@ -87,17 +87,16 @@ def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, 
     prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, ignore_eos=True)
 
-    def run(tokens: int) -> Engine:
-        engine = Engine(target, drafter, spec, eos_token_ids=eos_ids(target))
-        engine.generate(prompts, SamplingParams(**{**params.__dict__, "max_tokens": tokens}))
-        return engine
-
-    run(warmup_tokens)  # allocation, caches, compilation stay out of the numbers
-    engine = run(max_tokens)
+    # One run; its first `warmup_steps` steps (allocation, caches, compilation, clock ramp-up)
+    # stay out of the timings. One prefill per point: at long contexts prefill dominates a run.
+    engine = Engine(target, drafter, spec, eos_token_ids=eos_ids(target))
+    warm_tokens = warmup_steps * (spec.max_k + 1)
+    engine.generate(prompts, SamplingParams(**{**params.__dict__, "max_tokens": max_tokens + warm_tokens}))
     m = engine.metrics
-    steps = m.step_seconds
+    warm = min(warmup_steps, len(m.step_seconds) - 1)
+    steps = m.step_seconds[warm:]
     decode_s = sum(steps)
-    decode_tokens = m.num_output_tokens - batch  # the first token of each request comes from prefill
+    decode_tokens = sum(m.step_tokens[warm:])
     return {
         "key": point_key(batch, k if al is not None else 0, policy, al),
         "batch": batch,
@@ -208,7 +207,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="fixed", help="comma-separated verification policies")
     p.add_argument("--context", type=int, default=None, help="prompt length (default 32 on CPU, 8192 on CUDA)")
     p.add_argument("--max-tokens", type=int, default=None, help="generated tokens per request (default 32 CPU / 64 CUDA)")
-    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--warmup-steps", type=int, default=3, help="first steps of each point left out of the timings")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/sweep-<target>)")
@@ -229,14 +228,14 @@ def main(args) -> int:
     if (out / "sweep.json").exists():
         previous = json.loads((out / "sweep.json").read_text())
         done = {p["key"]: p for p in previous["points"]}
-    meta = run_meta(device, target=target_name, context=context, max_tokens=max_tokens, warmup_tokens=args.warmup_tokens)
-    seq_len = context + max_tokens + max(ks) + 2
+    meta = run_meta(device, target=target_name, context=context, max_tokens=max_tokens, warmup_steps=args.warmup_steps)
+    seq_len = context + max_tokens + (max(ks) + 1) * (args.warmup_steps + 1) + 2
     target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
     points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
     todo = [pt for pt in points_todo if point_key(pt[0], pt[1] if pt[2] is not None else 0, pt[3], pt[2]) not in done]
     for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
         point = measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
-                              max_tokens=max_tokens, warmup_tokens=args.warmup_tokens, seed=args.seed)
+                              max_tokens=max_tokens, warmup_steps=args.warmup_steps, seed=args.seed)
         points.append(add_floor(point, target_name, context))
         write_results(out, meta, points)  # after every point, so an interruption loses little
     write_results(out, meta, points)

@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_notebook_executes_on_a_fresh_sweep(tmp_path, monkeypatch):
     target = MarkovTarget(16, seed=0, max_slots=2, max_seq_len=256)
-    points = [measure_point(target, batch=b, k=3, al=al, policy="fixed", context=8, max_tokens=12, warmup_tokens=2, seed=0)
+    points = [measure_point(target, batch=b, k=3, al=al, policy="fixed", context=8, max_tokens=12, warmup_steps=2, seed=0)
               for b in (1, 2) for al in (None, 1.0, 2.5, 4.0)]
-    write_results(tmp_path, run_meta("cpu", target="toy", context=8, max_tokens=12, warmup_tokens=2), points)
+    write_results(tmp_path, run_meta("cpu", target="toy", context=8, max_tokens=12, warmup_steps=2), points)
     nb = nbformat.read(ROOT / "notebooks" / "tokens_vs_al.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
     monkeypatch.setenv("DSPARK_SWEEP_FILES", str(tmp_path / "sweep.json"))
