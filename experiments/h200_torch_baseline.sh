@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The torch baseline on the H200 (issue 3, item 7): k3-slice at real dimensions (layers 0-3 of
+# Kimi K3: three KDA layers, the first with the dense FFN, one gated-MLA layer, three latent-MoE
+# layers with MXFP4 experts dequantised in torch for the touched experts only), every op forced to
+# its plain-torch reference, batch 1, k = 7, forced AL 1..8 and plain decoding, 8k context.
+# This is the "before" the kernels must beat; each point records its fraction of the H200
+# bandwidth floor of the same step. Usage on the GPU machine, from the repository root:
+#   OUT=/some/dir DSPARK_GIT_COMMIT=<commit> bash experiments/h200_torch_baseline.sh
+set -euo pipefail
+source scripts/device_env.sh
+export DSPARK_KERNELS="linear=reference,kda_verify=reference,kda_commit=reference"
+timeout "${SWEEP_SECONDS:-520}" python3 -m dspark.cli sweep --target k3-slice --device cuda --batch 1 --k 7 \
+  --al 1,2,3,4,5,6,7,8 --context 8192 --max-tokens 24 --warmup-steps 2 --out "$OUT/sweep-k3-slice-torch"
