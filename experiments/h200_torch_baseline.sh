@@ -7,7 +7,9 @@
 # bandwidth floor of the same step. Usage on the GPU machine, from the repository root:
 #   OUT=/some/dir DSPARK_GIT_COMMIT=<commit> bash experiments/h200_torch_baseline.sh
 set -euo pipefail
-source scripts/device_env.sh
+root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/scripts/device_env.sh"
+cd /tmp  # not the checkout: its dspark/ folder (without kernels/) would shadow the laid-out package
 export DSPARK_KERNELS="linear=reference,kda_verify=reference,kda_commit=reference"
 timeout "${SWEEP_SECONDS:-520}" python3 -m dspark.cli sweep --target k3-slice --device cuda --batch 1 --k 7 \
   --al 1,2,3,4,5,6,7,8 --context 8192 --max-tokens 24 --warmup-steps 2 --out "$OUT/sweep-k3-slice-torch"
