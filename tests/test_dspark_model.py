@@ -1,5 +1,6 @@
 """DSpark drafter model and Drafter wrapper (spec dspark-algorithm §2-3, §11)."""
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -227,3 +228,34 @@ def test_k3_dspark_preset_has_the_published_parameter_count():
     with pytest.raises(ValueError, match="mask_token_id"):
         dataclasses.replace(c, mask_token_id=c.vocab_size).validate()
     assert DSparkConfig.from_json_dict(c.to_json_dict()) == c
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_scores_depend_only_on_relative_position(interleaved):
+    from dspark.drafters.dspark.model import Rotary
+
+    rot = Rotary(16, 50000.0, interleaved, None)
+    q, k = torch.randn(1, 16, dtype=torch.float64), torch.randn(1, 16, dtype=torch.float64)
+
+    def score(m, n):
+        return float((rot(q.float(), torch.tensor(m)) * rot(k.float(), torch.tensor(n))).sum())
+
+    assert score(5, 2) == pytest.approx(score(105, 102), rel=1e-4, abs=1e-4)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3
+    assert float(rot(q.float(), torch.tensor(37)).norm()) == pytest.approx(float(q.norm()), rel=1e-5)
+
+
+def test_yarn_frequencies_and_scales():
+    """DeepSeek YaRN (spec kimi-k3 §4: factor 32 over 32768): the fastest dims keep their
+    frequency, the slowest are divided by the factor; mscale_all_dim=1 gives a softmax scale of
+    (0.1 ln 32 + 1)^2 and unit cos/sin scale."""
+    from dspark.drafters.dspark.model import Rotary
+
+    scaling = K3_DSPARK.rope_scaling
+    rot = Rotary(64, 50000.0, True, scaling)
+    original = 1.0 / 50000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    ratio = original / rot.inv_freq.double()
+    assert ratio[0] == pytest.approx(1.0) and ratio[-1] == pytest.approx(32.0, rel=1e-5)
+    assert bool((ratio[1:] >= ratio[:-1] * (1 - 1e-6)).all())  # monotone blend between the two (float32 rounding)
+    assert rot.attention_scale == pytest.approx((0.1 * math.log(32.0) + 1.0) ** 2)
+    assert rot.cos_sin_scale == pytest.approx(1.0)
