@@ -295,7 +295,11 @@ class DSparkModel(nn.Module):
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """U_k = lm_head(h_k), in float32 or wider (spec §2.4)."""
         dtype = _at_least_float32(hidden.dtype)
-        return hidden.to(dtype) @ self.lm_head.to(dtype).t()
+        if self.lm_head.dtype == dtype:
+            return hidden.to(dtype) @ self.lm_head.t()
+        # A lower-precision shared head is used as it is (a float32 copy of K3's 163840 x 7168
+        # head would be 4.7 GB per call); only the product is widened.
+        return (hidden.to(self.lm_head.dtype) @ self.lm_head.t()).to(dtype)
 
     def head_outputs(
         self, hidden: torch.Tensor, prev_tokens: torch.Tensor
