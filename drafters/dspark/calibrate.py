@@ -122,15 +122,14 @@ def roc_auc(pred: torch.Tensor, observed: torch.Tensor) -> float:
     pos, neg = int(observed.sum()), int((~observed).sum())
     if pos == 0 or neg == 0:
         return float("nan")
+    # 1-based ranks, averaged over tied predictions
     order = pred.argsort()
-    sorted_pred = pred[order]
+    unique, inverse = torch.unique(pred[order], return_inverse=True)
+    positions = torch.arange(1, len(pred) + 1, dtype=torch.float64)
+    rank_sum = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, positions)
+    tie_count = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(positions))
     ranks = torch.empty_like(pred)
-    ranks[order] = torch.arange(1, len(pred) + 1, dtype=torch.float64)
-    # average ranks over ties
-    unique, inverse = torch.unique(sorted_pred, return_inverse=True)
-    sums = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, torch.arange(1, len(pred) + 1, dtype=torch.float64))
-    counts = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, torch.ones(len(pred), dtype=torch.float64))
-    ranks[order] = (sums / counts)[inverse]
+    ranks[order] = (rank_sum / tie_count)[inverse]
     return float((ranks[observed].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
