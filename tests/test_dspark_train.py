@@ -14,6 +14,7 @@ from dspark.drafters.dspark.train import (
     generate_sequences,
     sample_anchors,
     train,
+    train_step_loss,
 )
 from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
 
@@ -127,3 +128,24 @@ def test_resumed_run_equals_unbroken_run(tmp_path):
     assert len((tmp_path / "b" / "train_log.jsonl").read_text().splitlines()) == 6
     with pytest.raises(ValueError, match="TrainConfig.batch_size=0"):
         train(target, resumed, data, config=TrainConfig(batch_size=0))
+
+
+def test_anchor_chunks_give_the_same_loss_and_gradients():
+    target = SyntheticTarget(seed=4)
+    data = make_data(target, 4, seed=4)
+    torch.manual_seed(3)
+    model = DSparkModel(small_config(target, "mla"), *target.embedding_weights())
+    results = []
+    for chunk in (0, 3):
+        model.zero_grad(set_to_none=True)
+        cfg = TrainConfig(num_anchors=10, anchor_chunk=chunk)
+        loss, metrics = train_step_loss(model, target, data, [torch.ones_like(s) for s in data], cfg,
+                                        torch.Generator().manual_seed(9))
+        loss.backward()
+        results.append((loss.detach(), metrics, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss0, m0, g0), (loss1, m1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    assert m1["tau"] == pytest.approx(m0["tau"], rel=1e-5) and m1["accept"] == pytest.approx(m0["accept"], abs=1e-4)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert any(g.abs().max() > 0 for g in g0.values())

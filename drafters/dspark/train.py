@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from .checkpoint import load_trainer_state, load_weights, read_tensors, save_checkpoint
@@ -41,6 +42,7 @@ class TrainConfig:
     conf_weight: float = 1.0
     decay_gamma: float = 4.0  # all released configs use 4.0, not the block size (spec §6.3 ⚠)
     grad_clip: float = 1.0
+    anchor_chunk: int = 0  # > 0: run the blocks this many anchors at a time, recomputed in backward
     seed: int = 42
     save_every: int = 0  # 0: save only at the end
 
@@ -57,6 +59,8 @@ class TrainConfig:
         for name in ("weight_decay", "ce_weight", "l1_weight", "conf_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
+        if not isinstance(self.anchor_chunk, int) or self.anchor_chunk < 0:
+            raise ValueError(f"TrainConfig.anchor_chunk={self.anchor_chunk!r}: must be an integer >= 0 (0 = all anchors at once)")
         if not isinstance(self.save_every, int) or self.save_every < 0:
             raise ValueError(f"TrainConfig.save_every={self.save_every!r}: must be an integer >= 0")
         return self
@@ -105,9 +109,9 @@ def build_blocks(tokens, lengths, loss_mask, anchors, keep, block_size: int, mas
     return block, positions, labels, prev, eval_mask
 
 
-def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig):
-    """The DSpark objective (spec §6.3, §11 item 8): full L1 (not halved), decay exp(-(k-1)/gamma_w),
-    weighted means, soft confidence label detached, softmaxes in float32.
+def loss_sums(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """Weighted sums of the three loss terms and of the diagnostics over a set of blocks; blocks
+    can be split into chunks and their sums added (see `finish_loss`).
 
     draft_logits, target_logits [..., G, V]; labels, conf_logits, eval_mask [..., G]."""
     log_pd = draft_logits.float().log_softmax(dim=-1)
@@ -119,17 +123,31 @@ def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg
     G = labels.shape[-1]
     decay = torch.exp(-torch.arange(G, dtype=torch.float32, device=labels.device) / cfg.decay_gamma)
     weight = decay * eval_mask.float()
-    denom = weight.sum().clamp(min=1e-12)
-    ce_m, l1_m, bce_m = ((t * weight).sum() / denom for t in (ce, l1, bce))
-    loss = cfg.ce_weight * ce_m + cfg.l1_weight * l1_m + cfg.conf_weight * bce_m
-    # Diagnostics (spec §6.3): accept_rate@k = mean soft label, tau = 1 + sum_k prod_{i<=k} c*_i.
     mask_f = eval_mask.float()
-    per_slot = (soft_label * mask_f).flatten(0, -2).sum(0) / mask_f.flatten(0, -2).sum(0).clamp(min=1)
-    blocks = eval_mask[..., 0]
-    tau = (1 + (soft_label * mask_f).cumprod(dim=-1).sum(-1))[blocks].mean() if blocks.any() else torch.tensor(1.0)
-    metrics = {"loss": loss.item(), "ce": ce_m.item(), "l1": l1_m.item(), "conf": bce_m.item(),
+    return {
+        "ce": (ce * weight).sum(), "l1": (l1 * weight).sum(), "conf": (bce * weight).sum(), "weight": weight.sum(),
+        # Diagnostics (spec §6.3): accept_rate@k = mean soft label, tau = 1 + sum_k prod_{i<=k} c*_i.
+        "accept": (soft_label * mask_f).flatten(0, -2).sum(0), "slots": mask_f.flatten(0, -2).sum(0),
+        "tau": ((1 + (soft_label * mask_f).cumprod(dim=-1).sum(-1)) * mask_f[..., 0]).sum(), "blocks": mask_f[..., 0].sum(),
+    }
+
+
+def finish_loss(sums: dict[str, torch.Tensor], cfg: TrainConfig):
+    """L = 0.1 CE + 0.9 L1 + 1.0 BCE, each a weighted mean (spec §6.3), and the step's metrics."""
+    denom = sums["weight"].detach().clamp(min=1e-12)
+    ce, l1, conf = (sums[key] / denom for key in ("ce", "l1", "conf"))
+    loss = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf
+    per_slot = sums["accept"] / sums["slots"].clamp(min=1)
+    tau = sums["tau"] / sums["blocks"] if sums["blocks"] > 0 else torch.tensor(1.0)
+    metrics = {"loss": loss.item(), "ce": ce.item(), "l1": l1.item(), "conf": conf.item(),
                "tau": float(tau), "accept": [round(x, 4) for x in per_slot.tolist()]}
     return loss, metrics
+
+
+def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig):
+    """The DSpark objective (spec §6.3, §11 item 8): full L1 (not halved), decay exp(-(k-1)/gamma_w),
+    weighted means, soft confidence label detached, softmaxes in float32. Returns (loss, metrics)."""
+    return finish_loss(loss_sums(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg), cfg)
 
 
 # ---- target side ------------------------------------------------------------------------------
@@ -210,12 +228,31 @@ def train_step_loss(model: DSparkModel, target, sequences, loss_masks, cfg: Trai
     fused = model.fuse_taps({layer: t.to(device) for layer, t in taps.items()})
     context_rows = model.context_rows(fused, torch.arange(S, device=device).expand(len(sequences), S))
     visible = torch.arange(S, device=device) < anchors[..., None]  # context strictly before the anchor
-    hidden = model.backbone(block, positions, context_rows, visible)
-    draft_logits, conf_logits = model.head_outputs(hidden, prev)  # teacher-forced heads
-    # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]).
-    index = positions.clamp(max=S - 1).flatten(1)
-    tgt = target_logits.to(device).gather(1, index[..., None].expand(-1, -1, target_logits.shape[-1]))
-    return dspark_loss(draft_logits, tgt.view(*positions.shape, -1), labels, conf_logits, eval_mask, cfg)
+    target_logits = target_logits.to(device)
+
+    def blocks_sums(start: int, stop: int, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        part = slice(start, stop)
+        hidden = model.backbone(block[:, part], positions[:, part], list(rows), visible[:, part])
+        draft_logits, conf_logits = model.head_outputs(hidden, prev[:, part])  # teacher-forced heads
+        # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]).
+        index = positions[:, part].clamp(max=S - 1)
+        tgt = target_logits.gather(1, index.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
+        sums = loss_sums(draft_logits, tgt.view(*index.shape, -1), labels[:, part], conf_logits, eval_mask[:, part], cfg)
+        return tuple(sums[key] for key in _SUM_KEYS)
+
+    num_blocks = block.shape[1]
+    chunk = cfg.anchor_chunk or num_blocks
+    totals = None
+    for start in range(0, num_blocks, chunk):
+        args = (start, min(start + chunk, num_blocks), *context_rows)
+        # Chunks recompute their activations in backward: memory ~ one chunk of [A, G, V] logits
+        # and [H, A, G, S] scores instead of all anchors at once (spec §6.2 uses 512 anchors).
+        part = checkpoint(blocks_sums, *args, use_reentrant=False) if chunk < num_blocks else blocks_sums(*args)
+        totals = part if totals is None else tuple(t + p for t, p in zip(totals, part))
+    return finish_loss(dict(zip(_SUM_KEYS, totals)), cfg)
+
+
+_SUM_KEYS = ("ce", "l1", "conf", "weight", "accept", "slots", "tau", "blocks")
 
 
 def _lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -339,7 +376,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-len", type=int, default=112)
     parser.add_argument("--gen-temperature", type=float, default=1.0)
     defaults = TrainConfig()
-    for name in ("steps", "batch_size", "num_anchors", "save_every", "seed"):
+    for name in ("steps", "batch_size", "num_anchors", "anchor_chunk", "save_every", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in ("lr", "warmup_frac", "weight_decay", "grad_clip", "decay_gamma"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
@@ -383,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
                  for _ in sequences]
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
                       weight_decay=args.weight_decay, num_anchors=args.num_anchors, decay_gamma=args.decay_gamma,
-                      grad_clip=args.grad_clip, seed=args.seed, save_every=args.save_every)
+                      grad_clip=args.grad_clip, anchor_chunk=args.anchor_chunk, seed=args.seed, save_every=args.save_every)
     history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=args.out, resume=args.resume,
                     progress=not args.no_progress)
     if history:
