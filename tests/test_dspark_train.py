@@ -13,6 +13,7 @@ from dspark.drafters.dspark.train import (
     dspark_loss,
     generate_sequences,
     sample_anchors,
+    capture,
     train,
     train_step_loss,
 )
@@ -118,7 +119,8 @@ def test_resumed_run_equals_unbroken_run(tmp_path):
         return DSparkModel(small_config(target, "gqa", markov_head_type="gated"), *target.embedding_weights())
 
     straight = fresh()
-    train(target, straight, data, config=cfg, out_dir=tmp_path / "a", progress=False)
+    # The unbroken run also reuses cached captures: it must match the run that prefills every step.
+    train(target, straight, data, config=cfg, out_dir=tmp_path / "a", progress=False, cache_captures=True)
     split = fresh()
     train(target, split, data, config=cfg, out_dir=tmp_path / "b", progress=False, stop_after=4)
     resumed = fresh()  # a new process: weights, optimizer and step come from the checkpoint
@@ -139,8 +141,8 @@ def test_anchor_chunks_give_the_same_loss_and_gradients():
     for chunk in (0, 3):
         model.zero_grad(set_to_none=True)
         cfg = TrainConfig(num_anchors=10, anchor_chunk=chunk)
-        loss, metrics = train_step_loss(model, target, data, [torch.ones_like(s) for s in data], cfg,
-                                        torch.Generator().manual_seed(9))
+        loss, metrics = train_step_loss(model, capture(target, data, model.config.target_layer_ids), data,
+                                        [torch.ones_like(s) for s in data], cfg, torch.Generator().manual_seed(9))
         loss.backward()
         results.append((loss.detach(), metrics, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss0, m0, g0), (loss1, m1, g1) = results

@@ -151,6 +151,7 @@ def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg
 
 
 # ---- target side ------------------------------------------------------------------------------
+@torch.no_grad()
 def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
     """Online capture: prefill the sequences (in chunks of at most max_slots), return the target's
     logits [B, S, V] and taps {layer: [B, S, d]}, and release the slots."""
@@ -211,12 +212,11 @@ def _pad(sequences: list[torch.Tensor], value: int = 0) -> torch.Tensor:
     return torch.stack([F.pad(s, (0, width - s.shape[0]), value=value) for s in sequences])
 
 
-def train_step_loss(model: DSparkModel, target, sequences, loss_masks, cfg: TrainConfig, generator):
-    """Loss and metrics of one batch (forward only)."""
+def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: TrainConfig, generator):
+    """Loss and metrics of one batch (forward only); `captured` = capture(target, sequences, taps)."""
     c = model.config
     device = model.context_proj.weight.device
-    with torch.no_grad():
-        target_logits, taps = capture(target, sequences, c.target_layer_ids)
+    target_logits, taps = captured
     tokens = _pad(sequences)
     lengths = torch.tensor([s.shape[0] for s in sequences])
     mask = _pad(loss_masks)
@@ -255,6 +255,21 @@ def train_step_loss(model: DSparkModel, target, sequences, loss_masks, cfg: Trai
 _SUM_KEYS = ("ce", "l1", "conf", "weight", "accept", "slots", "tau", "blocks")
 
 
+def _cached_capture(cache: dict, pick: list[int], target, sequences, tap_layers):
+    """capture() of sequences[pick], prefilling only the ones not seen before."""
+    missing = [i for i in pick if i not in cache]
+    if missing:
+        logits, taps = capture(target, [sequences[i] for i in missing], tap_layers)
+        for row, i in enumerate(missing):
+            n = sequences[i].shape[0]
+            cache[i] = (logits[row, :n].clone(), {layer: t[row, :n].clone() for layer, t in taps.items()})
+    width = max(sequences[i].shape[0] for i in pick)
+    logits = torch.stack([F.pad(cache[i][0], (0, 0, 0, width - cache[i][0].shape[0])) for i in pick])
+    taps = {layer: torch.stack([F.pad(cache[i][1][layer], (0, 0, 0, width - cache[i][1][layer].shape[0])) for i in pick])
+            for layer in tap_layers}
+    return logits, taps
+
+
 def _lr_factor(step: int, cfg: TrainConfig) -> float:
     warmup = max(1, round(cfg.warmup_frac * cfg.steps))
     if step < warmup:
@@ -273,6 +288,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
+    cache_captures: bool = False,
 ) -> list[dict]:
     """Train `model` in place for config.steps steps; returns the per-step metrics.
 
@@ -280,7 +296,9 @@ def train(
     loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state.
     Data order and anchors depend only on (seed, step), so a resumed run equals an unbroken one.
     stop_after ends this call after that many steps (saving a checkpoint to resume from), for
-    runs split across time-limited jobs.
+    runs split across time-limited jobs. cache_captures keeps each sequence's target logits and
+    taps in memory after its first prefill (an offline target cache for small data sets and
+    slow targets; memory = sum of S x (V + taps x d) floats).
     """
     cfg = config.validate()
     if loss_masks is None:
@@ -308,6 +326,7 @@ def train(
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     log = open(Path(out_dir) / "train_log.jsonl", "a") if out_dir is not None else None
     history = []
+    cache: dict[int, tuple] | None = {} if cache_captures else None
     try:
         per_epoch = max(1, len(sequences) // cfg.batch_size)
         bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train-drafter")
@@ -317,8 +336,10 @@ def train(
             order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
             pick = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size].tolist()
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (step + 1))
-            loss, metrics = train_step_loss(model, target, [sequences[i] for i in pick],
-                                            [loss_masks[i] for i in pick], cfg, generator)
+            batch = [sequences[i] for i in pick]
+            captured = _cached_capture(cache, pick, target, sequences, model.config.target_layer_ids) if cache is not None \
+                else capture(target, batch, model.config.target_layer_ids)
+            loss, metrics = train_step_loss(model, captured, batch, [loss_masks[i] for i in pick], cfg, generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
