@@ -97,12 +97,7 @@ class Engine:
             profile.verify_policy, profile.confidence_threshold)
         # The lossless sampler unless the config asks for synthetic acceptance; `sampler` lets a
         # test substitute a deliberately broken one to show the distribution test can fail.
-        self._cond_rates = None
-        if self.spec.rejection_sample_method == "synthetic":
-            rates = self.spec.synthetic_acceptance_rates or acceptance_length_to_rates(
-                self.spec.synthetic_acceptance_length, self.spec.num_speculative_tokens
-            )
-            self._cond_rates = torch.tensor(conditional_rates(list(rates)), dtype=torch.float32, device=self.device)
+        self._cond_rates = self._synthetic_rates(self.spec)
         self.sampler = sampler
         self.sync_timing = self.device.type == "cuda" if sync_timing is None else sync_timing
         self.metrics = SpecMetrics()
@@ -114,6 +109,21 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(target.max_slots - 1, -1, -1))
+
+    def _synthetic_rates(self, spec: SpecConfig) -> torch.Tensor | None:
+        if spec.rejection_sample_method != "synthetic":
+            return None
+        rates = spec.synthetic_acceptance_rates or acceptance_length_to_rates(
+            spec.synthetic_acceptance_length, spec.num_speculative_tokens)
+        return torch.tensor(conditional_rates(list(rates)), dtype=torch.float32, device=self.device)
+
+    def set_acceptance(self, spec: SpecConfig) -> None:
+        """Switch k and the acceptance mode between steps, keeping the live requests (a phased
+        sweep measures every forced AL on one prefilled context). The drafter stays the same."""
+        spec = spec.validate()
+        if spec.max_k > 0 and self.drafter is None:
+            raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: speculation needs a drafter")
+        self.spec, self._cond_rates = spec, self._synthetic_rates(spec)
 
     def _make_policy(self, name: str, threshold: float):
         from .policy import ConfidenceScheduler, make_policy

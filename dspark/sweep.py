@@ -39,6 +39,7 @@ from .build import build_target, default_device, eos_ids
 from .config import SamplingParams, SpecConfig
 from .drafters.uniform import UniformDrafter
 from .engine import Engine
+from .metrics import SpecMetrics
 
 SCHEMA = "dspark.sweep/1"
 
@@ -94,13 +95,17 @@ def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, 
     engine.generate(prompts, SamplingParams(**{**params.__dict__, "max_tokens": max_tokens + warm_tokens}))
     m = engine.metrics
     warm = min(warmup_steps, len(m.step_seconds) - 1)
+    return _row(m, batch=batch, k=k if al is not None else 0, al=al, policy=policy, warm=warm)
+
+
+def _row(m: SpecMetrics, *, batch: int, k: int, al: float | None, policy: str, warm: int) -> dict:
     steps = m.step_seconds[warm:]
     decode_s = sum(steps)
     decode_tokens = sum(m.step_tokens[warm:])
     return {
-        "key": point_key(batch, k if al is not None else 0, policy, al),
+        "key": point_key(batch, k, policy, al),
         "batch": batch,
-        "k": k if al is not None else 0,
+        "k": k,
         "policy": policy,
         "al_target": al,
         "al_measured": m.acceptance_length,
@@ -109,11 +114,40 @@ def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, 
         "step_ms_p50": 1e3 * statistics.median(steps),
         "step_ms_p90": 1e3 * sorted(steps)[max(0, int(round(0.9 * len(steps))) - 1)],
         "step_ms_mean": 1e3 * decode_s / len(steps),
-        "split_ms": {p: 1e3 * m.phase_seconds[p] / len(steps) for p in ("draft", "verify", "accept", "commit")},
+        "split_ms": {p: 1e3 * m.phase_seconds[p] / len(m.step_seconds) for p in ("draft", "verify", "accept", "commit")},
         "steps": len(steps),
         "output_tokens": m.num_output_tokens,
         "per_position_acceptance": m.per_position_acceptance,
     }
+
+
+def measure_phases(target, *, batch: int, k: int, als: list[float], context: int, steps: int,
+                   warmup_steps: int, seed: int) -> list[dict]:
+    """Every point of one (batch, k) from ONE prefill: the requests stay live and the engine's
+    acceptance is switched between phases of `warmup_steps + steps` steps (plain decoding first,
+    then each forced AL). For long contexts, where a prefill costs far more than a phase, this is
+    the affordable way; the context grows by the phases' few hundred tokens meanwhile."""
+    spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
+                      synthetic_acceptance_length=float(k + 1), seed=seed)
+    engine = Engine(target, UniformDrafter(target.vocab_size), spec, eos_token_ids=eos_ids(target))
+    gen = torch.Generator().manual_seed(seed)
+    budget = target.max_seq_len - context - 1
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, target.vocab_size, (context,), generator=gen).tolist(),
+                           SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=budget))
+    engine.step()  # prefill (and one step), outside every phase
+    rows = []
+    for al in [None, *als]:
+        if al is None:
+            engine.set_acceptance(SpecConfig(num_speculative_tokens=0, seed=seed))
+        else:
+            engine.set_acceptance(SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
+                                             synthetic_acceptance_length=al, seed=seed))
+        engine.metrics = SpecMetrics()
+        for _ in range(warmup_steps + steps):
+            engine.step()
+        rows.append(_row(engine.metrics, batch=batch, k=0 if al is None else k, al=al, policy="fixed", warm=warmup_steps))
+    return rows
 
 
 # The H200's measured read bandwidth (../shared/gpu/README.md: a 163840 x 7168 GEMV reads at
@@ -211,6 +245,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/sweep-<target>)")
+    p.add_argument("--one-prefill", action="store_true",
+                   help="measure all ALs of a (batch, k) on one prefilled context, in phases of "
+                        "--warmup-steps + --phase-steps steps (policy fixed); for long contexts")
+    p.add_argument("--phase-steps", type=int, default=6)
 
 
 def main(args) -> int:
@@ -230,7 +268,21 @@ def main(args) -> int:
         done = {p["key"]: p for p in previous["points"]}
     meta = run_meta(device, target=target_name, context=context, max_tokens=max_tokens, warmup_steps=args.warmup_steps)
     seq_len = context + max_tokens + (max(ks) + 1) * (args.warmup_steps + 1) + 2
+    if args.one_prefill:
+        seq_len = context + (len(als) + 1) * (args.warmup_steps + args.phase_steps) * (max(ks) + 1) + (max(ks) + 1) + 2
     target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
+    if args.one_prefill:
+        points = []
+        for batch in tqdm(batches, desc=f"sweep {target_name} (one prefill per batch)", disable=None):
+            for k in ks:
+                rows = measure_phases(target, batch=batch, k=k, als=[a for a in als if a <= k + 1], context=context,
+                                      steps=args.phase_steps, warmup_steps=args.warmup_steps, seed=args.seed)
+                points += [add_floor(r, target_name, context) for r in rows]
+                write_results(out, meta, points)
+        png = plot(out, meta, points)
+        _print_table(points)
+        print(f"wrote {out / 'sweep.json'}, {out / 'sweep.csv'}, {png}")
+        return 0
     points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
     todo = [pt for pt in points_todo if point_key(pt[0], pt[1] if pt[2] is not None else 0, pt[3], pt[2]) not in done]
     for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
