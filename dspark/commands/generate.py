@@ -61,7 +61,7 @@ def main(args) -> int:
         from ..targets.llama import load_smollm2_target
 
         target, tokenizer = load_smollm2_target(max_slots=len(args.prompt) + len(prompts), max_seq_len=args.max_seq_len)
-        prompts += [tokenizer.encode_chat(t) for t in args.prompt]
+        prompts += [tokenizer.encode_chat([{"role": "user", "content": t}]).tolist() for t in args.prompt]
     if not prompts:
         prompts = [[1, 5, 9, 5, 9, 5]]
     if tokenizer is None:
@@ -79,7 +79,7 @@ def main(args) -> int:
         if o.error:
             print(f"[{o.request_id}] error: {o.error}")
             continue
-        text = f"  {tokenizer.decode(o.token_ids)!r}" if tokenizer else ""
+        text = f"  {tokenizer.decode(o.token_ids, skip_special_tokens=True)!r}" if tokenizer else ""
         print(f"[{o.request_id}] {o.token_ids} ({o.finish_reason}){text}")
     print(f"acceptance length {summary['acceptance_length']:.2f}  tokens/s {summary['tokens_per_s']:.1f}  "
           f"steps {summary['steps']}  (k={spec.num_speculative_tokens}, drafter={spec.drafter})")
