@@ -103,6 +103,8 @@ def test_rollback_and_block_logits_are_bitwise_sequential(model, gen, dtype):
 def test_verify_is_output_only_and_ragged_batches_are_token_invariant(model, gen):
     target = load_target("k3-tiny", max_slots=2, max_seq_len=MAX_SEQ, dtype=torch.float32, seed=3)
     assert isinstance(target, Target)
+    embed, lm_head = target.embedding_weights()
+    assert embed.shape == lm_head.shape == (K3_TINY.vocab_size, K3_TINY.hidden_size)
     target.prefill([0, 1], prompts(gen))
     before = [snapshot(target, s) for s in (0, 1)]
     tokens = torch.randint(0, K3_TINY.vocab_size, (2, 6), generator=gen)

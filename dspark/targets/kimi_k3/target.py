@@ -17,6 +17,7 @@ import torch
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 
+from . import weights as layout
 from .config import PRESETS, get_preset
 from .model import DecodeState, K3Model
 
@@ -29,6 +30,8 @@ class K3Target:
         if not 1 <= max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len}: must be in [1, {cfg.max_position_embeddings}]")
         self.model = model
+        self.config = cfg
+        self.eos_token_id = cfg.eos_token_id
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.hidden_size
         self.num_layers = cfg.num_layers
@@ -43,6 +46,10 @@ class K3Target:
         self.mla_cache = torch.zeros(max_slots, n_mla, max_seq_len, cfg.kv_cache_width, dtype=model.dtype, device=dev)
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=dev)
         self._pending = None  # (slots, KDA records per layer, lengths) of the last verify
+
+    def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embed_tokens [V, d], lm_head [V, d]) that a DSpark drafter shares with the target."""
+        return self.model.tensors[layout.EMBED], self.model.tensors[layout.LM_HEAD]
 
     # ------------------------------------------------------------------------ validation
     def _slot_index(self, slots) -> torch.Tensor:
