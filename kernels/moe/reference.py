@@ -8,8 +8,8 @@ Spec kimi-k3.md §1.2-1.3, per token x [D]:
     routed = sum over the chosen experts, in top-k order, of weight_e * w2_e situ(w1_e h, w3_e h)
     out = latent_up RMSNorm(routed; routed_expert_norm) + shared_down situ(shared_gate x, shared_up x)
 Routed experts are MXFP4 (dspark/targets/kimi_k3/mxfp4.py); only the touched ones are
-dequantised. Token invariance: projections go through the row-invariant `linear` op, each
-expert runs on one token's row, and elementwise math is per row (numerics.per_row).
+dequantised, once per call. Token invariance: projections go through the row-invariant
+`linear` op and elementwise math is per row (numerics.per_row).
 """
 from __future__ import annotations
 
@@ -83,20 +83,19 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg) -> torch.Tensor:
         x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
     )
     latent = ops.linear(x, weights.latent_down)  # [M, latent]
-    experts: dict[int, tuple] = {}
-    routed_rows = []
-    for m in range(x.shape[0]):
-        h = latent[m : m + 1]
-        routed = torch.zeros(latent.shape[1], dtype=torch.float32, device=x.device)
-        for slot in range(ids.shape[1]):  # fixed order: the top-k order
-            e = int(ids[m, slot])
-            if e not in experts:
-                experts[e] = weights.expert(e, x.dtype)
-            w1, w3, w2 = experts[e]
-            act = situ(ops.linear(h, w1), ops.linear(h, w3), cfg.situ_beta, cfg.situ_linear_beta)
-            routed = routed + route_weights[m, slot] * ops.linear(act, w2)[0].float()
-        routed_rows.append(routed)
-    routed = rms_norm(torch.stack(routed_rows), weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
+    # Each touched expert runs once on the tokens routed to it (row-invariant linear: a token's
+    # bits do not depend on which other tokens share the call); outputs land at (token, slot).
+    expert_out = torch.zeros(*ids.shape, latent.shape[1], dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        w1, w3, w2 = weights.expert(e, x.dtype)
+        h = latent[rows]
+        act = situ(ops.linear(h, w1), ops.linear(h, w3), cfg.situ_beta, cfg.situ_linear_beta)
+        expert_out[rows, slots] = ops.linear(act, w2).float()
+    routed = route_weights[:, :1] * expert_out[:, 0]
+    for slot in range(1, ids.shape[1]):  # fixed order: the top-k order
+        routed = routed + route_weights[:, slot : slot + 1] * expert_out[:, slot]
+    routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
     shared = situ(
         ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta
     )
