@@ -10,6 +10,7 @@ past the committed length and commit only moves the length.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +21,22 @@ from dspark.protocols import TargetOutput
 from . import weights as layout
 from .config import PRESETS, get_preset
 from .model import DecodeState, K3Model
+
+
+@contextmanager
+def _one_cpu_thread(device: torch.device):
+    """The CPU path is thousands of tiny per-token ops (numerics.py): one intra-op thread runs
+    them several times faster than two, whose OpenMP hand-offs dominate, most of all on shared
+    cores. The previous thread count is restored afterwards."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class K3Target:
@@ -100,7 +117,8 @@ class K3Target:
             slots=index,
             cache_lens=cache_lens,
         )
-        logits, taps, records = self.model.forward(tokens, lengths_t, state, tuple(tap_layers))
+        with _one_cpu_thread(self.device):
+            logits, taps, records = self.model.forward(tokens, lengths_t, state, tuple(tap_layers))
         self._pending = (index.tolist(), records, lengths_list)
         return TargetOutput(logits=logits, taps=taps)
 
