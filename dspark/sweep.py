@@ -240,20 +240,26 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--al", default="1,2,3,4,5,6,7,8", help="comma-separated forced acceptance lengths")
     p.add_argument("--policy", default="fixed", help="comma-separated verification policies")
     p.add_argument("--context", type=int, default=None, help="prompt length (default 32 on CPU, 8192 on CUDA)")
-    p.add_argument("--max-tokens", type=int, default=None, help="generated tokens per request (default 32 CPU / 64 CUDA)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="first steps of each point left out of the timings")
+    p.add_argument("--max-tokens", type=int, default=None, help="--per-point: tokens per request (default 32 CPU / 64 CUDA)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each point left out of the timings")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/sweep-<target>)")
-    p.add_argument("--one-prefill", action="store_true",
-                   help="measure all ALs of a (batch, k) on one prefilled context, in phases of "
-                        "--warmup-steps + --phase-steps steps (policy fixed); for long contexts")
+    p.add_argument("--per-point", action="store_true",
+                   help="a fresh engine and prefill for every point (needed for policies other than "
+                        "fixed); the default measures all ALs of a (batch, k) on one prefilled context, "
+                        "in phases of --warmup-steps + --phase-steps steps")
     p.add_argument("--phase-steps", type=int, default=6)
 
 
 def main(args) -> int:
     device = args.device or default_device()
     on_cuda = torch.device(device).type == "cuda"
+    if not on_cuda:
+        # The CPU targets run many tiny ops; OpenMP hand-offs between threads cost more than they
+        # save (k3-tiny verify of 4 x 8 tokens: 2.4 s with 2 threads on a busy 2-core machine,
+        # 0.25 s with 1).
+        torch.set_num_threads(1)
     target_name = args.target or ("k3-slice" if on_cuda else "k3-tiny")
     context = args.context or (8192 if on_cuda else 32)
     max_tokens = args.max_tokens or (64 if on_cuda else 32)
@@ -267,18 +273,23 @@ def main(args) -> int:
         previous = json.loads((out / "sweep.json").read_text())
         done = {p["key"]: p for p in previous["points"]}
     meta = run_meta(device, target=target_name, context=context, max_tokens=max_tokens, warmup_steps=args.warmup_steps)
-    seq_len = context + max_tokens + (max(ks) + 1) * (args.warmup_steps + 1) + 2
-    if args.one_prefill:
+    if args.per_point:
+        seq_len = context + max_tokens + (max(ks) + 1) * (args.warmup_steps + 1) + 2
+    else:
         seq_len = context + (len(als) + 1) * (args.warmup_steps + args.phase_steps) * (max(ks) + 1) + (max(ks) + 1) + 2
     target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
-    if args.one_prefill:
-        points = []
-        for batch in tqdm(batches, desc=f"sweep {target_name} (one prefill per batch)", disable=None):
-            for k in ks:
-                rows = measure_phases(target, batch=batch, k=k, als=[a for a in als if a <= k + 1], context=context,
-                                      steps=args.phase_steps, warmup_steps=args.warmup_steps, seed=args.seed)
-                points += [add_floor(r, target_name, context) for r in rows]
-                write_results(out, meta, points)
+    if not args.per_point:
+        if policies != ["fixed"]:
+            raise ValueError(f"--policy {args.policy}: policies other than fixed need --per-point")
+        points = [p for p in done.values()]
+        pending = [(b, k) for b in batches for k in ks
+                   if any(point_key(b, k, "fixed", al) not in done for al in als if al <= k + 1)]
+        for batch, k in tqdm(pending, desc=f"sweep {target_name} (one prefill per batch and k)", disable=None):
+            rows = measure_phases(target, batch=batch, k=k, als=[a for a in als if a <= k + 1], context=context,
+                                  steps=args.phase_steps, warmup_steps=args.warmup_steps, seed=args.seed)
+            fresh = [add_floor(r, target_name, context) for r in rows]
+            points = [p for p in points if p["key"] not in {r["key"] for r in fresh}] + fresh
+            write_results(out, meta, points)
         png = plot(out, meta, points)
         _print_table(points)
         print(f"wrote {out / 'sweep.json'}, {out / 'sweep.csv'}, {png}")

@@ -32,7 +32,7 @@ def test_bad_input_is_one_clear_line(capsys):
 
 def test_sweep_writes_resumable_results(tmp_path, capsys):
     args = ["sweep", "--target", "toy", "--batch", "1", "--k", "3", "--al", "1,2.5,4", "--context", "8",
-            "--max-tokens", "12", "--warmup-steps", "1", "--out", str(tmp_path)]
+            "--max-tokens", "12", "--warmup-steps", "1", "--per-point", "--out", str(tmp_path)]
     assert main(args) == 0
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert data["schema"] == "dspark.sweep/1" and {"device", "torch", "git_commit", "command"} <= set(data["meta"])
@@ -41,3 +41,14 @@ def test_sweep_writes_resumable_results(tmp_path, capsys):
     first = data["points"]
     assert main(args) == 0  # everything done: resumes by skipping every point
     assert json.loads((tmp_path / "sweep.json").read_text())["points"] == first
+
+
+def test_default_sweep_measures_phases_on_one_prefill(tmp_path):
+    args = ["sweep", "--target", "toy", "--batch", "1,2", "--k", "3", "--al", "1,4", "--context", "8",
+            "--phase-steps", "3", "--out", str(tmp_path)]
+    assert main(args) == 0
+    points = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    assert sorted(p["key"] for p in points) == sorted(
+        f"b{b}-k{k}-fixed-{al}" for b in (1, 2) for k, al in ((0, "plain"), (3, "al1"), (3, "al4")))
+    assert all(p["steps"] == 3 for p in points)
+    assert {p["key"]: p["al_measured"] for p in points}["b2-k3-fixed-al4"] == 4.0
