@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from .config import SamplingParams, SpecConfig
+from .kernels import registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
 from .sampling import (
@@ -93,6 +94,7 @@ class Engine:
         self._policy = policy if policy is not None else self._make_policy(
             self.spec.verify_policy, self.spec.confidence_threshold)
         profile = self.spec.batch1_profile
+        self._batch1_kernels = self._check_profile(profile)
         self._policy_batch1 = self._policy if profile is None or policy is not None else self._make_policy(
             profile.verify_policy, profile.confidence_threshold)
         # The lossless sampler unless the config asks for synthetic acceptance; `sampler` lets a
@@ -109,6 +111,19 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(target.max_slots - 1, -1, -1))
+
+    @staticmethod
+    def _check_profile(profile) -> tuple[tuple[str, str], ...]:
+        """The batch-1 profile's kernel overrides, checked against the registry."""
+        if profile is None:
+            return ()
+        if profile.cuda_graphs:
+            raise ValueError("SpecConfig.batch1_profile.cuda_graphs=True: this engine does not capture CUDA graphs yet")
+        for op, impl in profile.kernels:
+            known = registry.implementations(op)
+            if impl not in known:
+                raise ValueError(f"SpecConfig.batch1_profile.kernels: {op}={impl!r} is not an implementation; have {sorted(known)}")
+        return tuple(profile.kernels)
 
     def _synthetic_rates(self, spec: SpecConfig) -> torch.Tensor | None:
         if spec.rejection_sample_method != "synthetic":
@@ -221,6 +236,12 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if self._batch1_kernels and len(self._running) == 1 and not self._waiting:
+            with registry.scoped(self._batch1_kernels):  # the latency path's own kernel choice
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[StepOutput]:
         events = self._admit()
         if not self._running:
             return events

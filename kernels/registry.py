@@ -14,6 +14,7 @@ error that names the op and the implementation: nothing silently falls back.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pkgutil
@@ -156,3 +157,17 @@ def select(op: str, *args: torch.Tensor) -> Implementation:
     if not candidates:
         raise RuntimeError(f"kernel op {op!r} has no implementation on {device} for arguments {shapes}")
     return max(candidates, key=lambda i: i.priority)
+
+
+@contextlib.contextmanager
+def scoped(pairs: tuple[tuple[str, str], ...]):
+    """Apply (op, implementation) overrides for the duration of a block (a profile's kernels)."""
+    saved = dict(overrides)
+    try:
+        for op, impl in pairs:
+            use(op, impl)
+        yield
+    finally:
+        overrides.clear()
+        overrides.update(saved)
+        _resolved.clear()

@@ -281,3 +281,31 @@ def test_scheduler_profiles_its_cost_curve_when_no_table_is_given():
     engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=64), NgramDrafter(), spec)
     table = engine._policy.sps
     assert table.token_counts[0] == 1 and table.token_counts[-1] == 8 and all(s > 0 for s in table.steps_per_s)
+
+
+def test_batch1_profile_kernel_overrides_apply_only_at_batch_1(monkeypatch):
+    from dspark.kernels import registry
+
+    seen = []
+    real = MarkovTarget.verify
+
+    def spy(self, slots, tokens, lengths, tap_layers=()):
+        seen.append((len(slots), dict(registry.overrides)))
+        return real(self, slots, tokens, lengths, tap_layers)
+
+    monkeypatch.setattr(MarkovTarget, "verify", spy)
+    spec = SpecConfig(num_speculative_tokens=2, batch1_profile=Profile(num_speculative_tokens=3, kernels=(("linear", "reference"),)))
+    engine = Engine(MarkovTarget(8, max_slots=2), NgramDrafter(), spec)
+    engine.generate([[1, 2], [3]], [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                                   SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)])
+    assert any(b == 2 and o == {} for b, o in seen) and any(b == 1 and o == {"linear": "reference"} for b, o in seen)
+    assert registry.overrides == {}
+
+
+@pytest.mark.parametrize("profile,match", [
+    (Profile(kernels=(("linear", "nope"),)), "linear='nope'"),
+    (Profile(cuda_graphs=True), "cuda_graphs=True"),
+])
+def test_batch1_profile_options_are_checked(profile, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(MarkovTarget(8), NgramDrafter(), SpecConfig(num_speculative_tokens=2, batch1_profile=profile))
