@@ -8,8 +8,8 @@ from ..build import build_engine, build_target
 from ..config import SamplingParams, SpecConfig
 
 
-def add_spec_arguments(p: argparse.ArgumentParser, k_default: int = 7) -> None:
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=k_default, help="drafts per step; 0 = plain decoding")
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=7, help="drafts per step; 0 = plain decoding")
     p.add_argument("--drafter", default="ngram", choices=["ngram", "dspark"])
     p.add_argument("--drafter-path", default=None, help="DSpark drafter checkpoint directory")
     p.add_argument("--prompt-lookup-min", type=int, default=1)
@@ -17,17 +17,15 @@ def add_spec_arguments(p: argparse.ArgumentParser, k_default: int = 7) -> None:
     p.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
 
 
-def spec_from_args(args, **overrides) -> SpecConfig:
-    fields = dict(
+def spec_from_args(args) -> SpecConfig:
+    return SpecConfig(
         num_speculative_tokens=args.num_speculative_tokens,
         drafter=args.drafter,
         drafter_path=args.drafter_path,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         draft_sample_method=args.draft_sample_method,
-    )
-    fields.update(overrides)
-    return SpecConfig(**fields).validate()
+    ).validate()
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
