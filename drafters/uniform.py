@@ -9,10 +9,15 @@ from dspark.protocols import Proposal
 
 
 class UniformDrafter:
+    """confidence: optional per-position conditional acceptance to report (a sweep passes the
+    synthetic mode's conditional rates, which are then exactly calibrated confidences, so the
+    threshold and scheduler policies can be swept too)."""
+
     tap_layers: tuple[int, ...] = ()
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, confidence: list[float] | None = None):
         self.vocab_size = vocab_size
+        self.confidence = None if confidence is None else torch.tensor(confidence, dtype=torch.float32)
 
     def start(self, slot, prompt, taps) -> None:
         pass
@@ -21,7 +26,11 @@ class UniformDrafter:
         tokens = torch.stack(
             [torch.randint(0, self.vocab_size, (k,), generator=g, device=g.device) for g in generators]
         ).to(anchors.device)
-        return Proposal(tokens, torch.full((len(slots),), k, dtype=torch.long, device=anchors.device))
+        num = torch.full((len(slots),), k, dtype=torch.long, device=anchors.device)
+        if self.confidence is None:
+            return Proposal(tokens, num)
+        conf = self.confidence[:k].to(anchors.device).expand(len(slots), -1).clone()
+        return Proposal(tokens, num, confidence=conf)
 
     def commit(self, slots, tokens, num_tokens, taps) -> None:
         pass

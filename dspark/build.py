@@ -8,8 +8,6 @@ import torch
 from .config import SpecConfig
 from .engine import Engine
 
-TOY_TARGETS = ("toy",)
-
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

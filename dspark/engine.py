@@ -149,7 +149,7 @@ class Engine:
             return ConfidenceScheduler(self.profile_sps())
         return make_policy(name, confidence_threshold=threshold, sps_table_path=self.spec.sps_table_path)
 
-    def profile_sps(self) -> "SPSTable":
+    def profile_sps(self):
         """Steps/s of target.verify against the tokens it feeds, measured now on this device
         (the confidence scheduler's cost curve; ../shared/spec/dspark-algorithm.md §5.3). Runs
         on the last slot before any request holds it and commits nothing."""

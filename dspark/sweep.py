@@ -16,7 +16,8 @@ sweep.json schema:
                "steps", "output_tokens", "per_position_acceptance",
                for K3 presets also "floor_ms_h200" (bandwidth floor of the step on one H200 at
                4.3 TB/s) and "roofline_fraction" (floor / measured step time)}]}
-The CSV has one row per point with the same fields (split_ms flattened to draft_ms, ...).
+The CSV has one row per point with the same fields (split_ms flattened to draft_ms, ...) and the
+provenance (device, device_name, torch, git_commit, command) repeated on every row.
 Points already in an existing sweep.json are skipped, so an interrupted sweep resumes.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .config import SamplingParams, SpecConfig
 from .drafters.uniform import UniformDrafter
 from .engine import Engine
 from .metrics import SpecMetrics
+from .sampling import acceptance_length_to_rates, conditional_rates
 
 SCHEMA = "dspark.sweep/1"
 
@@ -83,7 +85,11 @@ def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, 
     else:
         spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
                           synthetic_acceptance_length=al, verify_policy=policy, seed=seed)
-    drafter = UniformDrafter(target.vocab_size) if spec.max_k else None
+    # With a confidence policy the drafter reports the synthetic conditional rates as its
+    # confidences: exactly calibrated, so the policy's choices are the ones it would make for a
+    # drafter whose acceptance really follows that curve.
+    confidence = conditional_rates(acceptance_length_to_rates(al, k)) if al is not None else None
+    drafter = UniformDrafter(target.vocab_size, confidence) if spec.max_k else None
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -183,14 +189,15 @@ def grid(ks, batches, als, policies) -> list[tuple[int, int, float | None, str]]
 def write_results(out: Path, meta: dict, points: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"schema": SCHEMA, "meta": meta, "points": points}, indent=1))
+    provenance = {k: meta[k] for k in ("device", "device_name", "torch", "git_commit", "command")}
     fields = [f for f in points[0] if f not in ("split_ms", "per_position_acceptance")] + [
-        f"{p}_ms" for p in ("draft", "verify", "accept", "commit")]
+        f"{p}_ms" for p in ("draft", "verify", "accept", "commit")] + list(provenance)
     with open(out / "sweep.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for p in points:
             row = {k: v for k, v in p.items() if k in fields}
-            row.update({f"{ph}_ms": v for ph, v in p["split_ms"].items()})
+            row.update({f"{ph}_ms": v for ph, v in p["split_ms"].items()}, **provenance)
             w.writerow(row)
 
 

@@ -52,3 +52,18 @@ def test_default_sweep_measures_phases_on_one_prefill(tmp_path):
         f"b{b}-k{k}-fixed-{al}" for b in (1, 2) for k, al in ((0, "plain"), (3, "al1"), (3, "al4")))
     assert all(p["steps"] == 3 for p in points)
     assert {p["key"]: p["al_measured"] for p in points}["b2-k3-fixed-al4"] == 4.0
+
+
+def test_policy_sweep_with_calibrated_synthetic_confidences(tmp_path):
+    import csv
+
+    args = ["sweep", "--target", "toy", "--batch", "2", "--k", "4", "--al", "2.5", "--context", "8", "--max-tokens", "16",
+            "--warmup-steps", "1", "--per-point", "--policy", "fixed,threshold,scheduler", "--out", str(tmp_path)]
+    assert main(args) == 0
+    points = {p["key"]: p for p in json.loads((tmp_path / "sweep.json").read_text())["points"]}
+    assert {"b2-k4-fixed-al2.5", "b2-k4-threshold-al2.5", "b2-k4-scheduler-al2.5"} <= set(points)
+    # AL 2.5 at k=4 has conditional rates [1, 0.5, 0, 0]: the threshold policy (default 0) keeps
+    # every draft, the scheduler never admits the positions that cannot be accepted.
+    assert len(points["b2-k4-scheduler-al2.5"]["per_position_acceptance"]) <= 2
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert rows and all(r["git_commit"] and r["torch"] and r["command"] for r in rows)

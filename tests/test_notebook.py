@@ -2,7 +2,6 @@
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 from dspark.sweep import measure_point, run_meta, write_results
