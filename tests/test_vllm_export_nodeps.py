@@ -1,0 +1,101 @@
+"""Drafter export -> import round trip in vLLM's layouts (dspark.vllm_export), without vLLM.
+
+Exact: every tensor comes back torch.equal, and the config comes back equal. The checks against
+vLLM's own loader are in tests/vllm/test_vllm_drafter_export.py."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.drafters.dspark import K3_TINY_DSPARK, DSparkModel, save_checkpoint
+from dspark.vllm_export import export_drafter, import_drafter
+
+GQA_TINY = dataclasses.replace(K3_TINY_DSPARK, name="qwen3-tiny_dspark", attention_type="gqa", num_kv_heads=2,
+                               head_dim=16, rope_interleaved=False, rope_scaling=None)
+
+
+MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _relevant(config):
+    """The config without the fields its attention type does not use (a Qwen3 layout has no MLA dims)."""
+    return dataclasses.replace(config, **{f: None for f in MLA_ONLY}) if config.attention_type == "gqa" else config
+
+
+def random_drafter(config, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (config.vocab_size, config.hidden_size)
+    model = DSparkModel(config, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    with torch.no_grad():
+        for p in model.parameters():  # fresh values everywhere (norm weights start at one)
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("layout,config", [("k3", K3_TINY_DSPARK), ("deepspec_qwen3", GQA_TINY)])
+def test_round_trip_is_exact(tmp_path, layout, config):
+    model = random_drafter(config, seed=int(torch.randint(0, 2**31, ())))
+    out = export_drafter(model, tmp_path / f"{layout}-dspark", layout=layout)
+    back = import_drafter(out, model.embed_tokens, model.lm_head)
+    assert _relevant(back.config) == _relevant(model.config)
+    ours, theirs = model.state_dict(), back.state_dict()
+    assert set(ours) == set(theirs)
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert back.embed_tokens is model.embed_tokens and back.lm_head is model.lm_head
+
+
+def test_qwen3_layout_names_and_shared_tensors_from_checkpoint(tmp_path):
+    model = random_drafter(GQA_TINY, seed=1)
+    out = export_drafter(model, tmp_path / "q", layout="deepspec_qwen3")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= set(tensors)
+    assert not any(n.startswith(("context_", "final_norm", "embed_tokens", "lm_head")) for n in tensors)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["is_neox_style"] is True
+    # A DeepSpec checkpoint carries its own embedding and lm_head; import takes them from there.
+    tensors["embed_tokens.weight"] = model.embed_tokens.clone()
+    tensors["lm_head.weight"] = model.lm_head.clone()
+    tensors["mask_embedding"] = torch.randn(GQA_TINY.hidden_size)  # vLLM's placeholder, ignored
+    from safetensors.torch import save_file
+    save_file(tensors, str(out / "model.safetensors"))
+    back = import_drafter(out)
+    assert torch.equal(back.embed_tokens, model.embed_tokens) and torch.equal(back.lm_head, model.lm_head)
+    assert torch.equal(back.context_proj.weight, model.context_proj.weight)
+
+
+def test_export_from_our_checkpoint_directory(tmp_path):
+    model = random_drafter(K3_TINY_DSPARK, seed=2)
+    save_checkpoint(model, tmp_path / "ours")
+    out = export_drafter(tmp_path / "ours", tmp_path / "k3-dspark", layout="k3", dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = import_drafter(out, model.embed_tokens, model.lm_head)
+    assert back.context_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(back.context_proj.weight, model.context_proj.weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout,change,field", [
+    ("k3", {"attention_type": "gqa", "num_kv_heads": 2, "head_dim": 16}, "attention_type"),
+    ("k3", {"rope_interleaved": False}, "rope_interleaved"),
+    ("k3", {"markov_head_type": "gated"}, "markov_head_type"),
+    ("k3", {"confidence_bias": False}, "confidence_bias"),
+    ("k3", {"use_rope": False}, "use_rope"),
+    ("deepspec_qwen3", {}, "attention_type"),
+    ("deepspec_qwen3", {"attention_type": "gqa", "num_kv_heads": 2, "head_dim": 16}, "rope_scaling"),
+])
+def test_unexpressible_drafters_name_the_field(tmp_path, layout, change, field):
+    model = random_drafter(dataclasses.replace(K3_TINY_DSPARK, **change), seed=3)
+    with pytest.raises(ValueError, match=rf"DSparkConfig\.{field}="):
+        export_drafter(model, tmp_path / "x", layout=layout)
+    with pytest.raises(ValueError, match="layout="):
+        export_drafter(model, tmp_path / "x", layout="eagle")
+
+
+def test_import_needs_the_target_tensors_or_a_checkpoint_copy(tmp_path):
+    out = export_drafter(random_drafter(K3_TINY_DSPARK, seed=4), tmp_path / "k3-dspark")
+    with pytest.raises(ValueError, match="embed_tokens=None"):
+        import_drafter(out)
