@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -626,3 +627,176 @@ def main(args: argparse.Namespace) -> int:
         if note:
             print(note, file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. `dspark sweep --backend vllm`: tokens/s against synthetic acceptance length, measured by vLLM
+# ---------------------------------------------------------------------------------------------
+
+# vLLM's spec-decode counters as LLM.get_metrics() names them (spec vllm §4.1; "_total" is only
+# added at Prometheus scrape time).
+SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                        "vllm:spec_decode_num_accepted_tokens")
+SPEC_DECODE_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_decode_counts(metrics) -> dict:
+    """Sum vLLM's spec-decode counters over their labels (engines): {"num_drafts", "num_draft_tokens",
+    "num_accepted_tokens", "accepted_per_pos": [..]} from an LLM.get_metrics() snapshot."""
+    counts = {name.removeprefix("vllm:spec_decode_"): 0 for name in SPEC_DECODE_COUNTERS}
+    per_pos: list[int] = []
+    for metric in metrics:
+        if metric.name in SPEC_DECODE_COUNTERS:
+            counts[metric.name.removeprefix("vllm:spec_decode_")] += int(metric.value)
+        elif metric.name == SPEC_DECODE_PER_POSITION:
+            values = list(metric.values)
+            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(values) - len(per_pos)), values)]
+    counts["accepted_per_pos"] = per_pos
+    return counts
+
+
+def count_difference(after: dict, before: dict) -> dict:
+    """Counters of one measurement: vLLM's counters are cumulative over the LLM's lifetime."""
+    out = {name: after[name] - before[name] for name in after if name != "accepted_per_pos"}
+    pos_before = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], pos_before)]
+    return out
+
+
+def acceptance_summary(counts: dict) -> dict:
+    """Mean acceptance length (bonus token included: 1 + accepted / drafts), acceptance rate and
+    per-position acceptance (accepted at position i / drafts), as vLLM's own logger computes them
+    (spec vllm §4.1)."""
+    drafts = counts["num_drafts"]
+    if drafts == 0:
+        return {"al_measured": None, "acceptance_rate": None, "per_position_acceptance": []}
+    return {
+        "al_measured": 1.0 + counts["num_accepted_tokens"] / drafts,
+        "acceptance_rate": counts["num_accepted_tokens"] / max(counts["num_draft_tokens"], 1),
+        "per_position_acceptance": [a / drafts for a in counts["accepted_per_pos"]],
+    }
+
+
+def synthetic_prompts(batch: int, context: int, vocab_size: int, seed: int) -> list[dict]:
+    """Token-id prompts of a short repeated pattern per request: the n-gram drafter then always
+    finds a continuation, so it proposes k tokens every step and synthetic acceptance decides the rest."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(batch):
+        period = [rng.randrange(100, max(101, vocab_size - 100)) for _ in range(8)]
+        prompts.append({"prompt_token_ids": (period * (context // len(period) + 1))[:context]})
+    return prompts
+
+
+def sweep_points(ks: list[int], als: list[float]) -> list[tuple[int, float | None]]:
+    """(k, AL) engine configurations: plain decoding (k = 0) and every AL reachable with k (<= k + 1)."""
+    return [(0, None)] + [(k, al) for k in ks for al in als if 1 <= al <= k + 1]
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `dspark sweep` flags of the vLLM backend."""
+    parser.add_argument("--backend", choices=("dspark", "vllm"), default="dspark",
+                        help="dspark: our engine; vllm: drive vllm.LLM with synthetic acceptance (needs a GPU; "
+                             "--target is then a model vLLM loads)")
+    parser.add_argument("--drafter-path", default=None,
+                        help="--backend vllm: a DSpark drafter for the target (vLLM method dspark); "
+                             "default: vLLM's n-gram drafter on repetitive prompts")
+
+
+def vllm_sweep_main(args) -> int:
+    """`dspark sweep --backend vllm`: one vllm.LLM per (k, AL) with synthetic acceptance
+    (rejection_sample_method="synthetic", spec vllm §1.3), each batch size measured by one
+    generate() call; acceptance and per-position counts from llm.get_metrics(). Results in
+    --out/sweep-vllm.json and .csv. Stops before anything loads when there is no GPU or no vLLM."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: dspark sweep --backend vllm needs a CUDA GPU: the vLLM engine cannot run on this machine "
+              "(the PyPI vLLM wheel has no CPU kernels; spec vllm §5.3). No model was loaded. "
+              "Use --backend dspark here, or run on a GPU machine.", file=sys.stderr)
+        return 2
+    if not vllm_importable():
+        print("error: dspark sweep --backend vllm needs the vllm package (pip install vllm); no model was loaded",
+              file=sys.stderr)
+        return 2
+    if args.target is None:
+        print("error: --target: the vLLM backend needs a model vLLM can load (a Hugging Face name or local "
+              "directory), e.g. --target Qwen/Qwen3-8B", file=sys.stderr)
+        return 2
+    drafter_path = getattr(args, "drafter_path", None)
+    ks = [int(x) for x in args.k.split(",") if x]
+    batches = [int(x) for x in args.batch.split(",") if x]
+    als = [float(x) for x in args.al.split(",") if x]
+    for bad in [k for k in ks if k < 1]:
+        print(f"error: --k {bad}: each k must be >= 1 (plain decoding is always measured)", file=sys.stderr)
+        return 2
+    context = args.context or 1024
+    max_tokens = args.max_tokens or 256
+    configs = sweep_points(ks, als)
+    # Every speculative config is checked by our own rules before the first model loads.
+    spec_configs = {}
+    for k, al in configs:
+        if k == 0:
+            continue
+        spec = SpecConfig(num_speculative_tokens=k, drafter="dspark" if drafter_path else "ngram",
+                          drafter_path=drafter_path, rejection_sample_method="synthetic",
+                          synthetic_acceptance_length=al, seed=args.seed)
+        try:
+            spec_configs[(k, al)] = convert(spec).config
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    import gc
+
+    from vllm import LLM, SamplingParams as VllmSamplingParams
+
+    from .sweep import run_meta
+
+    out = Path(args.out or f"runs/sweep-vllm-{Path(args.target).name}")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = run_meta("cuda", target=args.target, backend="vllm", vllm=__import__("vllm").__version__,
+                    context=context, max_tokens=max_tokens, drafter_path=drafter_path)
+    sampling = VllmSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    points = []
+    for k, al in configs:
+        llm = LLM(model=args.target, speculative_config=spec_configs.get((k, al)), disable_log_stats=False,
+                  seed=args.seed, max_num_seqs=max(batches), max_model_len=context + max_tokens + 16)
+        vocab = llm.model_config.get_vocab_size()
+        for batch in batches:
+            prompts = synthetic_prompts(batch, context, vocab, args.seed + batch)
+            llm.generate(prompts[:1], VllmSamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+            before = spec_decode_counts(llm.get_metrics())
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            counts = count_difference(spec_decode_counts(llm.get_metrics()), before)
+            produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+            point = {"key": f"b{batch}-k{k}-" + ("plain" if al is None else f"al{al:g}"), "batch": batch, "k": k,
+                     "al_target": al, "tokens_per_s": produced / elapsed, "elapsed_s": elapsed,
+                     "output_tokens": produced, **counts, **acceptance_summary(counts)}
+            points.append(point)
+            print(f"batch {batch:>3} k {k} AL set {'plain' if al is None else f'{al:g}':>5} "
+                  f"got {point['al_measured'] or 1.0:.2f}  {point['tokens_per_s']:.1f} tok/s", flush=True)
+            _write_vllm_sweep(out, meta, points)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"wrote {out / 'sweep-vllm.json'} and {out / 'sweep-vllm.csv'}")
+    return 0
+
+
+def _write_vllm_sweep(out: Path, meta: dict, points: list[dict]) -> None:
+    import csv
+
+    (out / "sweep-vllm.json").write_text(json.dumps({"schema": "dspark.sweep-vllm/1", "meta": meta,
+                                                    "points": points}, indent=1))
+    fields = [f for f in points[0] if f not in ("accepted_per_pos", "per_position_acceptance")]
+    with open(out / "sweep-vllm.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields + ["per_position_acceptance"])
+        writer.writeheader()
+        for p in points:
+            writer.writerow({**{name: p[name] for name in fields},
+                             "per_position_acceptance": " ".join(f"{a:.4f}" for a in p["per_position_acceptance"])})
