@@ -162,6 +162,16 @@ def export_drafter(model_or_path, out_dir: str | Path, layout: str = "k3", *, dt
     return out_dir
 
 
+def _target_depth(d: dict) -> int:
+    """The target's layer count. Published DeepSpec and Inferact configs do not record it; the taps
+    need at least one untapped layer after the last (dspark-algorithm §2.1: the final layer is never
+    tapped), so that is the smallest depth they are consistent with."""
+    if d.get("target_num_hidden_layers"):
+        return int(d["target_num_hidden_layers"])
+    taps = d.get("target_layer_ids") or [0]
+    return max(int(d.get("num_target_layers") or 0), max(int(x) for x in taps) + 2)
+
+
 def _config_from_qwen3(d: dict) -> DSparkConfig:
     """Our DSparkConfig from a DeepSpec Qwen3DSparkModel config.json."""
     if d.get("draft_vocab_size", d.get("vocab_size")) != d.get("vocab_size") or "d2t" in d:
@@ -179,15 +189,12 @@ def _config_from_qwen3(d: dict) -> DSparkConfig:
         raise ValueError("drafter config.json: sample_from_anchor=False (DFlash-style 1+N fill-in) is not "
                          "implemented; our blocks predict from the anchor slot")
     taps = [int(x) for x in d["target_layer_ids"]]
-    # DeepSpec does not record the target depth; the taps need at least one untapped layer
-    # after the last one (dspark-algorithm §2.1: the final layer is never tapped).
-    target_layers = d.get("target_num_hidden_layers") or max(d.get("num_target_layers") or 0, max(taps) + 2)
     ours = {
         **d,
         "attention_type": "gqa",
         "rope_interleaved": not d.get("is_neox_style", True),
         "rope_theta": rope.get("rope_theta", d.get("rope_theta", 1_000_000.0)),
-        "target_num_hidden_layers": target_layers,
+        "target_num_hidden_layers": _target_depth(d),
         "num_target_layers": len(taps),
         "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
     }
@@ -209,7 +216,7 @@ def import_drafter(path: str | Path, embed_tokens: torch.Tensor | None = None, l
     archs = d.get("architectures") or []
     tensors = read_tensors(path)
     if K3_ARCHITECTURE in archs:
-        config = DSparkConfig.from_json_dict(d)
+        config = DSparkConfig.from_json_dict({"target_num_hidden_layers": _target_depth(d), **d})
     elif QWEN3_ARCHITECTURE in archs:
         config = _config_from_qwen3(d)
         tensors = {_ours_from_qwen3(n): t for n, t in tensors.items()}

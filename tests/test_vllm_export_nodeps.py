@@ -99,3 +99,27 @@ def test_import_needs_the_target_tensors_or_a_checkpoint_copy(tmp_path):
     out = export_drafter(random_drafter(K3_TINY_DSPARK, seed=4), tmp_path / "k3-dspark")
     with pytest.raises(ValueError, match="embed_tokens=None"):
         import_drafter(out)
+
+
+def test_import_of_a_published_k3_layout_without_our_extra_keys(tmp_path):
+    """An Inferact/Kimi-K3-DSpark-style checkpoint: no target depth, no attention_type or
+    rope_interleaved keys, and an (unused) copy of the target embedding but no lm_head."""
+    model = random_drafter(K3_TINY_DSPARK, seed=5)
+    out = export_drafter(model, tmp_path / "k3-dspark", layout="k3")
+    cfg = json.loads((out / "config.json").read_text())
+    for ours_only in ("target_num_hidden_layers", "attention_type", "rope_interleaved", "dspark_name",
+                      "confidence_bias", "head_dim", "target_hidden_size"):
+        cfg.pop(ours_only)
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["embed_tokens.weight"] = model.embed_tokens.clone()
+    from safetensors.torch import save_file
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head=None"):
+        import_drafter(out)
+    back = import_drafter(out, lm_head=model.lm_head)
+    taps = K3_TINY_DSPARK.target_layer_ids
+    assert back.config.target_num_layers == max(taps) + 2
+    assert back.config.attention_type == "mla" and back.config.rope_interleaved
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
