@@ -12,7 +12,6 @@ from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import K3_TINY_DSPARK, DSparkDrafter, DSparkModel
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, train
 from dspark.engine import Engine
-from dspark.targets.kimi_k3.weights import EMBED, LM_HEAD
 from dspark_fixtures import SyntheticTarget, one_thread, single_thread, small_config  # noqa: F401 (autouse fixture)
 
 MAX_TOKENS, SEQ_LEN = 12, 48
@@ -43,7 +42,7 @@ def test_k3_tiny_greedy_speculation_equals_plain_decoding(k, k3_work_and_plain):
     work, plain = k3_work_and_plain
     target = k3_tiny(3)
     torch.manual_seed(0)
-    model = DSparkModel(K3_TINY_DSPARK, target.model.tensors[EMBED], target.model.tensors[LM_HEAD])
+    model = DSparkModel(K3_TINY_DSPARK, *target.embedding_weights())
     engine = Engine(target, DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len), SpecConfig(num_speculative_tokens=k, drafter="dspark"))
     outs = engine.generate(work, GREEDY)
     for o, ref in zip(outs, plain):
@@ -58,7 +57,7 @@ def test_k3_tiny_probabilistic_drafting_is_seeded():
     def run():
         target = k3_tiny(2)
         torch.manual_seed(0)
-        model = DSparkModel(K3_TINY_DSPARK, target.model.tensors[EMBED], target.model.tensors[LM_HEAD])
+        model = DSparkModel(K3_TINY_DSPARK, *target.embedding_weights())
         drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method="probabilistic")
         return Engine(target, drafter, SpecConfig(num_speculative_tokens=7, drafter="dspark",
                                                   draft_sample_method="probabilistic")).generate(work, params)

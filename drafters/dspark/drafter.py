@@ -230,18 +230,12 @@ class DSparkDrafter:
 
 def shared_embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's (embed_tokens [V, d], lm_head [V, d]) through its `embedding_weights()`
-    accessor. dspark.protocols.Target has no such accessor yet; until K3Target grows one its
-    tensors are read by their checkpoint names."""
+    accessor (K3Target and LlamaTarget have one; dspark.protocols.Target does not list it yet)."""
     accessor = getattr(target, "embedding_weights", None)
-    if accessor is not None:
-        return accessor()
-    from dspark.targets.kimi_k3.target import K3Target
-    from dspark.targets.kimi_k3.weights import EMBED, LM_HEAD
-
-    if isinstance(target, K3Target):
-        return target.model.tensors[EMBED], target.model.tensors[LM_HEAD]
-    raise ValueError(f"target {type(target).__name__}: has no embedding_weights() accessor; the DSpark drafter "
-                     "shares the target's embedding and lm_head")
+    if accessor is None:
+        raise ValueError(f"target {type(target).__name__}: has no embedding_weights() accessor; the DSpark drafter "
+                         "shares the target's embedding and lm_head")
+    return accessor()
 
 
 def load_drafter(path, target, *, draft_sample_method: str = "greedy") -> DSparkDrafter:
