@@ -669,9 +669,12 @@ def acceptance_summary(counts: dict) -> dict:
     (spec vllm §4.1)."""
     drafts = counts["num_drafts"]
     if drafts == 0:
-        return {"al_measured": None, "acceptance_rate": None, "per_position_acceptance": []}
+        return {"al_measured": None, "draft_tokens_per_draft": None, "acceptance_rate": None,
+                "per_position_acceptance": []}
     return {
         "al_measured": 1.0 + counts["num_accepted_tokens"] / drafts,
+        # below k when the drafter proposed short drafts (n-gram without a long enough match)
+        "draft_tokens_per_draft": counts["num_draft_tokens"] / drafts,
         "acceptance_rate": counts["num_accepted_tokens"] / max(counts["num_draft_tokens"], 1),
         "per_position_acceptance": [a / drafts for a in counts["accepted_per_pos"]],
     }

@@ -26,8 +26,10 @@ from the checkpoint when it carries them (DeepSpec checkpoints do).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -127,13 +129,33 @@ def _ours_from_qwen3(name: str) -> str:
 
 
 def _config_and_tensors(model_or_path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """The drafter's config and its own tensors (our names; no target tensors)."""
     if isinstance(model_or_path, DSparkModel):
         return model_or_path.config, dict(model_or_path.state_dict())
-    path = Path(model_or_path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model_or_path={str(path)!r}: neither a DSparkModel nor a checkpoint directory with config.json")
-    tensors = {n: t for n, t in read_tensors(path).items() if n not in _SHARED}
-    return DSparkConfig.load(path), tensors
+    config, tensors = _read_checkpoint(model_or_path)
+    return config, {n: t for n, t in tensors.items() if n not in _SHARED}
+
+
+def _read_checkpoint(path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """Config and tensors (renamed to ours, vLLM placeholders dropped) of a checkpoint directory in
+    the K3 layout, the DeepSpec Qwen3 layout, or our own (drafters/dspark/checkpoint.py)."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"path={str(path)!r}: no config.json there")
+    d = json.loads(config_path.read_text())
+    archs = d.get("architectures") or []
+    tensors = read_tensors(path)
+    if QWEN3_ARCHITECTURE in archs:
+        config = _config_from_qwen3(d)
+        tensors = {_ours_from_qwen3(n): t for n, t in tensors.items()}
+    elif K3_ARCHITECTURE in archs or d.get("model_type") == "dspark":  # K3, or our own GQA drafter
+        config = DSparkConfig.from_json_dict({"target_num_hidden_layers": _target_depth(d), **d})
+    else:
+        raise ValueError(f"path={str(path)!r}: architectures={archs!r}; expected {K3_ARCHITECTURE!r} or "
+                         f"{QWEN3_ARCHITECTURE!r}")
+    ignored = [n for n in tensors if any(re.search(rf"\b{x}\b", n) for x in _IGNORED_ON_IMPORT)]
+    return config, {n: t for n, t in tensors.items() if n not in ignored}
 
 
 def export_drafter(model_or_path, out_dir: str | Path, layout: str = "k3", *, dtype: torch.dtype | None = None) -> Path:
@@ -142,9 +164,14 @@ def export_drafter(model_or_path, out_dir: str | Path, layout: str = "k3", *, dt
 
     vLLM picks method "dspark" for a K3DSparkModel drafter only when the path contains "dspark"
     (SpeculativeConfig auto-detection); pass method="dspark" explicitly otherwise."""
+    config, tensors = _config_and_tensors(model_or_path)
+    return _export(config, tensors, out_dir, layout, dtype)
+
+
+def _export(config: DSparkConfig, tensors: dict[str, torch.Tensor], out_dir: str | Path, layout: str,
+            dtype: torch.dtype | None) -> Path:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
-    config, tensors = _config_and_tensors(model_or_path)
     if layout == "k3":
         config_json, rename = k3_config_json(config), (lambda n: n)
     else:
@@ -208,23 +235,7 @@ def import_drafter(path: str | Path, embed_tokens: torch.Tensor | None = None, l
     """Read a DeepSpec (Qwen3DSparkModel) or Inferact/K3 (K3DSparkModel) checkpoint into our
     DSparkModel. embed_tokens / lm_head are the target's [V, d] tensors; when omitted they are taken
     from the checkpoint (a ValueError names them if it has none). dtype defaults to the checkpoint's."""
-    path = Path(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"path={str(path)!r}: no config.json there")
-    d = json.loads(config_path.read_text())
-    archs = d.get("architectures") or []
-    tensors = read_tensors(path)
-    if K3_ARCHITECTURE in archs:
-        config = DSparkConfig.from_json_dict({"target_num_hidden_layers": _target_depth(d), **d})
-    elif QWEN3_ARCHITECTURE in archs:
-        config = _config_from_qwen3(d)
-        tensors = {_ours_from_qwen3(n): t for n, t in tensors.items()}
-    else:
-        raise ValueError(f"path={str(path)!r}: architectures={archs!r}; expected {K3_ARCHITECTURE!r} or "
-                         f"{QWEN3_ARCHITECTURE!r}")
-    tensors = {n: t for n, t in tensors.items() if not any(re.search(rf"\b{x}\b", n) for x in _IGNORED_ON_IMPORT)}
-
+    config, tensors = _read_checkpoint(path)
     shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
     for name in shared:
         if shared[name] is None:
@@ -239,3 +250,29 @@ def import_drafter(path: str | Path, embed_tokens: torch.Tensor | None = None, l
     model.embed_tokens, model.lm_head = shared["embed_tokens"], shared["lm_head"]  # the target's, not copies
     load_weights(model, tensors)
     return model
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags for a `dspark export-drafter` command."""
+    parser.description = ("Write a DSpark drafter checkpoint (ours, or a K3/DeepSpec one) in a layout vLLM's "
+                          "DSpark loader reads: --speculative-config '{\"method\": \"dspark\", \"model\": OUT}'")
+    parser.add_argument("source", help="drafter checkpoint directory (config.json + safetensors)")
+    parser.add_argument("out", help="output directory; vLLM auto-detects a K3 drafter only if the path contains 'dspark'")
+    parser.add_argument("--layout", choices=LAYOUTS, default="k3")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="cast the weights (default: keep the checkpoint's)")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Export `source` (ours, K3 or DeepSpec layout) to `out`. Only the drafter's own weights are
+    written, so no target is needed."""
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        out = export_drafter(args.source, args.out, layout=args.layout, dtype=dtype)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.layout} layout); vLLM: --speculative-config "
+          f"'{json.dumps({'method': 'dspark', 'model': str(out)})}'")
+    return 0

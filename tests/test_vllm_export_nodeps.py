@@ -123,3 +123,21 @@ def test_import_of_a_published_k3_layout_without_our_extra_keys(tmp_path):
     assert back.config.attention_type == "mla" and back.config.rope_interleaved
     for name, tensor in model.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_export_command_from_our_gqa_checkpoint_and_from_a_deepspec_one(tmp_path, capsys):
+    import argparse
+
+    from dspark.vllm_export import configure_parser, main
+
+    model = random_drafter(GQA_TINY, seed=6)
+    save_checkpoint(model, tmp_path / "ours")  # our own format: architectures DSparkDraftModel
+    parser = configure_parser(argparse.ArgumentParser())
+    assert main(parser.parse_args([str(tmp_path / "ours"), str(tmp_path / "q1"), "--layout", "deepspec_qwen3"])) == 0
+    assert '"method": "dspark"' in capsys.readouterr().out
+    assert main(parser.parse_args([str(tmp_path / "q1"), str(tmp_path / "q2"), "--layout", "deepspec_qwen3"])) == 0
+    back = import_drafter(tmp_path / "q2", model.embed_tokens, model.lm_head)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert main(parser.parse_args([str(tmp_path / "q1"), str(tmp_path / "k3"), "--layout", "k3"])) == 2
+    assert "DSparkConfig.attention_type='gqa'" in capsys.readouterr().err

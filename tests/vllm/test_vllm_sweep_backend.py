@@ -84,6 +84,7 @@ def test_metric_records_give_acceptance_and_per_position_counts():
     assert counts["num_accepted_tokens"] == sum(window)
     summary = acceptance_summary(counts)
     assert summary["al_measured"] == pytest.approx(1 + sum(window) / len(window), rel=1e-12)
+    assert summary["draft_tokens_per_draft"] == k
     assert summary["acceptance_rate"] == pytest.approx(sum(window) / (k * len(window)), rel=1e-12)
     expected = [sum(n > i for n in window) / len(window) for i in range(k)]
     assert summary["per_position_acceptance"] == pytest.approx(expected, rel=1e-12)
