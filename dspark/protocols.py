@@ -10,6 +10,11 @@ d = the target's hidden size. Ragged batches are padded: each request r uses the
 
 Slots: a target preallocates per-request state for `max_slots` requests; the engine hands each
 live request a slot in [0, max_slots) and releases it when the request ends.
+
+Optional accessor: `target.embedding_weights() -> (embed_tokens [V, d], lm_head [V, d])`, what a
+DSpark drafter shares with its target and keeps frozen (../shared/spec/dspark-algorithm.md §2.4).
+K3Target and LlamaTarget have it; targets that only serve drafters without a vocabulary head of
+their own (n-gram, the toy target) need not.
 """
 from __future__ import annotations
 
