@@ -111,7 +111,7 @@ def load_into_vllm(target, draft_dir, model_class):
         for p in model.parameters():
             p.fill_(float("nan"))
     model.load_weights(iter(load_file(str(draft_dir / "model.safetensors")).items()))
-    return dict(model.named_parameters())
+    return dict(model.named_parameters()), model
 
 
 def test_k3_export_loads_through_vllms_k3_dspark_loader(tmp_path, target, process_group):
@@ -119,7 +119,7 @@ def test_k3_export_loads_through_vllms_k3_dspark_loader(tmp_path, target, proces
 
     ours = random_drafter(K3_TINY_DSPARK)
     out = export_drafter(ours, tmp_path / "k3-dspark", layout="k3")
-    params = load_into_vllm(target, out, K3DSparkForCausalLM)
+    params, _ = load_into_vllm(target, out, K3DSparkForCausalLM)
     unloaded = [n for n, p in params.items() if torch.isnan(p).any()]
     assert unloaded == []
     w = {n: t for n, t in ours.state_dict().items()}
@@ -146,7 +146,7 @@ def test_qwen3_export_loads_through_vllms_qwen3_dspark_loader(tmp_path, target, 
 
     ours = random_drafter(GQA_TINY)
     out = export_drafter(ours, tmp_path / "qwen3-dspark", layout="deepspec_qwen3")
-    params = load_into_vllm(target, out, Qwen3DSparkForCausalLM)
+    params, _ = load_into_vllm(target, out, Qwen3DSparkForCausalLM)
     # The target's embedding and lm_head are aliased in by vLLM's load_dspark_model afterwards;
     # mask_embedding is vLLM's unused placeholder.
     shared = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")
@@ -165,6 +165,35 @@ def test_qwen3_export_loads_through_vllms_qwen3_dspark_loader(tmp_path, target, 
     for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
                  "confidence_head.proj.weight", "confidence_head.proj.bias"):
         assert torch.equal(params["model." + name], w[name]), name
+
+
+@pytest.mark.parametrize("layout", ["k3", "deepspec_qwen3"])
+def test_vllms_rope_from_the_exported_config_rotates_like_ours(tmp_path, target, process_group, layout):
+    """The RoPE and softmax scale vLLM builds from the exported config.json (K3: DeepSeek YaRN on interleaved pairs;
+    Qwen3: rotate-halves) against our drafter's, on random queries at random positions. A layout
+    mismatch does not fail loudly in vLLM, acceptance just collapses."""
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+    from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkForCausalLM
+
+    config, cls = (K3_TINY_DSPARK, K3DSparkForCausalLM) if layout == "k3" else (GQA_TINY, Qwen3DSparkForCausalLM)
+    ours = random_drafter(config)
+    _, theirs = load_into_vllm(target, export_drafter(ours, tmp_path / "dspark", layout=layout), cls)
+    rope_ours = ours.layers[0].self_attn.rotary
+    rope_vllm = theirs.model.layers[0].self_attn.rotary_emb
+    attn_vllm = theirs.model.layers[0].self_attn
+    # softmax scale, with YaRN's mscale(factor, mscale_all_dim)^2 for K3
+    assert getattr(attn_vllm, "scale", getattr(attn_vllm, "scaling", None)) == pytest.approx(
+        ours.layers[0].self_attn.scale, rel=1e-6)
+    tokens, heads, dim = 16, config.num_heads, rope_ours.dim
+    positions = torch.randint(0, 256, (tokens,))
+    q, k = torch.randn(tokens, heads, dim, dtype=torch.float64), torch.randn(tokens, 1, dim, dtype=torch.float64)
+    q_vllm, k_vllm = rope_vllm.forward_native(positions, q.float().clone(), k.float().clone())
+    q_vllm, k_vllm = q_vllm.reshape(tokens, heads, dim), k_vllm.reshape(tokens, 1, dim)
+    torch.testing.assert_close(rope_ours(q.float(), positions), q_vllm, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(rope_ours(k.float(), positions), k_vllm, atol=2e-4, rtol=1e-4)
+    # the opposite pairing convention is far off, so the comparison can tell them apart
+    rope_ours.interleaved = not rope_ours.interleaved
+    assert (rope_ours(q.float(), positions) - q_vllm).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("layout,config", [("k3", K3_TINY_DSPARK), ("deepspec_qwen3", GQA_TINY)])
