@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-drafter": ("dspark.drafters.dspark.train", "train a DSpark drafter on a target's hidden states"),
     "calibrate": ("dspark.drafters.dspark.calibrate", "fit per-position confidence temperatures (STS)"),
     "vllm-config": ("dspark.vllm", "print a validated vLLM --speculative-config JSON"),
+    "export-drafter": ("dspark.vllm_export", "write a DSpark drafter in a layout vLLM's DSpark loader reads"),
 }
 
 
