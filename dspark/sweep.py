@@ -263,7 +263,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    if getattr(args, "backend", "dspark") == "vllm":
+    if args.backend == "vllm":
         from .vllm import vllm_sweep_main
 
         return vllm_sweep_main(args)
