@@ -1,66 +1,20 @@
 """The engine on the toy Markov target: losslessness of the whole pipeline in distribution,
 stop conditions, bad input, gates and metrics."""
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from dspark.config import Profile, SamplingParams, SpecConfig
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
-from dspark.sampling import processed_probs, rejection_sample
 from dspark.targets.toy import MarkovTarget
+
+from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
 from toy_drafters import ScriptedDrafter, TableDrafter
-
-V = 5
-PROMPT = [0, 3]
-GEN = 3  # generated tokens per sequence: 125 possible sequences
-
-
-def _exact_sequence_probs(target: MarkovTarget, params: SamplingParams) -> dict[tuple, float]:
-    """Closed-form distribution of the first GEN tokens under plain sampling."""
-    from dspark.sampling import SamplingTensors
-
-    st = SamplingTensors.from_params([params], "cpu")
-    probs = {}
-    for seq in itertools.product(range(V), repeat=GEN):
-        ctx, p = list(PROMPT), 1.0
-        for t in seq:
-            row = processed_probs(target.next_logits(torch.tensor([ctx[-2]]), torch.tensor([ctx[-1]])), st)[0]
-            p *= float(row[t].double())
-            ctx.append(t)
-        probs[seq] = p
-    return probs
-
-
-def _broken_sampler(logits, drafts, num_drafts, q, sampling, u, noise):
-    """Resamples from p instead of the residual max(p - q, 0) after a rejection."""
-    acc, nxt = rejection_sample(logits, drafts, num_drafts, q, sampling, u, noise)
-    p = processed_probs(logits[torch.arange(len(acc)), acc], sampling)
-    rejected = acc < num_drafts
-    return acc, torch.where(rejected, (p / noise).argmax(-1), nxt)
-
-
-def _chi2_pvalue(outputs, expected_probs):
-    counts = {}
-    for o in outputs:
-        key = tuple(o.token_ids[:GEN])
-        counts[key] = counts.get(key, 0) + 1
-    n = len(outputs)
-    keys = sorted(expected_probs)
-    exp = np.array([expected_probs[k] * n for k in keys])
-    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    small = exp < 5  # merge sparse bins into one so the chi-square approximation holds
-    exp = np.append(exp[~small], exp[small].sum())
-    obs = np.append(obs[~small], obs[small].sum())
-    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 @pytest.mark.parametrize(
     "drafter_kind,sampler,should_pass",
-    [("table", None, True), ("ngram", None, True), ("table", _broken_sampler, False)],
+    [("table", None, True), ("ngram", None, True), ("table", broken_sampler, False)],
 )
 def test_speculative_sampling_preserves_the_sequence_distribution(drafter_kind, sampler, should_pass):
     n = 20_000
@@ -72,7 +26,7 @@ def test_speculative_sampling_preserves_the_sequence_distribution(drafter_kind, 
     assert all(len(o.token_ids) == GEN for o in outputs)
     if drafter_kind == "table":
         assert engine.metrics.num_drafts > 0 and 0.05 < engine.metrics.draft_acceptance_rate < 0.95
-    pvalue = _chi2_pvalue(outputs, _exact_sequence_probs(target, params))
+    pvalue = chi2_pvalue(outputs, exact_sequence_probs(target, params))
     assert (pvalue > 1e-3) == should_pass, pvalue
 
 
@@ -81,7 +35,7 @@ def test_plain_sampling_matches_the_closed_form_too():
     target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
     outputs = Engine(target).generate([PROMPT] * n, params)
-    assert _chi2_pvalue(outputs, _exact_sequence_probs(target, params)) > 1e-3
+    assert chi2_pvalue(outputs, exact_sequence_probs(target, params)) > 1e-3
 
 
 def _greedy_reference(vocab, prompts, max_tokens, seed=2):

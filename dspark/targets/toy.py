@@ -3,7 +3,7 @@
 It implements the Target protocol with almost no arithmetic, which makes it the right target
 for (a) statistical tests of the sampling pipeline, where 20,000 sequences must be generated
 quickly and the exact sequence distribution is known in closed form, and (b) measuring the
-engine's own host overhead per step. Its only "hidden state" is the token embedding (tap -1).
+engine's own host overhead per step. Its only "hidden state" is the token embedding (every tap).
 """
 from __future__ import annotations
 
@@ -26,9 +26,15 @@ class MarkovTarget:
         # Row index vocab_size stands for "no token yet" at the start of a sequence.
         self.table = (torch.randn(vocab_size + 1, vocab_size + 1, vocab_size, generator=g) * scale).to(self.device)
         self.embedding = torch.randn(vocab_size, hidden_size, generator=g).to(self.device)
+        # A vocabulary head for drafters that share one with their target (DSpark); the toy's own
+        # logits come from its table, not from this head.
+        self.head = (torch.randn(vocab_size, hidden_size, generator=g) * hidden_size**-0.5).to(self.device)
         self.prev = torch.full((max_slots, 2), vocab_size, dtype=torch.long, device=self.device)
         self.length = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._last: tuple[list[int], torch.Tensor] | None = None
+
+    def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embedding, self.head
 
     def next_logits(self, prev2: torch.Tensor, prev1: torch.Tensor) -> torch.Tensor:
         return self.table[prev2, prev1]

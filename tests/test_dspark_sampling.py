@@ -1,0 +1,31 @@
+"""Probabilistic DSpark drafting through the engine keeps the target's sequence distribution:
+the foundation's distribution test (tests/distribution.py) with a random DSpark drafter whose
+drafts are sampled from its Markov-corrected distribution q, which the rejection sampler uses."""
+import pytest
+
+from dspark.config import SamplingParams, SpecConfig
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.engine import Engine
+from dspark.targets.toy import MarkovTarget
+
+from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
+
+
+@pytest.mark.parametrize("sampler,should_pass", [(None, True), (broken_sampler, False)])
+def test_probabilistic_dspark_drafts_preserve_the_distribution(sampler, should_pass):
+    n = 20_000
+    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
+    cfg = DSparkConfig(name="toy_dspark", vocab_size=V, hidden_size=target.hidden_size, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=4, intermediate_size=16, attention_type="gqa", rope_interleaved=False,
+                       max_position_embeddings=64, target_hidden_size=target.hidden_size, target_num_layers=1,
+                       target_layer_ids=(-1,), block_size=2, mask_token_id=V - 1, markov_rank=4).validate()
+    model = DSparkModel(cfg, *target.embedding_weights())
+    drafter = DSparkDrafter(model, n, max_seq_len=16, draft_sample_method="probabilistic")
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=2, draft_sample_method="probabilistic", seed=5),
+                    sampler=sampler)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
+    outputs = engine.generate([PROMPT] * n, params)
+    assert all(len(o.token_ids) == GEN for o in outputs)
+    assert engine.metrics.num_drafts > 0 and 0.02 < engine.metrics.draft_acceptance_rate < 0.98
+    pvalue = chi2_pvalue(outputs, exact_sequence_probs(target, params))
+    assert (pvalue > 1e-3) == should_pass, pvalue
