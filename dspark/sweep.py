@@ -281,7 +281,6 @@ def main(args) -> int:
     for bad in [k for k in ks if k < 1]:
         raise ValueError(f"--k {bad}: each k must be >= 1 (plain decoding is always measured)")
     out = Path(args.out or f"runs/sweep-{target_name}")
-    points_todo = grid(ks, batches, als, policies)
     done: dict[str, dict] = {}
     if (out / "sweep.json").exists():
         previous = json.loads((out / "sweep.json").read_text())
@@ -290,36 +289,49 @@ def main(args) -> int:
     if args.per_point:
         seq_len = context + max_tokens + (max(ks) + 1) * (args.warmup_steps + 1) + 2
     else:
-        seq_len = context + (len(als) + 1) * (args.warmup_steps + args.phase_steps) * (max(ks) + 1) + (max(ks) + 1) + 2
-    target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
-    if not args.per_point:
         if policies != ["fixed"]:
             raise ValueError(f"--policy {args.policy}: policies other than fixed need --per-point")
-        points = [p for p in done.values()]
-        pending = [(b, k) for b in batches for k in ks
-                   if any(point_key(b, k, "fixed", al) not in done for al in als if al <= k + 1)]
-        for batch, k in tqdm(pending, desc=f"sweep {target_name} (one prefill per batch and k)", disable=None):
-            rows = measure_phases(target, batch=batch, k=k, als=[a for a in als if a <= k + 1], context=context,
-                                  steps=args.phase_steps, warmup_steps=args.warmup_steps, seed=args.seed)
-            fresh = [add_floor(r, target_name, context) for r in rows]
-            points = [p for p in points if p["key"] not in {r["key"] for r in fresh}] + fresh
-            write_results(out, meta, points)
-        png = plot(out, meta, points)
-        _print_table(points)
-        print(f"wrote {out / 'sweep.json'}, {out / 'sweep.csv'}, {png}")
-        return 0
-    points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
-    todo = [pt for pt in points_todo if point_key(pt[0], pt[1] if pt[2] is not None else 0, pt[3], pt[2]) not in done]
-    for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
-        point = measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
-                              max_tokens=max_tokens, warmup_steps=args.warmup_steps, seed=args.seed)
-        points.append(add_floor(point, target_name, context))
-        write_results(out, meta, points)  # after every point, so an interruption loses little
-    write_results(out, meta, points)
+        seq_len = context + (len(als) + 1) * (args.warmup_steps + args.phase_steps) * (max(ks) + 1) + (max(ks) + 1) + 2
+    target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
+
+    def save(points: list[dict]) -> None:  # after every measurement, so an interruption loses little
+        write_results(out, meta, points)
+
+    if args.per_point:
+        points = _sweep_points(target, target_name, grid(ks, batches, als, policies), done, save, args, context, max_tokens)
+    else:
+        points = _sweep_phases(target, target_name, batches, ks, als, done, save, args, context)
+    save(points)
     png = plot(out, meta, points)
     _print_table(points)
     print(f"wrote {out / 'sweep.json'}, {out / 'sweep.csv'}, {png}")
     return 0
+
+
+def _sweep_points(target, target_name, points_todo, done, save, args, context, max_tokens) -> list[dict]:
+    """--per-point: a fresh engine and prefill for each grid point not already done."""
+    points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
+    todo = [pt for pt in points_todo if point_key(pt[0], pt[1], pt[3], pt[2]) not in done]
+    for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
+        point = measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
+                              max_tokens=max_tokens, warmup_steps=args.warmup_steps, seed=args.seed)
+        points.append(add_floor(point, target_name, context))
+        save(points)
+    return points
+
+
+def _sweep_phases(target, target_name, batches, ks, als, done, save, args, context) -> list[dict]:
+    """Default: every AL of a (batch, k) in phases on one prefill, for each pair not fully done."""
+    points = list(done.values())
+    pending = [(b, k) for b in batches for k in ks
+               if any(point_key(b, k, "fixed", al) not in done for al in als if al <= k + 1)]
+    for batch, k in tqdm(pending, desc=f"sweep {target_name} (one prefill per batch and k)", disable=None):
+        rows = measure_phases(target, batch=batch, k=k, als=[a for a in als if a <= k + 1], context=context,
+                              steps=args.phase_steps, warmup_steps=args.warmup_steps, seed=args.seed)
+        fresh = [add_floor(r, target_name, context) for r in rows]
+        points = [p for p in points if p["key"] not in {r["key"] for r in fresh}] + fresh
+        save(points)
+    return points
 
 
 def _print_table(points: list[dict]) -> None:
