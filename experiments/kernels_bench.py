@@ -15,14 +15,12 @@ Usage: python experiments/kernels_bench.py [--out experiments/results/h200/kerne
 import argparse
 import json
 import math
-import os
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
+from benchlib import provenance, read_ceiling, time_calls, write_json
 from dspark.kernels import cute_common
 from dspark.kernels.linear import cute_sm90
 
@@ -36,72 +34,6 @@ VARIANTS = {
     "cute_sm90_fused": dict(stages=4, fused_reduce=True),
     "cute_sm90_nosplit": dict(stages=4, splits=1),  # what split-K buys
 }
-
-
-def median_event_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def time_calls(calls, reps: int, repeats: int = 15) -> dict:
-    """Per-call microseconds of `calls` (rotated), as a CUDA-graph replay and eagerly."""
-
-    def run_all():
-        for i in range(reps):
-            calls[i % len(calls)]()
-
-    for _ in range(3):  # warm-up: compiles, cuBLAS heuristics, allocator
-        run_all()
-    torch.cuda.synchronize()
-    eager_us = median_event_ms(run_all, repeats) * 1e3 / reps
-    graph_us = None
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run_all()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run_all()
-        graph.replay()
-        torch.cuda.synchronize()
-        graph_us = median_event_ms(graph.replay, repeats) * 1e3 / reps
-    except Exception as exc:  # record, keep the eager number
-        print(f"  graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return {"graph_us": graph_us, "eager_us": eager_us}
-
-
-def read_ceiling(gib: float = 4.0) -> dict:
-    """Pure-read bandwidth: torch reductions and a cuBLAS GEMV over a large bf16 buffer (read once,
-    tiny output), and a device-to-device copy (bytes read + written) for comparison."""
-    numel = int(gib * 2**30) // 2
-    buf = torch.randn(numel, device="cuda").to(torch.bfloat16)
-    vec = torch.randn(8192, device="cuda").to(torch.bfloat16)
-    result = {}
-    for name, fn in {
-        "sum_bf16": lambda: buf.sum(dtype=torch.float32),
-        "amax_bf16": lambda: buf.amax(),
-        "gemv_bf16": lambda: torch.mv(buf.view(-1, 8192), vec),
-    }.items():
-        fn()
-        torch.cuda.synchronize()
-        ms = median_event_ms(fn, 20)
-        result[name + "_GBps"] = numel * 2 / ms / 1e6
-    dst = torch.empty_like(buf)
-    ms = median_event_ms(lambda: dst.copy_(buf), 20)
-    result["d2d_copy_rw_GBps"] = 2 * numel * 2 / ms / 1e6
-    result["read_ceiling_GBps"] = max(result[f"{k}_bf16_GBps"] for k in ("sum", "amax", "gemv"))
-    del buf, dst
-    torch.cuda.empty_cache()
-    return result
 
 
 def bench_shape(name, n, k, l2_bytes, arch, ceiling):
@@ -162,14 +94,6 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:
-            commit = "unknown"
-    import cutlass
-
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 * 2**20)
     arch = cute_common.target_arch()
@@ -180,24 +104,11 @@ def main():
     if args.shapes:
         shapes = {s: shapes[s] for s in args.shapes.split(",")}
     rows = []
-    result = {
-        "device": torch.cuda.get_device_name(0),
-        "sms": props.multi_processor_count,
-        "l2_bytes": l2_bytes,
-        "torch": torch.__version__,
-        "cutlass_dsl": getattr(cutlass, "__version__", "unknown"),
-        "commit": commit,
-        "command": " ".join(sys.argv),
-        "seconds": time.time() - started,
-        "ceiling": ceiling,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    result = {**provenance(args.commit), "seconds": 0.0, "ceiling": ceiling, "rows": rows}
     for name, (n, k) in shapes.items():
         rows += bench_shape(name, n, k, l2_bytes, arch, ceiling["read_ceiling_GBps"])
         result["seconds"] = time.time() - started
-        with open(args.out, "w") as f:  # after every shape, so a cut-off run keeps what it measured
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)  # after every shape, so a cut-off run keeps what it measured
 
     c = ceiling["read_ceiling_GBps"]
     print(f"\nread ceiling {c:.0f} GB/s (sum {ceiling['sum_bf16_GBps']:.0f}, amax {ceiling['amax_bf16_GBps']:.0f}, "

@@ -1,0 +1,129 @@
+"""What every GPU benchmark here shares: CUDA-event timing (eager and CUDA-graph replay), the
+pure-read ceiling measured in the same run, and the provenance block of a result JSON.
+
+Method (/work/.library/device/METHOD.md; spec kernels.md §7): warm up first (compiles, cuBLAS
+heuristics, the allocator), rotate enough input copies that L2 does not serve them, take the
+median over repeats. A verify step runs as a CUDA graph, so `graph_us` is the number that
+matters; `eager_us` adds whatever host overhead exceeds the GPU time.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def median_event_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_calls(calls, reps: int, repeats: int = 15, graph: bool = True) -> dict:
+    """Per-call microseconds of `calls` (run in rotation, `reps` calls per timing), as a
+    CUDA-graph replay and eagerly. A failed capture is reported and leaves graph_us None."""
+
+    def run_all():
+        for i in range(reps):
+            calls[i % len(calls)]()
+
+    for _ in range(3):
+        run_all()
+    torch.cuda.synchronize()
+    eager_us = median_event_ms(run_all, repeats) * 1e3 / reps
+    graph_us = None
+    if graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run_all()
+            torch.cuda.current_stream().wait_stream(side)
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                run_all()
+            cuda_graph.replay()
+            torch.cuda.synchronize()
+            graph_us = median_event_ms(cuda_graph.replay, repeats) * 1e3 / reps
+        except Exception as exc:
+            print(f"  graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return {"graph_us": graph_us, "eager_us": eager_us}
+
+
+def read_ceiling(gib: float = 4.0) -> dict:
+    """Pure-read bandwidth over a large bf16 buffer (torch reductions and a cuBLAS GEMV: read
+    once, tiny output), and a device-to-device copy (bytes read + written) for comparison."""
+    result = _measure_reads(int(gib * 2**30) // 2)
+    result["read_ceiling_GBps"] = max(result[f"{k}_bf16_GBps"] for k in ("sum", "amax", "gemv"))
+    torch.cuda.empty_cache()  # the buffers died with _measure_reads
+    return result
+
+
+def _measure_reads(numel: int) -> dict:
+    buf = torch.randn(numel, device="cuda").to(torch.bfloat16)
+    vec = torch.randn(8192, device="cuda").to(torch.bfloat16)
+    result = {}
+    for name, fn in {
+        "sum_bf16": lambda: buf.sum(dtype=torch.float32),
+        "amax_bf16": lambda: buf.amax(),
+        "gemv_bf16": lambda: torch.mv(buf.view(-1, 8192), vec),
+    }.items():
+        fn()
+        torch.cuda.synchronize()
+        result[name + "_GBps"] = numel * 2 / median_event_ms(fn, 20) / 1e6
+    dst = torch.empty_like(buf)
+    result["d2d_copy_rw_GBps"] = 2 * numel * 2 / median_event_ms(lambda: dst.copy_(buf), 20) / 1e6
+    return result
+
+
+def module_version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return "not importable"
+
+
+def git_commit(explicit: str | None = None) -> str:
+    """The tree's commit: an explicit value, DSPARK_GIT_COMMIT (set where the tree travels
+    without .git, as on the H200), or `git rev-parse HEAD`."""
+    if explicit:
+        return explicit
+    if os.environ.get("DSPARK_GIT_COMMIT"):
+        return os.environ["DSPARK_GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def provenance(commit: str | None = None) -> dict:
+    """Device, versions, commit and command of a result JSON."""
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cutlass_dsl": module_version("cutlass"),
+        "triton": module_version("triton"),
+        "commit": git_commit(commit),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "started_unix": time.time(),
+    }
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write (and rewrite, after each part, so a cut-off run keeps what it measured)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
