@@ -13,6 +13,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return select("linear", x, weight).fn(x, weight)
 
 
+def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y[M, H, N] = x[M, H, K] @ weight[H, N, K]^T, one small matrix per head."""
+    return select("linear_heads", x, weight).fn(x, weight)
+
+
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
                o_norm_weight, state, lengths, *, lower_bound: float, eps: float):
     """KDA over T tokens per request from the committed state, output-only -> (o [B,T,W], records)."""

@@ -196,3 +196,21 @@ def test_latent_moe_matches_dense_float64_loop_and_is_token_invariant(gen):
         expected = d["latent_up"] @ routed + d["shared_down"] @ situ(d["shared_gate"] @ xm, d["shared_up"] @ xm)
         torch.testing.assert_close(out[m].double(), expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(ops.latent_moe(x[m : m + 1], wts, cfg)[0], out[m]), f"token {m} not invariant"
+
+
+# ---------------------------------------------------------------- per-head linear (MLA absorption)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_linear_heads_matches_float64_and_is_token_invariant(gen, dtype, tol):
+    M, Hh, N, K = 5, 3, 7, 24
+    x, w = randn(gen, M, Hh, K, dtype=dtype), randn(gen, Hh, N, K, scale=K**-0.5, dtype=dtype)
+    want = torch.einsum("mhk,hnk->mhn", x.double(), w.double())
+    got = ops.linear_heads(x, w)
+    assert got.shape == (M, Hh, N) and got.dtype == dtype
+    assert ((got.double() - want).norm() / want.norm()).item() < tol
+    # a token's bits do not depend on the tokens beside it (CPU reference)
+    assert torch.equal(ops.linear_heads(x[2:3], w), got[2:3])
+
+
+def test_linear_heads_rejects_mismatched_heads(gen):
+    with pytest.raises(ValueError, match="x/weight"):
+        ops.linear_heads(randn(gen, 2, 3, 4), randn(gen, 2, 5, 4))

@@ -19,3 +19,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         return torch.bmm(x.unsqueeze(1), weight.t().unsqueeze(0).expand(m, -1, -1)).squeeze(1)
     return x @ weight.t()
+
+
+@register("linear_heads", "reference", priority=0)
+def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y[M, H, N] = x[M, H, K] @ weight[H, N, K]^T per head (MLA's absorbed W_UK / W_UV).
+
+    On the CPU each head goes through the row-invariant `linear` above (so a token's bits do not
+    depend on the tokens beside it); elsewhere it is one batched matmul over the heads.
+    """
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(f"x/weight: expected [M, H, K] and [H, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.device.type == "cpu":
+        return torch.stack([linear(x[:, h].contiguous(), weight[h]) for h in range(x.shape[1])], dim=1)
+    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).contiguous()

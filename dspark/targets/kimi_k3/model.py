@@ -172,13 +172,13 @@ class K3Model:
             start, n = int(cache_lens[b]), int(lengths[b])
             cache[int(slots[b]), start : start + n] = rows[b, :n].to(cache.dtype)
         w_uk_t, w_uv = self.mla_absorbed[i]
-        q_latent = torch.stack([ops.linear(q[:, hd, :nope].contiguous(), w_uk_t[hd]) for hd in range(H)], dim=1)
+        q_latent = ops.linear_heads(q[:, :, :nope], w_uk_t)  # [B*T, H, R]
         q_pe = q[:, :, nope:].contiguous()
         o_latent = ops.mla_verify_attention(
             q_latent.view(B, T, H, R), q_pe.view(B, T, H, P), cache, slots, cache_lens, lengths,
             cfg.qk_head_dim**-0.5,
         ).view(B * T, H, R)
-        o = torch.cat([ops.linear(o_latent[:, hd].contiguous(), w_uv[hd]) for hd in range(H)], dim=-1)
+        o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
         o = sigmoid_gate(o, ops.linear(h, self._w(i, f"{a}.g_proj.weight")))
         return ops.linear(o, self._w(i, f"{a}.o_proj.weight"))
 
