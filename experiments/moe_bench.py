@@ -1,0 +1,120 @@
+"""K3 latent-MoE block on the GPU: the torch reference, the CuTe DSL MXFP4 expert kernels
+(kernels/moe/cute_sm90.py) and the byte floor, per T in {1, 2, 4, 8, 16} (spec kernels.md §4, §6).
+
+Method (experiments/benchlib.py): a full-size bank of 896 random MXFP4 experts (15.7 GB) so every
+call streams its experts from HBM; several routings (different random experts) rotate; CUDA
+graph replay (ours) and eager calls (the reference, which syncs to the host per expert); median
+of repeats. The byte floor is the bytes a call must read at the pure-read rate measured in the
+same run: distinct experts x 17.55 MB, plus for the whole block the dense bf16 weights (router,
+latent down/up, shared gate/up/down).
+
+Usage: python experiments/moe_bench.py --out experiments/results/h200/moe_bench.json [--tokens 1 8]
+"""
+import argparse
+import math
+import time
+
+import torch
+
+from benchlib import provenance, read_ceiling, time_calls, write_json
+from dspark.kernels import registry
+from dspark.kernels.moe import cute_sm90, reference
+from dspark.targets.kimi_k3.config import K3
+
+ROUTINGS = 6  # distinct routings rotated per measurement
+
+
+def make_weights(cfg, gen):
+    E, D, L, I, S = cfg.num_experts, cfg.hidden_size, cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+
+    def codes(rows, k):
+        packed = torch.randint(0, 256, (E, rows, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        scale = torch.randint(119, 121, (E, rows, k // 32), dtype=torch.uint8, device="cuda", generator=gen)
+        return packed, scale
+
+    def dense(n, k):
+        return (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+
+    w1, s1 = codes(I, L)
+    w3, s3 = codes(I, L)
+    w2, s2 = codes(L, I)
+    return reference.LatentMoEWeights(
+        gate=dense(E, D), score_bias=torch.zeros(E, device="cuda"), latent_down=dense(L, D),
+        latent_norm=torch.ones(L, dtype=torch.bfloat16, device="cuda"), latent_up=dense(D, L),
+        shared_gate=dense(S, D), shared_up=dense(S, D), shared_down=dense(D, S),
+        w1_packed=w1, w1_scale=s1, w3_packed=w3, w3_scale=s3, w2_packed=w2, w2_scale=s2,
+    )
+
+
+def expert_bytes(weights) -> int:
+    return sum(t[0].numel() for t in (weights.w1_packed, weights.w1_scale, weights.w3_packed,
+                                       weights.w3_scale, weights.w2_packed, weights.w2_scale))
+
+
+def dense_bytes(weights) -> int:
+    return sum(t.numel() * t.element_size() for t in (weights.gate, weights.latent_down, weights.latent_up,
+                                                      weights.shared_gate, weights.shared_up, weights.shared_down))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="experiments/results/h200/moe_bench.json")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--no-reference", action="store_true", help="skip the torch reference block")
+    args = parser.parse_args()
+    cfg = K3
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    result = {"provenance": provenance(), "rows": []}
+    result["ceiling"] = read_ceiling()
+    rate = result["ceiling"]["read_ceiling_GBps"]
+    weights = make_weights(cfg, gen)
+    per_expert, dense = expert_bytes(weights), dense_bytes(weights)
+    result["bytes_per_expert"], result["dense_bytes"] = per_expert, dense
+    write_json(args.out, result)
+
+    for tokens in args.tokens:
+        t0 = time.time()
+        row = {"T": tokens}
+        # Random routing: distinct experts per token, independent across tokens (kernels.md §4.1).
+        ids_sets = [torch.stack([torch.randperm(cfg.num_experts, device="cuda", generator=gen)[: cfg.num_experts_per_token]
+                                 for _ in range(tokens)]) for _ in range(ROUTINGS)]
+        latents = [torch.randn(tokens, cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ROUTINGS)]
+        distinct = sum(len(ids.unique()) for ids in ids_sets) / ROUTINGS
+        row["distinct_experts"] = distinct
+        routed_floor_us = distinct * per_expert / rate / 1e3
+        row["routed_floor_us"] = routed_floor_us
+        calls = [lambda h=h, ids=ids: cute_sm90.routed_experts(h, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)
+                 for h, ids in zip(latents, ids_sets)]
+        reps = 2 * ROUTINGS
+        timing = time_calls(calls, reps, repeats=7)
+        row["routed_ours"] = timing
+        best = timing["graph_us"] or timing["eager_us"]
+        row["routed_ours_GBps"] = distinct * per_expert / best / 1e3
+        row["routed_ours_pct_floor"] = 100 * routed_floor_us / best
+
+        # Whole block: router + down + experts + norm + up + shared (our composition).
+        xs = [torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ROUTINGS)]
+        routed_ids = [reference.moe_route(x, weights.gate, weights.score_bias, cfg.num_experts_per_token,
+                                          cfg.routed_scaling_factor)[0] for x in xs]
+        block_distinct = sum(len(ids.unique()) for ids in routed_ids) / ROUTINGS
+        block_floor_us = (block_distinct * per_expert + dense) / rate / 1e3
+        row["block_distinct_experts"], row["block_floor_us"] = block_distinct, block_floor_us
+        block_calls = [lambda x=x: cute_sm90.latent_moe(x, weights, cfg) for x in xs]
+        timing = time_calls(block_calls, reps, repeats=7)
+        row["block_ours"] = timing
+        best = timing["graph_us"] or timing["eager_us"]
+        row["block_ours_pct_floor"] = 100 * block_floor_us / best
+        if not args.no_reference:
+            with registry.scoped((("linear", "reference"), ("latent_moe", "reference"))):
+                ref_calls = [lambda x=x: reference.latent_moe(x, weights, cfg) for x in xs]
+                timing = time_calls(ref_calls, ROUTINGS, repeats=3, graph=False)
+            row["block_reference_torch"] = timing
+            row["block_reference_pct_floor"] = 100 * block_floor_us / timing["eager_us"]
+        row["seconds"] = time.time() - t0
+        print(row, flush=True)
+        result["rows"].append(row)
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

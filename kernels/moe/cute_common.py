@@ -1,0 +1,95 @@
+"""Host-side pieces of the CuTe DSL MXFP4 expert kernels shared by the Hopper and Blackwell builds:
+the expert-major pair lists built on the device (no host sync) and the K permutation that lets
+every thread dequantise one contiguous 16-byte run of packed codes (spec: kernels.md §4.3).
+
+Plain torch, so it runs (and is tested) on the CPU as well.
+
+Expert lists (kernels.md §4.3 "routing prologue"): the T*k (token, expert) pairs of a step are
+sorted by expert; each distinct expert gets a "slot" (its position in sorted order) holding up to
+`tile_tokens` token rows, padded. Slots are a fixed number, S = min(E, T*k), so every shape is
+static (CUDA-graph friendly): slots past the number of touched experts have expert id -1 and the
+kernel's CTAs for them exit at once. A token appears at most once per expert (top-k ids are
+distinct), so an expert never holds more than T <= tile_tokens tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+K_CHUNK = 128  # K elements one thread-quad covers per main-loop step: 4 threads x 32 (one MX group each)
+# The WGMMA fragment scale trick (cute_sm90.py): A is dequantised to W * 2^-B_SCALE_LOG2 and B is
+# multiplied by 2^B_SCALE_LOG2, so each E8M0 scale is applied with one bf16x2 multiply.
+B_SCALE_LOG2 = 63
+
+
+def chunk_permutation() -> torch.Tensor:
+    """perm[L] = the physical K index (0..127 within a 128-chunk) that WGMMA's logical K index L
+    reads, for the register-A fragment of wgmma m64nNk16 (PTX ISA "Register fragment for matrix
+    A": thread lane%4 = c holds logical columns 2c, 2c+1 (values v0) and 2c+8, 2c+9 (v2) of each
+    k16 block ki). A dot product does not care about K order, so the weight may be read in any
+    order as long as the tokens (B) are permuted the same way; this one makes thread c's 32
+    values of a row the contiguous physical run [32c, 32c+32) = 16 bytes of codes = one MX group.
+    Within the run, fragment register rho = 2*ki + v2 holds the bf16 pair (v0 = 0, 1) made of
+    nibbles i and i+4 of packed word q, rho = 4q + i (how the dequantiser splits a 32-bit word)."""
+    perm = torch.empty(K_CHUNK, dtype=torch.long)
+    for logical in range(K_CHUNK):
+        ki, within = divmod(logical, 16)
+        v2, rest = divmod(within, 8)
+        c, v0 = divmod(rest, 2)
+        q, i = divmod(2 * ki + v2, 4)
+        perm[logical] = 32 * c + 8 * q + i + 4 * v0
+    return perm
+
+
+_permutation_on: dict[torch.device, torch.Tensor] = {}
+
+
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> x[..., perm] applied within every 128-chunk of K (K % 128 == 0)."""
+    k = x.shape[-1]
+    if k % K_CHUNK:
+        raise ValueError(f"x: last dimension {k} is not a multiple of {K_CHUNK}")
+    # one copy per device, made outside any CUDA-graph capture (a host copy cannot be captured)
+    index = _permutation_on.get(x.device)
+    if index is None:
+        index = _permutation_on[x.device] = chunk_permutation().to(x.device)
+    return x.unflatten(-1, (k // K_CHUNK, K_CHUNK))[..., index].flatten(-2)
+
+
+@dataclass
+class ExpertLists:
+    """Expert-major view of one step's routing; every tensor lives on the routing's device."""
+
+    slot_expert: torch.Tensor  # [S] int32: expert id of slot s, -1 for unused slots
+    slot_tokens: torch.Tensor  # [S, tile_tokens] int64: token rows of slot s (padding: token 0)
+    pair_position: torch.Tensor  # [T, k] int64: flat index s * tile_tokens + rank of pair (t, j)
+
+
+def build_expert_lists(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> ExpertLists:
+    """ids [T, k] (distinct per row) -> slots; fixed shapes, no host synchronisation."""
+    if ids.dim() != 2:
+        raise ValueError(f"ids: expected [T, k], got shape {tuple(ids.shape)}")
+    tokens, top_k = ids.shape
+    if not 1 <= tokens <= tile_tokens:
+        raise ValueError(f"ids: {tokens} tokens, the expert kernel takes 1..{tile_tokens}")
+    device = ids.device
+    pairs = tokens * top_k
+    slots = min(num_experts, pairs)
+    flat = ids.reshape(-1)
+    sorted_experts, order = torch.sort(flat, stable=True)  # stable: tokens ascend within an expert
+    position = torch.arange(pairs, device=device)
+    starts_group = torch.ones(pairs, dtype=torch.bool, device=device)
+    starts_group[1:] = sorted_experts[1:] != sorted_experts[:-1]
+    slot_of_pair = torch.cumsum(starts_group.long(), 0) - 1  # slot of each sorted pair
+    group_start = torch.cummax(torch.where(starts_group, position, 0), 0).values
+    rank = position - group_start  # the pair's row within its slot
+    token_of_pair = order // top_k
+    slot_expert = torch.full((slots,), -1, dtype=torch.int32, device=device)
+    slot_expert.scatter_(0, slot_of_pair, sorted_experts.to(torch.int32))  # equal values per slot
+    slot_tokens = torch.zeros(slots * tile_tokens, dtype=torch.long, device=device)
+    flat_position = slot_of_pair * tile_tokens + rank
+    slot_tokens.scatter_(0, flat_position, token_of_pair)
+    pair_position = torch.empty(pairs, dtype=torch.long, device=device)
+    pair_position.scatter_(0, order, flat_position)
+    return ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))

@@ -1,0 +1,475 @@
+"""Routed MXFP4 experts of K3's latent MoE on Hopper (sm_90a) in CuTe DSL, and the `latent_moe`
+implementation built on them.
+
+Expert kernel (spec: kernels.md §4.3, §7 row 2): a grouped skinny GEMM over the slots of
+cute_common.build_expert_lists, grid = (row tiles of the expert's output, slots). Every touched
+expert's weights are streamed from HBM exactly once per call, however many tokens chose it.
+- Swap-AB: 128 dequantised weight rows are the WGMMA A operand (two m64 atoms of one warpgroup),
+  the slot's tokens (N = 8 or 16, padded) are B, read from shared memory.
+- A comes from registers (WGMMA RS): each thread loads, per 128-element K chunk, one contiguous
+  16-byte run of packed E2M1 codes per row it owns (4 rows) and the one E8M0 scale of that run
+  (the K permutation of cute_common.chunk_permutation makes the run exactly one MX group), turns
+  each 32-bit word into four bf16x2 fragment registers with shifts and masks, and applies the
+  scale with one bf16x2 multiply. Raw codes are prefetched two chunks ahead in registers.
+- B (the tokens, K-permuted) arrives by TMA through a 4-stage mbarrier pipeline.
+- Dequantisation (Hopper has no E2M1 convert): a code s|e1 e0|m placed as bf16 bits
+  (s << 15) | (e1 e0 m << 6) is exactly value * 2^-126 (e = 0 lands on the subnormal 0.5 * 2^-126
+  * m, e > 0 on 2^(e-127) * (1 + m/2)). Multiplying by 2^(scale - 64) gives W * 2^-63 without
+  overflow for every scale byte <= 191 (2^64); the tokens are multiplied by 2^63 (exact) before
+  the kernel, so the tensor cores form W x exactly as the reference does. Scale bytes above 191
+  (group scales > 2^64) are outside what this kernel computes.
+- Pass 1 (glu=True): a CTA takes 64 w1 rows and the same 64 w3 rows (the two m64 atoms), so the
+  SiTU-GLU epilogue has gate and up of one intermediate index in the same thread's registers;
+  it writes act * 2^63 in bf16, K-permuted, for pass 2. Pass 2 (glu=False): 128 w2 rows, fp32
+  outputs per (slot, token row); the routing weights and the top-k-ordered sum follow in torch
+  (per-pair outputs + a deterministic reduce, no atomics).
+"""
+# No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
+
+import math
+
+import torch
+
+from .. import cute_common, ops
+from ..registry import register
+from . import cute_common as moe_common
+
+ROW_TILE = 128  # weight rows per CTA: two m64 WGMMA atoms
+GLU_ROWS = ROW_TILE // 2  # pass 1: 64 w1 rows + the same 64 w3 rows
+K_CHUNK = moe_common.K_CHUNK
+B_STAGES = 4
+MAX_TOKENS = 16
+THREADS = 128  # one warpgroup
+
+
+def token_tile(tokens: int) -> int:
+    """WGMMA N for a slot of up to `tokens` tokens: 8 when it fits, else 16."""
+    return 8 if tokens <= 8 else 16
+
+
+def _build_kernel_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.memory
+    import cutlass.pipeline as pipeline
+    import cutlass.tensor_utils as tensor_utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32, Int32, Uint32
+    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+
+    MAG_MASK = 0x01C001C0  # e1 e0 m of both halves at bf16 bits 8..6
+    SIGN_MASK = 0x80008000
+
+    class MxFp4ExpertGemmSm90:
+        """One compiled instance per (experts, rows, K, tokens, glu); the slot count is a runtime value."""
+
+        def __init__(self, experts: int, rows: int, k: int, tokens: int, glu: bool, situ_beta: float, situ_linear_beta: float):
+            self.experts, self.rows, self.k, self.tokens, self.glu = experts, rows, k, tokens, glu
+            self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
+            self.chunks = k // K_CHUNK
+            self.tile_mnk = (ROW_TILE, tokens, K_CHUNK)
+            self.row_tiles = rows // (GLU_ROWS if glu else ROW_TILE)
+
+        @cute.jit
+        def __call__(
+            self,
+            wa: cute.Tensor,
+            sa: cute.Tensor,
+            wb: cute.Tensor,
+            sb: cute.Tensor,
+            slot_expert: cute.Tensor,
+            xb: cute.Tensor,
+            out: cute.Tensor,
+            stream: cuda.CUstream,
+        ):
+            """wa/wb: packed codes viewed as int32 [E, rows, K/8]; sa/sb: E8M0 scales uint8
+            [E, rows, K/32] (wb/sb: w3 in pass 1, unused in pass 2); slot_expert int32 [S];
+            xb: tokens bf16 [S, tokens, K] (K-permuted, times 2^63); out: pass 1 bf16 [S, tokens,
+            rows] (K-permuted act times 2^63), pass 2 fp32 [S, tokens, rows]."""
+            slots = slot_expert.shape[0]
+            k = self.k
+            mB = cute.make_tensor(
+                xb.iterator, cute.make_layout((self.tokens, k, slots), stride=(k, 1, self.tokens * k))
+            )
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                cutlass.BFloat16,
+                cutlass.BFloat16,
+                OperandMajorMode.K,
+                OperandMajorMode.K,
+                Float32,
+                (1, 1, 1),
+                tiler_mn=(64, self.tokens),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+            b_smem_staged = sm90_utils.make_smem_layout_b(
+                tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, cutlass.BFloat16, B_STAGES
+            )
+            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tokens, K_CHUNK)
+            )
+
+            @cute.struct
+            class SharedStorage:
+                barriers: cute.struct.MemRange[cutlass.Int64, B_STAGES * 2]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem_staged)], 1024]
+
+            self.shared_storage = SharedStorage
+            self.expert_kernel(wa, sa, wb, sb, slot_expert, tma_b, tma_tensor_b, out, tiled_mma, b_smem_staged).launch(
+                grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream
+            )
+
+        # ------------------------------------------------------------------ device helpers
+        @cute.jit
+        def load_raw(self, w: cute.Tensor, s: cute.Tensor, expert, rows_of, chunk, c, raw: cute.Tensor, scales: cute.Tensor):
+            """Thread c's 16 code bytes (4 int32) and its scale byte for each of its 4 rows."""
+            for r in cutlass.range_constexpr(4):
+                row = rows_of[r]
+                src = cute.local_tile(w[expert, row, None], (4,), (chunk * 4 + c,))
+                dst = cute.local_tile(raw, (4,), (r,))
+                cute.autovec_copy(src, dst)
+                scales[r] = s[expert, row, chunk * 4 + c].to(Int32)
+
+        @cute.jit
+        def load_raw_glu(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
+            """Pass 1: rows 0, 1 (m-atom 0) come from w1, rows 2, 3 (m-atom 1) from w3."""
+            for r in cutlass.range_constexpr(4):
+                row = rows_of[r]
+                w = wa if r < 2 else wb
+                s = sa if r < 2 else sb
+                src = cute.local_tile(w[expert, row, None], (4,), (chunk * 4 + c,))
+                dst = cute.local_tile(raw, (4,), (r,))
+                cute.autovec_copy(src, dst)
+                scales[r] = s[expert, row, chunk * 4 + c].to(Int32)
+
+        @cute.jit
+        def dequantise(self, raw: cute.Tensor, scales: cute.Tensor, frag32: cute.Tensor):
+            """raw codes -> the bf16x2 A fragment (see cute_common.chunk_permutation).
+
+            frag32 is the A fragment viewed as 32-bit words, indexed (v1 + 2*v2, m-atom, ki)."""
+            for r in cutlass.range_constexpr(4):
+                mi, v1 = r // 2, r % 2
+                exponent = (scales[r] + (127 - 64)).to(Uint32)  # bf16 2^(scale - 64)
+                scale2 = Int32(exponent << 7 | exponent << 23)
+                for q in cutlass.range_constexpr(4):
+                    word = raw[r * 4 + q].to(Uint32)
+                    for i in cutlass.range_constexpr(4):
+                        x = word >> (4 * i)
+                        bits = ((x << 6) & MAG_MASK) | ((x << 12) & SIGN_MASK)
+                        rho = 4 * q + i
+                        ki, v2 = rho // 2, rho % 2
+                        frag32[v1 + 2 * v2, mi, ki] = cute.arch.fma_packed_bf16x2(
+                            Int32(bits), scale2, Int32(0)
+                        )
+
+        # ------------------------------------------------------------------ kernel
+        @cute.kernel
+        def expert_kernel(
+            self,
+            wa: cute.Tensor,
+            sa: cute.Tensor,
+            wb: cute.Tensor,
+            sb: cute.Tensor,
+            slot_expert: cute.Tensor,
+            tma_b: cute.CopyAtom,
+            mB: cute.Tensor,
+            out: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            b_smem_staged: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            tile_idx, slot, _ = cute.arch.block_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            expert = slot_expert[slot]
+            if expert >= 0:
+                lane = tidx % 32
+                g, c = lane // 4, lane % 4
+                # Weight rows of this thread: (m-atom mi, half v1) -> r = 2*mi + v1.
+                rows_of = cute.make_rmem_tensor((4,), Int32)
+                for r in cutlass.range_constexpr(4):
+                    mi, v1 = r // 2, r % 2
+                    in_atom = warp_idx * 16 + v1 * 8 + g
+                    if cutlass.const_expr(self.glu):
+                        rows_of[r] = tile_idx * GLU_ROWS + in_atom
+                    else:
+                        rows_of[r] = tile_idx * ROW_TILE + mi * 64 + in_atom
+
+                raw0 = cute.make_rmem_tensor((16,), Int32)
+                raw1 = cute.make_rmem_tensor((16,), Int32)
+                scales0 = cute.make_rmem_tensor((4,), Int32)
+                scales1 = cute.make_rmem_tensor((4,), Int32)
+                self.load_chunk(wa, sa, wb, sb, expert, rows_of, 0, c, raw0, scales0)
+                self.load_chunk(wa, sa, wb, sb, expert, rows_of, 1, c, raw1, scales1)
+
+                smem = cutlass.memory.SmemAllocator()
+                storage = smem.allocate(self.shared_storage)
+                b_stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem_staged, (None, None, 0)))
+                mainloop = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=storage.barriers.data_ptr(),
+                    num_stages=B_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+                    tx_count=b_stage_bytes,
+                    cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                    defer_sync=True,
+                )
+                pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+                sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+                gB = cute.local_tile(mB, self.tile_mnk, (0, 0, None, slot), proj=(None, 1, 1))
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                )
+                thr_mma = tiled_mma.get_slice(tidx)
+                tCsB = thr_mma.partition_B(sB)
+                tCrB = tiled_mma.make_fragment_B(tCsB)
+                a_shape = thr_mma.partition_A(cute.make_identity_tensor((ROW_TILE, K_CHUNK))).shape
+                frag = cute.make_rmem_tensor(a_shape, cutlass.BFloat16)
+                frag32 = cute.recast_tensor(frag, Uint32)
+                acc_shape = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens))).shape
+                accumulators = cute.make_rmem_tensor(acc_shape, Float32)
+                accumulators.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+                pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+                prefetch = cutlass.min(B_STAGES, self.chunks)
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, B_STAGES)
+                if warp_idx == 0:
+                    for _ in cutlass.range(prefetch, unroll=1):
+                        mainloop.producer_acquire(producer)
+                        cute.copy(
+                            tma_b,
+                            tBgB[(None, producer.count)],
+                            tBsB[(None, producer.index)],
+                            tma_bar_ptr=mainloop.producer_get_barrier(producer),
+                        )
+                        mainloop.producer_commit(producer)
+                        producer.advance()
+
+                consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
+                num_k_blocks = cute.size(frag, mode=[2])
+                for pair in cutlass.range(self.chunks // 2, unroll=1):
+                    for half in cutlass.range_constexpr(2):
+                        chunk = pair * 2 + half
+                        raw = raw0 if half == 0 else raw1
+                        scales = scales0 if half == 0 else scales1
+                        # The previous chunk's WGMMAs read `frag` and a B stage: wait for them,
+                        # free that stage and refill it.
+                        warpgroup.wait_group(0)
+                        if chunk > 0:
+                            mainloop.consumer_release(release)
+                            release.advance()
+                            if warp_idx == 0 and producer.count < self.chunks:
+                                mainloop.producer_acquire(producer)
+                                cute.copy(
+                                    tma_b,
+                                    tBgB[(None, producer.count)],
+                                    tBsB[(None, producer.index)],
+                                    tma_bar_ptr=mainloop.producer_get_barrier(producer),
+                                )
+                                mainloop.producer_commit(producer)
+                                producer.advance()
+                        self.dequantise(raw, scales, frag32)
+                        # Prefetch two chunks ahead into the buffer just consumed (the last
+                        # chunk is re-read past the end: an L2 hit, simpler than predicates).
+                        ahead = cutlass.min(chunk + 2, self.chunks - 1)
+                        self.load_chunk(wa, sa, wb, sb, expert, rows_of, ahead, c, raw, scales)
+                        mainloop.consumer_wait(consumer)
+                        warpgroup.fence()
+                        for k_block in cutlass.range(num_k_blocks, unroll_full=True):
+                            cute.gemm(
+                                tiled_mma,
+                                accumulators,
+                                frag[(None, None, k_block)],
+                                tCrB[(None, None, k_block, consumer.index)],
+                                accumulators,
+                            )
+                        warpgroup.commit_group()
+                        consumer.advance()
+                warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+
+                coords = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens)))
+                if cutlass.const_expr(self.glu):
+                    self.store_act(accumulators, coords, out, slot, tile_idx)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(accumulators)):
+                        row, token = coords[i]
+                        out[slot, token, tile_idx * ROW_TILE + row] = accumulators[i]
+
+        @cute.jit
+        def load_chunk(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
+            if cutlass.const_expr(self.glu):
+                self.load_raw_glu(wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales)
+            else:
+                self.load_raw(wa, sa, expert, rows_of, chunk, c, raw, scales)
+
+        @cute.jit
+        def store_act(self, accumulators: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, slot, tile_idx):
+            """SiTU-GLU (kimi-k3.md §1.2 hidden_act) of (w1 row, w3 row) = (m-atom 0, m-atom 1)
+            values of the same register position; stored K-permuted and times 2^63 for pass 2."""
+            beta, linear_beta = self.situ_beta, self.situ_linear_beta
+            per_atom = cute.size(accumulators, mode=[0])
+            for i in cutlass.range_constexpr(per_atom):
+                gate = accumulators[i, 0, 0]
+                up = accumulators[i, 1, 0]
+                row, token = coords[i, 0, 0]
+                sigmoid = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate))
+                act = (beta * cute.math.tanh(gate / beta) * sigmoid) * (linear_beta * cute.math.tanh(up / linear_beta))
+                act = act * Float32(2.0**moe_common.B_SCALE_LOG2)
+                # position of intermediate index r in the K-permuted layout (inverse of chunk_permutation)
+                r = tile_idx * GLU_ROWS + row
+                within = r % K_CHUNK
+                c, q, v0, i4 = within // 32, (within % 32) // 8, (within % 8) // 4, within % 4
+                rho = 4 * q + i4
+                logical = 16 * (rho // 2) + 2 * c + v0 + 8 * (rho % 2)
+                out[slot, token, r - within + logical] = act.to(cutlass.BFloat16)
+
+    return MxFp4ExpertGemmSm90
+
+
+_kernel_class = None
+_cache = cute_common.CompileCache()
+
+
+def kernel_class():
+    global _kernel_class
+    if _kernel_class is None:
+        _kernel_class = _build_kernel_class()
+    return _kernel_class
+
+
+def check_expert_shape(experts: int, rows: int, k: int, glu: bool) -> None:
+    if k % (2 * K_CHUNK):
+        raise ValueError(f"k={k}: the expert kernel needs a multiple of {2 * K_CHUNK}")
+    tile = GLU_ROWS if glu else ROW_TILE
+    if rows % tile:
+        raise ValueError(f"rows={rows}: the expert kernel needs a multiple of {tile}")
+    if experts < 1:
+        raise ValueError(f"experts={experts} must be positive")
+
+
+def compile_expert_gemm(
+    experts: int,
+    rows: int,
+    k: int,
+    tokens: int,
+    glu: bool,
+    arch: str,
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    extra_options: tuple = (),
+):
+    """Compiled pass-1 (glu) or pass-2 expert kernel for weights [experts, rows, k] (MXFP4) and
+    slots of `tokens` (8 or 16) rows. The slot count is a runtime value."""
+    if tokens not in (8, 16):
+        raise ValueError(f"tokens={tokens} must be 8 or 16")
+    check_expert_shape(experts, rows, k, glu)
+    key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, arch, tuple(extra_options))
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        slots = cute.sym_int()
+        packed = make_fake_compact_tensor(cutlass.Int32, (experts, rows, k // 8), stride_order=(2, 1, 0), assumed_align=16)
+        scale = make_fake_compact_tensor(cutlass.Uint8, (experts, rows, k // 32), stride_order=(2, 1, 0), assumed_align=16)
+        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
+        xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
+        out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
+        out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
+        gemm = kernel_class()(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(
+            gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
+            options=cute_common.compile_options(arch, *extra_options),
+        )
+
+    return _cache.get(key, build)
+
+
+def available() -> bool:
+    return cute_common.cutlass_available()
+
+
+def _as_words(packed: torch.Tensor) -> torch.Tensor:
+    return packed.view(torch.int32)  # [E, rows, K/2] uint8 -> [E, rows, K/8] int32, no copy
+
+
+def expert_pass(
+    packed_a, scale_a, packed_b, scale_b, lists: moe_common.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
+    glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+):
+    """Run one pass into `out` (caller-allocated; tests poison it). xb [S, tokens, K] bf16 must be
+    K-permuted and times 2^63 (`tokens_for_kernel`)."""
+    experts, rows, half_k = packed_a.shape
+    tokens = xb.shape[1]
+    compiled = compile_expert_gemm(
+        experts, rows, half_k * 2, tokens, glu, cute_common.target_arch(xb.device), situ_beta, situ_linear_beta
+    )
+    compiled(_as_words(packed_a), scale_a, _as_words(packed_b), scale_b, lists.slot_expert, xb, out)
+    return out
+
+
+def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.Tensor:
+    """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted, times 2^63."""
+    gathered = x[lists.slot_tokens]  # [S, tokens, K]
+    return (moe_common.permute_k(gathered) * 2.0**moe_common.B_SCALE_LOG2).contiguous()
+
+
+def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float):
+    """The routed half of the block on the latent: [T, latent] bf16 -> expert outputs [T, k, latent]
+    fp32 (unweighted, in top-k order)."""
+    num_experts, inter, _ = weights.w1_packed.shape
+    tokens = token_tile(latent.shape[0])
+    lists = moe_common.build_expert_lists(ids, num_experts, tokens)
+    slots = lists.slot_expert.shape[0]
+    xb = tokens_for_kernel(latent, lists)
+    act = torch.empty((slots, tokens, inter), dtype=torch.bfloat16, device=latent.device)
+    expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale, lists, xb, act,
+                True, situ_beta, situ_linear_beta)
+    latent_dim = weights.w2_packed.shape[1]
+    y = torch.empty((slots, tokens, latent_dim), dtype=torch.float32, device=latent.device)
+    expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
+    return y.view(slots * tokens, latent_dim)[lists.pair_position]
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_TOKENS
+
+
+@register(
+    "latent_moe",
+    "cute_sm90",
+    devices=("cuda",),
+    min_capability=(9, 0),
+    max_capability=(9, 0),
+    priority=10,
+    available=available,
+    supports=supports,
+)
+def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
+    """The K3 latent MoE block (kernels/moe/reference.py is the contract) with the routed experts
+    on the MXFP4 expert kernel; dense projections go through ops.linear (the CuTe skinny GEMM)."""
+    from dspark.targets.kimi_k3.numerics import rms_norm, situ
+
+    if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
+        raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
+    num_experts, inter, half_latent = weights.w1_packed.shape
+    check_expert_shape(num_experts, inter, half_latent * 2, glu=True)
+    check_expert_shape(num_experts, weights.w2_packed.shape[1], weights.w2_packed.shape[2] * 2, glu=False)
+    ids, route_weights = ops.moe_route(
+        x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
+    )
+    latent = ops.linear(x, weights.latent_down)
+    expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)  # [T, k, latent]
+    routed = route_weights[:, :1] * expert_out[:, 0]
+    for slot in range(1, ids.shape[1]):  # the reference's order: top-k order
+        routed = routed + route_weights[:, slot : slot + 1] * expert_out[:, slot]
+    routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
+    shared = situ(
+        ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta
+    )
+    return ops.linear(routed, weights.latent_up) + ops.linear(shared, weights.shared_down)

@@ -1,0 +1,88 @@
+"""CPU checks of the CuTe DSL MXFP4 expert kernels (spec: kernels.md §1.4 tier (b), §4.3).
+
+Compile-only (no GPU here): the Hopper kernel must lower to wgmma with A from registers (the
+dequantised weights) and B from shared memory, fed by TMA, with no local-memory spills; the
+Blackwell build must lower to tcgen05. Plus the host-side pieces that run on any device: the K
+permutation and the expert lists, against direct loops.
+"""
+import pytest
+import torch
+
+from dspark.kernels import cute_common
+from dspark.kernels.moe import cute_common as moe_common
+from dspark.targets.kimi_k3.config import K3
+
+needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
+
+
+@pytest.fixture
+def _ptx_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
+
+
+@needs_cutlass
+@pytest.mark.usefixtures("_ptx_dump_dir")
+@pytest.mark.parametrize("glu, tokens", [(True, 8), (False, 16)])
+def test_sm90a_expert_kernel_compiles_to_register_a_wgmma(glu, tokens):
+    from dspark.kernels.moe import cute_sm90
+
+    rows, k = (K3.moe_intermediate_size, K3.latent_size) if glu else (K3.latent_size, K3.moe_intermediate_size)
+    compiled = cute_sm90.compile_expert_gemm(K3.num_experts, rows, k, tokens, glu, "sm_90a", extra_options=("--keep-ptx",))
+    ptx = compiled.__ptx__
+    # register-A form: "wgmma... {a regs}, b-descriptor" (no A descriptor), m64 x tokens x k16
+    wgmmas = [line for line in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16" in line]
+    assert wgmmas and all(line.count("{") == 2 for line in wgmmas)  # SS form would have one
+    assert "cp.async.bulk.tensor" in ptx  # TMA for the tokens
+    assert "ld.global.v4" in ptx  # 16-byte code loads
+    assert "fma.rn.bf16x2" in ptx  # the scale, one multiply per bf16 pair
+    assert ".local" not in ptx  # no spills
+    assert ("tanh" in ptx or "ex2" in ptx) == glu  # SiTU epilogue only in pass 1
+
+
+def test_chunk_permutation_is_the_register_fragment_order():
+    perm = moe_common.chunk_permutation()
+    assert sorted(perm.tolist()) == list(range(moe_common.K_CHUNK))
+    # Thread c (lane % 4) of a quad owns, for each k16 block ki, logical columns 2c + v0 + 8 v2
+    # (PTX wgmma A register fragment); they must be its contiguous 32-element MX group.
+    for c in range(4):
+        owned = {int(perm[16 * ki + 2 * c + v0 + 8 * v2]) for ki in range(8) for v0 in (0, 1) for v2 in (0, 1)}
+        assert owned == set(range(32 * c, 32 * c + 32))
+    # the bf16 pair of one register (v0 = 0, 1) is nibbles i and i + 4 of one 32-bit word
+    for logical in range(0, moe_common.K_CHUNK, 2):
+        low, high = int(perm[logical]), int(perm[logical + 1])
+        assert high == low + 4 and low // 8 == high // 8 and low % 8 < 4
+
+
+def test_permute_k_permutes_each_chunk():
+    x = torch.randn(3, 2 * moe_common.K_CHUNK)
+    perm = moe_common.chunk_permutation()
+    y = moe_common.permute_k(x)
+    assert torch.equal(y[:, :128], x[:, perm]) and torch.equal(y[:, 128:], x[:, 128 + perm])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        moe_common.permute_k(torch.randn(2, 100))
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, repeated", [(1, 16, 896, False), (5, 4, 10, True), (16, 16, 896, True)])
+def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated):
+    gen = torch.Generator().manual_seed(tokens * 1000 + top_k)
+    pool = experts if not repeated else max(top_k + 2, experts // 40)  # few experts: many repeats
+    ids = torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)])
+    tile = 8 if tokens <= 8 else 16
+    lists = moe_common.build_expert_lists(ids, experts, tile)
+    touched = sorted(set(ids.flatten().tolist()))
+    slots = min(experts, tokens * top_k)
+    assert lists.slot_expert.tolist() == touched + [-1] * (slots - len(touched))
+    assert lists.slot_tokens.shape == (slots, tile)
+    for slot, expert in enumerate(touched):
+        members = [t for t in range(tokens) if expert in ids[t].tolist()]  # ascending token order
+        assert lists.slot_tokens[slot, : len(members)].tolist() == members
+        for rank, t in enumerate(members):
+            j = ids[t].tolist().index(expert)
+            assert int(lists.pair_position[t, j]) == slot * tile + rank
+
+
+def test_expert_lists_reject_bad_input():
+    with pytest.raises(ValueError, match="ids"):
+        moe_common.build_expert_lists(torch.zeros(17, 4, dtype=torch.long), 896, 16)
+    with pytest.raises(ValueError, match="ids"):
+        moe_common.build_expert_lists(torch.zeros(4, dtype=torch.long), 896, 16)
