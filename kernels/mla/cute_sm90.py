@@ -1,0 +1,513 @@
+"""Absorbed-MLA multi-token verify attention for Hopper (sm_90a) in CuTe DSL: TMA + WGMMA.
+
+Design (spec: kernels.md §2 "multi-token MLA verify", §7 row 5; kimi-k3.md §3 absorbed form):
+- One CTA = 64 query rows (heads x tokens of one request, rows r = j*H + h) x one KV split.
+  Grid (row tiles, splits, B). 2 math warpgroups + 1 producer warp (288 threads).
+- Shared memory: Q tile 64 x 576 (loaded once), 2 pipeline stages of 64 cache rows x 576
+  (c_kv part and k_pe part in separate buffers), P 64 x 64 bf16, row statistics. ~225 KB.
+- The producer warp streams cache tiles with TMA (9 boxes of 64 x 64 per tile) into an
+  mbarrier pipeline (PipelineTmaAsync); the cache tensor is [slots, max_len, 576] and the slot
+  is a TMA coordinate, so rows past max_len are zero-filled (and masked).
+- Per KV tile, warpgroup w:
+    S_w = Q . K[32w : 32w+32]^T        (WGMMA m64n32k16 over 576, both operands in smem)
+    row max over both halves through shared memory, online softmax in fp32 (log2 domain),
+    P_w -> smem (bf16), named barrier,
+    O_w += P . V[:, 256w : 256w+256]   (WGMMA m64n256k16, P and V in smem)
+  V is the c_kv part of the same tile: the buffer holds 64-dim blocks of 64 rows x 128 bytes
+  (128B swizzle), which is both the K-major layout of K for Q.K^T and the MN-major layout of V
+  for P.V, so the tile is loaded once and read in both roles.
+  Each warpgroup keeps its own partial row sums; they meet once in the epilogue.
+- The bottom-right causal mask (query j sees rows < cache_lens[b] + j + 1) is applied only to
+  tiles that reach past the first query's limit (the last one or two tiles).
+- Split-KV: each split covers a contiguous range of 64-row KV tiles of [0, keys this row tile
+  needs); with several splits it writes O/l (fp32) and the log2-sum-exp per row, and the
+  combine kernel (cute_common.combine, PDL-launched) merges them; with one split the kernel
+  writes bf16 output directly (zeros for padding queries).
+
+Not done (see experiments/notes/mla.md): no overlap of the softmax of tile i with the MMAs of
+tile i+1 inside a warpgroup (FA3/FlashMLA ping-pong), no persistent scheduling.
+"""
+# No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
+
+import math
+
+import torch
+
+from .. import cute_common
+from ..registry import register
+from . import cute_common as mla_common
+from .cute_common import HEAD_DIM, KV_TILE, LATENT, ROPE, ROWS_PER_TILE
+
+K_BLOCK = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row; 576 = 9 blocks (8 of c_kv, 1 of k_pe)
+LATENT_BLOCKS = LATENT // K_BLOCK
+STAGES = 2
+MATH_WARPGROUPS = 2
+PRODUCER_WARP = 4 * MATH_WARPGROUPS  # warp index of the TMA producer
+THREADS = 128 * MATH_WARPGROUPS + 32
+S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
+O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
+LOG2E = 1.4426950408889634
+# Named barriers (0 is __syncthreads): row-max exchange and P-complete, both math warpgroups.
+BAR_ROW_MAX, BAR_P_READY, BAR_ROW_SUM = 1, 2, 3
+
+
+def _build_kernel_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.memory
+    import cutlass.pipeline as pipeline
+    import cutlass.tensor_utils as tensor_utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+
+    bf16 = cutlass.BFloat16
+    neg_inf = -math.inf
+
+    class MlaVerifySm90:
+        """One compiled instance per (heads, single or split-KV, index dtype); B, T, the number of
+        splits, cache slots and max_len are runtime values."""
+
+        def __init__(self, heads: int, split_kv: bool):
+            self.heads, self.split_kv = heads, split_kv
+
+        # ---------------------------------------------------------------- host side
+        @cute.jit
+        def __call__(
+            self,
+            q_latent: cute.Tensor,
+            q_pe: cute.Tensor,
+            kv_cache: cute.Tensor,
+            slots: cute.Tensor,
+            cache_lens: cute.Tensor,
+            lengths: cute.Tensor,
+            out: cute.Tensor,
+            o_partial: cute.Tensor,
+            lse_partial: cute.Tensor,
+            scale_log2: cutlass.Float32,
+            splits: cutlass.Int32,
+            stream: cuda.CUstream,
+        ):
+            batch, tokens = q_latent.shape[0], q_latent.shape[1]
+            rows = tokens * self.heads
+            max_len, num_slots = kv_cache.shape[1], kv_cache.shape[0]
+            # (rows, dims, batch) views: TMA zero-fills rows past T*H and past max_len.
+            mQl = cute.make_tensor(q_latent.iterator, cute.make_layout((rows, LATENT, batch), stride=(LATENT, 1, rows * LATENT)))
+            mQp = cute.make_tensor(q_pe.iterator, cute.make_layout((rows, ROPE, batch), stride=(ROPE, 1, rows * ROPE)))
+            mKV = cute.make_tensor(
+                kv_cache.iterator, cute.make_layout((max_len, HEAD_DIM, num_slots), stride=(HEAD_DIM, 1, max_len * HEAD_DIM))
+            )
+            mO = cute.make_tensor(out.iterator, cute.make_layout((rows, LATENT, batch), stride=(LATENT, 1, rows * LATENT)))
+
+            # Shared-memory layouts, all 128B-swizzled 64-wide blocks (see module docstring).
+            q_layout = sm90_utils.make_smem_layout_a(
+                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, KV_TILE, K_BLOCK), bf16, LATENT_BLOCKS + 1
+            )
+            k_layout = sm90_utils.make_smem_layout_b(
+                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, KV_TILE, K_BLOCK), bf16, LATENT_BLOCKS * STAGES
+            )
+            kpe_layout = sm90_utils.make_smem_layout_b(
+                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, KV_TILE, K_BLOCK), bf16, STAGES
+            )
+            # the same bytes as k_layout, read as V (MN-major: latent dims contiguous)
+            v_layout = sm90_utils.make_smem_layout_b(
+                tensor_utils.LayoutEnum.COL_MAJOR, (ROWS_PER_TILE, LATENT, KV_TILE), bf16, STAGES
+            )
+            p_layout = sm90_utils.make_smem_layout_a(
+                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, O_COLS, KV_TILE), bf16, 1
+            )
+            block_layout = cute.slice_(k_layout, (None, None, 0))
+            tma_q, tma_mQl = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQl, block_layout, (ROWS_PER_TILE, K_BLOCK))
+            tma_qpe, tma_mQp = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQp, block_layout, (ROWS_PER_TILE, K_BLOCK))
+            tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKV, block_layout, (KV_TILE, K_BLOCK))
+
+            mma_qk = sm90_utils.make_trivial_tiled_mma(
+                bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1), tiler_mn=(ROWS_PER_TILE, S_COLS)
+            )
+            mma_pv = sm90_utils.make_trivial_tiled_mma(
+                bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), tiler_mn=(ROWS_PER_TILE, O_COLS)
+            )
+
+            @cute.struct
+            class SharedStorage:
+                kv_barriers: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
+                q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+                row_max: cute.struct.MemRange[cutlass.Float32, MATH_WARPGROUPS * ROWS_PER_TILE]
+                row_sum: cute.struct.MemRange[cutlass.Float32, MATH_WARPGROUPS * ROWS_PER_TILE]
+                sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(k_layout)], 1024]
+                sKpe: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kpe_layout)], 1024]
+                sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(p_layout)], 1024]
+
+            self.shared_storage = SharedStorage
+            grid = (cute.ceil_div(rows, ROWS_PER_TILE), splits, batch)
+            self.kernel(
+                tma_q, tma_mQl, tma_qpe, tma_mQp, tma_kv, tma_mKV, mO, o_partial, lse_partial,
+                slots, cache_lens, lengths, rows, splits, scale_log2, mma_qk, mma_pv,
+                q_layout, k_layout, kpe_layout, v_layout, p_layout,
+            ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=True)
+            if cutlass.const_expr(self.split_kv):
+                mla_common._combine_launcher()(o_partial, lse_partial, lengths, out, self.heads, stream)
+
+        # ---------------------------------------------------------------- device side
+        @cute.kernel
+        def kernel(
+            self,
+            tma_q: cute.CopyAtom,
+            mQl: cute.Tensor,
+            tma_qpe: cute.CopyAtom,
+            mQp: cute.Tensor,
+            tma_kv: cute.CopyAtom,
+            mKV: cute.Tensor,
+            mO: cute.Tensor,
+            o_partial: cute.Tensor,
+            lse_partial: cute.Tensor,
+            slots: cute.Tensor,
+            cache_lens: cute.Tensor,
+            lengths: cute.Tensor,
+            rows: cutlass.Int32,
+            splits: cutlass.Int32,
+            scale_log2: cutlass.Float32,
+            mma_qk: cute.TiledMma,
+            mma_pv: cute.TiledMma,
+            q_layout: cute.ComposedLayout,
+            k_layout: cute.ComposedLayout,
+            kpe_layout: cute.ComposedLayout,
+            v_layout: cute.ComposedLayout,
+            p_layout: cute.ComposedLayout,
+        ):
+            heads = self.heads
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            row_tile, split, b = cute.arch.block_idx()
+            if warp_idx == PRODUCER_WARP:
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_qpe)
+                cpasync.prefetch_descriptor(tma_kv)
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            block_bytes = KV_TILE * K_BLOCK * 2
+            consumer_warps = 4 * MATH_WARPGROUPS
+            kv_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.kv_barriers.data_ptr(),
+                num_stages=STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+                tx_count=(LATENT_BLOCKS + 1) * block_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            q_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.q_barriers.data_ptr(),
+                num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+                tx_count=(LATENT_BLOCKS + 1) * block_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+            sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+            sKpe = storage.sKpe.get_tensor(kpe_layout.outer, swizzle=kpe_layout.inner)
+            sV = storage.sK.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+            sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+            row_max_xchg = storage.row_max.get_tensor(cute.make_layout((ROWS_PER_TILE, MATH_WARPGROUPS)))
+            row_sum_xchg = storage.row_sum.get_tensor(cute.make_layout((ROWS_PER_TILE, MATH_WARPGROUPS)))
+
+            # ---- which keys this CTA covers (runtime: per-request lengths live on the GPU)
+            cute.arch.griddepcontrol_wait()  # q and the cache rows come from earlier kernels
+            slot = slots[b].to(cutlass.Int32)
+            cache_len = cache_lens[b].to(cutlass.Int32)
+            num_tokens = lengths[b].to(cutlass.Int32)
+            row0 = row_tile * ROWS_PER_TILE
+            first_token = row0 // heads
+            last_token = cutlass.min((cutlass.min(row0 + ROWS_PER_TILE, rows) - 1) // heads, num_tokens - 1)
+            keys = cutlass.Int32(0)
+            if first_token < num_tokens:
+                keys = cache_len + last_token + 1
+            kv_tiles = (keys + KV_TILE - 1) // KV_TILE
+            per_split = (kv_tiles + splits - 1) // splits
+            tile_begin = split * per_split
+            tile_count = cutlass.max(cutlass.min(kv_tiles - tile_begin, per_split), 0)
+            # tiles from here on reach past what the first query of the tile may see
+            first_masked_tile = (cache_len + first_token + 1) // KV_TILE
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if warp_idx == PRODUCER_WARP:
+                # ---- producer: Q once, then the split's cache tiles
+                gQl = cute.local_tile(mQl, (ROWS_PER_TILE, K_BLOCK), (row_tile, None, b))
+                gQp = cute.local_tile(mQp, (ROWS_PER_TILE, K_BLOCK), (row_tile, None, b))
+                gKV = cute.local_tile(mKV, (KV_TILE, K_BLOCK), (None, None, slot))
+                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQl, 0, 2))
+                tQps, tQpg = cpasync.tma_partition(tma_qpe, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQp, 0, 2))
+                tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2))
+                tKps, tKpg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sKpe, 0, 2), cute.group_modes(gKV, 0, 2))
+
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_pipe.producer_acquire(q_state)
+                for kb in cutlass.range_constexpr(LATENT_BLOCKS):
+                    cute.copy(tma_q, tQg[(None, kb)], tQs[(None, kb)], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                cute.copy(tma_qpe, tQpg[(None, 0)], tQps[(None, LATENT_BLOCKS)], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                for t in cutlass.range(tile_count, unroll=1):
+                    kv_pipe.producer_acquire(producer)
+                    tile = tile_begin + t
+                    barrier = kv_pipe.producer_get_barrier(producer)
+                    for kb in cutlass.range_constexpr(LATENT_BLOCKS):
+                        cute.copy(tma_kv, tKg[(None, tile, kb)], tKs[(None, producer.index * LATENT_BLOCKS + kb)], tma_bar_ptr=barrier)
+                    cute.copy(tma_kv, tKpg[(None, tile, LATENT_BLOCKS)], tKps[(None, producer.index)], tma_bar_ptr=barrier)
+                    producer.advance()
+                kv_pipe.producer_tail(producer)
+
+            if warp_idx < PRODUCER_WARP:
+                # ---- math warpgroups
+                wg = warp_idx // 4
+                wg_tidx = tidx % 128
+                lane = tidx % 32
+                thr_qk = mma_qk.get_slice(wg_tidx)
+                thr_pv = mma_pv.get_slice(wg_tidx)
+
+                # Q.K^T operands: all of Q, this warpgroup's 32 cache rows of each stage
+                sK_half = cute.local_tile(sK, (S_COLS, K_BLOCK, LATENT_BLOCKS * STAGES), (wg, 0, 0))
+                sKpe_half = cute.local_tile(sKpe, (S_COLS, K_BLOCK, STAGES), (wg, 0, 0))
+                tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+                tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK_half))
+                tSrKpe = mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_half))
+                # P.V operands: all of P, this warpgroup's 256 latent columns of each stage
+                sV_half = cute.local_tile(sV, (O_COLS, KV_TILE, STAGES), (wg, 0, 0))
+                tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+                tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
+                # this warpgroup's P columns, addressed like its S accumulator
+                sP_half = cute.local_tile(sP[(None, None, 0)], (ROWS_PER_TILE, S_COLS), (0, wg))
+                tPsP = thr_qk.partition_C(sP_half)
+
+                cS = thr_qk.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, S_COLS)))
+                acc_s = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
+                p_bf16 = cute.make_rmem_tensor(cS.shape, bf16)
+                cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
+                acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
+                acc_o.fill(0.0)
+
+                # The accumulator fragment of an m64nN WGMMA holds, per thread, two rows:
+                # element i is in row-half (i // 2) % 2 (cS gives the coordinates).
+                row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
+                key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+                row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+                row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+                for r in cutlass.range_constexpr(2):
+                    row = cS[2 * r][0]
+                    row_in_tile[r] = row
+                    token = (row0 + row) // heads
+                    # query j sees keys < cache_len + j + 1; padding queries see nothing
+                    limit = cache_len + token + 1
+                    if token >= num_tokens:
+                        limit = 0
+                    key_limit[r] = limit
+                    row_max[r] = neg_inf
+                    row_sum[r] = 0.0
+
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                q_pipe.consumer_wait(q_state)
+                consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+                for t in cutlass.range(tile_count, unroll=1):
+                    tile = tile_begin + t
+                    kv_pipe.consumer_wait(consumer)
+                    stage = consumer.index
+                    # ---- S = Q . K_half^T over the 576 dims
+                    acc_s.fill(0.0)
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(LATENT_BLOCKS):
+                        for k in cutlass.range_constexpr(K_BLOCK // 16):
+                            cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, kb)], tSrK[(None, None, k, stage * LATENT_BLOCKS + kb)], acc_s)
+                    for k in cutlass.range_constexpr(K_BLOCK // 16):
+                        cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    # ---- scale (log2 domain) and the causal mask on the last tile(s)
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        acc_s[i] = acc_s[i] * scale_log2
+                    if tile >= first_masked_tile:
+                        key0 = tile * KV_TILE + wg * S_COLS
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            if key0 + cS[i][1] >= key_limit[(i // 2) % 2]:
+                                acc_s[i] = neg_inf
+
+                    # ---- row max: thread, quad (4 lanes share a row), then both warpgroups
+                    tile_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    for r in cutlass.range_constexpr(2):
+                        tile_max[r] = neg_inf
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        r = (i // 2) % 2
+                        tile_max[r] = cute.arch.fmax(tile_max[r], acc_s[i])
+                    for r in cutlass.range_constexpr(2):
+                        m = tile_max[r]
+                        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+                        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+                        tile_max[r] = m
+                        if lane % 4 == 0:
+                            row_max_xchg[row_in_tile[r], wg] = m
+                    cute.arch.barrier(barrier_id=BAR_ROW_MAX, number_of_threads=128 * MATH_WARPGROUPS)
+                    rescale = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    base = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    for r in cutlass.range_constexpr(2):
+                        other = row_max_xchg[row_in_tile[r], 1 - wg]
+                        new_max = cute.arch.fmax(row_max[r], cute.arch.fmax(tile_max[r], other))
+                        # a row that has seen no key yet keeps max -inf: subtract 0 instead,
+                        # so exp2(-inf - base) = 0 and no NaN appears
+                        b_r = new_max
+                        if new_max == neg_inf:
+                            b_r = cutlass.Float32(0.0)
+                        base[r] = b_r
+                        rescale[r] = cute.arch.exp2(row_max[r] - b_r)
+                        row_max[r] = new_max
+                        row_sum[r] = row_sum[r] * rescale[r]
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        r = (i // 2) % 2
+                        p = cute.arch.exp2(acc_s[i] - base[r])
+                        row_sum[r] = row_sum[r] + p
+                        acc_s[i] = p
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+
+                    # ---- P -> shared memory, visible to the async proxy (WGMMA) of both warpgroups
+                    p_bf16.store(acc_s.load().to(bf16))
+                    cute.autovec_copy(p_bf16, tPsP)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=128 * MATH_WARPGROUPS)
+
+                    # ---- O_half += P . V_half
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(KV_TILE // 16):
+                        cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    kv_pipe.consumer_release(consumer)
+                    consumer.advance()
+
+                cute.arch.griddepcontrol_launch_dependents()
+
+                # ---- epilogue: full row sums (quad, then both warpgroups), normalise, store
+                for r in cutlass.range_constexpr(2):
+                    s = row_sum[r]
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+                    row_sum[r] = s
+                    if lane % 4 == 0:
+                        row_sum_xchg[row_in_tile[r], wg] = s
+                cute.arch.barrier(barrier_id=BAR_ROW_SUM, number_of_threads=128 * MATH_WARPGROUPS)
+                inv_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+                lse = cute.make_rmem_tensor((2,), cutlass.Float32)
+                for r in cutlass.range_constexpr(2):
+                    total = row_sum[r] + row_sum_xchg[row_in_tile[r], 1 - wg]
+                    inv = cutlass.Float32(0.0)
+                    log_sum = cutlass.Float32(neg_inf)
+                    if total > 0.0:
+                        inv = 1.0 / total
+                        log_sum = row_max[r] + cute.math.log2(total, fastmath=True)
+                    if cutlass.const_expr(not self.split_kv):
+                        if key_limit[r] == 0:  # padding query: zeros
+                            inv = cutlass.Float32(0.0)
+                    inv_sum[r] = inv
+                    lse[r] = log_sum
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * inv_sum[(i // 2) % 2]
+
+                if cutlass.const_expr(not self.split_kv):
+                    gO = cute.local_tile(mO[(None, None, b)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
+                    tOgO = thr_pv.partition_C(gO)
+                    out = cute.make_rmem_tensor(cO.shape, mO.element_type)
+                    out.store(acc_o.load().to(mO.element_type))
+                    for i in cutlass.range_constexpr(cute.size(out)):
+                        if row0 + cO[i][0] < rows:
+                            tOgO[i] = out[i]
+                else:
+                    gO = cute.local_tile(o_partial[(b, split, None, None)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
+                    tOgO = thr_pv.partition_C(gO)
+                    cute.autovec_copy(acc_o, tOgO)
+                    if wg == 0 and lane % 4 == 0:
+                        for r in cutlass.range_constexpr(2):
+                            lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
+
+    return MlaVerifySm90
+
+
+_kernel_class = None
+_cache = cute_common.CompileCache()
+
+
+def kernel_class():
+    global _kernel_class
+    if _kernel_class is None:
+        _kernel_class = _build_kernel_class()
+    return _kernel_class
+
+
+def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = ()):
+    """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch).
+    split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
+    (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime."""
+    if heads < 1:
+        raise ValueError(f"heads={heads} must be positive")
+    key = ("mla_verify_sm90", heads, bool(split_kv), index, arch, tuple(extra_options))
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+
+        args = mla_common.fake_arguments(heads, index)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(
+            kernel_class()(heads, bool(split_kv)), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            options=cute_common.compile_options(arch, *extra_options),
+        )
+
+    return _cache.get(key, build)
+
+
+def available() -> bool:
+    return cute_common.cutlass_available()
+
+
+def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
+                    splits: int | None = None, partials=None) -> torch.Tensor:
+    """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
+    `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
+    mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
+    if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
+    B, T, H, _ = q_latent.shape
+    if splits is None:
+        num_sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
+        splits = mla_common.choose_splits(B, T, H, kv_cache.shape[1], num_sms)
+    elif not 1 <= splits <= mla_common.MAX_SPLITS:
+        raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
+    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device))
+    if partials is None:
+        partials = mla_common.workspace(B, T, H, splits, q_latent.device)
+    o_partial, lse = partials
+    compiled(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out, o_partial, lse, scale * LOG2E, splits)
+    return out
+
+
+@register(
+    "mla_verify_attention",
+    "cute_sm90",
+    devices=("cuda",),
+    min_capability=(9, 0),
+    max_capability=(9, 0),
+    priority=10,
+    available=available,
+    supports=mla_common.supports,
+)
+def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q_latent)
+    return mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale, out)

@@ -1,0 +1,86 @@
+"""CPU-only compile checks of the CuTe DSL MLA verify attention (spec: kernels.md §1.4 tier (b)).
+
+Nothing runs here (no GPU): each variant is traced, lowered and assembled for its target with the
+target named explicitly, and the PTX must contain the tensor-core instructions the design relies
+on: WGMMA m64n32k16 (Q.K^T, per warpgroup) and m64n256k16 (P.V) for sm_90a, plus TMA and PDL.
+The host-side heuristics and argument checks are tested too. Skips without nvidia-cutlass-dsl.
+"""
+import pytest
+import torch
+
+from dspark.kernels import cute_common
+from dspark.kernels.mla import cute_common as mla_common
+from dspark.kernels.mla import cute_sm90
+
+needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
+HEADS = 96
+
+
+@pytest.fixture(autouse=True)
+def _ptx_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
+
+
+@needs_cutlass
+@pytest.mark.parametrize("split_kv", [False, True])
+def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(split_kv):
+    compiled = cute_sm90.compile_mla_verify(HEADS, split_kv, torch.int64, "sm_90a", extra_options=("--keep-ptx",))
+    ptx = compiled.__ptx__
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in ptx  # S = Q.K^T
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx  # O += P.V
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads of Q and the cache
+    assert "griddepcontrol.wait" in ptx  # PDL
+    assert "bar.sync" in ptx or "barrier.sync" in ptx  # named barriers between the warpgroups
+    # the split variant launches the combine kernel after the attention kernel
+    assert ptx.count(".entry") == (2 if split_kv else 1)
+
+
+@needs_cutlass
+def test_compile_cache_builds_each_key_once():
+    before = cute_sm90._cache.compiles
+    first = cute_sm90.compile_mla_verify(HEADS, True, torch.int32, "sm_90a")
+    again = cute_sm90.compile_mla_verify(HEADS, True, torch.int32, "sm_90a")
+    assert first is again
+    assert cute_sm90._cache.compiles == before + 1
+
+
+def test_splits_fill_one_wave_and_keep_enough_work_per_split():
+    sms = mla_common.H200_SMS
+    # T = 8: 12 row tiles of 64 (96 heads x 8 tokens); 8k keys = 128 KV tiles
+    assert mla_common.choose_splits(1, 8, HEADS, 8192, sms) == 11  # 132 CTAs
+    assert mla_common.choose_splits(1, 1, HEADS, 1024, sms) == 4  # 16 KV tiles, >= 4 each
+    for batch in (1, 2, 4):
+        for tokens in (1, 4, 8, 16):
+            for context in (256, 1024, 8192, 32768):
+                splits = mla_common.choose_splits(batch, tokens, HEADS, context, sms)
+                ctas = batch * mla_common.row_tiles(tokens, HEADS) * splits
+                assert 1 <= splits <= mla_common.MAX_SPLITS
+                assert splits == 1 or ctas <= sms  # at most one wave
+                assert splits == 1 or context / 64 / splits >= mla_common.MIN_TILES_PER_SPLIT
+
+
+def _arguments(B=2, T=4, H=HEADS, dtype=torch.bfloat16, index=torch.int64):
+    return (
+        torch.randn(B, T, H, 512).to(dtype), torch.randn(B, T, H, 64).to(dtype), torch.randn(3, 128, 576).to(dtype),
+        torch.tensor([0, 2][:B], dtype=index), torch.tensor([5, 9][:B], dtype=index), torch.tensor([4, 3][:B], dtype=index),
+    )
+
+
+def test_argument_checks_name_the_field():
+    q_latent, q_pe, kv, slots, cache_lens, lengths = _arguments()
+    with pytest.raises(ValueError, match="q_pe"):
+        mla_common.check_arguments(q_latent, q_pe[..., :32], kv, slots, cache_lens, lengths)
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla_common.check_arguments(q_latent, q_pe, kv[..., :512], slots, cache_lens, lengths)
+    with pytest.raises(ValueError, match="T=17"):
+        mla_common.check_arguments(*_arguments(T=17))
+    with pytest.raises(ValueError, match="q_latent: dtype"):
+        mla_common.check_arguments(*_arguments(dtype=torch.float32))
+    with pytest.raises(ValueError, match="lengths"):
+        mla_common.check_arguments(q_latent, q_pe, kv, slots, cache_lens, lengths[:1])
+    with pytest.raises(ValueError, match="slots/cache_lens/lengths"):
+        mla_common.check_arguments(q_latent, q_pe, kv, slots.int(), cache_lens, lengths)
+    with pytest.raises(ValueError, match="CUDA"):  # right shapes, but on the CPU
+        mla_common.check_arguments(q_latent, q_pe, kv, slots, cache_lens, lengths)
+    # the registry predicate turns the same checks into "not mine": CPU tensors go elsewhere
+    assert not mla_common.supports(q_latent, q_pe, kv, slots, cache_lens, lengths)
