@@ -11,7 +11,6 @@ latent down/up, shared gate/up/down).
 Usage: python experiments/moe_bench.py --out experiments/results/h200/moe_bench.json [--tokens 1 8]
 """
 import argparse
-import math
 import time
 
 import torch

@@ -86,3 +86,42 @@ def test_expert_lists_reject_bad_input():
         moe_common.build_expert_lists(torch.zeros(17, 4, dtype=torch.long), 896, 16)
     with pytest.raises(ValueError, match="ids"):
         moe_common.build_expert_lists(torch.zeros(4, dtype=torch.long), 896, 16)
+
+
+def test_dequantisation_bit_trick_is_exact_for_every_code_and_scale():
+    # cute_sm90's dequantiser: code s|e1 e0|m -> bf16 bits (s << 15) | (e1 e0 m << 6), times the
+    # bf16 2^(scale - 64); the tokens carry 2^63. Emulated here with torch's bf16 bit view.
+    from dspark.targets.kimi_k3.mxfp4 import dequantise
+
+    codes = torch.arange(256, dtype=torch.int32)  # every byte: two nibbles
+    scales = torch.tensor([64, 100, 119, 120, 127, 150, 191], dtype=torch.int32)
+    for scale in scales.tolist():
+        halves = []
+        for nibble in (codes & 0xF, codes >> 4):
+            bits = ((nibble & 0x7) << 6) | ((nibble & 0x8) << 12)
+            value = bits.to(torch.int16).view(torch.bfloat16).double()
+            multiplier = torch.tensor([(scale + 63) << 7], dtype=torch.int16).view(torch.bfloat16).double()
+            halves.append(value * multiplier * 2.0**63)
+        ours = torch.stack(halves, -1).flatten()  # even index from the low nibble
+        ref = dequantise(codes.to(torch.uint8).view(16, 16), torch.full((16, 1), scale, dtype=torch.uint8), torch.float64)
+        assert torch.equal(ours, ref.flatten()), f"scale byte {scale}"
+
+
+def test_weights_with_untileable_expert_shapes_go_to_the_reference():
+    from dspark.kernels.moe import cute_sm90
+    from dspark.kernels.moe.reference import LatentMoEWeights
+    from dspark.targets.kimi_k3.mxfp4 import pack
+
+    def weights(inter, latent, hidden=64, shared=64, experts=2):
+        (w1, s1), (w3, s3), (w2, s2) = (pack(torch.randn(experts, inter, latent)), pack(torch.randn(experts, inter, latent)),
+                                        pack(torch.randn(experts, latent, inter)))
+        return LatentMoEWeights(
+            gate=torch.randn(experts, hidden), score_bias=torch.zeros(experts), latent_down=torch.randn(latent, hidden),
+            latent_norm=torch.ones(latent), latent_up=torch.randn(hidden, latent), shared_gate=torch.randn(shared, hidden),
+            shared_up=torch.randn(shared, hidden), shared_down=torch.randn(hidden, shared),
+            w1_packed=w1, w1_scale=s1, w3_packed=w3, w3_scale=s3, w2_packed=w2, w2_scale=s2,
+        )
+
+    assert cute_sm90.weights_supported(weights(256, 256))
+    assert not cute_sm90.weights_supported(weights(32, 32))  # the tiny test config
+    assert not cute_sm90.weights_supported(weights(256, 384))  # latent not a multiple of 256
