@@ -12,17 +12,16 @@ over the measured read and copy ceilings give the floors printed beside the resu
 fla's kernel is timed on pre-conv'd q/k/v (no conv, no gated RMSNorm, no records): it does less
 work than our verify, and with output_final_state it writes the final state (a commit of all T).
 
-Usage: python experiments/kda_bench.py [--tokens 8] [--out experiments/results/h200/kda_bench.json]
+Usage: python3 experiments/kda_bench.py [--tokens 8] [--verify-variants bv128_c2_r8_fast,...] [--out experiments/results/h200/kda_bench.json]
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
+import threading
 import time
 
 import torch
+from benchlib import module_version, provenance, read_ceiling, time_calls, write_json
 
 from dspark.kernels import cute_common
 from dspark.kernels.kda import cute_common as kda_cute
@@ -32,45 +31,9 @@ HEADS, HEAD_DIM = 96, 128
 LOWER_BOUND, EPS = -5.0, 1e-5
 
 
-def median_event_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def time_per_call(calls, repeats: int = 20, graph: bool = True) -> dict:
-    """Microseconds per call of a pass over `calls`, eagerly and (if capturable) as a CUDA graph."""
-
-    def run_all():
-        for call in calls:
-            call()
-
-    for _ in range(3):
-        run_all()
-    torch.cuda.synchronize()
-    result = {"eager_us": median_event_ms(run_all, repeats) * 1e3 / len(calls)}
-    if graph:
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run_all()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run_all()
-            g.replay()
-            torch.cuda.synchronize()
-            result["graph_us"] = median_event_ms(g.replay, repeats) * 1e3 / len(calls)
-        except Exception as exc:  # report, do not hide: the eager number still stands
-            result["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    return result
+    """Microseconds per call of a pass over `calls`, eagerly and as a CUDA graph (benchlib)."""
+    return time_calls(calls, reps=len(calls), repeats=repeats, graph=graph)
 
 
 def warm_up_clocks(seconds: float = 1.0) -> dict:
@@ -111,53 +74,126 @@ def make_layer(batch, tokens, gen):
 
 
 def ceilings(nbytes: int, copies: int) -> dict:
-    """Read (sum) and copy bandwidth on fp32 buffers of the state's size, rotated past the L2."""
+    """Read (sum) and copy time of fp32 buffers of the state's size, rotated past the L2, and the
+    pure-read ceiling of a large buffer (benchlib.read_ceiling)."""
     bufs = [torch.randn(nbytes // 4, device="cuda") for _ in range(copies)]
     outs = [torch.empty_like(b) for b in bufs]
     read = time_per_call([lambda b=b: b.sum() for b in bufs], graph=False)["eager_us"]
     copy = time_per_call([lambda b=b, o=o: o.copy_(b) for b, o in zip(bufs, outs)], graph=False)["eager_us"]
-    big = torch.randn(2**28, device="cuda")  # 1 GiB: launch overhead negligible
-    read_big = median_event_ms(big.sum, 10)
-    return {"state_read_us": read, "state_copy_us": copy, "read_GBps_1GiB": big.numel() * 4 / read_big / 1e6}
+    return {"state_read_us": read, "state_copy_us": copy, **read_ceiling(1.0)}
 
 
-def bench_ours(layers, accepted, arch, block_v):
-    """Our verify, commit and the all-layers commit for one block_v (per-layer us)."""
-    L = len(layers)
+def parse_variant(text: str, op: str) -> dict:
+    """'bv128_c2_r8_fast' -> dict(block_v=128, cols=2, row_chunks=8, fast_math=True) (commit: no fast)."""
+    fields = {"bv": "block_v", "c": "cols", "r": "row_chunks"}
+    variant = {"fast_math": False} if op == "verify" else {}
+    for part in text.split("_"):
+        if part == "fast" and op == "verify":
+            variant["fast_math"] = True
+            continue
+        name = next((n for n in sorted(fields, key=len, reverse=True) if part.startswith(n)), None)
+        if name is None or not part[len(name):].isdigit():
+            raise ValueError(f"variant={text!r}: cannot read {part!r} (bvN_cN_rN[_fast])")
+        variant[fields[name]] = int(part[len(name):])
+    return variant
+
+
+def verify_calls(layers, arch, variant, probes=None):
+    """One verify call per layer into its own records/out (probe build if probes are given)."""
+    calls = []
     records = []
-    for x in layers:
-        _, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, block_v=block_v)
+    for i, x in enumerate(layers):
+        _, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, **variant)
+        out = torch.empty_like(x["q_in"])
+        probe = None if probes is None else probes[i]
+        calls.append(lambda x=x, r=rec, o=out, p=probe: kda_cute.verify(
+            *x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, records=r, out=o, probe=p, **variant))
         records.append(rec)
-    outs = [torch.empty_like(x["q_in"]) for x in layers]
-    verify_calls = [
-        (lambda x=x, r=r, o=o: kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch,
-                                               block_v=block_v, records=r, out=o))
-        for x, r, o in zip(layers, records, outs)
-    ]
-    # commit replays into scratch copies so every repeat starts from the same state
+    return calls, records
+
+
+def check_against_reference(x, arch, variant) -> dict:
+    """Relative errors of one layer's verify vs the float64 reference (a variant that is fast but
+    wrong must show here, beside its time)."""
+    out, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, **variant)
+    ref_in = {k: (v.double() if v.is_floating_point() and k != "state" else v) for k, v in x.items()}
+    ref_out, ref_rec = reference.kda_verify(*ref_in.values(), lower_bound=LOWER_BOUND, eps=EPS)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    return {"out": rel(out, ref_out), "keys": rel(rec.keys, ref_rec.keys), "updates": rel(rec.updates, ref_rec.updates),
+            "decays": rel(rec.decays, ref_rec.decays)}
+
+
+PHASES = ("loads_conv_decay", "l2_norms", "recurrence", "rmsnorm_output")
+
+
+def probe_phases(layers, arch, variant) -> dict:
+    """Where a verify's time goes: the probe build (clock64 + %globaltimer at 5 points per CTA)
+    replayed in a CUDA graph over all layers; medians over CTAs and layers of each phase's
+    cycles, the SM clock inside the kernel (cycles / ns over the whole CTA), the CTA spread, and
+    the gap between one layer's last CTA end and the next layer's first CTA start."""
+    B, H = layers[0]["q_in"].shape[0], HEADS
+    nv = HEAD_DIM // variant["block_v"]
+    probes = [torch.zeros((B, H, nv, 10), device="cuda", dtype=torch.int64) for _ in layers]
+    calls, _ = verify_calls(layers, arch, variant, probes)
+    timing = time_per_call(calls)
+    marks = torch.stack(probes).reshape(len(layers), -1, 10).double()  # [L, CTAs, 10]
+    cycles, ns = marks[..., :5], marks[..., 5:]
+    result = {"probe_build_time_us": timing}
+    for i, name in enumerate(PHASES):
+        result[f"{name}_cycles"] = (cycles[..., i + 1] - cycles[..., i]).median().item()
+    result["cta_total_cycles"] = (cycles[..., 4] - cycles[..., 0]).median().item()
+    result["cta_total_ns"] = (ns[..., 4] - ns[..., 0]).median().item()
+    result["sm_clock_mhz_in_kernel"] = ((cycles[..., 4] - cycles[..., 0]) / (ns[..., 4] - ns[..., 0])).median().item() * 1e3
+    result["cta_start_spread_ns"] = (ns[..., 0].max(1).values - ns[..., 0].min(1).values).median().item()
+    result["kernel_span_ns"] = (ns[..., 4].max(1).values - ns[..., 0].min(1).values).median().item()
+    result["gap_between_layers_ns"] = (ns[1:, :, 0].min(1).values - ns[:-1, :, 4].max(1).values).median().item()
+    return result
+
+
+def sample_clock_during(fn, seconds: float) -> dict:
+    """SM clock (NVML via torch.cuda.clock_rate) read every ~5 ms while fn() runs back to back."""
+    samples = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            samples.append(_sm_clock_mhz())
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    start = time.time()
+    while time.time() - start < seconds:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    stop.set()
+    thread.join()
+    numbers = [x for x in samples if isinstance(x, (int, float))]
+    if not numbers:
+        return {"sm_clock_mhz_during": samples[:1]}
+    return {"sm_clock_mhz_during_median": statistics.median(numbers), "min": min(numbers), "max": max(numbers),
+            "samples": len(numbers)}
+
+
+def bench_commit(layers, records, accepted, arch, variant) -> dict:
+    """Commit per layer: one launch for all layers (the intended use) and one launch per layer."""
+    L = len(layers)
     scratch = [(x["state"].clone(), x["conv_state"].clone()) for x in layers]
-    commit_calls = [
-        (lambda s=s, r=r: kda_cute.commit(s[0], s[1], r, accepted, arch=arch, block_v=block_v))
-        for s, r in zip(scratch, records)
-    ]
-    both = [c for pair in zip(verify_calls, commit_calls) for c in pair]
+    per_layer = [(lambda s=s, r=r: kda_cute.commit(s[0], s[1], r, accepted, arch=arch, **variant))
+                 for s, r in zip(scratch, records)]
     stacked_states = torch.stack([s[0] for s in scratch])
     stacked_conv = torch.stack([s[1] for s in scratch])
     stacked_records = reference.KDARecords(
         *(torch.stack([getattr(r, n) for r in records]) for n in ("keys", "updates", "decays", "conv_inputs")),
         records[0].lengths)
-    all_layers = [lambda: kda_cute.commit_layers(stacked_states, stacked_conv, stacked_records, accepted,
-                                                 arch=arch, block_v=block_v)]
-    row = {
-        "verify": time_per_call(verify_calls),
-        "commit": time_per_call(commit_calls),
-        "verify_then_commit_pair": time_per_call(both),  # per call; x2 for per layer
-        "commit_all_layers_one_launch": time_per_call(all_layers),
-    }
-    row["commit_all_layers_one_launch"] = {k: (v / L if isinstance(v, float) else v)
-                                           for k, v in row["commit_all_layers_one_launch"].items()}
-    row["verify_plus_commit_per_layer_graph_us"] = 2 * row["verify_then_commit_pair"].get("graph_us", float("nan"))
-    return row
+    all_layers = time_per_call([lambda: kda_cute.commit_layers(stacked_states, stacked_conv, stacked_records,
+                                                               accepted, arch=arch, **variant)])
+    return {"commit": time_per_call(per_layer),
+            "commit_all_layers_one_launch": {k: (v / L if v is not None else v) for k, v in all_layers.items()}}
 
 
 def main():
@@ -165,36 +201,82 @@ def main():
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--verify-variants", default="bv128_c1_r4,bv128_c1_r4_fast,bv128_c2_r4_fast,bv128_c2_r8_fast,"
+                        "bv128_c4_r8_fast,bv64_c2_r4_fast,bv32_c1_r4_fast",
+                        help="comma-separated bvN_cN_rN[_fast]: block_v, columns per thread, row chunks, fast math")
+    parser.add_argument("--probe-variants", default="bv128_c1_r4,bv128_c1_r4_fast,bv128_c2_r8_fast,bv128_c4_r8_fast",
+                        help="verify variants also run as the probe build (phase breakdown)")
+    parser.add_argument("--commit-variants", default="bv32_c1_r4,bv128_c1_r4,bv64_c2_r8,bv128_c2_r8,bv128_c4_r8")
     parser.add_argument("--out", default="experiments/results/h200/kda_bench.json")
     parser.add_argument("--commit", default=None, help="git commit of the tree (if git is not available here)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:
-            commit = "unknown"
     started = time.time()
     arch = cute_common.target_arch()
     B, T, L = args.batch, args.tokens, args.layers
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [make_layer(B, T, gen) for _ in range(L)]
     state_bytes = B * HEADS * HEAD_DIM * HEAD_DIM * 4
-    rows = {"clock_before_warmup_mhz": _sm_clock_mhz(), "warmup": warm_up_clocks(2.0)}
+    rows = {}
+    result = {
+        **provenance(args.commit), "fla": module_version("fla"), "arch": arch,
+        "shape": {"batch": B, "tokens": T, "heads": HEADS, "head_dim": HEAD_DIM, "layers_rotated": L},
+        "defaults": {"verify": kda_cute.default_variant(HEAD_DIM, "verify"),
+                     "commit": kda_cute.default_variant(HEAD_DIM, "commit")},
+        "rows": rows,
+    }
+
+    def save(section):
+        print(json.dumps({section: rows[section]}), flush=True)
+        result["seconds"] = time.time() - started
+        write_json(args.out, result)
+
+    rows["clock_before_warmup_mhz"] = _sm_clock_mhz()
+    rows["warmup"] = warm_up_clocks(2.0)
     rows["ceilings"] = ceilings(state_bytes, L)
+    save("ceilings")
     accepted = torch.full((B,), T, device="cuda", dtype=torch.int64)  # worst case: replay all T
 
-    # ours, block_v = 32 (4 CTAs per head, cluster of 4) and 128 (1 CTA per head, no cluster)
-    for block_v in (32, 64, 128):
+    # verify variants: time per layer (graph / eager) and errors vs the float64 reference
+    for name in args.verify_variants.split(","):
+        key = f"verify_{name}"
         try:
-            warm = warm_up_clocks()
-            rows[f"cute_block_v{block_v}"] = bench_ours(layers, accepted, arch, block_v)
-            rows[f"cute_block_v{block_v}"].update(warm, sm_clock_mhz_after=_sm_clock_mhz())
+            variant = parse_variant(name, "verify")
+            calls, _ = verify_calls(layers, arch, variant)
+            rows[key] = {"variant": variant, "time_us": time_per_call(calls),
+                         "rel_error_vs_float64": check_against_reference(layers[0], arch, variant)}
         except Exception as exc:  # one failing variant must not hide the others
-            rows[f"cute_block_v{block_v}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        print(json.dumps({f"cute_block_v{block_v}": rows[f"cute_block_v{block_v}"]}), flush=True)
+            rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        save(key)
+    for name in args.probe_variants.split(","):
+        key = f"probe_{name}"
+        try:
+            rows[key] = probe_phases(layers, arch, parse_variant(name, "verify"))
+        except Exception as exc:
+            rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        save(key)
+
+    # commit variants replay the default verify's records
+    default_calls, records = verify_calls(layers, arch, {})
+    for name in args.commit_variants.split(","):
+        key = f"commit_{name}"
+        try:
+            variant = parse_variant(name, "commit")
+            rows[key] = {"variant": variant, **bench_commit(layers, records, accepted, arch, variant)}
+        except Exception as exc:
+            rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        save(key)
+
+    # the defaults together: verify then commit per layer in one graph, and the clock meanwhile
+    scratch = [(x["state"].clone(), x["conv_state"].clone()) for x in layers]
+    commits = [(lambda s=s, r=r: kda_cute.commit(s[0], s[1], r, accepted, arch=arch)) for s, r in zip(scratch, records)]
+    pairs = [c for pair in zip(default_calls, commits) for c in pair]
+    rows["defaults_verify_then_commit"] = {"per_call_us": time_per_call(pairs)}
+    rows["defaults_verify_then_commit"]["verify_plus_commit_per_layer_graph_us"] = (
+        2 * rows["defaults_verify_then_commit"]["per_call_us"]["graph_us"] or float("nan"))
+    rows["defaults_verify_then_commit"].update(sample_clock_during(lambda: [c() for c in default_calls], 0.3))
+    save("defaults_verify_then_commit")
 
     # fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)
     try:
@@ -213,15 +295,13 @@ def main():
                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                        use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
 
-        warm = warm_up_clocks()
         rows["fla_fused_recurrent_kda"] = {
-            **warm,
             "output_only": time_per_call([lambda y=y: fla_call(y, False) for y in fla_inputs]),
             "with_final_state": time_per_call([lambda y=y: fla_call(y, True) for y in fla_inputs]),
         }
     except Exception as exc:
         rows["fla_fused_recurrent_kda"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    print(json.dumps({"fla": rows["fla_fused_recurrent_kda"]}), flush=True)
+    save("fla_fused_recurrent_kda")
 
     # the torch reference on the GPU (fp32 state, eager: it is many small kernels)
     try:
@@ -232,48 +312,29 @@ def main():
         rows["torch_reference"] = time_per_call([lambda x=x: ref_pair(x) for x in layers[:4]], repeats=5, graph=False)
     except Exception as exc:
         rows["torch_reference"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    print(json.dumps({"torch_reference": rows["torch_reference"]}), flush=True)
-
-    import cutlass
-
-    result = {
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "fla": _version("fla"),
-        "cutlass_dsl": getattr(cutlass, "__version__", "unknown"),
-        "arch": arch,
-        "commit": commit,
-        "command": " ".join(sys.argv),
-        "shape": {"batch": B, "tokens": T, "heads": HEADS, "head_dim": HEAD_DIM, "layers_rotated": L},
-        "seconds": time.time() - started,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save("torch_reference")
 
     c = rows["ceilings"]
     print(f"\nK3 KDA layer, B={B} T={T}: state read {c['state_read_us']:.1f} us, copy {c['state_copy_us']:.1f} us "
-          f"(1 GiB read {c['read_GBps_1GiB']:.0f} GB/s). Per layer, us (graph / eager):")
+          f"(read ceiling {c['read_ceiling_GBps']:.0f} GB/s). Per layer, us (graph / eager):")
     for name, row in rows.items():
-        if name.startswith("cute") and "error" in row:
-            print(f"{name:18s} {row['error']}")
-        elif name.startswith("cute"):
-            v, m, a = row["verify"], row["commit"], row["commit_all_layers_one_launch"]
-            print(f"{name:18s} verify {v.get('graph_us', float('nan')):6.1f} / {v['eager_us']:6.1f}   "
-                  f"commit {m.get('graph_us', float('nan')):6.1f} / {m['eager_us']:6.1f}   "
-                  f"commit(all layers, 1 launch) {a.get('graph_us', float('nan')):6.1f}   "
-                  f"verify+commit {row['verify_plus_commit_per_layer_graph_us']:6.1f}")
+        if "error" in row:
+            print(f"{name:28s} {row['error']}")
+        elif name.startswith("verify_"):
+            t, e = row["time_us"], row["rel_error_vs_float64"]
+            print(f"{name:28s} {t['graph_us'] or float('nan'):6.1f} / {t['eager_us']:6.1f}   "
+                  f"err out {e['out']:.1e} u {e['updates']:.1e}")
+        elif name.startswith("probe_"):
+            print(f"{name:28s} " + " ".join(f"{p} {row[p + '_cycles']:.0f}" for p in PHASES)
+                  + f" cyc; {row['sm_clock_mhz_in_kernel']:.0f} MHz, CTA {row['cta_total_ns']:.0f} ns, "
+                  f"span {row['kernel_span_ns']:.0f} ns, gap {row['gap_between_layers_ns']:.0f} ns")
+        elif name.startswith("commit_"):
+            m, a = row["commit"], row["commit_all_layers_one_launch"]
+            print(f"{name:28s} per layer {m['graph_us'] or float('nan'):6.1f}   all layers in 1 launch "
+                  f"{a['graph_us'] or float('nan'):6.1f}")
+    print("defaults", json.dumps(rows["defaults_verify_then_commit"]))
     print("fla", json.dumps(rows["fla_fused_recurrent_kda"]))
     print("torch reference", json.dumps(rows["torch_reference"]))
-
-
-def _version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except Exception:
-        return "not importable"
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def _ptx_of(compiled, tmp_path) -> str:
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_default_verify_compiles_without_spills(arch, tokens, tmp_path):
-    block_v = kda_cute.default_block_v(HEAD_DIM, "verify")  # one CTA per head: no cluster
+    block_v = kda_cute.default_variant(HEAD_DIM, "verify")["block_v"]  # one CTA per head: no cluster
     compiled = kda_cute.compile_verify(arch, HEAD_DIM, block_v, tokens, torch.bfloat16, torch.bfloat16,
                                        extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
     ptx = _ptx_of(compiled, tmp_path)
@@ -54,11 +54,40 @@ def test_v_split_verify_compiles_with_the_cluster_exchange(arch, tmp_path):
 @needs_cutlass
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
 def test_commit_compiles_without_spills(arch, tmp_path):
-    compiled = kda_cute.compile_commit(arch, HEAD_DIM, kda_cute.default_block_v(HEAD_DIM, "commit"), torch.bfloat16,
+    compiled = kda_cute.compile_commit(arch, HEAD_DIM, kda_cute.default_variant(HEAD_DIM, "commit")["block_v"], torch.bfloat16,
                                        extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
     ptx = _ptx_of(compiled, tmp_path)
     assert f".target {arch}" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch, block_v, cols, row_chunks", [("sm_90a", 128, 2, 8), ("sm_103a", 128, 4, 8)])
+def test_fast_math_layouts_compile_without_ieee_division(arch, block_v, cols, row_chunks, tmp_path):
+    """The layout options (columns per thread, row chunks) and fast math: no local memory, and
+    the sigmoids and L2 norms use approximate reciprocals (no div.rn / rcp.rn slow paths)."""
+    compiled = kda_cute.compile_verify(arch, HEAD_DIM, block_v, 8, torch.bfloat16, torch.bfloat16,
+                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"), cols=cols,
+                                       row_chunks=row_chunks, fast_math=True)
+    ptx = _ptx_of(compiled, tmp_path)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "div.rn.f32" not in ptx and "rcp.rn.f32" not in ptx and "rcp.approx" in ptx
+    compiled = kda_cute.compile_commit(arch, HEAD_DIM, block_v, torch.bfloat16, cols=cols, row_chunks=row_chunks,
+                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
+    assert "ld.local" not in _ptx_of(compiled, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "block_v, cols, row_chunks, field",
+    [(128, 3, 4, "cols"), (32, 2, 4, "cols"), (128, 1, 16, "row_chunks"), (32, 1, 2, "row_chunks"),
+     (128, 4, 2, "row_chunks")],
+)
+def test_layout_options_are_checked_naming_the_field(block_v, cols, row_chunks, field):
+    with pytest.raises(ValueError, match=field):
+        kda_cute.compile_verify("sm_90a", HEAD_DIM, block_v, 8, torch.bfloat16, torch.bfloat16, cols=cols,
+                                row_chunks=row_chunks)
+    with pytest.raises(ValueError, match=field):
+        kda_cute.compile_commit("sm_90a", HEAD_DIM, block_v, torch.bfloat16, cols=cols, row_chunks=row_chunks)
 
 
 def _small_inputs(B=1, T=2, H=2, D=32):

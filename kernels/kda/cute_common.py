@@ -16,31 +16,43 @@ Commit (one launch for a stack of layers): replays the accepted prefix from the 
   (S <- exp(g) * S; S <- S + k u^T) and shifts the conv window by the accepted count. Records
   do not depend on block_v, so verify and commit pick theirs independently (commit: 4 CTAs/head).
 
-Thread layout of a state slice: warp w owns state rows [kc*R, (kc+1)*R) with kc = w % 4 and
-column block vc = w // 4; lane l owns column vc*32 + l. A warp reads rows of the state (32
-consecutive floats, coalesced), reads k/q/exp(g) as shared-memory broadcasts, and reduces over
-its R rows serially; the 4 row chunks are summed through shared memory in a fixed order, so every
-thread of a column gets the same bits, and verify and commit apply the same mul + fma per step.
+Thread layout of a state slice (options cols C, row_chunks RC): warp w owns state rows
+[kc*R, (kc+1)*R) with kc = w % RC and R = D / RC, and column block vc = w // RC; lane l owns
+columns vc*32*C + l + 32*c for c < C. A warp reads rows of the state (32 consecutive floats,
+coalesced), reads k/q/exp(g) as shared-memory broadcasts (one per row, shared by the thread's C
+columns: more columns per thread means fewer shared-memory reads per FMA), and reduces over its
+R rows serially; the RC row chunks are summed through shared memory in a fixed order, so every
+thread of a column gets the same bits, and verify and commit apply the same mul + fma per step
+whatever either's layout.
 """
+import functools
+
 import torch
 
 from ..cute_common import CompileCache, compile_options, torch_to_cutlass_dtype
 from .reference import KDARecords
 
-ROW_CHUNKS = 4  # state rows are split over 4 warps; their partial dot products meet in smem
+ROW_CHUNKS = 4  # default row_chunks: the warps a column's rows are split over; partial dots meet in smem
 MAX_TOKENS = 16  # verify width supported: T = 1..16 (k <= 15 drafts)
 L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + 1e-6) (kimi-k3.md §2.1 step 2)
 
 _cache = CompileCache()
 
 
-def default_block_v(head_dim: int, op: str) -> int:
-    """State columns per CTA, from the H200 bench at K3 dims, B=1, T=8 (experiments/notes/kda.md):
+def default_variant(head_dim: int, op: str) -> dict:
+    """Kernel options per op, from the H200 bench at K3 dims, B=1, T=8 (experiments/notes/kda.md):
     verify is fastest with one CTA per head (no cluster exchange, the q/k conv not repeated per
     V-split: 20.6 us vs 30.2 us with 4 CTAs/head); commit with 4 CTAs per head (8.4 vs 10.0 us)."""
     if op == "verify":
-        return head_dim
-    return 32
+        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=False)
+    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS)
+
+
+def _variant(head_dim: int, op: str, **given) -> dict:
+    """The default variant of `op` with the options the caller gave (None = default)."""
+    variant = default_variant(head_dim, op)
+    variant.update({name: value for name, value in given.items() if value is not None})
+    return variant
 
 
 def _check_head_dim(head_dim: int, block_v: int) -> None:
@@ -56,25 +68,56 @@ def _check_head_dim(head_dim: int, block_v: int) -> None:
 # verify
 
 
-def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype, conv_dtype, extra_options):
+def _check_layout(head_dim: int, block_v: int, cols: int, row_chunks: int) -> None:
+    """The thread layout of a [head_dim x block_v] state slice (see the module docstring)."""
+    if cols not in (1, 2, 4) or block_v % (32 * cols) != 0:
+        raise ValueError(f"cols={cols}: must be 1, 2 or 4 with 32*cols dividing block_v={block_v}")
+    if row_chunks not in (2, 4, 8) or head_dim % row_chunks != 0:
+        raise ValueError(f"row_chunks={row_chunks}: must be 2, 4 or 8 and divide head_dim={head_dim}")
+    threads = row_chunks * block_v // cols
+    if not head_dim <= threads <= 1024:
+        raise ValueError(f"row_chunks={row_chunks}, block_v={block_v}, cols={cols}: {threads} threads per CTA, "
+                         f"need head_dim={head_dim}..1024")
+
+
+def _tree_sum(values, first: int, count: int, stride: int):
+    """Pairwise sum of values[first + stride * a] for a < count (a power of two), a fixed order."""
+    if count == 1:
+        return values[first]
+    half = count // 2
+    return _tree_sum(values, first, half, stride) + _tree_sum(values, first + half * stride, half, stride)
+
+
+def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype, conv_dtype, cols: int,
+                  row_chunks: int, fast_math: bool, probe: bool, extra_options):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Float32, Int32, Int64
     from cutlass.memory import SmemAllocator
 
-    D, BV, TM = head_dim, block_v, max_tokens
+    D, BV, TM, C, RC = head_dim, block_v, max_tokens, cols, row_chunks
     NV = D // BV  # V-split CTAs per head (= cluster size)
-    R = D // ROW_CHUNKS  # state rows per thread
-    NT = ROW_CHUNKS * BV  # threads per CTA
+    R = D // RC  # state rows per thread
+    NT = RC * BV // C  # threads per CTA
     NWARPS = NT // 32
     NCONV = 2 * D + BV  # conv outputs per token in this CTA: q (D), k (D), this CTA's v slice (BV)
+    CONV_ROUNDS = (NCONV + NT - 1) // NT  # conv channels per thread
     PER_LANE = D // 32
-    ACC = 4  # partial sums per row-chunk dot product (R = 32 rows -> chains of 8 FMAs)
+    # partial sums per dot product and column: short dependent FMA chains (more columns per
+    # thread give independent chains of their own)
+    ACC = max(1, 4 // C)
     OUT_ROUNDS = (TM * BV + NT - 1) // NT  # output elements per thread (t-major, column tidx % BV)
     SCALE = D**-0.5
+    CLUSTER = [NV, 1, 1] if NV > 1 else None  # one CTA per head: a plain launch
+
+    def reciprocal(x):
+        # fast_math: rcp.approx (~1 ulp) instead of the IEEE division's slow path
+        if fast_math:
+            return cute.arch.rcp_approx(x)
+        return Float32(1.0) / x
 
     def sigmoid(x):
-        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+        return reciprocal(Float32(1.0) + cute.math.exp(-x))
 
     def warp_sum(x):
         for i in range(5):  # plain helper, unrolled while tracing
@@ -82,15 +125,13 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         return x
 
     @cute.jit
-    def load_projection(q_in, k_in, v_in, proj, b, t, ch):
-        value = Float32(0.0)
-        if proj == 0:
-            value = q_in[b, t, ch].to(Float32)
-        elif proj == 1:
-            value = k_in[b, t, ch].to(Float32)
-        else:
-            value = v_in[b, t, ch].to(Float32)
-        return value
+    def load_inputs(src: cute.Tensor, b: Int32, ch: Int32, T: Int32, xs: cute.Tensor, base: cutlass.Constexpr):
+        # every token's load is issued before any use: one memory round trip, not T
+        for t in cutlass.range_constexpr(TM):
+            if t < T:
+                # rounded to the window's dtype, so a position reads the same value here as later
+                # from the committed window
+                xs[base + t] = src[b, t, ch].to(conv_dtype).to(Float32)
 
     @cute.kernel
     def verify_kernel(
@@ -98,15 +139,18 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         beta_in: cute.Tensor, gate_in: cute.Tensor, conv_weight: cute.Tensor, conv_state: cute.Tensor,
         a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm_weight: cute.Tensor, state: cute.Tensor,
         lengths: cute.Tensor, out: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
-        rec_eg: cute.Tensor, rec_x: cute.Tensor, lower_bound: Float32, eps: Float32,
+        rec_eg: cute.Tensor, rec_x: cute.Tensor, probe_out: cute.Tensor, lower_bound: Float32, eps: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         vs, h, b = cute.arch.block_idx()
+        marks = cute.make_rmem_tensor((10,), Int64)  # probe: clock64 and globaltimer at 5 points
+        if cutlass.const_expr(probe):
+            marks[0] = cute.arch.clock64()
+            marks[5] = cute.arch.globaltimer()
         warp = tidx // 32
         lane = tidx % 32
-        kc = warp % ROW_CHUNKS
-        v_local = (warp // ROW_CHUNKS) * 32 + lane
-        v_col = vs * BV + v_local
+        kc = warp % RC
+        v_first = (warp // RC) * 32 * C + lane  # this thread's columns: v_first + 32 * c, c < C
         T = q_in.shape[1]
         # positions at or beyond lengths[b] are padding: no records, zero output
         n_valid = cutlass.min(lengths[b].to(Int32), T)
@@ -115,7 +159,7 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         conv_s = smem.allocate_tensor(Float32, cute.make_layout((TM, NCONV), stride=(NCONV, 1)), 16)
         eg_s = smem.allocate_tensor(Float32, cute.make_layout((TM, D), stride=(D, 1)), 16)
         part_s = smem.allocate_tensor(
-            Float32, cute.make_layout((2, 2, ROW_CHUNKS, BV), stride=(2 * ROW_CHUNKS * BV, ROW_CHUNKS * BV, BV, 1)), 16
+            Float32, cute.make_layout((2, 2, RC, BV), stride=(2 * RC * BV, RC * BV, BV, 1)), 16
         )
         beta_s = smem.allocate_tensor(Float32, cute.make_layout(TM), 16)
         kq_s = smem.allocate_tensor(Float32, cute.make_layout(TM), 16)
@@ -125,13 +169,13 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         # o_t[v] is stored over q_t's first BV columns: q_t is dead once step t's barrier passed
         o_s = conv_s
 
-        # Issue the state loads first: their latency hides behind the prologue below.
-        S = cute.make_rmem_tensor((R,), Float32)
+        # Every global load of the CTA is issued before the first use or store, so the prologue
+        # costs one memory round trip: the state slice first (the most bytes), then the gate and
+        # norm weight for the output, f / dt_bias / beta for the decays, and the conv inputs.
+        S = cute.make_rmem_tensor((R * C,), Float32)
         for i in cutlass.range_constexpr(R):
-            S[i] = state[b, h, kc * R + i, v_col]
-        # Also prefetch what later phases read from global memory (f for the decay, the output
-        # gate and norm weight), so that latency overlaps the conv loads instead of adding
-        # round trips of its own.
+            for c in cutlass.range_constexpr(C):
+                S[i * C + c] = state[b, h, kc * R + i, vs * BV + v_first + 32 * c]
         gate_pre = cute.make_rmem_tensor((OUT_ROUNDS,), Float32)
         for r in cutlass.range_constexpr(OUT_ROUNDS):
             t_out = (tidx + r * NT) // BV
@@ -149,38 +193,58 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         beta_raw = Float32(0.0)
         if tidx < T:
             beta_raw = beta_in[b, tidx, h].to(Float32)
+        # conv channel j of this CTA: q (j < D), k (j < 2D) or this CTA's v columns; the
+        # projection is warp-uniform (D and the thread count are multiples of 32)
+        xs = cute.make_rmem_tensor((CONV_ROUNDS * TM,), Float32)
+        taps = cute.make_rmem_tensor((CONV_ROUNDS * 7,), Float32)  # 4 weights, 3 window values
+        for r in cutlass.range_constexpr(CONV_ROUNDS):
+            j = tidx + r * NT
+            if j < NCONV:
+                proj = Int32(2)
+                ch = h * D + vs * BV + (j - 2 * D)
+                if j < D:
+                    proj = Int32(0)
+                    ch = h * D + j
+                    load_inputs(q_in, b, ch, T, xs, r * TM)
+                elif j < 2 * D:
+                    proj = Int32(1)
+                    ch = h * D + (j - D)
+                    load_inputs(k_in, b, ch, T, xs, r * TM)
+                else:
+                    load_inputs(v_in, b, ch, T, xs, r * TM)
+                for i in cutlass.range_constexpr(4):
+                    taps[r * 7 + i] = conv_weight[proj, ch, i]
+                for i in cutlass.range_constexpr(3):
+                    taps[r * 7 + 4 + i] = conv_state[b, proj, ch, i].to(Float32)
 
-        # Prologue 1: causal conv4 + SiLU of q, k (whole head) and v (this CTA's columns).
-        for j in cutlass.range(tidx, NCONV, NT):
-            proj = Int32(2)
-            ch = h * D + vs * BV + (j - 2 * D)
-            if j < D:
-                proj = Int32(0)
-                ch = h * D + j
-            elif j < 2 * D:
-                proj = Int32(1)
-                ch = h * D + (j - D)
-            w0 = conv_weight[proj, ch, 0]
-            w1 = conv_weight[proj, ch, 1]
-            w2 = conv_weight[proj, ch, 2]
-            w3 = conv_weight[proj, ch, 3]
-            window = cute.make_rmem_tensor((TM + 3,), Float32)
-            for i in cutlass.range_constexpr(3):
-                window[i] = conv_state[b, proj, ch, i].to(Float32)
-            # inputs are rounded to the window's dtype first, so a position reads the same value
-            # here as later from the committed window; they are recorded for the window shift
-            for t in cutlass.range_constexpr(TM):
-                if t < T:
-                    x = load_projection(q_in, k_in, v_in, proj, b, t, ch).to(rec_x.element_type)
-                    window[t + 3] = x.to(Float32)
-                    if proj == 2:
-                        rec_x[b, proj, ch, t] = x
-                    elif vs == 0:  # q/k channels are loaded by every V-split; one records them
-                        rec_x[b, proj, ch, t] = x
-            for t in cutlass.range_constexpr(TM):
-                if t < T:
-                    y = w0 * window[t] + w1 * window[t + 1] + w2 * window[t + 2] + w3 * window[t + 3]
-                    conv_s[t, j] = y * sigmoid(y)
+        # Prologue 1: causal conv4 + SiLU of q, k (whole head) and v (this CTA's columns); the
+        # rounded inputs are recorded for commit's window shift.
+        for r in cutlass.range_constexpr(CONV_ROUNDS):
+            j = tidx + r * NT
+            if j < NCONV:
+                proj = Int32(2)
+                ch = h * D + vs * BV + (j - 2 * D)
+                if j < D:
+                    proj = Int32(0)
+                    ch = h * D + j
+                elif j < 2 * D:
+                    proj = Int32(1)
+                    ch = h * D + (j - D)
+                window = cute.make_rmem_tensor((TM + 3,), Float32)
+                for i in cutlass.range_constexpr(3):
+                    window[i] = taps[r * 7 + 4 + i]
+                for t in cutlass.range_constexpr(TM):
+                    if t < T:
+                        window[t + 3] = xs[r * TM + t]
+                        if proj == 2:
+                            rec_x[b, proj, ch, t] = xs[r * TM + t].to(conv_dtype)
+                        elif vs == 0:  # q/k channels are loaded by every V-split; one records them
+                            rec_x[b, proj, ch, t] = xs[r * TM + t].to(conv_dtype)
+                for t in cutlass.range_constexpr(TM):
+                    if t < T:
+                        y = (taps[r * 7] * window[t] + taps[r * 7 + 1] * window[t + 1]
+                             + taps[r * 7 + 2] * window[t + 2] + taps[r * 7 + 3] * window[t + 3])
+                        conv_s[t, j] = y * sigmoid(y)
 
         # Prologue 2: decay exp(g) per key channel, g = lb * sigmoid(exp(A_log[h]) (f + dt_bias)).
         if tidx < D:
@@ -191,6 +255,9 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
                     eg_s[t, tidx] = cute.math.exp(g)
         if tidx < T:
             beta_s[tidx] = sigmoid(beta_raw)
+        if cutlass.const_expr(probe):
+            marks[1] = cute.arch.clock64()
+            marks[6] = cute.arch.globaltimer()
         cute.arch.sync_threads()
 
         # Prologue 3: L2-normalise q (times D^-1/2) and k, one warp per token; k.q for the output.
@@ -204,12 +271,23 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
                 kv[e] = conv_s[t, D + lane + 32 * e]
                 ssq_q = ssq_q + qv[e] * qv[e]
                 ssq_k = ssq_k + kv[e] * kv[e]
-            norm_q = cute.math.sqrt(warp_sum(ssq_q) + Float32(L2_EPS))
-            norm_k = cute.math.sqrt(warp_sum(ssq_k) + Float32(L2_EPS))
+            ssq_q = warp_sum(ssq_q) + Float32(L2_EPS)
+            ssq_k = warp_sum(ssq_k) + Float32(L2_EPS)
+            inv_q = Float32(0.0)
+            inv_k = Float32(0.0)
+            if cutlass.const_expr(fast_math):
+                inv_q = cute.math.rsqrt(ssq_q) * Float32(SCALE)
+                inv_k = cute.math.rsqrt(ssq_k)
             dot = Float32(0.0)
             for e in cutlass.range_constexpr(PER_LANE):
-                qn = qv[e] / norm_q * Float32(SCALE)
-                kn = kv[e] / norm_k
+                qn = Float32(0.0)
+                kn = Float32(0.0)
+                if cutlass.const_expr(fast_math):
+                    qn = qv[e] * inv_q
+                    kn = kv[e] * inv_k
+                else:
+                    qn = qv[e] / cute.math.sqrt(ssq_q) * Float32(SCALE)
+                    kn = kv[e] / cute.math.sqrt(ssq_k)
                 conv_s[t, lane + 32 * e] = qn
                 conv_s[t, D + lane + 32 * e] = kn
                 dot = dot + qn * kn
@@ -225,39 +303,55 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
             if lane == 0:
                 kq_s[t] = dot
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks[2] = cute.arch.clock64()
+            marks[7] = cute.arch.globaltimer()
 
         # The delta rule, one token per step. o_t = S_t^T q = (decayed S)^T q + (k.q) u, so both
         # reductions over rows happen before the update and each step needs one barrier.
         for t in cutlass.range(T):
             buf = t % 2
-            # 4 interleaved partial sums per dot product: short dependent FMA chains
-            acc_k = cute.make_rmem_tensor((ACC,), Float32)
-            acc_q = cute.make_rmem_tensor((ACC,), Float32)
-            for a in cutlass.range_constexpr(ACC):
+            acc_k = cute.make_rmem_tensor((ACC * C,), Float32)
+            acc_q = cute.make_rmem_tensor((ACC * C,), Float32)
+            for a in cutlass.range_constexpr(ACC * C):
                 acc_k[a] = Float32(0.0)
                 acc_q[a] = Float32(0.0)
             for i in cutlass.range_constexpr(R):
-                S[i] = S[i] * eg_s[t, kc * R + i]
-                acc_k[i % ACC] = acc_k[i % ACC] + S[i] * conv_s[t, D + kc * R + i]
-                acc_q[i % ACC] = acc_q[i % ACC] + S[i] * conv_s[t, kc * R + i]
-            part_s[buf, 0, kc, v_local] = (acc_k[0] + acc_k[1]) + (acc_k[2] + acc_k[3])
-            part_s[buf, 1, kc, v_local] = (acc_q[0] + acc_q[1]) + (acc_q[2] + acc_q[3])
+                decay = eg_s[t, kc * R + i]
+                key = conv_s[t, D + kc * R + i]
+                query = conv_s[t, kc * R + i]
+                for c in cutlass.range_constexpr(C):
+                    S[i * C + c] = S[i * C + c] * decay
+                    a = (i % ACC) * C + c
+                    acc_k[a] = acc_k[a] + S[i * C + c] * key
+                    acc_q[a] = acc_q[a] + S[i * C + c] * query
+            for c in cutlass.range_constexpr(C):
+                part_s[buf, 0, kc, v_first + 32 * c] = _tree_sum(acc_k, c, ACC, C)
+                part_s[buf, 1, kc, v_first + 32 * c] = _tree_sum(acc_q, c, ACC, C)
             cute.arch.sync_threads()
-            s_k = part_s[buf, 0, 0, v_local]
-            s_q = part_s[buf, 1, 0, v_local]
-            for c in cutlass.range_constexpr(1, ROW_CHUNKS):
-                s_k = s_k + part_s[buf, 0, c, v_local]
-                s_q = s_q + part_s[buf, 1, c, v_local]
-            u = beta_s[t] * (conv_s[t, 2 * D + v_local] - s_k)
+            u = cute.make_rmem_tensor((C,), Float32)
+            for c in cutlass.range_constexpr(C):
+                v_local = v_first + 32 * c
+                s_k = part_s[buf, 0, 0, v_local]
+                s_q = part_s[buf, 1, 0, v_local]
+                for chunk in cutlass.range_constexpr(1, RC):
+                    s_k = s_k + part_s[buf, 0, chunk, v_local]
+                    s_q = s_q + part_s[buf, 1, chunk, v_local]
+                u[c] = beta_s[t] * (conv_s[t, 2 * D + v_local] - s_k)
+                if kc == 0:
+                    o_s[t, v_local] = s_q + kq_s[t] * u[c]
+                    u_record = Float32(0.0)
+                    if t < n_valid:
+                        u_record = u[c]
+                    rec_u[b, t, h, vs * BV + v_local] = u_record
             for i in cutlass.range_constexpr(R):
-                S[i] = cute.math.fma(conv_s[t, D + kc * R + i], u, S[i])
-            if kc == 0:
-                o_s[t, v_local] = s_q + kq_s[t] * u
-                u_record = Float32(0.0)
-                if t < n_valid:
-                    u_record = u
-                rec_u[b, t, h, v_col] = u_record
+                key = conv_s[t, D + kc * R + i]
+                for c in cutlass.range_constexpr(C):
+                    S[i * C + c] = cute.math.fma(key, u[c], S[i * C + c])
         cute.arch.sync_threads()
+        if cutlass.const_expr(probe):
+            marks[3] = cute.arch.clock64()
+            marks[8] = cute.arch.globaltimer()
 
         # Gated RMSNorm over the head's D output channels (kimi-k3.md §2.1 step 6).
         for t in cutlass.range(warp, T, NWARPS):
@@ -302,6 +396,12 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
             # keep this CTA's shared memory alive until every peer has read it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+        if cutlass.const_expr(probe):
+            marks[4] = cute.arch.clock64()
+            marks[9] = cute.arch.globaltimer()
+            if tidx == 0:
+                for m in cutlass.range_constexpr(10):
+                    probe_out[b, h, vs, m] = marks[m]
 
     @cute.jit
     def launch(
@@ -309,14 +409,15 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         beta_in: cute.Tensor, gate_in: cute.Tensor, conv_weight: cute.Tensor, conv_state: cute.Tensor,
         a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm_weight: cute.Tensor, state: cute.Tensor,
         lengths: cute.Tensor, out: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
-        rec_eg: cute.Tensor, rec_x: cute.Tensor, lower_bound: Float32, eps: Float32, stream,
+        rec_eg: cute.Tensor, rec_x: cute.Tensor, probe_out: cute.Tensor, lower_bound: Float32, eps: Float32,
+        stream,
     ):
         batch = state.shape[0]
         heads = state.shape[1]
         verify_kernel(
             q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, a_log, dt_bias,
-            o_norm_weight, state, lengths, out, rec_k, rec_u, rec_eg, rec_x, lower_bound, eps,
-        ).launch(grid=[NV, heads, batch], block=[NT, 1, 1], cluster=[NV, 1, 1], stream=stream)
+            o_norm_weight, state, lengths, out, rec_k, rec_u, rec_eg, rec_x, probe_out, lower_bound, eps,
+        ).launch(grid=[NV, heads, batch], block=[NT, 1, 1], cluster=CLUSTER, stream=stream)
 
     sym = cute.sym_int
     B, T, W, H = sym(), sym(), sym(), sym()
@@ -338,41 +439,48 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         fake(f32, (B, H, D, D), stride_order=(3, 2, 1, 0)),
         fake(cutlass.Int64, (B,)), btw(in_dtype), bthd(), bthd(), bthd(),
         fake(conv_dtype, (B, 3, W, T), stride_order=(3, 2, 1, 0)),
+        fake(cutlass.Int64, (sym(), sym(), sym(), sym()), stride_order=(3, 2, 1, 0)),
         Float32(0.0), Float32(0.0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return cute.compile(launch, *args, options=compile_options(arch, *extra_options))
 
 
 def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype: torch.dtype,
-                   conv_dtype: torch.dtype, extra_options: tuple[str, ...] = ()):
+                   conv_dtype: torch.dtype, extra_options: tuple[str, ...] = (), *, cols: int = 1,
+                   row_chunks: int = ROW_CHUNKS, fast_math: bool = False, probe: bool = False):
     """The compiled verify kernel for one variant (cached; CPU-only compile works with any arch).
 
+    cols / row_chunks: the thread layout (state columns per thread, warps a column's rows are
+    split over); fast_math: approximate reciprocals in the sigmoids and L2 norms; probe: thread 0
+    of each CTA writes clock64 and %globaltimer at 5 phase boundaries into probe_out (diagnostic).
     extra_options: more cute.compile flags, e.g. ("--keep-ptx",) to inspect the PTX (written to
     the current directory).
     """
     _check_head_dim(head_dim, block_v)
+    _check_layout(head_dim, block_v, cols, row_chunks)
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
-    key = ("kda_verify", arch, head_dim, block_v, max_tokens, in_dtype, conv_dtype, extra_options)
+    key = ("kda_verify", arch, head_dim, block_v, max_tokens, in_dtype, conv_dtype, cols, row_chunks, fast_math,
+           probe, extra_options)
     return _cache.get(key, lambda: _build_verify(
         arch, head_dim, block_v, max_tokens, torch_to_cutlass_dtype(in_dtype), torch_to_cutlass_dtype(conv_dtype),
-        extra_options))
+        cols, row_chunks, fast_math, probe, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
 # commit
 
 
-def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_options):
+def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int, row_chunks: int, extra_options):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.memory import SmemAllocator
 
-    D, BV = head_dim, block_v
+    D, BV, C, RC = head_dim, block_v, cols, row_chunks
     NV = D // BV
-    R = D // ROW_CHUNKS
-    NT = ROW_CHUNKS * BV
+    R = D // RC
+    NT = RC * BV // C
     CONV_PER_CTA = 3 * D // NV  # conv channels (q, k, v of this head) shifted by each CTA
     TM = MAX_TOKENS
     STAGE_ROUNDS = (TM * D + NT - 1) // NT  # k / exp(g) record elements staged per thread
@@ -389,8 +497,8 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
         b = layer_batch % batch
         warp = tidx // 32
         lane = tidx % 32
-        kc = warp % ROW_CHUNKS
-        v_col = vs * BV + (warp // ROW_CHUNKS) * 32 + lane
+        kc = warp % RC
+        v_first = vs * BV + (warp // RC) * 32 * C + lane  # this thread's columns: v_first + 32 * c
         n = cutlass.min(num_tokens[b].to(Int32), rec_u.shape[2])  # never replay past the verified T
         smem = SmemAllocator()
         k_s = smem.allocate_tensor(Float32, cute.make_layout((TM, D), stride=(D, 1)), 16)
@@ -398,15 +506,17 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
 
         # zero accepted tokens leaves state and window untouched (no stale write-back)
         if n > 0:
-            # Issue every global load first (state slice, this column's u, this head's k and
+            # Issue every global load first (state slice, these columns' u, this head's k and
             # exp(g) rows), so the replay costs one memory round trip instead of one per token.
-            S = cute.make_rmem_tensor((R,), Float32)
+            S = cute.make_rmem_tensor((R * C,), Float32)
             for i in cutlass.range_constexpr(R):
-                S[i] = state[layer, b, h, kc * R + i, v_col]
-            u_pre = cute.make_rmem_tensor((TM,), Float32)
+                for c in cutlass.range_constexpr(C):
+                    S[i * C + c] = state[layer, b, h, kc * R + i, v_first + 32 * c]
+            u_pre = cute.make_rmem_tensor((TM * C,), Float32)
             for t in cutlass.range_constexpr(TM):
                 if t < n:
-                    u_pre[t] = rec_u[layer, b, t, h, v_col]
+                    for c in cutlass.range_constexpr(C):
+                        u_pre[t * C + c] = rec_u[layer, b, t, h, v_first + 32 * c]
             k_pre = cute.make_rmem_tensor((STAGE_ROUNDS,), Float32)
             eg_pre = cute.make_rmem_tensor((STAGE_ROUNDS,), Float32)
             for r in cutlass.range_constexpr(STAGE_ROUNDS):
@@ -417,9 +527,9 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
 
             # conv window <- the last 3 of [window; first n inputs] (independent of the state)
             for j in cutlass.range(tidx, CONV_PER_CTA, NT):
-                c = vs * CONV_PER_CTA + j
-                proj = c // D
-                ch = h * D + c % D
+                ch_all = vs * CONV_PER_CTA + j
+                proj = ch_all // D
+                ch = h * D + ch_all % D
                 old0 = conv_state[layer, b, proj, ch, 0]
                 old1 = conv_state[layer, b, proj, ch, 1]
                 old2 = conv_state[layer, b, proj, ch, 2]
@@ -447,10 +557,14 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
                 if t < n:
                     # the same mul + fma as verify's in-register update, so the bits agree
                     for i in cutlass.range_constexpr(R):
-                        S[i] = S[i] * eg_s[t, kc * R + i]
-                        S[i] = cute.math.fma(k_s[t, kc * R + i], u_pre[t], S[i])
+                        decay = eg_s[t, kc * R + i]
+                        key = k_s[t, kc * R + i]
+                        for c in cutlass.range_constexpr(C):
+                            S[i * C + c] = S[i * C + c] * decay
+                            S[i * C + c] = cute.math.fma(key, u_pre[t * C + c], S[i * C + c])
             for i in cutlass.range_constexpr(R):
-                state[layer, b, h, kc * R + i, v_col] = S[i]
+                for c in cutlass.range_constexpr(C):
+                    state[layer, b, h, kc * R + i, v_first + 32 * c] = S[i * C + c]
 
     @cute.jit
     def launch(
@@ -483,12 +597,13 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, extra_opti
 
 
 def compile_commit(arch: str, head_dim: int, block_v: int, conv_dtype: torch.dtype,
-                   extra_options: tuple[str, ...] = ()):
+                   extra_options: tuple[str, ...] = (), *, cols: int = 1, row_chunks: int = ROW_CHUNKS):
     """The compiled commit kernel for one variant (cached), see compile_verify."""
     _check_head_dim(head_dim, block_v)
-    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, extra_options)
+    _check_layout(head_dim, block_v, cols, row_chunks)
+    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, extra_options)
     return _cache.get(key, lambda: _build_commit(arch, head_dim, block_v, torch_to_cutlass_dtype(conv_dtype),
-                                                 extra_options))
+                                                 cols, row_chunks, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,8 +651,15 @@ def allocate_records(batch: int, tokens: int, heads: int, head_dim: int, conv_dt
 
 def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
            o_norm_weight, state, lengths, *, lower_bound: float, eps: float, arch: str,
-           block_v: int | None = None, records: KDARecords | None = None, out: torch.Tensor | None = None):
+           block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
+           fast_math: bool | None = None, records: KDARecords | None = None, out: torch.Tensor | None = None,
+           probe: torch.Tensor | None = None):
     """Output-only KDA verify, the reference kda_verify's contract. Returns (out, records).
+
+    block_v, cols, row_chunks, fast_math: kernel options (None = default_variant's); probe: an
+    int64 [B, H, head_dim // block_v, 10] tensor selects the probe build, which writes each CTA's
+    clock64 (0..4) and %globaltimer (5..9) at kernel start, after the conv, before the
+    recurrence, after it, and at the end (diagnostic; see experiments/kda_bench.py).
 
     `records` and `out`, if given, are filled in place (records e.g. as views of stacked per-layer
     buffers from allocate_records(leading=(L,)), so that one commit launch replays every layer).
@@ -547,8 +669,9 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
              "must be [B, H, D, D] fp32")
     B, H, D, D2 = state.shape
     _require(D == D2, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
-    block_v = block_v or default_block_v(D, "verify")
-    _check_head_dim(D, block_v)
+    variant = _variant(D, "verify", block_v=block_v, cols=cols, row_chunks=row_chunks, fast_math=fast_math)
+    _check_head_dim(D, variant["block_v"])
+    _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
     _require(q_in.dim() == 3 and q_in.shape[0] == B and q_in.shape[2] == W, "q_in.shape", tuple(q_in.shape),
              f"must be [B={B}, T, W={W}]")
@@ -590,12 +713,25 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
                  "records.conv_inputs.shape", (tuple(x.shape), x.dtype),
                  f"must be contiguous [{B}, 3, {W}, {T}] {conv_state.dtype}")
         records.lengths = lengths
-    kernel = compile_verify(arch, D, block_v, MAX_TOKENS, dtype, conv_state.dtype)
+    if probe is not None:
+        shape = (B, H, D // variant["block_v"], 10)
+        _require(tuple(probe.shape) == shape and probe.dtype == torch.int64 and probe.is_contiguous(), "probe.shape",
+                 (tuple(probe.shape), probe.dtype), f"must be contiguous {list(shape)} int64")
+    kernel = compile_verify(arch, D, variant["block_v"], MAX_TOKENS, dtype, conv_state.dtype, cols=variant["cols"],
+                            row_chunks=variant["row_chunks"], fast_math=variant["fast_math"],
+                            probe=probe is not None)
     c = torch.Tensor.contiguous
     kernel(c(q_in), c(k_in), c(v_in), c(f), c(beta_in), c(gate_in), c(conv_weight), c(conv_state), c(A_log),
            c(dt_bias), c(o_norm_weight), c(state), lengths, out, records.keys, records.updates, records.decays,
-           records.conv_inputs, float(lower_bound), float(eps))
+           records.conv_inputs, probe if probe is not None else _no_probe(state.device), float(lower_bound),
+           float(eps))
     return out, records
+
+
+@functools.cache
+def _no_probe(device: torch.device) -> torch.Tensor:
+    """The probe argument of the builds without the probe (never read or written)."""
+    return torch.zeros((1, 1, 1, 1), device=device, dtype=torch.int64)
 
 
 def _num_tokens_tensor(num_tokens, batch: int, device) -> torch.Tensor:
@@ -606,19 +742,21 @@ def _num_tokens_tensor(num_tokens, batch: int, device) -> torch.Tensor:
 
 
 def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch: str,
-                  block_v: int | None = None) -> None:
+                  block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None) -> None:
     """Commit the first num_tokens[b] verified positions of L stacked layers in one launch.
 
     states [L, B, H, D, D] fp32 and conv_states [L, B, 3, W, 3], both contiguous and updated in
     place; records with a leading L (keys/updates/decays [L, B, T, H, D], conv_inputs
     [L, B, 3, W, T]); num_tokens [B] in 0..T, shared by the layers. Counts above T are clamped
     to T on the device; the caller keeps them <= lengths (no host sync to check it here).
+    block_v, cols, row_chunks: the thread layout (None = default_variant's).
     """
     _require(states.dim() == 5 and states.dtype == torch.float32 and states.is_contiguous(), "states.shape",
              (tuple(states.shape), states.dtype), "must be contiguous [L, B, H, D, D] fp32")
     L, B, H, D, _ = states.shape
-    block_v = block_v or default_block_v(D, "commit")
-    _check_head_dim(D, block_v)
+    variant = _variant(D, "commit", block_v=block_v, cols=cols, row_chunks=row_chunks)
+    _check_head_dim(D, variant["block_v"])
+    _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
     _require(tuple(conv_states.shape) == (L, B, 3, W, 3) and conv_states.is_contiguous(), "conv_states.shape",
              tuple(conv_states.shape), f"must be contiguous [{L}, {B}, 3, {W}, 3]")
@@ -630,17 +768,20 @@ def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch:
     x = records.conv_inputs
     _require(tuple(x.shape) == (L, B, 3, W, T) and x.dtype == conv_states.dtype, "records.conv_inputs.shape",
              (tuple(x.shape), x.dtype), f"must be [{L}, {B}, 3, {W}, {T}] {conv_states.dtype}")
-    kernel = compile_commit(arch, D, block_v, conv_states.dtype)
+    kernel = compile_commit(arch, D, variant["block_v"], conv_states.dtype, cols=variant["cols"],
+                            row_chunks=variant["row_chunks"])
     c = torch.Tensor.contiguous
     kernel(states, conv_states, c(records.keys), c(records.updates), c(records.decays), c(records.conv_inputs),
            _num_tokens_tensor(num_tokens, B, states.device))
 
 
-def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, block_v: int | None = None) -> None:
+def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, block_v: int | None = None,
+           cols: int | None = None, row_chunks: int | None = None) -> None:
     """One layer (the reference kda_commit's contract): bring state [B, H, D, D] and conv_state
     [B, 3, W, 3] in place to the first num_tokens[b] verified positions; 0 leaves both untouched."""
     _require(state.dim() == 4, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
     _require(conv_state.dim() == 4, "conv_state.shape", tuple(conv_state.shape), "must be [B, 3, W, 3]")
     stacked = KDARecords(records.keys.unsqueeze(0), records.updates.unsqueeze(0), records.decays.unsqueeze(0),
                          records.conv_inputs.unsqueeze(0), records.lengths)
-    commit_layers(state.unsqueeze(0), conv_state.unsqueeze(0), stacked, num_tokens, arch=arch, block_v=block_v)
+    commit_layers(state.unsqueeze(0), conv_state.unsqueeze(0), stacked, num_tokens, arch=arch, block_v=block_v,
+                  cols=cols, row_chunks=row_chunks)

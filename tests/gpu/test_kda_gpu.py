@@ -79,16 +79,23 @@ def cute_verify(inputs, **kw):
 
 
 # every T with 4 V-split CTAs per head (block_v 32: the cluster exchange), and 2 per head / one
-# per head without a cluster (block_v 64 / 128, verify's default) at a few T
-CASES = [(t, 32) for t in TOKEN_COUNTS] + [(t, bv) for bv in (64, 128) for t in (1, 8, 16)]
+# per head without a cluster (block_v 64 / 128, verify's default) at a few T; then the thread
+# layouts (columns per thread, row chunks) and fast math, each with a commit layout of its own
+CASES = [(t, dict(block_v=32), dict(block_v=32)) for t in TOKEN_COUNTS] + [
+    (t, dict(block_v=bv), dict(block_v=bv)) for bv in (64, 128) for t in (1, 8, 16)] + [
+    (8, dict(block_v=128, fast_math=True), dict(block_v=32)),
+    (8, dict(block_v=128, cols=2, row_chunks=8, fast_math=True), dict(block_v=128, cols=4, row_chunks=8)),
+    (16, dict(block_v=128, cols=4, row_chunks=8, fast_math=True), dict(block_v=128, cols=2, row_chunks=4)),
+    (8, dict(block_v=64, cols=2, row_chunks=4, fast_math=True), dict(block_v=64, cols=2, row_chunks=8)),
+]
 
 
-@pytest.mark.parametrize("tokens, block_v", CASES)
-def test_verify_and_every_commit_count_match_the_float64_reference(tokens, block_v):
+@pytest.mark.parametrize("tokens, verify_kw, commit_kw", CASES)
+def test_verify_and_every_commit_count_match_the_float64_reference(tokens, verify_kw, commit_kw):
     batch = 2
     inputs = make_inputs(batch, tokens)
     state_before, conv_before = inputs["state"].clone(), inputs["conv_state"].clone()
-    out, records = cute_verify(inputs, records=poisoned_records(batch, tokens, inputs), block_v=block_v)
+    out, records = cute_verify(inputs, records=poisoned_records(batch, tokens, inputs), **verify_kw)
     torch.cuda.synchronize()
     # verify is output-only: the state and conv window are bitwise untouched
     assert torch.equal(inputs["state"], state_before) and torch.equal(inputs["conv_state"], conv_before)
@@ -108,7 +115,7 @@ def test_verify_and_every_commit_count_match_the_float64_reference(tokens, block
     for accepted in range(tokens + 1):
         state, conv_state = state_before.clone(), conv_before.clone()
         kda_cute.commit(state, conv_state, records, torch.full((batch,), accepted, device="cuda"), arch=arch(),
-                        block_v=block_v)
+                        **commit_kw)
         ref_state, ref_conv = ref_inputs["state"].clone(), ref_inputs["conv_state"].clone()
         reference.kda_commit(ref_state, ref_conv, ref_records, torch.full((batch,), accepted, device="cuda"))
         torch.cuda.synchronize()
@@ -143,15 +150,20 @@ def test_per_request_accepted_counts_and_padding_lengths():
         assert relative_error(getattr(records, name), getattr(ref_records, name)) <= STATE_TOL, name
 
 
-@pytest.mark.parametrize("tokens, block_v", [(2, 32), (4, 32), (8, 32), (16, 32), (8, 128)])
-def test_commit_equals_sequential_one_token_decode_bitwise(tokens, block_v):
+FAST = dict(block_v=128, cols=2, row_chunks=8, fast_math=True)
+FAST_COMMIT = dict(block_v=128, cols=4, row_chunks=8)
+
+
+@pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(t, dict(block_v=32), dict(block_v=32)) for t in (2, 4, 8, 16)]
+                         + [(8, dict(block_v=128), dict(block_v=128)), (8, FAST, FAST_COMMIT)])
+def test_commit_equals_sequential_one_token_decode_bitwise(tokens, verify_kw, commit_kw):
     batch = 2
     inputs = make_inputs(batch, tokens)
-    out_all, records = cute_verify(inputs, block_v=block_v)
+    out_all, records = cute_verify(inputs, **verify_kw)
     for accepted in (0, 1, tokens // 2, tokens):
         state, conv_state = inputs["state"].clone(), inputs["conv_state"].clone()
         kda_cute.commit(state, conv_state, records, torch.full((batch,), accepted, device="cuda"), arch=arch(),
-                        block_v=block_v)
+                        **commit_kw)
 
         seq_state, seq_conv = inputs["state"].clone(), inputs["conv_state"].clone()
         for t in range(accepted):
@@ -159,10 +171,10 @@ def test_commit_equals_sequential_one_token_decode_bitwise(tokens, block_v):
                         lengths=torch.ones(batch, device="cuda", dtype=torch.int64))
             for name in ("q_in", "k_in", "v_in", "f", "beta_in", "gate_in"):
                 step[name] = inputs[name][:, t:t + 1].contiguous()
-            out_t, rec_t = cute_verify(step, block_v=block_v)
+            out_t, rec_t = cute_verify(step, **verify_kw)
             assert torch.equal(out_t[:, 0], out_all[:, t]), f"T={tokens}: output {t} differs from one-token decode"
             kda_cute.commit(seq_state, seq_conv, rec_t, torch.ones(batch, device="cuda", dtype=torch.int64), arch=arch(),
-                            block_v=block_v)
+                            **commit_kw)
         assert torch.equal(state, seq_state), f"T={tokens} accepted={accepted}: state not bitwise equal"
         assert torch.equal(conv_state, seq_conv), f"T={tokens} accepted={accepted}: conv window not bitwise equal"
 
@@ -183,6 +195,20 @@ def test_one_launch_commits_a_stack_of_layers():
         state, conv_state = inputs["state"].clone(), inputs["conv_state"].clone()
         kda_cute.commit(state, conv_state, views[layer], accepted, arch=arch())
         assert torch.equal(states[layer], state) and torch.equal(conv_states[layer], conv_state)
+
+
+def test_probe_build_writes_ordered_clocks_and_the_same_results():
+    batch, tokens = 2, 8
+    inputs = make_inputs(batch, tokens)
+    out, records = cute_verify(inputs)
+    probe = torch.full((batch, HEADS, 1, 10), -1, device="cuda", dtype=torch.int64)
+    out_probe, records_probe = cute_verify(inputs, probe=probe)
+    assert torch.equal(out, out_probe)
+    for name in RECORD_FIELDS:
+        assert torch.equal(getattr(records, name), getattr(records_probe, name)), name
+    cycles, nanoseconds = probe[..., :5], probe[..., 5:]
+    assert (cycles[..., 1:] >= cycles[..., :-1]).all() and (cycles[..., 4] > cycles[..., 0]).all()
+    assert (nanoseconds[..., 1:] >= nanoseconds[..., :-1]).all() and (nanoseconds[..., 0] > 0).all()
 
 
 def _conv_silu_float32(inputs, proj_name, proj):
