@@ -2,7 +2,8 @@
 
 Nothing runs here (no GPU): each variant is traced, lowered and assembled for its target with the
 target named explicitly, and the PTX must contain the tensor-core instructions the design relies
-on: WGMMA m64n32k16 (Q.K^T, per warpgroup) and m64n256k16 (P.V) for sm_90a, plus TMA and PDL.
+on: WGMMA m64n32k16 (Q.K^T, per warpgroup) and m64n256k16 (P.V) for sm_90a, plus TMA and PDL;
+mma.sync m16n8k16 fed by ldmatrix (.trans for V) for the never-run sm_100a/sm_103a build.
 The host-side heuristics and argument checks are tested too. Skips without nvidia-cutlass-dsl.
 """
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from dspark.kernels import cute_common
 from dspark.kernels.mla import cute_common as mla_common
-from dspark.kernels.mla import cute_sm90
+from dspark.kernels.mla import cute_sm90, cute_sm100
 
 needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
 HEADS = 96
@@ -33,6 +34,26 @@ def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(split_kv):
     assert "bar.sync" in ptx or "barrier.sync" in ptx  # named barriers between the warpgroups
     # the split variant launches the combine kernel after the attention kernel
     assert ptx.count(".entry") == (2 if split_kv else 1)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch,split_kv", [("sm_103a", False), ("sm_103a", True), ("sm_100a", True)])
+def test_blackwell_compiles_to_mma_sync_with_tma_and_pdl(arch, split_kv):
+    # This variant has never run (no Blackwell GPU here): compiling is all the checking it gets.
+    compiled = cute_sm100.compile_mla_verify(HEADS, split_kv, torch.int64, arch, extra_options=("--keep-ptx",))
+    ptx = compiled.__ptx__
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # V read MN-major
+    assert "wgmma" not in ptx  # Hopper-only instruction
+    assert "cp.async.bulk.tensor" in ptx and "griddepcontrol.wait" in ptx
+    assert ptx.count(".entry") == (2 if split_kv else 1)
+
+
+def test_each_build_refuses_the_other_architecture():
+    with pytest.raises(ValueError, match="arch"):
+        cute_sm100.compile_mla_verify(HEADS, True, torch.int64, "sm_90a")
+    with pytest.raises(ValueError, match="arch"):
+        cute_sm90.compile_mla_verify(HEADS, True, torch.int64, "sm_103a")
 
 
 @needs_cutlass

@@ -59,7 +59,7 @@ def _build_kernel_class():
     import cutlass.pipeline as pipeline
     import cutlass.tensor_utils as tensor_utils
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 
     bf16 = cutlass.BFloat16
     neg_inf = -math.inf
@@ -68,8 +68,10 @@ def _build_kernel_class():
         """One compiled instance per (heads, single or split-KV, index dtype); B, T, the number of
         splits, cache slots and max_len are runtime values."""
 
-        def __init__(self, heads: int, split_kv: bool):
-            self.heads, self.split_kv = heads, split_kv
+        def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False):
+            # warp_mma: mma.sync m16n8k16 fed by ldmatrix instead of WGMMA (the Blackwell build,
+            # cute_sm100.py: WGMMA does not exist there); everything else is shared.
+            self.heads, self.split_kv, self.warp_mma = heads, split_kv, warp_mma
 
         # ---------------------------------------------------------------- host side
         @cute.jit
@@ -121,12 +123,20 @@ def _build_kernel_class():
             tma_qpe, tma_mQp = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQp, block_layout, (ROWS_PER_TILE, K_BLOCK))
             tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKV, block_layout, (KV_TILE, K_BLOCK))
 
-            mma_qk = sm90_utils.make_trivial_tiled_mma(
-                bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1), tiler_mn=(ROWS_PER_TILE, S_COLS)
-            )
-            mma_pv = sm90_utils.make_trivial_tiled_mma(
-                bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), tiler_mn=(ROWS_PER_TILE, O_COLS)
-            )
+            if cutlass.const_expr(self.warp_mma):
+                # 4 warps x m16 rows = the same 64-row tile per warpgroup
+                warp_atom = warp.MmaF16BF16Op(bf16, cutlass.Float32, (16, 8, 16))
+                mma_qk = cute.make_tiled_mma(warp_atom, (4, 1, 1), permutation_mnk=(ROWS_PER_TILE, 16, 16))
+                mma_pv = cute.make_tiled_mma(warp_atom, (4, 1, 1), permutation_mnk=(ROWS_PER_TILE, 16, 16))
+            else:
+                mma_qk = sm90_utils.make_trivial_tiled_mma(
+                    bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1),
+                    tiler_mn=(ROWS_PER_TILE, S_COLS),
+                )
+                mma_pv = sm90_utils.make_trivial_tiled_mma(
+                    bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1),
+                    tiler_mn=(ROWS_PER_TILE, O_COLS),
+                )
 
             @cute.struct
             class SharedStorage:
@@ -275,13 +285,41 @@ def _build_kernel_class():
                 # Q.K^T operands: all of Q, this warpgroup's 32 cache rows of each stage
                 sK_half = cute.local_tile(sK, (S_COLS, K_BLOCK, LATENT_BLOCKS * STAGES), (wg, 0, 0))
                 sKpe_half = cute.local_tile(sKpe, (S_COLS, K_BLOCK, STAGES), (wg, 0, 0))
-                tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-                tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK_half))
-                tSrKpe = mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_half))
                 # P.V operands: all of P, this warpgroup's 256 latent columns of each stage
                 sV_half = cute.local_tile(sV, (O_COLS, KV_TILE, STAGES), (wg, 0, 0))
-                tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
-                tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
+                if cutlass.const_expr(not self.warp_mma):
+                    # WGMMA reads both operands from shared memory through descriptors
+                    tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+                    tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK_half))
+                    tSrKpe = mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_half))
+                    tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+                    tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
+                else:
+                    # mma.sync takes registers: one 64-dim block of Q and K at a time, all of P
+                    # and of this stage's V half, loaded with ldmatrix (.trans for MN-major V)
+                    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16)
+                    ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), bf16)
+                    copy_q = cute.make_tiled_copy_A(ldsm, mma_qk)
+                    copy_k = cute.make_tiled_copy_B(ldsm, mma_qk)
+                    copy_p = cute.make_tiled_copy_A(ldsm, mma_pv)
+                    copy_v = cute.make_tiled_copy_B(ldsm_t, mma_pv)
+                    thr_copy_q = copy_q.get_slice(wg_tidx)
+                    thr_copy_k = copy_k.get_slice(wg_tidx)
+                    thr_copy_p = copy_p.get_slice(wg_tidx)
+                    thr_copy_v = copy_v.get_slice(wg_tidx)
+                    rQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ[(None, None, 0)]))
+                    rK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half[(None, None, 0)]))
+                    rP = thr_pv.make_fragment_A(thr_pv.partition_A(sP[(None, None, 0)]))
+                    rV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_half[(None, None, 0)]))
+                    sQ_copy = thr_copy_q.partition_S(sQ)
+                    sK_copy = thr_copy_k.partition_S(sK_half)
+                    sKpe_copy = thr_copy_k.partition_S(sKpe_half)
+                    sP_copy = thr_copy_p.partition_S(sP)
+                    sV_copy = thr_copy_v.partition_S(sV_half)
+                    rQ_copy = thr_copy_q.retile(rQ)
+                    rK_copy = thr_copy_k.retile(rK)
+                    rP_copy = thr_copy_p.retile(rP)
+                    rV_copy = thr_copy_v.retile(rV)
                 # this warpgroup's P columns, addressed like its S accumulator
                 sP_half = cute.local_tile(sP[(None, None, 0)], (ROWS_PER_TILE, S_COLS), (0, wg))
                 tPsP = thr_qk.partition_C(sP_half)
@@ -320,15 +358,25 @@ def _build_kernel_class():
                     stage = consumer.index
                     # ---- S = Q . K_half^T over the 576 dims
                     acc_s.fill(0.0)
-                    mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(LATENT_BLOCKS):
+                    if cutlass.const_expr(not self.warp_mma):
+                        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(LATENT_BLOCKS):
+                            for k in cutlass.range_constexpr(K_BLOCK // 16):
+                                cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, kb)], tSrK[(None, None, k, stage * LATENT_BLOCKS + kb)], acc_s)
                         for k in cutlass.range_constexpr(K_BLOCK // 16):
-                            cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, kb)], tSrK[(None, None, k, stage * LATENT_BLOCKS + kb)], acc_s)
-                    for k in cutlass.range_constexpr(K_BLOCK // 16):
-                        cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                            cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                    else:
+                        for kb in cutlass.range_constexpr(LATENT_BLOCKS + 1):
+                            cute.copy(copy_q, sQ_copy[(None, None, None, kb)], rQ_copy)
+                            if cutlass.const_expr(kb < LATENT_BLOCKS):
+                                cute.copy(copy_k, sK_copy[(None, None, None, stage * LATENT_BLOCKS + kb)], rK_copy)
+                            else:
+                                cute.copy(copy_k, sKpe_copy[(None, None, None, stage)], rK_copy)
+                            for k in cutlass.range_constexpr(K_BLOCK // 16):
+                                cute.gemm(mma_qk, acc_s, rQ[(None, None, k)], rK[(None, None, k)], acc_s)
 
                     # ---- scale (log2 domain) and the causal mask on the last tile(s)
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -383,12 +431,18 @@ def _build_kernel_class():
                     cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=128 * MATH_WARPGROUPS)
 
                     # ---- O_half += P . V_half
-                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(KV_TILE // 16):
-                        cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(not self.warp_mma):
+                        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.fence()
+                        for k in cutlass.range_constexpr(KV_TILE // 16):
+                            cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                    else:
+                        cute.copy(copy_p, sP_copy[(None, None, None, 0)], rP_copy)
+                        cute.copy(copy_v, sV_copy[(None, None, None, stage)], rV_copy)
+                        for k in cutlass.range_constexpr(KV_TILE // 16):
+                            cute.gemm(mma_pv, acc_o, rP[(None, None, k)], rV[(None, None, k)], acc_o)
                     kv_pipe.consumer_release(consumer)
                     consumer.advance()
 
@@ -450,13 +504,17 @@ def kernel_class():
     return _kernel_class
 
 
-def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = ()):
-    """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch).
+def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
+                       warp_mma: bool = False):
+    """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
     split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
-    (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime."""
+    (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
+    warp_mma=True builds the mma.sync variant (cute_sm100.py)."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
-    key = ("mla_verify_sm90", heads, bool(split_kv), index, arch, tuple(extra_options))
+    if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
+        raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
+    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma)
 
     def build():
         import cutlass
@@ -466,7 +524,7 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
         args = mla_common.fake_arguments(heads, index)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            kernel_class()(heads, bool(split_kv)), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel_class()(heads, bool(split_kv), warp_mma), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -478,7 +536,7 @@ def available() -> bool:
 
 
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
-                    splits: int | None = None, partials=None) -> torch.Tensor:
+                    splits: int | None = None, partials=None, warp_mma: bool = False) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
     `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
@@ -490,7 +548,7 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
         splits = mla_common.choose_splits(B, T, H, kv_cache.shape[1], num_sms)
     elif not 1 <= splits <= mla_common.MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
-    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device))
+    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma)
     if partials is None:
         partials = mla_common.workspace(B, T, H, splits, q_latent.device)
     o_partial, lse = partials
