@@ -333,12 +333,13 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
             for c in cutlass.range_constexpr(C):
                 v_local = v_first + 32 * c
                 s_k = part_s[buf, 0, 0, v_local]
-                s_q = part_s[buf, 1, 0, v_local]
                 for chunk in cutlass.range_constexpr(1, RC):
                     s_k = s_k + part_s[buf, 0, chunk, v_local]
-                    s_q = s_q + part_s[buf, 1, chunk, v_local]
                 u[c] = beta_s[t] * (conv_s[t, 2 * D + v_local] - s_k)
-                if kc == 0:
+                if kc == 0:  # one row chunk writes the output and the record
+                    s_q = part_s[buf, 1, 0, v_local]
+                    for chunk in cutlass.range_constexpr(1, RC):
+                        s_q = s_q + part_s[buf, 1, chunk, v_local]
                     o_s[t, v_local] = s_q + kq_s[t] * u[c]
                     u_record = Float32(0.0)
                     if t < n_valid:
