@@ -39,6 +39,30 @@ def test_sm90a_expert_kernel_compiles_to_register_a_wgmma(glu, tokens):
     assert ("tanh" in ptx or "ex2" in ptx) == glu  # SiTU epilogue only in pass 1
 
 
+@needs_cutlass
+@pytest.mark.usefixtures("_ptx_dump_dir")
+@pytest.mark.parametrize("arch, glu", [("sm_103a", True), ("sm_103a", False), ("sm_100a", True)])
+def test_blackwell_expert_kernel_compiles_to_tcgen05(arch, glu):
+    # The tcgen05 kernel has never run (no Blackwell GPU here): this is all the checking it gets.
+    from dspark.kernels.moe import cute_sm100
+
+    rows, k = (K3.moe_intermediate_size, K3.latent_size) if glu else (K3.latent_size, K3.moe_intermediate_size)
+    ptx = cute_sm100.compile_expert_gemm(K3.num_experts, rows, k, glu, arch, extra_options=("--keep-ptx",)).__ptx__
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "tcgen05.ld" in ptx  # UMMA into TMEM, TMEM -> registers
+    assert "cp.async.bulk.tensor" in ptx  # TMA for the tokens
+    assert "st.shared.v4" in ptx  # dequantised octets written as 16-byte vectors
+    assert "fence.proxy.async.shared::cta" in ptx  # generic-proxy writes made visible to the UMMA
+    assert ".local" not in ptx
+
+
+def test_octet_permutation_matches_the_blackwell_dequantiser():
+    perm = moe_common.octet_permutation()
+    # position 2i holds nibble i of the word, position 2i + 1 nibble i + 4
+    assert perm.tolist() == [i + 4 * half for i in range(4) for half in (0, 1)]
+    x = torch.randn(2, 16)
+    assert torch.equal(moe_common.permute_k(x, "sm100")[:, 8:], x[:, 8:][:, perm])
+
+
 def test_chunk_permutation_is_the_register_fragment_order():
     perm = moe_common.chunk_permutation()
     assert sorted(perm.tolist()) == list(range(moe_common.K_CHUNK))

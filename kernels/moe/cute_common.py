@@ -42,19 +42,31 @@ def chunk_permutation() -> torch.Tensor:
     return perm
 
 
-_permutation_on: dict[torch.device, torch.Tensor] = {}
+def octet_permutation() -> torch.Tensor:
+    """The Blackwell kernel's K order (cute_sm100.py), period 8: a 32-bit word of codes holds
+    elements 0..7 and is dequantised into the bf16 pairs (i, i+4), i = 0..3, stored in that order,
+    so shared-memory position L holds element perm[L] = L // 2 + 4 * (L % 2)."""
+    return torch.tensor([position // 2 + 4 * (position % 2) for position in range(8)])
 
 
-def permute_k(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> x[..., perm] applied within every 128-chunk of K (K % 128 == 0)."""
+_permutations: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def permute_k(x: torch.Tensor, order: str = "sm90") -> torch.Tensor:
+    """x [..., K] -> x with K permuted within every period: the 128-chunk order of the Hopper
+    kernel (`chunk_permutation`, order "sm90") or the octet order of the Blackwell one ("sm100")."""
+    perm_of = {"sm90": chunk_permutation, "sm100": octet_permutation}
+    if order not in perm_of:
+        raise ValueError(f"order={order!r}: expected one of {sorted(perm_of)}")
     k = x.shape[-1]
-    if k % K_CHUNK:
-        raise ValueError(f"x: last dimension {k} is not a multiple of {K_CHUNK}")
     # one copy per device, made outside any CUDA-graph capture (a host copy cannot be captured)
-    index = _permutation_on.get(x.device)
+    index = _permutations.get((order, x.device))
     if index is None:
-        index = _permutation_on[x.device] = chunk_permutation().to(x.device)
-    return x.unflatten(-1, (k // K_CHUNK, K_CHUNK))[..., index].flatten(-2)
+        index = _permutations[(order, x.device)] = perm_of[order]().to(x.device)
+    period = index.numel()
+    if k % period:
+        raise ValueError(f"x: last dimension {k} is not a multiple of {period}")
+    return x.unflatten(-1, (k // period, period))[..., index].flatten(-2)
 
 
 @dataclass
