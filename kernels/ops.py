@@ -45,3 +45,20 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
 def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
     """The whole K3 latent-MoE FFN: x [M, D] -> [M, D]."""
     return select("latent_moe", x).fn(x, weights, cfg)
+
+
+def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise):
+    """Lossless acceptance of one verified block -> (num_accepted [B], next_token [B]) on the
+    logits' device; contract: dspark.sampling.rejection_sample. Dispatch sees the tensors only
+    (draft_probs when there are some): the registry's `supports` and messages take tensors."""
+    tensors = (target_logits, draft_tokens, num_drafts, uniforms, race_noise)
+    tensors += () if draft_probs is None else (draft_probs,)
+    return select("rejection_sample", *tensors).fn(
+        target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise)
+
+
+def synthetic_sample(target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise):
+    """LOSSY forced-acceptance sampler (speed measurement); contract: dspark.sampling.synthetic_sample."""
+    tensors = (target_logits, draft_tokens, num_drafts, uniforms, race_noise, cond_rates)
+    return select("synthetic_sample", *tensors).fn(
+        target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise)
