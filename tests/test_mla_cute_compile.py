@@ -37,6 +37,18 @@ def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(split_kv):
 
 
 @needs_cutlass
+def test_sm90a_producer_warpgroup_variant_moves_registers_with_setmaxnreg():
+    compiled = cute_sm90.compile_mla_verify(
+        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), producer_warpgroup=True
+    )
+    ptx = compiled.__ptx__
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{cute_sm90.PRODUCER_REGS};" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{cute_sm90.MATH_REGS};" in ptx
+    assert ".reqntid 384, 1, 1" in ptx  # 2 math warpgroups + 1 producer warpgroup
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+
+
+@needs_cutlass
 @pytest.mark.parametrize("arch,split_kv", [("sm_103a", False), ("sm_103a", True), ("sm_100a", True)])
 def test_blackwell_compiles_to_mma_sync_with_tma_and_pdl(arch, split_kv):
     # This variant has never run (no Blackwell GPU here): compiling is all the checking it gets.

@@ -2,7 +2,9 @@
 
 Design (spec: kernels.md §2 "multi-token MLA verify", §7 row 5; kimi-k3.md §3 absorbed form):
 - One CTA = 64 query rows (heads x tokens of one request, rows r = j*H + h) x one KV split.
-  Grid (row tiles, splits, B). 2 math warpgroups + 1 producer warp (288 threads).
+  Grid (row tiles, splits, B). 2 math warpgroups + 1 producer warp (288 threads), or with
+  `producer_warpgroup` a whole producer warpgroup (384 threads) so that setmaxnreg can give the
+  math warpgroups 240 registers (at 288 threads ptxas caps them at 168 and spills ~96 bytes).
 - Shared memory: Q tile 64 x 576 (loaded once), 2 pipeline stages of 64 cache rows x 576
   (c_kv part and k_pe part in separate buffers), P 64 x 64 bf16, row statistics. ~225 KB.
 - The producer warp streams cache tiles with TMA (9 boxes of 64 x 64 per tile) into an
@@ -43,7 +45,10 @@ LATENT_BLOCKS = LATENT // K_BLOCK
 STAGES = 2
 MATH_WARPGROUPS = 2
 PRODUCER_WARP = 4 * MATH_WARPGROUPS  # warp index of the TMA producer
-THREADS = 128 * MATH_WARPGROUPS + 32
+# With producer_warpgroup the producer warp comes with three idle warps (a whole warpgroup), so
+# setmaxnreg can move registers to the math warpgroups (whose O accumulators alone take 128).
+PRODUCER_REGS, MATH_REGS = 24, 240
+DEFAULT_PRODUCER_WARPGROUP = False
 S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
 O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
 LOG2E = 1.4426950408889634
@@ -68,10 +73,12 @@ def _build_kernel_class():
         """One compiled instance per (heads, single or split-KV, index dtype); B, T, the number of
         splits, cache slots and max_len are runtime values."""
 
-        def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False):
+        def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False, producer_warpgroup: bool = False):
             # warp_mma: mma.sync m16n8k16 fed by ldmatrix instead of WGMMA (the Blackwell build,
             # cute_sm100.py: WGMMA does not exist there); everything else is shared.
             self.heads, self.split_kv, self.warp_mma = heads, split_kv, warp_mma
+            self.producer_warpgroup = producer_warpgroup
+            self.threads = 128 * MATH_WARPGROUPS + (128 if producer_warpgroup else 32)
 
         # ---------------------------------------------------------------- host side
         @cute.jit
@@ -155,7 +162,7 @@ def _build_kernel_class():
                 tma_q, tma_mQl, tma_qpe, tma_mQp, tma_kv, tma_mKV, mO, o_partial, lse_partial,
                 slots, cache_lens, lengths, rows, splits, scale_log2, mma_qk, mma_pv,
                 q_layout, k_layout, kpe_layout, v_layout, p_layout,
-            ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=True)
+            ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=True)
             if cutlass.const_expr(self.split_kv):
                 mla_common._combine_launcher()(o_partial, lse_partial, lengths, out, self.heads, stream)
 
@@ -246,6 +253,9 @@ def _build_kernel_class():
             first_masked_tile = (cache_len + first_token + 1) // KV_TILE
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            if cutlass.const_expr(self.producer_warpgroup):
+                if warp_idx >= PRODUCER_WARP:
+                    cute.arch.setmaxregister_decrease(PRODUCER_REGS)
 
             if warp_idx == PRODUCER_WARP:
                 # ---- producer: Q once, then the split's cache tiles
@@ -276,6 +286,8 @@ def _build_kernel_class():
 
             if warp_idx < PRODUCER_WARP:
                 # ---- math warpgroups
+                if cutlass.const_expr(self.producer_warpgroup):
+                    cute.arch.setmaxregister_increase(MATH_REGS)
                 wg = warp_idx // 4
                 wg_tidx = tidx % 128
                 lane = tidx % 32
@@ -505,16 +517,17 @@ def kernel_class():
 
 
 def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
-                       warp_mma: bool = False):
+                       warp_mma: bool = False, producer_warpgroup: bool = False):
     """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
     split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
     (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
-    warp_mma=True builds the mma.sync variant (cute_sm100.py)."""
+    warp_mma=True builds the mma.sync variant (cute_sm100.py); producer_warpgroup=True gives the
+    producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg)."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
     if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
         raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
-    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma)
+    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup)
 
     def build():
         import cutlass
@@ -524,7 +537,7 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
         args = mla_common.fake_arguments(heads, index)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            kernel_class()(heads, bool(split_kv), warp_mma), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -536,9 +549,12 @@ def available() -> bool:
 
 
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
-                    splits: int | None = None, partials=None, warp_mma: bool = False) -> torch.Tensor:
+                    splits: int | None = None, partials=None, warp_mma: bool = False,
+                    producer_warpgroup: bool | None = None) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
     `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
+    if producer_warpgroup is None:
+        producer_warpgroup = DEFAULT_PRODUCER_WARPGROUP and not warp_mma
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
     if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
@@ -548,7 +564,8 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
         splits = mla_common.choose_splits(B, T, H, kv_cache.shape[1], num_sms)
     elif not 1 <= splits <= mla_common.MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
-    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma)
+    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma,
+                                  producer_warpgroup=producer_warpgroup)
     if partials is None:
         partials = mla_common.workspace(B, T, H, splits, q_latent.device)
     o_partial, lse = partials

@@ -63,7 +63,7 @@ def make_inputs(gen, B, T, context, lengths, index_dtype=torch.int64):
     return q_latent, q_pe, kv_cache, slots, torch.tensor(cache_lens, dtype=index_dtype, device="cuda"), lengths_t
 
 
-def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64):
+def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64, **variant):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     args = make_inputs(gen, B, T, context, lengths, index_dtype)
     if splits is None:
@@ -72,10 +72,10 @@ def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64):
     o_partial, lse = mla_common.workspace(B, T, HEADS, splits, "cuda")
     o_partial.fill_(float("nan"))
     lse.fill_(float("nan"))
-    kernel.mla_verify_into(*args, SCALE, out, splits=splits, partials=(o_partial, lse))
+    kernel.mla_verify_into(*args, SCALE, out, splits=splits, partials=(o_partial, lse), **variant)
     torch.cuda.synchronize()
     ref = oracle(*args, SCALE)
-    label = f"B={B} T={T} context={context} lengths={lengths} splits={splits}"
+    label = f"B={B} T={T} context={context} lengths={lengths} splits={splits} {variant}"
     assert not out.isnan().any(), f"{label}: {out.isnan().sum().item()} elements not written"
     for b in range(B):
         assert torch.equal(out[b, lengths[b]:], torch.zeros_like(out[b, lengths[b]:])), f"{label}: padding not zero"
@@ -103,6 +103,15 @@ def test_forced_splits_including_the_single_split_path(splits):
     torch.backends.cuda.matmul.allow_tf32 = False
     run_case(2, 8, 1024 if splits == 64 else 8192, [8, 5], splits=splits)
     run_case(1, 1, 4000, [1], splits=splits)  # context not a multiple of the 64-row KV tile
+
+
+@pytest.mark.skipif(kernel is not None and kernel.__name__.endswith("sm100"), reason="Hopper-only variant")
+@pytest.mark.parametrize("producer_warpgroup", [False, True])
+def test_both_producer_layouts(producer_warpgroup):
+    # 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    run_case(2, 8, 8192, [8, 6], producer_warpgroup=producer_warpgroup)
+    run_case(1, 16, 2048, [16], splits=1, producer_warpgroup=producer_warpgroup)
 
 
 def test_int32_indices_and_odd_lengths():
