@@ -480,9 +480,9 @@ def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
     )
     latent = ops.linear(x, weights.latent_down)
     expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)  # [T, k, latent]
-    routed = route_weights[:, :1] * expert_out[:, 0]
-    for slot in range(1, ids.shape[1]):  # the reference's order: top-k order
-        routed = routed + route_weights[:, slot : slot + 1] * expert_out[:, slot]
+    # weighted sum over the k experts in fp32 (one reduction kernel instead of the reference's
+    # k multiply-adds; equal up to fp32 summation order)
+    routed = (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)
     routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
     shared = situ(
         ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta
