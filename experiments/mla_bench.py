@@ -159,13 +159,14 @@ def main(argv=None):
                 us, mode = time_call(fn, args.reps, args.repeats)
                 entry["splits"][str(splits)] = {"us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1)}
                 entry["timing"] = mode
-            if capability == (9, 0):  # the other producer layout at the default split count
-                for variant in (False, True):
-                    partials = mla_common.workspace(1, tokens, HEADS, default_splits, "cuda")
-                    fn = lambda v=variant, p=partials: kernel.mla_verify_into(  # noqa: E731
-                        *inputs, SCALE, out, splits=default_splits, partials=p, producer_warpgroup=v)
-                    us, _ = time_call(fn, args.reps, args.repeats)
-                    entry[f"producer_warpgroup_{variant}_us"] = round(us, 2)
+            if capability == (9, 0):  # every kernel variant at the default split count
+                for producer_warpgroup in (False, True):
+                    for defer in (False, True):
+                        partials = mla_common.workspace(1, tokens, HEADS, default_splits, "cuda")
+                        fn = lambda v=producer_warpgroup, d=defer, p=partials: kernel.mla_verify_into(  # noqa: E731
+                            *inputs, SCALE, out, splits=default_splits, partials=p, producer_warpgroup=v, defer_pv_wait=d)
+                        us, _ = time_call(fn, args.reps, args.repeats)
+                        entry[f"variant_pwg{int(producer_warpgroup)}_defer{int(defer)}_us"] = round(us, 2)
             best = min(entry["splits"].items(), key=lambda kv: kv[1]["us"])
             ours = entry["splits"][str(default_splits)]
             entry.update(

@@ -49,6 +49,7 @@ PRODUCER_WARP = 4 * MATH_WARPGROUPS  # warp index of the TMA producer
 # setmaxnreg can move registers to the math warpgroups (whose O accumulators alone take 128).
 PRODUCER_REGS, MATH_REGS = 24, 240
 DEFAULT_PRODUCER_WARPGROUP = False
+DEFAULT_DEFER_PV_WAIT = False
 S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
 O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
 LOG2E = 1.4426950408889634
@@ -73,11 +74,16 @@ def _build_kernel_class():
         """One compiled instance per (heads, single or split-KV, index dtype); B, T, the number of
         splits, cache slots and max_len are runtime values."""
 
-        def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False, producer_warpgroup: bool = False):
+        def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False, producer_warpgroup: bool = False,
+                     defer_pv_wait: bool = False):
             # warp_mma: mma.sync m16n8k16 fed by ldmatrix instead of WGMMA (the Blackwell build,
             # cute_sm100.py: WGMMA does not exist there); everything else is shared.
             self.heads, self.split_kv, self.warp_mma = heads, split_kv, warp_mma
             self.producer_warpgroup = producer_warpgroup
+            # defer_pv_wait: do not wait for P.V before the next tile; the next Q.K^T wait covers
+            # it (the O rescale needs it complete anyway), so the tensor cores go from P.V(t)
+            # straight into Q.K^T(t+1). The stage of tile t is released one tile later.
+            self.defer_pv_wait = defer_pv_wait and not warp_mma
             self.threads = 128 * MATH_WARPGROUPS + (128 if producer_warpgroup else 32)
 
         # ---------------------------------------------------------------- host side
@@ -364,6 +370,7 @@ def _build_kernel_class():
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 q_pipe.consumer_wait(q_state)
                 consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
                 for t in cutlass.range(tile_count, unroll=1):
                     tile = tile_begin + t
                     kv_pipe.consumer_wait(consumer)
@@ -380,6 +387,11 @@ def _build_kernel_class():
                             cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
+                        if cutlass.const_expr(self.defer_pv_wait):
+                            # this wait also covered the previous tile's P.V: its stage is free
+                            if t > 0:
+                                kv_pipe.consumer_release(release)
+                                release.advance()
                     else:
                         for kb in cutlass.range_constexpr(LATENT_BLOCKS + 1):
                             cute.copy(copy_q, sQ_copy[(None, None, None, kb)], rQ_copy)
@@ -449,14 +461,22 @@ def _build_kernel_class():
                         for k in cutlass.range_constexpr(KV_TILE // 16):
                             cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(0)
+                        if cutlass.const_expr(not self.defer_pv_wait):
+                            warpgroup.wait_group(0)
                     else:
                         cute.copy(copy_p, sP_copy[(None, None, None, 0)], rP_copy)
                         cute.copy(copy_v, sV_copy[(None, None, None, stage)], rV_copy)
                         for k in cutlass.range_constexpr(KV_TILE // 16):
                             cute.gemm(mma_pv, acc_o, rP[(None, None, k)], rV[(None, None, k)], acc_o)
-                    kv_pipe.consumer_release(consumer)
+                    if cutlass.const_expr(not self.defer_pv_wait):
+                        kv_pipe.consumer_release(release)
+                        release.advance()
                     consumer.advance()
+                if cutlass.const_expr(self.defer_pv_wait):
+                    # the last tile's P.V is still in flight (the next Q.K^T would have waited)
+                    warpgroup.wait_group(0)
+                    if tile_count > 0:
+                        kv_pipe.consumer_release(release)
 
                 cute.arch.griddepcontrol_launch_dependents()
 
@@ -517,17 +537,18 @@ def kernel_class():
 
 
 def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
-                       warp_mma: bool = False, producer_warpgroup: bool = False):
+                       warp_mma: bool = False, producer_warpgroup: bool = False, defer_pv_wait: bool = False):
     """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
     split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
     (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
     warp_mma=True builds the mma.sync variant (cute_sm100.py); producer_warpgroup=True gives the
-    producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg)."""
+    producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg);
+    defer_pv_wait=True lets P.V(t) run into Q.K^T(t+1) (see the kernel class)."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
     if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
         raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
-    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup)
+    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup, defer_pv_wait)
 
     def build():
         import cutlass
@@ -537,7 +558,7 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
         args = mla_common.fake_arguments(heads, index)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, defer_pv_wait), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -550,11 +571,13 @@ def available() -> bool:
 
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
                     splits: int | None = None, partials=None, warp_mma: bool = False,
-                    producer_warpgroup: bool | None = None) -> torch.Tensor:
+                    producer_warpgroup: bool | None = None, defer_pv_wait: bool | None = None) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
     `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
     if producer_warpgroup is None:
         producer_warpgroup = DEFAULT_PRODUCER_WARPGROUP and not warp_mma
+    if defer_pv_wait is None:
+        defer_pv_wait = DEFAULT_DEFER_PV_WAIT and not warp_mma
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
     if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
@@ -565,7 +588,7 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
     elif not 1 <= splits <= mla_common.MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
     compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma,
-                                  producer_warpgroup=producer_warpgroup)
+                                  producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait)
     if partials is None:
         partials = mla_common.workspace(B, T, H, splits, q_latent.device)
     o_partial, lse = partials

@@ -106,12 +106,16 @@ def test_forced_splits_including_the_single_split_path(splits):
 
 
 @pytest.mark.skipif(kernel is not None and kernel.__name__.endswith("sm100"), reason="Hopper-only variant")
+@pytest.mark.parametrize("defer_pv_wait", [False, True])
 @pytest.mark.parametrize("producer_warpgroup", [False, True])
-def test_both_producer_layouts(producer_warpgroup):
-    # 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg)
+def test_every_kernel_variant(producer_warpgroup, defer_pv_wait):
+    # 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg); P.V waited for
+    # in its own tile or only by the next tile's Q.K^T wait
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_case(2, 8, 8192, [8, 6], producer_warpgroup=producer_warpgroup)
-    run_case(1, 16, 2048, [16], splits=1, producer_warpgroup=producer_warpgroup)
+    variant = dict(producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait)
+    run_case(2, 8, 8192, [8, 6], **variant)
+    run_case(1, 16, 2048, [16], splits=1, **variant)
+    run_case(2, 1, 1000, [1, 0], splits=3, **variant)
 
 
 def test_int32_indices_and_odd_lengths():
