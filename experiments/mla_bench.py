@@ -7,62 +7,21 @@ For T in {1, 4, 8, 16} verify tokens and contexts L in {1k, 8k, 32k}, B = 1:
   the 576-wide cache rows, the bottom-right causal mask, softmax, bf16 matmul with the 512-wide
   c_kv (cuBLAS); and F.scaled_dot_product_attention on the same absorbed q/k/v where it runs,
 - the bf16 tensor-core peak measured in the same run (8192^3 torch.matmul).
-TFLOP/s = 2 * H * T * L * (576 + 512) / time (the causal tail is not subtracted). Timing: CUDA
-graph replay of `reps` calls (falls back to a plain loop if capture fails), CUDA events, median of
-`repeats` measurements. Output: one JSON with device, versions, commit ($DSPARK_GIT_COMMIT) and
-the command.
+TFLOP/s = 2 * H * T * L * (576 + 512) / time (the causal tail is not subtracted). Timing:
+benchlib.time_calls (CUDA-graph replay and eager, CUDA events, median of repeats), calls rotated
+over enough cache copies (>= 3, >= 120 MB) that L2 does not serve them. Output: one JSON
+(benchlib.provenance: device, versions, commit, command), rewritten after every shape.
 """
 import argparse
 import json
-import os
-import platform
-import statistics
-import sys
+import math
 
 import torch
 import torch.nn.functional as F
+from benchlib import median_event_ms, provenance, time_calls, write_json
 
 HEADS, LATENT, ROPE = 96, 512, 64
 SCALE = 192**-0.5
-
-
-def time_call(fn, reps: int, repeats: int, use_graph: bool = True):
-    """Median microseconds per call; (time, 'graph' | 'loop')."""
-    fn()
-    torch.cuda.synchronize()
-    mode = "loop"
-    run = None
-    if use_graph:
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()  # warm up on the capture stream
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(reps):
-                    fn()
-            run = graph.replay
-            mode = "graph"
-        except Exception as error:  # noqa: BLE001 - report and fall back
-            print(f"graph capture failed ({error!r}); timing a plain loop", file=sys.stderr)
-            torch.cuda.synchronize()
-    if run is None:
-        def run():
-            for _ in range(reps):
-                fn()
-    run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(samples), mode
 
 
 def matmul_peak(repeats: int) -> float:
@@ -70,12 +29,18 @@ def matmul_peak(repeats: int) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    us, _ = time_call(lambda: torch.matmul(a, b, out=c), reps=20, repeats=repeats, use_graph=False)
-    return 2 * n**3 / (us * 1e-6) / 1e12
+    torch.matmul(a, b, out=c)
+    ms = median_event_ms(lambda: torch.matmul(a, b, out=c), repeats)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def tflops(tokens: int, context: int, us: float) -> float:
     return 2 * HEADS * tokens * context * (LATENT + ROPE + LATENT) / (us * 1e-6) / 1e12
+
+
+def copies_for(context: int) -> int:
+    cache_bytes = context * (LATENT + ROPE) * 2
+    return max(3, min(8, math.ceil(120e6 / cache_bytes)))
 
 
 def make_inputs(tokens: int, context: int):
@@ -131,7 +96,6 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    import cutlass  # noqa: F401  (version for the record)
     from dspark.kernels import cute_common
     from dspark.kernels.mla import cute_common as mla_common
 
@@ -143,65 +107,66 @@ def main(argv=None):
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     peak = matmul_peak(args.repeats)
     print(f"bf16 8192^3 matmul: {peak:.0f} TFLOP/s")
-    results = []
+    record = {
+        "bench": "mla_verify_attention",
+        **provenance(),
+        "capability": list(capability),
+        "arch": cute_common.target_arch(),
+        "bf16_matmul_peak_tflops": round(peak, 1),
+        "flop_formula": "2*H*T*L*(576+512)",
+        "timing": "benchlib.time_calls graph_us (eager_us alongside)",
+        "results": [],
+    }
+
+    def measure(calls):
+        timed = time_calls(calls, args.reps, args.repeats)
+        us = timed["graph_us"] if timed["graph_us"] is not None else timed["eager_us"]
+        return us, timed
+
     for context in args.contexts:
         for tokens in args.tokens:
-            inputs = make_inputs(tokens, context)
-            q_latent = inputs[0]
-            out = torch.empty_like(q_latent)
+            copies = [make_inputs(tokens, context) for _ in range(copies_for(context))]
+            out = torch.empty_like(copies[0][0])
             default_splits = mla_common.choose_splits(1, tokens, HEADS, context, num_sms)
-            entry = {"T": tokens, "L": context, "B": 1, "H": HEADS, "default_splits": default_splits, "splits": {}}
-            for splits in sorted({default_splits, *args.split_sweep}):
-                if splits > mla_common.MAX_SPLITS:
-                    continue
+            entry = {"T": tokens, "L": context, "B": 1, "H": HEADS, "copies": len(copies),
+                     "default_splits": default_splits, "splits": {}, "variants": {}}
+
+            def ours(splits, **variant):
                 partials = mla_common.workspace(1, tokens, HEADS, splits, "cuda")
-                fn = lambda s=splits, p=partials: kernel.mla_verify_into(*inputs, SCALE, out, splits=s, partials=p)  # noqa: E731
-                us, mode = time_call(fn, args.reps, args.repeats)
-                entry["splits"][str(splits)] = {"us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1)}
-                entry["timing"] = mode
+                return [lambda x=x: kernel.mla_verify_into(*x, SCALE, out, splits=splits, partials=partials, **variant)
+                        for x in copies]
+
+            for splits in sorted({default_splits, *args.split_sweep}):
+                if splits <= mla_common.MAX_SPLITS:
+                    us, timed = measure(ours(splits))
+                    entry["splits"][str(splits)] = {"us": round(us, 2), "eager_us": round(timed["eager_us"], 2),
+                                                    "tflops": round(tflops(tokens, context, us), 1)}
             if capability == (9, 0):  # every kernel variant at the default split count
                 for producer_warpgroup in (False, True):
                     for defer in (False, True):
-                        partials = mla_common.workspace(1, tokens, HEADS, default_splits, "cuda")
-                        fn = lambda v=producer_warpgroup, d=defer, p=partials: kernel.mla_verify_into(  # noqa: E731
-                            *inputs, SCALE, out, splits=default_splits, partials=p, producer_warpgroup=v, defer_pv_wait=d)
-                        us, _ = time_call(fn, args.reps, args.repeats)
-                        entry[f"variant_pwg{int(producer_warpgroup)}_defer{int(defer)}_us"] = round(us, 2)
+                        us, _ = measure(ours(default_splits, producer_warpgroup=producer_warpgroup, defer_pv_wait=defer))
+                        entry["variants"][f"producer_warpgroup={int(producer_warpgroup)},defer_pv_wait={int(defer)}"] = {
+                            "us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1)}
             best = min(entry["splits"].items(), key=lambda kv: kv[1]["us"])
-            ours = entry["splits"][str(default_splits)]
+            default = entry["splits"][str(default_splits)]
             entry.update(
-                ours_us=ours["us"], ours_tflops=ours["tflops"], ours_pct_peak=round(100 * ours["tflops"] / peak, 1),
+                ours_us=default["us"], ours_tflops=default["tflops"], ours_pct_peak=round(100 * default["tflops"] / peak, 1),
                 best_splits=int(best[0]), best_us=best[1]["us"], best_pct_peak=round(100 * best[1]["tflops"] / peak, 1),
             )
             cache_len = context - tokens
             for name, builder in (("torch_matmul", torch_matmul_path), ("torch_sdpa", torch_sdpa_path)):
                 try:
-                    us, _ = time_call(builder(*inputs[:3], cache_len), args.reps, args.repeats)
+                    us, _ = measure([builder(*x[:3], cache_len) for x in copies])
                     entry[f"{name}_us"] = round(us, 2)
                     entry[f"{name}_tflops"] = round(tflops(tokens, context, us), 1)
                 except Exception as error:  # noqa: BLE001 - a baseline that does not run is recorded as such
                     entry[f"{name}_error"] = repr(error)[:200]
-            results.append(entry)
-            print(json.dumps({k: v for k, v in entry.items() if k != "splits"}))
-    record = {
-        "bench": "mla_verify_attention",
-        "device": torch.cuda.get_device_name(),
-        "capability": list(capability),
-        "num_sms": num_sms,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cutlass_dsl": getattr(__import__("cutlass"), "__version__", "unknown"),
-        "python": platform.python_version(),
-        "commit": os.environ.get("DSPARK_GIT_COMMIT", "unknown"),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "arch": cute_common.target_arch(),
-        "bf16_matmul_peak_tflops": round(peak, 1),
-        "flop_formula": "2*H*T*L*(576+512)",
-        "results": results,
-    }
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(record, handle, indent=1)
+            record["results"].append(entry)
+            print(json.dumps({k: v for k, v in entry.items() if k not in ("splits",)}), flush=True)
+            if args.out:
+                write_json(args.out, record)
+            del copies
+            torch.cuda.empty_cache()
     return record
 
 
