@@ -49,6 +49,18 @@ def test_sm90a_producer_warpgroup_variant_moves_registers_with_setmaxnreg():
 
 
 @needs_cutlass
+def test_sm90a_qk_one_warpgroup_variant_uses_full_width_qk():
+    compiled = cute_sm90.compile_mla_verify(
+        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), qk_one_warpgroup=True
+    )
+    ptx = compiled.__ptx__
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # all of S in warpgroup 0
+    assert "wgmma.mma_async.sync.aligned.m64n32k16" not in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert ".reqntid 384, 1, 1" in ptx and "bar.arrive" in ptx  # producer warpgroup; P handed over
+
+
+@needs_cutlass
 @pytest.mark.parametrize("arch,split_kv", [("sm_103a", False), ("sm_103a", True), ("sm_100a", True)])
 def test_blackwell_compiles_to_mma_sync_with_tma_and_pdl(arch, split_kv):
     # This variant has never run (no Blackwell GPU here): compiling is all the checking it gets.

@@ -19,6 +19,9 @@ Design (spec: kernels.md §2 "multi-token MLA verify", §7 row 5; kimi-k3.md §3
   (128B swizzle), which is both the K-major layout of K for Q.K^T and the MN-major layout of V
   for P.V, so the tile is loaded once and read in both roles.
   Each warpgroup keeps its own partial row sums; they meet once in the epilogue.
+  Variant `qk_one_warpgroup`: warpgroup 0 computes all of S (m64n64k16: Q.K^T at m64n32 needs
+  1.5x the shared-memory bandwidth of the tensor cores' rate) and the softmax, and publishes P and
+  the per-row rescale factors; warpgroup 1 only does its half of P.V (math_qk_one_warpgroup).
 - The bottom-right causal mask (query j sees rows < cache_lens[b] + j + 1) is applied only to
   tiles that reach past the first query's limit (the last one or two tiles).
 - Split-KV: each split covers a contiguous range of 64-row KV tiles of [0, keys this row tile
@@ -50,11 +53,13 @@ PRODUCER_WARP = 4 * MATH_WARPGROUPS  # warp index of the TMA producer
 PRODUCER_REGS, MATH_REGS = 24, 240
 DEFAULT_PRODUCER_WARPGROUP = False
 DEFAULT_DEFER_PV_WAIT = False
+DEFAULT_QK_ONE_WARPGROUP = False
 S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
 O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
 LOG2E = 1.4426950408889634
 # Named barriers (0 is __syncthreads): row-max exchange and P-complete, both math warpgroups.
 BAR_ROW_MAX, BAR_P_READY, BAR_ROW_SUM = 1, 2, 3
+BAR_P_FREE = BAR_ROW_MAX  # qk_one_warpgroup: warpgroup 1 is done with P (no row-max exchange there)
 
 
 def _build_kernel_class():
@@ -75,16 +80,21 @@ def _build_kernel_class():
         splits, cache slots and max_len are runtime values."""
 
         def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False, producer_warpgroup: bool = False,
-                     defer_pv_wait: bool = False):
+                     defer_pv_wait: bool = False, qk_one_warpgroup: bool = False):
             # warp_mma: mma.sync m16n8k16 fed by ldmatrix instead of WGMMA (the Blackwell build,
             # cute_sm100.py: WGMMA does not exist there); everything else is shared.
             self.heads, self.split_kv, self.warp_mma = heads, split_kv, warp_mma
-            self.producer_warpgroup = producer_warpgroup
             # defer_pv_wait: do not wait for P.V before the next tile; the next Q.K^T wait covers
             # it (the O rescale needs it complete anyway), so the tensor cores go from P.V(t)
             # straight into Q.K^T(t+1). The stage of tile t is released one tile later.
             self.defer_pv_wait = defer_pv_wait and not warp_mma
-            self.threads = 128 * MATH_WARPGROUPS + (128 if producer_warpgroup else 32)
+            # qk_one_warpgroup: warpgroup 0 computes all of S (WGMMA m64n64k16, full rate for
+            # shared memory; m64n32 needs 1.5x its bandwidth) and the softmax, hands P and the
+            # rescale factors to warpgroup 1 through shared memory, and both do P.V on their
+            # halves of O. No row-max exchange; needs the producer warpgroup's registers.
+            self.qk_one_warpgroup = qk_one_warpgroup and not warp_mma
+            self.producer_warpgroup = producer_warpgroup or self.qk_one_warpgroup
+            self.threads = 128 * MATH_WARPGROUPS + (128 if self.producer_warpgroup else 32)
 
         # ---------------------------------------------------------------- host side
         @cute.jit
@@ -144,7 +154,7 @@ def _build_kernel_class():
             else:
                 mma_qk = sm90_utils.make_trivial_tiled_mma(
                     bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1),
-                    tiler_mn=(ROWS_PER_TILE, S_COLS),
+                    tiler_mn=(ROWS_PER_TILE, KV_TILE if self.qk_one_warpgroup else S_COLS),
                 )
                 mma_pv = sm90_utils.make_trivial_tiled_mma(
                     bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1),
@@ -290,209 +300,374 @@ def _build_kernel_class():
                     producer.advance()
                 kv_pipe.producer_tail(producer)
 
-            if warp_idx < PRODUCER_WARP:
-                # ---- math warpgroups
-                if cutlass.const_expr(self.producer_warpgroup):
-                    cute.arch.setmaxregister_increase(MATH_REGS)
-                wg = warp_idx // 4
-                wg_tidx = tidx % 128
-                lane = tidx % 32
+            if cutlass.const_expr(self.qk_one_warpgroup):
+                if warp_idx < PRODUCER_WARP:
+                    self.math_qk_one_warpgroup(
+                        mma_qk, mma_pv, sQ, sK, sKpe, sV, sP, row_max_xchg, row_sum_xchg, q_pipe, kv_pipe, mO,
+                        o_partial, lse_partial, b, split, row_tile, row0, rows, cache_len, num_tokens, tile_begin,
+                        tile_count, first_masked_tile, scale_log2,
+                    )
+            if cutlass.const_expr(not self.qk_one_warpgroup):
+                if warp_idx < PRODUCER_WARP:
+                    # ---- math warpgroups
+                    if cutlass.const_expr(self.producer_warpgroup):
+                        cute.arch.setmaxregister_increase(MATH_REGS)
+                    wg = warp_idx // 4
+                    wg_tidx = tidx % 128
+                    lane = tidx % 32
+                    thr_qk = mma_qk.get_slice(wg_tidx)
+                    thr_pv = mma_pv.get_slice(wg_tidx)
+
+                    # Q.K^T operands: all of Q, this warpgroup's 32 cache rows of each stage
+                    sK_half = cute.local_tile(sK, (S_COLS, K_BLOCK, LATENT_BLOCKS * STAGES), (wg, 0, 0))
+                    sKpe_half = cute.local_tile(sKpe, (S_COLS, K_BLOCK, STAGES), (wg, 0, 0))
+                    # P.V operands: all of P, this warpgroup's 256 latent columns of each stage
+                    sV_half = cute.local_tile(sV, (O_COLS, KV_TILE, STAGES), (wg, 0, 0))
+                    if cutlass.const_expr(not self.warp_mma):
+                        # WGMMA reads both operands from shared memory through descriptors
+                        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+                        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK_half))
+                        tSrKpe = mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_half))
+                        tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+                        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
+                    else:
+                        # mma.sync takes registers: one 64-dim block of Q and K at a time, all of P
+                        # and of this stage's V half, loaded with ldmatrix (.trans for MN-major V)
+                        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16)
+                        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), bf16)
+                        copy_q = cute.make_tiled_copy_A(ldsm, mma_qk)
+                        copy_k = cute.make_tiled_copy_B(ldsm, mma_qk)
+                        copy_p = cute.make_tiled_copy_A(ldsm, mma_pv)
+                        copy_v = cute.make_tiled_copy_B(ldsm_t, mma_pv)
+                        thr_copy_q = copy_q.get_slice(wg_tidx)
+                        thr_copy_k = copy_k.get_slice(wg_tidx)
+                        thr_copy_p = copy_p.get_slice(wg_tidx)
+                        thr_copy_v = copy_v.get_slice(wg_tidx)
+                        rQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ[(None, None, 0)]))
+                        rK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half[(None, None, 0)]))
+                        rP = thr_pv.make_fragment_A(thr_pv.partition_A(sP[(None, None, 0)]))
+                        rV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_half[(None, None, 0)]))
+                        sQ_copy = thr_copy_q.partition_S(sQ)
+                        sK_copy = thr_copy_k.partition_S(sK_half)
+                        sKpe_copy = thr_copy_k.partition_S(sKpe_half)
+                        sP_copy = thr_copy_p.partition_S(sP)
+                        sV_copy = thr_copy_v.partition_S(sV_half)
+                        rQ_copy = thr_copy_q.retile(rQ)
+                        rK_copy = thr_copy_k.retile(rK)
+                        rP_copy = thr_copy_p.retile(rP)
+                        rV_copy = thr_copy_v.retile(rV)
+                    # this warpgroup's P columns, addressed like its S accumulator
+                    sP_half = cute.local_tile(sP[(None, None, 0)], (ROWS_PER_TILE, S_COLS), (0, wg))
+                    tPsP = thr_qk.partition_C(sP_half)
+
+                    cS = thr_qk.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, S_COLS)))
+                    acc_s = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
+                    p_bf16 = cute.make_rmem_tensor(cS.shape, bf16)
+                    cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
+                    acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
+                    acc_o.fill(0.0)
+
+                    # The accumulator fragment of an m64nN WGMMA holds, per thread, two rows:
+                    # element i is in row-half (i // 2) % 2 (cS gives the coordinates).
+                    row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
+                    key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+                    row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    for r in cutlass.range_constexpr(2):
+                        row = cS[2 * r][0]
+                        row_in_tile[r] = row
+                        token = (row0 + row) // heads
+                        # query j sees keys < cache_len + j + 1; padding queries see nothing
+                        limit = cache_len + token + 1
+                        if token >= num_tokens:
+                            limit = 0
+                        key_limit[r] = limit
+                        row_max[r] = neg_inf
+                        row_sum[r] = 0.0
+
+                    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                    q_pipe.consumer_wait(q_state)
+                    consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+                    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+                    for t in cutlass.range(tile_count, unroll=1):
+                        tile = tile_begin + t
+                        kv_pipe.consumer_wait(consumer)
+                        stage = consumer.index
+                        # ---- S = Q . K_half^T over the 576 dims
+                        acc_s.fill(0.0)
+                        if cutlass.const_expr(not self.warp_mma):
+                            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+                            warpgroup.fence()
+                            for kb in cutlass.range_constexpr(LATENT_BLOCKS):
+                                for k in cutlass.range_constexpr(K_BLOCK // 16):
+                                    cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, kb)], tSrK[(None, None, k, stage * LATENT_BLOCKS + kb)], acc_s)
+                            for k in cutlass.range_constexpr(K_BLOCK // 16):
+                                cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(0)
+                            if cutlass.const_expr(self.defer_pv_wait):
+                                # this wait also covered the previous tile's P.V: its stage is free
+                                if t > 0:
+                                    kv_pipe.consumer_release(release)
+                                    release.advance()
+                        else:
+                            for kb in cutlass.range_constexpr(LATENT_BLOCKS + 1):
+                                cute.copy(copy_q, sQ_copy[(None, None, None, kb)], rQ_copy)
+                                if cutlass.const_expr(kb < LATENT_BLOCKS):
+                                    cute.copy(copy_k, sK_copy[(None, None, None, stage * LATENT_BLOCKS + kb)], rK_copy)
+                                else:
+                                    cute.copy(copy_k, sKpe_copy[(None, None, None, stage)], rK_copy)
+                                for k in cutlass.range_constexpr(K_BLOCK // 16):
+                                    cute.gemm(mma_qk, acc_s, rQ[(None, None, k)], rK[(None, None, k)], acc_s)
+
+                        # ---- scale (log2 domain) and the causal mask on the last tile(s)
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            acc_s[i] = acc_s[i] * scale_log2
+                        if tile >= first_masked_tile:
+                            key0 = tile * KV_TILE + wg * S_COLS
+                            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                                if key0 + cS[i][1] >= key_limit[(i // 2) % 2]:
+                                    acc_s[i] = neg_inf
+
+                        # ---- row max: thread, quad (4 lanes share a row), then both warpgroups
+                        tile_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+                        for r in cutlass.range_constexpr(2):
+                            tile_max[r] = neg_inf
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            r = (i // 2) % 2
+                            tile_max[r] = cute.arch.fmax(tile_max[r], acc_s[i])
+                        for r in cutlass.range_constexpr(2):
+                            m = tile_max[r]
+                            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+                            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+                            tile_max[r] = m
+                            if lane % 4 == 0:
+                                row_max_xchg[row_in_tile[r], wg] = m
+                        cute.arch.barrier(barrier_id=BAR_ROW_MAX, number_of_threads=128 * MATH_WARPGROUPS)
+                        rescale = cute.make_rmem_tensor((2,), cutlass.Float32)
+                        base = cute.make_rmem_tensor((2,), cutlass.Float32)
+                        for r in cutlass.range_constexpr(2):
+                            other = row_max_xchg[row_in_tile[r], 1 - wg]
+                            new_max = cute.arch.fmax(row_max[r], cute.arch.fmax(tile_max[r], other))
+                            # a row that has seen no key yet keeps max -inf: subtract 0 instead,
+                            # so exp2(-inf - base) = 0 and no NaN appears
+                            b_r = new_max
+                            if new_max == neg_inf:
+                                b_r = cutlass.Float32(0.0)
+                            base[r] = b_r
+                            rescale[r] = cute.arch.exp2(row_max[r] - b_r)
+                            row_max[r] = new_max
+                            row_sum[r] = row_sum[r] * rescale[r]
+                        for i in cutlass.range_constexpr(cute.size(acc_s)):
+                            r = (i // 2) % 2
+                            p = cute.arch.exp2(acc_s[i] - base[r])
+                            row_sum[r] = row_sum[r] + p
+                            acc_s[i] = p
+                        for i in cutlass.range_constexpr(cute.size(acc_o)):
+                            acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+
+                        # ---- P -> shared memory, visible to the async proxy (WGMMA) of both warpgroups
+                        p_bf16.store(acc_s.load().to(bf16))
+                        cute.autovec_copy(p_bf16, tPsP)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=128 * MATH_WARPGROUPS)
+
+                        # ---- O_half += P . V_half
+                        if cutlass.const_expr(not self.warp_mma):
+                            mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                            warpgroup.fence()
+                            for k in cutlass.range_constexpr(KV_TILE // 16):
+                                cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(not self.defer_pv_wait):
+                                warpgroup.wait_group(0)
+                        else:
+                            cute.copy(copy_p, sP_copy[(None, None, None, 0)], rP_copy)
+                            cute.copy(copy_v, sV_copy[(None, None, None, stage)], rV_copy)
+                            for k in cutlass.range_constexpr(KV_TILE // 16):
+                                cute.gemm(mma_pv, acc_o, rP[(None, None, k)], rV[(None, None, k)], acc_o)
+                        if cutlass.const_expr(not self.defer_pv_wait):
+                            kv_pipe.consumer_release(release)
+                            release.advance()
+                        consumer.advance()
+                    if cutlass.const_expr(self.defer_pv_wait):
+                        # the last tile's P.V is still in flight (the next Q.K^T would have waited)
+                        warpgroup.wait_group(0)
+                        if tile_count > 0:
+                            kv_pipe.consumer_release(release)
+
+                    cute.arch.griddepcontrol_launch_dependents()
+
+                    # ---- epilogue: full row sums (quad, then both warpgroups), normalise, store
+                    for r in cutlass.range_constexpr(2):
+                        s = row_sum[r]
+                        s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+                        s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+                        row_sum[r] = s
+                        if lane % 4 == 0:
+                            row_sum_xchg[row_in_tile[r], wg] = s
+                    cute.arch.barrier(barrier_id=BAR_ROW_SUM, number_of_threads=128 * MATH_WARPGROUPS)
+                    inv_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    lse = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    for r in cutlass.range_constexpr(2):
+                        total = row_sum[r] + row_sum_xchg[row_in_tile[r], 1 - wg]
+                        inv = cutlass.Float32(0.0)
+                        log_sum = cutlass.Float32(neg_inf)
+                        if total > 0.0:
+                            inv = 1.0 / total
+                            log_sum = row_max[r] + cute.math.log2(total, fastmath=True)
+                        if cutlass.const_expr(not self.split_kv):
+                            if key_limit[r] == 0:  # padding query: zeros
+                                inv = cutlass.Float32(0.0)
+                        inv_sum[r] = inv
+                        lse[r] = log_sum
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        acc_o[i] = acc_o[i] * inv_sum[(i // 2) % 2]
+
+                    if cutlass.const_expr(not self.split_kv):
+                        gO = cute.local_tile(mO[(None, None, b)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
+                        tOgO = thr_pv.partition_C(gO)
+                        out = cute.make_rmem_tensor(cO.shape, mO.element_type)
+                        out.store(acc_o.load().to(mO.element_type))
+                        for i in cutlass.range_constexpr(cute.size(out)):
+                            if row0 + cO[i][0] < rows:
+                                tOgO[i] = out[i]
+                    else:
+                        gO = cute.local_tile(o_partial[(b, split, None, None)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
+                        tOgO = thr_pv.partition_C(gO)
+                        cute.autovec_copy(acc_o, tOgO)
+                        if wg == 0 and lane % 4 == 0:
+                            for r in cutlass.range_constexpr(2):
+                                lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
+
+        @cute.jit
+        def math_qk_one_warpgroup(
+            self, mma_qk, mma_pv, sQ, sK, sKpe, sV, sP, alpha_xchg, stats_xchg, q_pipe, kv_pipe, mO, o_partial,
+            lse_partial, b, split, row_tile, row0, rows, cache_len, num_tokens, tile_begin, tile_count,
+            first_masked_tile, scale_log2,
+        ):
+            """The math warpgroups of the qk_one_warpgroup variant (see __init__)."""
+            cute.arch.setmaxregister_increase(MATH_REGS)
+            tidx, _, _ = cute.arch.thread_idx()
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+            wg_tidx = tidx % 128
+            lane = tidx % 32
+            heads = self.heads
+            thr_pv = mma_pv.get_slice(wg_tidx)
+            sV_half = cute.local_tile(sV, (O_COLS, KV_TILE, STAGES), (wg, 0, 0))
+            tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
+            cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
+            acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
+            acc_o.fill(0.0)
+            # Both m64 accumulators (S and O) give a thread the same two rows: element i is in
+            # row-half (i // 2) % 2.
+            row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
+            key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+            inv_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+            lse = cute.make_rmem_tensor((2,), cutlass.Float32)
+            rescale = cute.make_rmem_tensor((2,), cutlass.Float32)
+            for r in cutlass.range_constexpr(2):
+                row = cO[2 * r][0]
+                row_in_tile[r] = row
+                token = (row0 + row) // heads
+                limit = cache_len + token + 1  # query j sees keys < cache_len + j + 1
+                if token >= num_tokens:
+                    limit = 0  # padding query
+                key_limit[r] = limit
+            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            threads = 128 * MATH_WARPGROUPS
+            if wg == 0:
+                # ---- S, softmax, P and O_left
                 thr_qk = mma_qk.get_slice(wg_tidx)
-                thr_pv = mma_pv.get_slice(wg_tidx)
-
-                # Q.K^T operands: all of Q, this warpgroup's 32 cache rows of each stage
-                sK_half = cute.local_tile(sK, (S_COLS, K_BLOCK, LATENT_BLOCKS * STAGES), (wg, 0, 0))
-                sKpe_half = cute.local_tile(sKpe, (S_COLS, K_BLOCK, STAGES), (wg, 0, 0))
-                # P.V operands: all of P, this warpgroup's 256 latent columns of each stage
-                sV_half = cute.local_tile(sV, (O_COLS, KV_TILE, STAGES), (wg, 0, 0))
-                if cutlass.const_expr(not self.warp_mma):
-                    # WGMMA reads both operands from shared memory through descriptors
-                    tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-                    tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK_half))
-                    tSrKpe = mma_qk.make_fragment_B(thr_qk.partition_B(sKpe_half))
-                    tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
-                    tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
-                else:
-                    # mma.sync takes registers: one 64-dim block of Q and K at a time, all of P
-                    # and of this stage's V half, loaded with ldmatrix (.trans for MN-major V)
-                    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16)
-                    ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), bf16)
-                    copy_q = cute.make_tiled_copy_A(ldsm, mma_qk)
-                    copy_k = cute.make_tiled_copy_B(ldsm, mma_qk)
-                    copy_p = cute.make_tiled_copy_A(ldsm, mma_pv)
-                    copy_v = cute.make_tiled_copy_B(ldsm_t, mma_pv)
-                    thr_copy_q = copy_q.get_slice(wg_tidx)
-                    thr_copy_k = copy_k.get_slice(wg_tidx)
-                    thr_copy_p = copy_p.get_slice(wg_tidx)
-                    thr_copy_v = copy_v.get_slice(wg_tidx)
-                    rQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ[(None, None, 0)]))
-                    rK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half[(None, None, 0)]))
-                    rP = thr_pv.make_fragment_A(thr_pv.partition_A(sP[(None, None, 0)]))
-                    rV = thr_pv.make_fragment_B(thr_pv.partition_B(sV_half[(None, None, 0)]))
-                    sQ_copy = thr_copy_q.partition_S(sQ)
-                    sK_copy = thr_copy_k.partition_S(sK_half)
-                    sKpe_copy = thr_copy_k.partition_S(sKpe_half)
-                    sP_copy = thr_copy_p.partition_S(sP)
-                    sV_copy = thr_copy_v.partition_S(sV_half)
-                    rQ_copy = thr_copy_q.retile(rQ)
-                    rK_copy = thr_copy_k.retile(rK)
-                    rP_copy = thr_copy_p.retile(rP)
-                    rV_copy = thr_copy_v.retile(rV)
-                # this warpgroup's P columns, addressed like its S accumulator
-                sP_half = cute.local_tile(sP[(None, None, 0)], (ROWS_PER_TILE, S_COLS), (0, wg))
-                tPsP = thr_qk.partition_C(sP_half)
-
-                cS = thr_qk.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, S_COLS)))
+                tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+                tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+                tSrKpe = mma_qk.make_fragment_B(thr_qk.partition_B(sKpe))
+                tPsP = thr_qk.partition_C(sP[(None, None, 0)])
+                cS = thr_qk.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, KV_TILE)))
                 acc_s = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
                 p_bf16 = cute.make_rmem_tensor(cS.shape, bf16)
-                cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
-                acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
-                acc_o.fill(0.0)
-
-                # The accumulator fragment of an m64nN WGMMA holds, per thread, two rows:
-                # element i is in row-half (i // 2) % 2 (cS gives the coordinates).
-                row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
-                key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
                 row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
                 row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+                base = cute.make_rmem_tensor((2,), cutlass.Float32)
                 for r in cutlass.range_constexpr(2):
-                    row = cS[2 * r][0]
-                    row_in_tile[r] = row
-                    token = (row0 + row) // heads
-                    # query j sees keys < cache_len + j + 1; padding queries see nothing
-                    limit = cache_len + token + 1
-                    if token >= num_tokens:
-                        limit = 0
-                    key_limit[r] = limit
                     row_max[r] = neg_inf
                     row_sum[r] = 0.0
-
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 q_pipe.consumer_wait(q_state)
-                consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
                 for t in cutlass.range(tile_count, unroll=1):
                     tile = tile_begin + t
                     kv_pipe.consumer_wait(consumer)
                     stage = consumer.index
-                    # ---- S = Q . K_half^T over the 576 dims
                     acc_s.fill(0.0)
-                    if cutlass.const_expr(not self.warp_mma):
-                        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.fence()
-                        for kb in cutlass.range_constexpr(LATENT_BLOCKS):
-                            for k in cutlass.range_constexpr(K_BLOCK // 16):
-                                cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, kb)], tSrK[(None, None, k, stage * LATENT_BLOCKS + kb)], acc_s)
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(LATENT_BLOCKS):
                         for k in cutlass.range_constexpr(K_BLOCK // 16):
-                            cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        if cutlass.const_expr(self.defer_pv_wait):
-                            # this wait also covered the previous tile's P.V: its stage is free
-                            if t > 0:
-                                kv_pipe.consumer_release(release)
-                                release.advance()
-                    else:
-                        for kb in cutlass.range_constexpr(LATENT_BLOCKS + 1):
-                            cute.copy(copy_q, sQ_copy[(None, None, None, kb)], rQ_copy)
-                            if cutlass.const_expr(kb < LATENT_BLOCKS):
-                                cute.copy(copy_k, sK_copy[(None, None, None, stage * LATENT_BLOCKS + kb)], rK_copy)
-                            else:
-                                cute.copy(copy_k, sKpe_copy[(None, None, None, stage)], rK_copy)
-                            for k in cutlass.range_constexpr(K_BLOCK // 16):
-                                cute.gemm(mma_qk, acc_s, rQ[(None, None, k)], rK[(None, None, k)], acc_s)
+                            cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, kb)], tSrK[(None, None, k, stage * LATENT_BLOCKS + kb)], acc_s)
+                    for k in cutlass.range_constexpr(K_BLOCK // 16):
+                        cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)  # also the previous tile's P.V (O_left)
+                    if t > 0:
+                        kv_pipe.consumer_release(release)
+                        release.advance()
 
-                    # ---- scale (log2 domain) and the causal mask on the last tile(s)
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         acc_s[i] = acc_s[i] * scale_log2
-                    if tile >= first_masked_tile:
-                        key0 = tile * KV_TILE + wg * S_COLS
+                    if tile >= first_masked_tile:  # bottom-right causal mask, last tile(s) only
                         for i in cutlass.range_constexpr(cute.size(acc_s)):
-                            if key0 + cS[i][1] >= key_limit[(i // 2) % 2]:
+                            if tile * KV_TILE + cS[i][1] >= key_limit[(i // 2) % 2]:
                                 acc_s[i] = neg_inf
-
-                    # ---- row max: thread, quad (4 lanes share a row), then both warpgroups
                     tile_max = cute.make_rmem_tensor((2,), cutlass.Float32)
                     for r in cutlass.range_constexpr(2):
                         tile_max[r] = neg_inf
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        r = (i // 2) % 2
-                        tile_max[r] = cute.arch.fmax(tile_max[r], acc_s[i])
+                        tile_max[(i // 2) % 2] = cute.arch.fmax(tile_max[(i // 2) % 2], acc_s[i])
                     for r in cutlass.range_constexpr(2):
                         m = tile_max[r]
                         m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
                         m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-                        tile_max[r] = m
-                        if lane % 4 == 0:
-                            row_max_xchg[row_in_tile[r], wg] = m
-                    cute.arch.barrier(barrier_id=BAR_ROW_MAX, number_of_threads=128 * MATH_WARPGROUPS)
-                    rescale = cute.make_rmem_tensor((2,), cutlass.Float32)
-                    base = cute.make_rmem_tensor((2,), cutlass.Float32)
-                    for r in cutlass.range_constexpr(2):
-                        other = row_max_xchg[row_in_tile[r], 1 - wg]
-                        new_max = cute.arch.fmax(row_max[r], cute.arch.fmax(tile_max[r], other))
-                        # a row that has seen no key yet keeps max -inf: subtract 0 instead,
-                        # so exp2(-inf - base) = 0 and no NaN appears
+                        new_max = cute.arch.fmax(row_max[r], m)
                         b_r = new_max
-                        if new_max == neg_inf:
+                        if new_max == neg_inf:  # no key seen yet: keep exp2 away from -inf - -inf
                             b_r = cutlass.Float32(0.0)
                         base[r] = b_r
                         rescale[r] = cute.arch.exp2(row_max[r] - b_r)
                         row_max[r] = new_max
                         row_sum[r] = row_sum[r] * rescale[r]
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
-                        r = (i // 2) % 2
-                        p = cute.arch.exp2(acc_s[i] - base[r])
-                        row_sum[r] = row_sum[r] + p
+                        p = cute.arch.exp2(acc_s[i] - base[(i // 2) % 2])
+                        row_sum[(i // 2) % 2] = row_sum[(i // 2) % 2] + p
                         acc_s[i] = p
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
                         acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
 
-                    # ---- P -> shared memory, visible to the async proxy (WGMMA) of both warpgroups
+                    if t > 0:  # warpgroup 1 has finished with the previous P and factors
+                        cute.arch.barrier(barrier_id=BAR_P_FREE, number_of_threads=threads)
                     p_bf16.store(acc_s.load().to(bf16))
                     cute.autovec_copy(p_bf16, tPsP)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=128 * MATH_WARPGROUPS)
-
-                    # ---- O_half += P . V_half
-                    if cutlass.const_expr(not self.warp_mma):
-                        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.fence()
-                        for k in cutlass.range_constexpr(KV_TILE // 16):
-                            cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
-                        warpgroup.commit_group()
-                        if cutlass.const_expr(not self.defer_pv_wait):
-                            warpgroup.wait_group(0)
-                    else:
-                        cute.copy(copy_p, sP_copy[(None, None, None, 0)], rP_copy)
-                        cute.copy(copy_v, sV_copy[(None, None, None, stage)], rV_copy)
-                        for k in cutlass.range_constexpr(KV_TILE // 16):
-                            cute.gemm(mma_pv, acc_o, rP[(None, None, k)], rV[(None, None, k)], acc_o)
-                    if cutlass.const_expr(not self.defer_pv_wait):
-                        kv_pipe.consumer_release(release)
-                        release.advance()
-                    consumer.advance()
-                if cutlass.const_expr(self.defer_pv_wait):
-                    # the last tile's P.V is still in flight (the next Q.K^T would have waited)
-                    warpgroup.wait_group(0)
-                    if tile_count > 0:
-                        kv_pipe.consumer_release(release)
-
-                cute.arch.griddepcontrol_launch_dependents()
-
-                # ---- epilogue: full row sums (quad, then both warpgroups), normalise, store
-                for r in cutlass.range_constexpr(2):
-                    s = row_sum[r]
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-                    row_sum[r] = s
                     if lane % 4 == 0:
-                        row_sum_xchg[row_in_tile[r], wg] = s
-                cute.arch.barrier(barrier_id=BAR_ROW_SUM, number_of_threads=128 * MATH_WARPGROUPS)
-                inv_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
-                lse = cute.make_rmem_tensor((2,), cutlass.Float32)
+                        for r in cutlass.range_constexpr(2):
+                            alpha_xchg[row_in_tile[r], 0] = rescale[r]
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=threads)
+
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(KV_TILE // 16):
+                        cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+                    warpgroup.commit_group()  # waited for by the next tile's Q.K^T wait
+                    consumer.advance()
+                warpgroup.wait_group(0)
+                if tile_count > 0:
+                    kv_pipe.consumer_release(release)
+
                 for r in cutlass.range_constexpr(2):
-                    total = row_sum[r] + row_sum_xchg[row_in_tile[r], 1 - wg]
+                    total = row_sum[r]
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
                     inv = cutlass.Float32(0.0)
                     log_sum = cutlass.Float32(neg_inf)
                     if total > 0.0:
@@ -503,24 +678,51 @@ def _build_kernel_class():
                             inv = cutlass.Float32(0.0)
                     inv_sum[r] = inv
                     lse[r] = log_sum
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * inv_sum[(i // 2) % 2]
+                    if lane % 4 == 0:
+                        stats_xchg[row_in_tile[r], 0] = inv
+                cute.arch.barrier_arrive(barrier_id=BAR_ROW_SUM, number_of_threads=threads)
+            else:
+                # ---- O_right: P.V with the P and rescale factors warpgroup 0 publishes
+                for t in cutlass.range(tile_count, unroll=1):
+                    kv_pipe.consumer_wait(consumer)
+                    stage = consumer.index
+                    cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=threads)
+                    for r in cutlass.range_constexpr(2):
+                        rescale[r] = alpha_xchg[row_in_tile[r], 0]
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(KV_TILE // 16):
+                        cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    kv_pipe.consumer_release(consumer)
+                    if t + 1 < tile_count:
+                        cute.arch.barrier_arrive(barrier_id=BAR_P_FREE, number_of_threads=threads)
+                    consumer.advance()
+                cute.arch.barrier(barrier_id=BAR_ROW_SUM, number_of_threads=threads)
+                for r in cutlass.range_constexpr(2):
+                    inv_sum[r] = stats_xchg[row_in_tile[r], 0]
 
-                if cutlass.const_expr(not self.split_kv):
-                    gO = cute.local_tile(mO[(None, None, b)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
-                    tOgO = thr_pv.partition_C(gO)
-                    out = cute.make_rmem_tensor(cO.shape, mO.element_type)
-                    out.store(acc_o.load().to(mO.element_type))
-                    for i in cutlass.range_constexpr(cute.size(out)):
-                        if row0 + cO[i][0] < rows:
-                            tOgO[i] = out[i]
-                else:
-                    gO = cute.local_tile(o_partial[(b, split, None, None)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
-                    tOgO = thr_pv.partition_C(gO)
-                    cute.autovec_copy(acc_o, tOgO)
-                    if wg == 0 and lane % 4 == 0:
-                        for r in cutlass.range_constexpr(2):
-                            lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
+            cute.arch.griddepcontrol_launch_dependents()
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * inv_sum[(i // 2) % 2]
+            if cutlass.const_expr(not self.split_kv):
+                gO = cute.local_tile(mO[(None, None, b)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
+                tOgO = thr_pv.partition_C(gO)
+                out = cute.make_rmem_tensor(cO.shape, mO.element_type)
+                out.store(acc_o.load().to(mO.element_type))
+                for i in cutlass.range_constexpr(cute.size(out)):
+                    if row0 + cO[i][0] < rows:
+                        tOgO[i] = out[i]
+            else:
+                gO = cute.local_tile(o_partial[(b, split, None, None)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
+                tOgO = thr_pv.partition_C(gO)
+                cute.autovec_copy(acc_o, tOgO)
+                if wg == 0 and lane % 4 == 0:
+                    for r in cutlass.range_constexpr(2):
+                        lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
 
     return MlaVerifySm90
 
@@ -537,18 +739,23 @@ def kernel_class():
 
 
 def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
-                       warp_mma: bool = False, producer_warpgroup: bool = False, defer_pv_wait: bool = False):
+                       warp_mma: bool = False, producer_warpgroup: bool = False, defer_pv_wait: bool = False,
+                       qk_one_warpgroup: bool = False):
     """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
     split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
     (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
     warp_mma=True builds the mma.sync variant (cute_sm100.py); producer_warpgroup=True gives the
     producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg);
-    defer_pv_wait=True lets P.V(t) run into Q.K^T(t+1) (see the kernel class)."""
+    defer_pv_wait=True lets P.V(t) run into Q.K^T(t+1); qk_one_warpgroup=True gives all of Q.K^T
+    and the softmax to warpgroup 0 (see the kernel class)."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
+    if qk_one_warpgroup:  # implies the producer warpgroup; warpgroup 0 always defers its P.V wait
+        producer_warpgroup, defer_pv_wait = True, False
     if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
         raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
-    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup, defer_pv_wait)
+    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup, defer_pv_wait,
+           qk_one_warpgroup)
 
     def build():
         import cutlass
@@ -558,7 +765,7 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
         args = mla_common.fake_arguments(heads, index)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, defer_pv_wait), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, defer_pv_wait, qk_one_warpgroup), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -571,13 +778,16 @@ def available() -> bool:
 
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
                     splits: int | None = None, partials=None, warp_mma: bool = False,
-                    producer_warpgroup: bool | None = None, defer_pv_wait: bool | None = None) -> torch.Tensor:
+                    producer_warpgroup: bool | None = None, defer_pv_wait: bool | None = None,
+                    qk_one_warpgroup: bool | None = None) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
     `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
     if producer_warpgroup is None:
         producer_warpgroup = DEFAULT_PRODUCER_WARPGROUP and not warp_mma
     if defer_pv_wait is None:
         defer_pv_wait = DEFAULT_DEFER_PV_WAIT and not warp_mma
+    if qk_one_warpgroup is None:
+        qk_one_warpgroup = DEFAULT_QK_ONE_WARPGROUP and not warp_mma
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
     if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
@@ -588,7 +798,8 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
     elif not 1 <= splits <= mla_common.MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
     compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma,
-                                  producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait)
+                                  producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait,
+                                  qk_one_warpgroup=qk_one_warpgroup)
     if partials is None:
         partials = mla_common.workspace(B, T, H, splits, q_latent.device)
     o_partial, lse = partials

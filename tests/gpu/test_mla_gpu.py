@@ -83,18 +83,26 @@ def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64, **var
     assert err <= REL_TOL, f"{label}: relative error {err:.2e} > {REL_TOL}"
 
 
-@pytest.mark.parametrize("context", [1024, 8192, 32768])
-@pytest.mark.parametrize("T", [1, 4, 8, 16])
-def test_one_request(T, context):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    run_case(1, T, context, [T])
+# Kernel variants (cute_sm90 flags): the default, and warpgroup 0 doing all of Q.K^T + softmax.
+MAIN_VARIANTS = {"default": {}, "qk_one_warpgroup": {"qk_one_warpgroup": True}}
+if kernel is not None and kernel.__name__.endswith("sm100"):
+    MAIN_VARIANTS = {"default": {}}  # the Blackwell build has no variants
 
 
+@pytest.mark.parametrize("variant", sorted(MAIN_VARIANTS))
 @pytest.mark.parametrize("context", [1024, 8192, 32768])
 @pytest.mark.parametrize("T", [1, 4, 8, 16])
-def test_two_requests_different_lengths_one_padded(T, context):
+def test_one_request(T, context, variant):
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_case(2, T, context, [T, max(T - 3, 1) if T > 1 else 0])
+    run_case(1, T, context, [T], **MAIN_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("variant", sorted(MAIN_VARIANTS))
+@pytest.mark.parametrize("context", [1024, 8192, 32768])
+@pytest.mark.parametrize("T", [1, 4, 8, 16])
+def test_two_requests_different_lengths_one_padded(T, context, variant):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    run_case(2, T, context, [T, max(T - 3, 1) if T > 1 else 0], **MAIN_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("splits", [1, 3, 64])
@@ -105,14 +113,22 @@ def test_forced_splits_including_the_single_split_path(splits):
     run_case(1, 1, 4000, [1], splits=splits)  # context not a multiple of the 64-row KV tile
 
 
-@pytest.mark.skipif(kernel is not None and kernel.__name__.endswith("sm100"), reason="Hopper-only variant")
-@pytest.mark.parametrize("defer_pv_wait", [False, True])
-@pytest.mark.parametrize("producer_warpgroup", [False, True])
-def test_every_kernel_variant(producer_warpgroup, defer_pv_wait):
-    # 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg); P.V waited for
-    # in its own tile or only by the next tile's Q.K^T wait
+# 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg); P.V waited for in
+# its own tile or only by the next tile's Q.K^T wait; S split over both warpgroups or all in
+# warpgroup 0 (which implies the producer warpgroup and always defers its P.V wait)
+VARIANTS = [
+    dict(producer_warpgroup=False, defer_pv_wait=False, qk_one_warpgroup=False),
+    dict(producer_warpgroup=True, defer_pv_wait=False, qk_one_warpgroup=False),
+    dict(producer_warpgroup=False, defer_pv_wait=True, qk_one_warpgroup=False),
+    dict(producer_warpgroup=True, defer_pv_wait=True, qk_one_warpgroup=False),
+    dict(qk_one_warpgroup=True),
+]
+
+
+@pytest.mark.skipif(kernel is not None and kernel.__name__.endswith("sm100"), reason="Hopper-only variants")
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(k for k, on in v.items() if on) or "plain")
+def test_every_kernel_variant(variant):
     torch.backends.cuda.matmul.allow_tf32 = False
-    variant = dict(producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait)
     run_case(2, 8, 8192, [8, 6], **variant)
     run_case(1, 16, 2048, [16], splits=1, **variant)
     run_case(2, 1, 1000, [1, 0], splits=3, **variant)
