@@ -71,6 +71,8 @@ def check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths) -> Non
             raise ValueError(f"{name}: expected shape ({B},), got {tuple(tensor.shape)}")
         if tensor.dtype not in INDEX_DTYPES:
             raise ValueError(f"{name}: dtype {tensor.dtype}, expected int32 or int64")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
     if len({slots.dtype, cache_lens.dtype, lengths.dtype}) != 1:
         raise ValueError(f"slots/cache_lens/lengths: dtypes differ ({slots.dtype}, {cache_lens.dtype}, {lengths.dtype})")
     devices = {t.device for t in (q_latent, q_pe, kv_cache, slots, cache_lens, lengths)}
@@ -156,7 +158,8 @@ def fake_arguments(heads: int, index: torch.dtype) -> tuple:
     q_pe = make_fake_compact_tensor(bf16, (batch, tokens, heads, ROPE), stride_order=(3, 2, 1, 0), assumed_align=16)
     kv_cache = make_fake_compact_tensor(bf16, (num_slots, max_len, HEAD_DIM), stride_order=(2, 1, 0), assumed_align=16)
     idx = index_dtype(index)
-    slots, cache_lens, lengths = (make_fake_compact_tensor(idx, (batch,), assumed_align=8) for _ in range(3))
+    align = torch.empty((), dtype=index).element_size()  # a slice like cache_lens[1:] is allowed
+    slots, cache_lens, lengths = (make_fake_compact_tensor(idx, (batch,), assumed_align=align) for _ in range(3))
     out = make_fake_compact_tensor(bf16, (batch, tokens, heads, LATENT), stride_order=(3, 2, 1, 0), assumed_align=16)
     o_partial = make_fake_compact_tensor(
         cutlass.Float32, (batch, splits, rows_pad, LATENT), stride_order=(3, 2, 1, 0), assumed_align=16

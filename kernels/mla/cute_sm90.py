@@ -789,7 +789,7 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
     if qk_one_warpgroup is None:
         qk_one_warpgroup = DEFAULT_QK_ONE_WARPGROUP and not warp_mma
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
-    if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+    if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
     B, T, H, _ = q_latent.shape
     if splits is None:
