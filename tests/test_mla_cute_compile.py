@@ -58,6 +58,11 @@ def test_sm90a_qk_one_warpgroup_variant_uses_full_width_qk():
     assert "wgmma.mma_async.sync.aligned.m64n32k16" not in ptx
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
     assert ".reqntid 384, 1, 1" in ptx and "bar.arrive" in ptx  # producer warpgroup; P handed over
+    assert "cp.async.bulk.prefetch" not in ptx
+    prefetching = cute_sm90.compile_mla_verify(
+        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), qk_one_warpgroup=True, l2_prefetch=True
+    )
+    assert "cp.async.bulk.prefetch.tensor.3d.L2.global.tile" in prefetching.__ptx__
 
 
 @needs_cutlass

@@ -54,6 +54,8 @@ PRODUCER_REGS, MATH_REGS = 24, 240
 DEFAULT_PRODUCER_WARPGROUP = False
 DEFAULT_DEFER_PV_WAIT = False
 DEFAULT_QK_ONE_WARPGROUP = False
+DEFAULT_L2_PREFETCH = False
+L2_PREFETCH_AHEAD = 4  # KV tiles
 S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
 O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
 LOG2E = 1.4426950408889634
@@ -80,7 +82,7 @@ def _build_kernel_class():
         splits, cache slots and max_len are runtime values."""
 
         def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False, producer_warpgroup: bool = False,
-                     defer_pv_wait: bool = False, qk_one_warpgroup: bool = False):
+                     defer_pv_wait: bool = False, qk_one_warpgroup: bool = False, l2_prefetch: bool = False):
             # warp_mma: mma.sync m16n8k16 fed by ldmatrix instead of WGMMA (the Blackwell build,
             # cute_sm100.py: WGMMA does not exist there); everything else is shared.
             self.heads, self.split_kv, self.warp_mma = heads, split_kv, warp_mma
@@ -94,6 +96,9 @@ def _build_kernel_class():
             # halves of O. No row-max exchange; needs the producer warpgroup's registers.
             self.qk_one_warpgroup = qk_one_warpgroup and not warp_mma
             self.producer_warpgroup = producer_warpgroup or self.qk_one_warpgroup
+            # l2_prefetch: the producer also issues TMA prefetches (cp.async.bulk.prefetch.tensor)
+            # of the cache tiles L2_PREFETCH_AHEAD ahead, so the stage loads hit L2.
+            self.l2_prefetch = l2_prefetch
             self.threads = 128 * MATH_WARPGROUPS + (128 if self.producer_warpgroup else 32)
 
         # ---------------------------------------------------------------- host side
@@ -289,6 +294,10 @@ def _build_kernel_class():
                     cute.copy(tma_q, tQg[(None, kb)], tQs[(None, kb)], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
                 cute.copy(tma_qpe, tQpg[(None, 0)], tQps[(None, LATENT_BLOCKS)], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
+                if cutlass.const_expr(self.l2_prefetch):
+                    for ahead in cutlass.range_constexpr(1, L2_PREFETCH_AHEAD):
+                        if ahead < tile_count:
+                            cute.prefetch(tma_kv, tKg[(None, tile_begin + ahead, None)])
                 producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
                 for t in cutlass.range(tile_count, unroll=1):
                     kv_pipe.producer_acquire(producer)
@@ -297,6 +306,10 @@ def _build_kernel_class():
                     for kb in cutlass.range_constexpr(LATENT_BLOCKS):
                         cute.copy(tma_kv, tKg[(None, tile, kb)], tKs[(None, producer.index * LATENT_BLOCKS + kb)], tma_bar_ptr=barrier)
                     cute.copy(tma_kv, tKpg[(None, tile, LATENT_BLOCKS)], tKps[(None, producer.index)], tma_bar_ptr=barrier)
+                    if cutlass.const_expr(self.l2_prefetch):
+                        # two stages cannot cover the load latency: pull later tiles into L2
+                        if t + L2_PREFETCH_AHEAD < tile_count:
+                            cute.prefetch(tma_kv, tKg[(None, tile + L2_PREFETCH_AHEAD, None)])
                     producer.advance()
                 kv_pipe.producer_tail(producer)
 
@@ -740,14 +753,15 @@ def kernel_class():
 
 def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
                        warp_mma: bool = False, producer_warpgroup: bool = False, defer_pv_wait: bool = False,
-                       qk_one_warpgroup: bool = False):
+                       qk_one_warpgroup: bool = False, l2_prefetch: bool = False):
     """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
     split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
     (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
     warp_mma=True builds the mma.sync variant (cute_sm100.py); producer_warpgroup=True gives the
     producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg);
     defer_pv_wait=True lets P.V(t) run into Q.K^T(t+1); qk_one_warpgroup=True gives all of Q.K^T
-    and the softmax to warpgroup 0 (see the kernel class)."""
+    and the softmax to warpgroup 0; l2_prefetch=True prefetches cache tiles into L2 ahead of the
+    stage loads (see the kernel class)."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
     if qk_one_warpgroup:  # implies the producer warpgroup; warpgroup 0 always defers its P.V wait
@@ -755,7 +769,7 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
     if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
         raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
     key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup, defer_pv_wait,
-           qk_one_warpgroup)
+           qk_one_warpgroup, l2_prefetch)
 
     def build():
         import cutlass
@@ -765,7 +779,8 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
         args = mla_common.fake_arguments(heads, index)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, defer_pv_wait, qk_one_warpgroup), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, defer_pv_wait, qk_one_warpgroup,
+                           l2_prefetch), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -779,7 +794,7 @@ def available() -> bool:
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
                     splits: int | None = None, partials=None, warp_mma: bool = False,
                     producer_warpgroup: bool | None = None, defer_pv_wait: bool | None = None,
-                    qk_one_warpgroup: bool | None = None) -> torch.Tensor:
+                    qk_one_warpgroup: bool | None = None, l2_prefetch: bool | None = None) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
     `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
     if producer_warpgroup is None:
@@ -788,6 +803,8 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
         defer_pv_wait = DEFAULT_DEFER_PV_WAIT and not warp_mma
     if qk_one_warpgroup is None:
         qk_one_warpgroup = DEFAULT_QK_ONE_WARPGROUP and not warp_mma
+    if l2_prefetch is None:
+        l2_prefetch = DEFAULT_L2_PREFETCH
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
     if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
@@ -799,7 +816,7 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
     compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma,
                                   producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait,
-                                  qk_one_warpgroup=qk_one_warpgroup)
+                                  qk_one_warpgroup=qk_one_warpgroup, l2_prefetch=l2_prefetch)
     if partials is None:
         partials = mla_common.workspace(B, T, H, splits, q_latent.device)
     o_partial, lse = partials

@@ -115,13 +115,16 @@ def test_forced_splits_including_the_single_split_path(splits):
 
 # 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg); P.V waited for in
 # its own tile or only by the next tile's Q.K^T wait; S split over both warpgroups or all in
-# warpgroup 0 (which implies the producer warpgroup and always defers its P.V wait)
+# warpgroup 0 (which implies the producer warpgroup and always defers its P.V wait); TMA
+# prefetches of cache tiles into L2 ahead of the stage loads
 VARIANTS = [
     dict(producer_warpgroup=False, defer_pv_wait=False, qk_one_warpgroup=False),
     dict(producer_warpgroup=True, defer_pv_wait=False, qk_one_warpgroup=False),
     dict(producer_warpgroup=False, defer_pv_wait=True, qk_one_warpgroup=False),
     dict(producer_warpgroup=True, defer_pv_wait=True, qk_one_warpgroup=False),
     dict(qk_one_warpgroup=True),
+    dict(l2_prefetch=True),
+    dict(qk_one_warpgroup=True, l2_prefetch=True),
 ]
 
 
