@@ -154,6 +154,7 @@ def main(argv=None):
                                                     "tflops": round(tflops(tokens, context, us), 1)}
             if capability == (9, 0):  # every kernel variant at the default split count
                 for name, variant in VARIANTS.items():
+                    print(f"  T={tokens} L={context} variant {name}", flush=True)  # where a hang would stop
                     us, _ = measure(ours(default_splits, **variant))
                     entry["variants"][name] = {"us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1),
                                                "pct_peak": round(100 * tflops(tokens, context, us) / peak, 1)}
