@@ -86,6 +86,36 @@ def test_each_build_refuses_the_other_architecture():
 
 
 @needs_cutlass
+def test_v_view_reads_the_same_bytes_as_k_view():
+    # The design loads each cache tile once: block b of the c_kv part is K (keys x 64 dims,
+    # K-major) for Q.K^T and, unchanged, V (dims x keys, MN-major) for P.V. Both views must map
+    # every (key, dim, stage) to the same shared-memory offset and use the same swizzle.
+    import cutlass
+    import cutlass.cute as cute
+
+    layouts = cute_sm90.kernel_class().smem_layouts
+    found = {}
+
+    @cute.jit
+    def compare():
+        _, k_layout, _, v_layout, _ = layouts()
+        mismatches = 0
+        for key in cutlass.range_constexpr(0, 64, 5):
+            for dim in cutlass.range_constexpr(0, 512, 29):
+                for stage in cutlass.range_constexpr(cute_sm90.STAGES):
+                    k_offset = k_layout.outer((key, dim % 64, stage * cute_sm90.LATENT_BLOCKS + dim // 64))
+                    v_offset = v_layout.outer((dim, key, stage))
+                    if cutlass.const_expr(k_offset != v_offset):
+                        mismatches += 1
+        found["mismatches"] = mismatches
+        found["swizzles"] = (str(k_layout.inner), str(v_layout.inner))
+
+    compare()
+    assert found["mismatches"] == 0
+    assert found["swizzles"][0] == found["swizzles"][1] == "S<3,4,3>"  # 128B swizzle both
+
+
+@needs_cutlass
 def test_compile_cache_builds_each_key_once():
     before = cute_sm90._cache.compiles
     first = cute_sm90.compile_mla_verify(HEADS, True, torch.int32, "sm_90a")

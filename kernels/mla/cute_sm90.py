@@ -77,6 +77,19 @@ def _build_kernel_class():
     bf16 = cutlass.BFloat16
     neg_inf = -math.inf
 
+    def smem_layouts():
+        """Shared-memory layouts (call inside a CuTe DSL trace), all 128B-swizzled 64-column blocks:
+        Q (64, 64, 9 blocks), K (64 keys, 64, 8 c_kv blocks x stages), k_pe (64, 64, stages),
+        V = the c_kv bytes of K read MN-major (512 dims, 64 keys, stages), P (64, 64, 1)."""
+        row_major, col_major = tensor_utils.LayoutEnum.ROW_MAJOR, tensor_utils.LayoutEnum.COL_MAJOR
+        block_tile = (ROWS_PER_TILE, KV_TILE, K_BLOCK)
+        q_layout = sm90_utils.make_smem_layout_a(row_major, block_tile, bf16, LATENT_BLOCKS + 1)
+        k_layout = sm90_utils.make_smem_layout_b(row_major, block_tile, bf16, LATENT_BLOCKS * STAGES)
+        kpe_layout = sm90_utils.make_smem_layout_b(row_major, block_tile, bf16, STAGES)
+        v_layout = sm90_utils.make_smem_layout_b(col_major, (ROWS_PER_TILE, LATENT, KV_TILE), bf16, STAGES)
+        p_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_TILE, O_COLS, KV_TILE), bf16, 1)
+        return q_layout, k_layout, kpe_layout, v_layout, p_layout
+
     class MlaVerifySm90:
         """One compiled instance per (heads, single or split-KV, index dtype); B, T, the number of
         splits, cache slots and max_len are runtime values."""
@@ -129,23 +142,7 @@ def _build_kernel_class():
             )
             mO = cute.make_tensor(out.iterator, cute.make_layout((rows, LATENT, batch), stride=(LATENT, 1, rows * LATENT)))
 
-            # Shared-memory layouts, all 128B-swizzled 64-wide blocks (see module docstring).
-            q_layout = sm90_utils.make_smem_layout_a(
-                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, KV_TILE, K_BLOCK), bf16, LATENT_BLOCKS + 1
-            )
-            k_layout = sm90_utils.make_smem_layout_b(
-                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, KV_TILE, K_BLOCK), bf16, LATENT_BLOCKS * STAGES
-            )
-            kpe_layout = sm90_utils.make_smem_layout_b(
-                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, KV_TILE, K_BLOCK), bf16, STAGES
-            )
-            # the same bytes as k_layout, read as V (MN-major: latent dims contiguous)
-            v_layout = sm90_utils.make_smem_layout_b(
-                tensor_utils.LayoutEnum.COL_MAJOR, (ROWS_PER_TILE, LATENT, KV_TILE), bf16, STAGES
-            )
-            p_layout = sm90_utils.make_smem_layout_a(
-                tensor_utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_TILE, O_COLS, KV_TILE), bf16, 1
-            )
+            q_layout, k_layout, kpe_layout, v_layout, p_layout = smem_layouts()
             block_layout = cute.slice_(k_layout, (None, None, 0))
             tma_q, tma_mQl = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQl, block_layout, (ROWS_PER_TILE, K_BLOCK))
             tma_qpe, tma_mQp = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQp, block_layout, (ROWS_PER_TILE, K_BLOCK))
@@ -737,6 +734,7 @@ def _build_kernel_class():
                     for r in cutlass.range_constexpr(2):
                         lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
 
+    MlaVerifySm90.smem_layouts = staticmethod(smem_layouts)
     return MlaVerifySm90
 
 
