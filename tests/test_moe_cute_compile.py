@@ -22,18 +22,21 @@ def _ptx_dump_dir(tmp_path, monkeypatch):
 
 @needs_cutlass
 @pytest.mark.usefixtures("_ptx_dump_dir")
-@pytest.mark.parametrize("glu, tokens", [(True, 8), (False, 16)])
-def test_sm90a_expert_kernel_compiles_to_register_a_wgmma(glu, tokens):
+@pytest.mark.parametrize("glu, tokens, loader", [(True, 8, "registers"), (False, 16, "registers"), (True, 16, "tma"), (False, 8, "tma")])
+def test_sm90a_expert_kernel_compiles_to_register_a_wgmma(glu, tokens, loader):
     from dspark.kernels.moe import cute_sm90
 
     rows, k = (K3.moe_intermediate_size, K3.latent_size) if glu else (K3.latent_size, K3.moe_intermediate_size)
-    compiled = cute_sm90.compile_expert_gemm(K3.num_experts, rows, k, tokens, glu, "sm_90a", extra_options=("--keep-ptx",))
+    compiled = cute_sm90.compile_expert_gemm(
+        K3.num_experts, rows, k, tokens, glu, "sm_90a", loader=loader, extra_options=("--keep-ptx",)
+    )
     ptx = compiled.__ptx__
     # register-A form: "wgmma... {a regs}, b-descriptor" (no A descriptor), m64 x tokens x k16
     wgmmas = [line for line in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16" in line]
     assert wgmmas and all(line.count("{") == 2 for line in wgmmas)  # SS form would have one
     assert "cp.async.bulk.tensor" in ptx  # TMA for the tokens
-    assert "ld.global.v4" in ptx  # 16-byte code loads
+    # 16-byte code loads: from global (registers loader) or from the TMA-filled shared memory
+    assert ("ld.global.v4" in ptx) == (loader == "registers") and ("ld.shared.v4" in ptx) == (loader == "tma")
     assert "fma.rn.bf16x2" in ptx  # the scale, one multiply per bf16 pair
     assert ".local" not in ptx  # no spills
     assert ("tanh" in ptx or "ex2" in ptx) == glu  # SiTU epilogue only in pass 1

@@ -39,6 +39,13 @@ K_CHUNK = moe_common.K_CHUNK
 B_STAGES = 4
 MAX_TOKENS = 16
 THREADS = 128  # one warpgroup
+PREFETCH_DEPTH = 2  # K chunks of raw codes in flight per thread (registers); measured in experiments/notes/moe.md
+TMA_STAGES = 6  # "tma" loader: chunks of codes + tokens in the shared-memory pipeline (12 KB each at N = 16)
+LOADERS = ("registers", "tma")
+# How the codes reach the dequantiser: "registers" = per-thread 16-byte global loads prefetched
+# PREFETCH_DEPTH chunks ahead (bytes in flight cost registers); "tma" = TMA into the shared-memory
+# pipeline with the tokens. Chosen from the H200 measurements in experiments/notes/moe.md.
+DEFAULT_LOADER = "registers"
 
 
 def token_tile(tokens: int) -> int:
@@ -63,8 +70,10 @@ def _build_kernel_class():
     class MxFp4ExpertGemmSm90:
         """One compiled instance per (experts, rows, K, tokens, glu); the slot count is a runtime value."""
 
-        def __init__(self, experts: int, rows: int, k: int, tokens: int, glu: bool, situ_beta: float, situ_linear_beta: float):
-            self.experts, self.rows, self.k, self.tokens, self.glu = experts, rows, k, tokens, glu
+        def __init__(self, experts: int, rows: int, k: int, tokens: int, glu: bool, situ_beta: float,
+                     situ_linear_beta: float, depth: int, loader: str):
+            self.experts, self.rows, self.k, self.tokens, self.glu, self.depth = experts, rows, k, tokens, glu, depth
+            self.loader = loader
             self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
             self.chunks = k // K_CHUNK
             self.tile_mnk = (ROW_TILE, tokens, K_CHUNK)
@@ -109,15 +118,54 @@ def _build_kernel_class():
                 cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tokens, K_CHUNK)
             )
 
+            if cutlass.const_expr(self.loader == "tma"):
+                self.launch_tma(wa, sa, wb, sb, slot_expert, mB, out, tiled_mma, stream)
+            else:
+                @cute.struct
+                class SharedStorage:
+                    barriers: cute.struct.MemRange[cutlass.Int64, B_STAGES * 2]
+                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem_staged)], 1024]
+
+                self.shared_storage = SharedStorage
+                self.expert_kernel(wa, sa, wb, sb, slot_expert, tma_b, tma_tensor_b, out, tiled_mma, b_smem_staged).launch(
+                    grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream
+                )
+
+        @cute.jit
+        def launch_tma(self, wa, sa, wb, sb, slot_expert, mB, out, tiled_mma, stream):
+            """The TMA-loader variant: packed codes and tokens share one TMA_STAGES-deep pipeline."""
+            slots = slot_expert.shape[0]
+            words = self.k // 8  # int32 words of codes per row
+            # codes as (rows, K words, experts); a stage holds two 64-row halves x 16 words (128 K)
+            mWa = cute.make_tensor(wa.iterator, cute.make_layout((self.rows, words, self.experts), stride=(words, 1, self.rows * words)))
+            mWb = cute.make_tensor(wb.iterator, cute.make_layout((self.rows, words, self.experts), stride=(words, 1, self.rows * words)))
+            half_staged = cute.make_layout((GLU_ROWS, K_CHUNK // 8, TMA_STAGES), stride=(K_CHUNK // 8, 1, GLU_ROWS * K_CHUNK // 8))
+            half_smem = cute.slice_(half_staged, (None, None, 0))
+            tma_lo, tma_tensor_lo = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mWa, half_smem, (GLU_ROWS, K_CHUNK // 8)
+            )
+            tma_hi, tma_tensor_hi = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mWb, half_smem, (GLU_ROWS, K_CHUNK // 8)
+            )
+            b_smem_staged = sm90_utils.make_smem_layout_b(
+                tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, cutlass.BFloat16, TMA_STAGES
+            )
+            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (self.tokens, K_CHUNK)
+            )
+
             @cute.struct
-            class SharedStorage:
-                barriers: cute.struct.MemRange[cutlass.Int64, B_STAGES * 2]
+            class SharedStorageTma:
+                barriers: cute.struct.MemRange[cutlass.Int64, TMA_STAGES * 2]
+                sLo: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(half_staged)], 1024]
+                sHi: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(half_staged)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem_staged)], 1024]
 
-            self.shared_storage = SharedStorage
-            self.expert_kernel(wa, sa, wb, sb, slot_expert, tma_b, tma_tensor_b, out, tiled_mma, b_smem_staged).launch(
-                grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream
-            )
+            self.shared_storage_tma = SharedStorageTma
+            self.expert_kernel_tma(
+                sa, sb, slot_expert, tma_lo, tma_tensor_lo, tma_hi, tma_tensor_hi, tma_b, tma_tensor_b, out,
+                tiled_mma, half_staged, b_smem_staged,
+            ).launch(grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream)
 
         # ------------------------------------------------------------------ device helpers
         @cute.jit
@@ -194,12 +242,12 @@ def _build_kernel_class():
                     else:
                         rows_of[r] = tile_idx * ROW_TILE + mi * 64 + in_atom
 
-                raw0 = cute.make_rmem_tensor((16,), Int32)
-                raw1 = cute.make_rmem_tensor((16,), Int32)
-                scales0 = cute.make_rmem_tensor((4,), Int32)
-                scales1 = cute.make_rmem_tensor((4,), Int32)
-                self.load_chunk(wa, sa, wb, sb, expert, rows_of, 0, c, raw0, scales0)
-                self.load_chunk(wa, sa, wb, sb, expert, rows_of, 1, c, raw1, scales1)
+                # `depth` register buffers of raw codes: chunk i + depth is loaded while chunk i
+                # is dequantised (the loads in flight per CTA are depth x 8 KB)
+                raws = [cute.make_rmem_tensor((16,), Int32) for _ in range(self.depth)]
+                scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(self.depth)]
+                for j in cutlass.range_constexpr(self.depth):
+                    self.load_chunk(wa, sa, wb, sb, expert, rows_of, j, c, raws[j], scale_bufs[j])
 
                 smem = cutlass.memory.SmemAllocator()
                 storage = smem.allocate(self.shared_storage)
@@ -248,11 +296,10 @@ def _build_kernel_class():
                 consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
                 num_k_blocks = cute.size(frag, mode=[2])
-                for pair in cutlass.range(self.chunks // 2, unroll=1):
-                    for half in cutlass.range_constexpr(2):
-                        chunk = pair * 2 + half
-                        raw = raw0 if half == 0 else raw1
-                        scales = scales0 if half == 0 else scales1
+                for group in cutlass.range(self.chunks // self.depth, unroll=1):
+                    for j in cutlass.range_constexpr(self.depth):
+                        chunk = group * self.depth + j
+                        raw, scales = raws[j], scale_bufs[j]
                         # The previous chunk's WGMMAs read `frag` and a B stage: wait for them,
                         # free that stage and refill it.
                         warpgroup.wait_group(0)
@@ -270,9 +317,9 @@ def _build_kernel_class():
                                 mainloop.producer_commit(producer)
                                 producer.advance()
                         self.dequantise(raw, scales, frag32)
-                        # Prefetch two chunks ahead into the buffer just consumed (the last
+                        # Prefetch `depth` chunks ahead into the buffer just consumed (the last
                         # chunk is re-read past the end: an L2 hit, simpler than predicates).
-                        ahead = cutlass.min(chunk + 2, self.chunks - 1)
+                        ahead = cutlass.min(chunk + self.depth, self.chunks - 1)
                         self.load_chunk(wa, sa, wb, sb, expert, rows_of, ahead, c, raw, scales)
                         mainloop.consumer_wait(consumer)
                         warpgroup.fence()
@@ -296,6 +343,162 @@ def _build_kernel_class():
                     for i in cutlass.range_constexpr(cute.size(accumulators)):
                         row, token = coords[i]
                         out[slot, token, tile_idx * ROW_TILE + row] = accumulators[i]
+
+        @cute.jit
+        def load_scales(self, sa, sb, expert, scale_rows, chunk, c, scales: cute.Tensor):
+            """The E8M0 byte of thread c's MX group in each of its 4 rows (rows 0, 1: sa; 2, 3: sb)."""
+            for r in cutlass.range_constexpr(4):
+                s = sa if r < 2 else sb
+                scales[r] = s[expert, scale_rows[r], chunk * 4 + c].to(Int32)
+
+        @cute.kernel
+        def expert_kernel_tma(
+            self,
+            sa: cute.Tensor,
+            sb: cute.Tensor,
+            slot_expert: cute.Tensor,
+            tma_lo: cute.CopyAtom,
+            mLo: cute.Tensor,
+            tma_hi: cute.CopyAtom,
+            mHi: cute.Tensor,
+            tma_b: cute.CopyAtom,
+            mB: cute.Tensor,
+            out: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            half_staged: cute.Layout,
+            b_smem_staged: cute.ComposedLayout,
+        ):
+            """Same math as expert_kernel; the codes arrive by TMA into a TMA_STAGES-deep shared-
+            memory pipeline (with the tokens), so the bytes in flight do not cost registers."""
+            tidx, _, _ = cute.arch.thread_idx()
+            tile_idx, slot, _ = cute.arch.block_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            expert = slot_expert[slot]
+            if expert >= 0:
+                if warp_idx == 0:
+                    cpasync.prefetch_descriptor(tma_lo)
+                    cpasync.prefetch_descriptor(tma_hi)
+                lane = tidx % 32
+                g, c = lane // 4, lane % 4
+                # Row of each (m-atom mi, half v1) inside its 64-row half tile, and in the scales.
+                half_rows = cute.make_rmem_tensor((4,), Int32)
+                scale_rows = cute.make_rmem_tensor((4,), Int32)
+                for r in cutlass.range_constexpr(4):
+                    mi, v1 = r // 2, r % 2
+                    half_rows[r] = warp_idx * 16 + v1 * 8 + g
+                    if cutlass.const_expr(self.glu):
+                        scale_rows[r] = tile_idx * GLU_ROWS + half_rows[r]
+                    else:
+                        scale_rows[r] = tile_idx * ROW_TILE + mi * GLU_ROWS + half_rows[r]
+                # half tiles: pass 1 = (w1 rows, w3 rows) of tile t; pass 2 = w2 row halves 2t, 2t+1
+                lo_tile, hi_tile = tile_idx, tile_idx
+                if cutlass.const_expr(not self.glu):
+                    lo_tile, hi_tile = 2 * tile_idx, 2 * tile_idx + 1
+
+                scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(2)]
+                self.load_scales(sa, sb, expert, scale_rows, 0, c, scale_bufs[0])
+                self.load_scales(sa, sb, expert, scale_rows, 1, c, scale_bufs[1])
+
+                smem = cutlass.memory.SmemAllocator()
+                storage = smem.allocate(self.shared_storage_tma)
+                lo_bytes = cute.size_in_bytes(Int32, cute.slice_(half_staged, (None, None, 0)))
+                b_stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem_staged, (None, None, 0)))
+                mainloop = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=storage.barriers.data_ptr(),
+                    num_stages=TMA_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+                    tx_count=2 * lo_bytes + b_stage_bytes,
+                    cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                    defer_sync=True,
+                )
+                pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+                sLo = storage.sLo.get_tensor(half_staged)
+                sHi = storage.sHi.get_tensor(half_staged)
+                sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+                half_tiler = (GLU_ROWS, K_CHUNK // 8)
+                gLo = cute.local_tile(mLo, half_tiler, (lo_tile, None, expert))
+                gHi = cute.local_tile(mHi, half_tiler, (hi_tile, None, expert))
+                tLs, tLg = cpasync.tma_partition(tma_lo, 0, cute.make_layout(1), cute.group_modes(sLo, 0, 2), cute.group_modes(gLo, 0, 2))
+                tHs, tHg = cpasync.tma_partition(tma_hi, 0, cute.make_layout(1), cute.group_modes(sHi, 0, 2), cute.group_modes(gHi, 0, 2))
+                gB = cute.local_tile(mB, self.tile_mnk, (0, 0, None, slot), proj=(None, 1, 1))
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                )
+                thr_mma = tiled_mma.get_slice(tidx)
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+                a_shape = thr_mma.partition_A(cute.make_identity_tensor((ROW_TILE, K_CHUNK))).shape
+                frag = cute.make_rmem_tensor(a_shape, cutlass.BFloat16)
+                frag32 = cute.recast_tensor(frag, Uint32)
+                acc_shape = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens))).shape
+                accumulators = cute.make_rmem_tensor(acc_shape, Float32)
+                accumulators.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                raw = cute.make_rmem_tensor((16,), Int32)
+
+                pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TMA_STAGES)
+                if warp_idx == 0:
+                    for _ in cutlass.range(cutlass.min(TMA_STAGES, self.chunks), unroll=1):
+                        self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
+                        producer.advance()
+
+                consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
+                num_k_blocks = cute.size(frag, mode=[2])
+                for pair in cutlass.range(self.chunks // 2, unroll=1):
+                    for j in cutlass.range_constexpr(2):
+                        chunk = pair * 2 + j
+                        scales = scale_bufs[j]
+                        mainloop.consumer_wait(consumer)
+                        # this thread's 16 code bytes of each of its 4 rows (LDS.128; a quad reads
+                        # 64 contiguous bytes, two rows per 8 lanes: no bank conflicts)
+                        for r in cutlass.range_constexpr(4):
+                            source = sLo if r < 2 else sHi
+                            row_words = source[(half_rows[r], None, consumer.index)]
+                            cute.autovec_copy(cute.local_tile(row_words, (4,), (c,)), cute.local_tile(raw, (4,), (r,)))
+                        # the previous chunk's WGMMAs still read `frag` and their stage: wait, free it
+                        warpgroup.wait_group(0)
+                        if chunk > 0:
+                            mainloop.consumer_release(release)
+                            release.advance()
+                            if warp_idx == 0 and producer.count < self.chunks:
+                                self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
+                                producer.advance()
+                        self.dequantise(raw, scales, frag32)
+                        ahead = cutlass.min(chunk + 2, self.chunks - 1)
+                        self.load_scales(sa, sb, expert, scale_rows, ahead, c, scales)
+                        warpgroup.fence()
+                        for k_block in cutlass.range(num_k_blocks, unroll_full=True):
+                            cute.gemm(
+                                tiled_mma,
+                                accumulators,
+                                frag[(None, None, k_block)],
+                                tCrB[(None, None, k_block, consumer.index)],
+                                accumulators,
+                            )
+                        warpgroup.commit_group()
+                        consumer.advance()
+                warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+
+                coords = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens)))
+                if cutlass.const_expr(self.glu):
+                    self.store_act(accumulators, coords, out, slot, tile_idx)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(accumulators)):
+                        row, token = coords[i]
+                        out[slot, token, tile_idx * ROW_TILE + row] = accumulators[i]
+
+        @cute.jit
+        def issue_stage(self, mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB):
+            """Warp 0: TMA the two code halves and the tokens of K chunk producer.count."""
+            mainloop.producer_acquire(producer)
+            barrier = mainloop.producer_get_barrier(producer)
+            cute.copy(tma_lo, tLg[(None, producer.count)], tLs[(None, producer.index)], tma_bar_ptr=barrier)
+            cute.copy(tma_hi, tHg[(None, producer.count)], tHs[(None, producer.index)], tma_bar_ptr=barrier)
+            cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=barrier)
+            mainloop.producer_commit(producer)
 
         @cute.jit
         def load_chunk(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
@@ -340,8 +543,8 @@ def kernel_class():
 
 
 def check_expert_shape(experts: int, rows: int, k: int, glu: bool) -> None:
-    if k % (2 * K_CHUNK):
-        raise ValueError(f"k={k}: the expert kernel needs a multiple of {2 * K_CHUNK}")
+    if k % (PREFETCH_DEPTH * K_CHUNK):
+        raise ValueError(f"k={k}: the expert kernel needs a multiple of {PREFETCH_DEPTH * K_CHUNK}")
     tile = GLU_ROWS if glu else ROW_TILE
     if rows % tile:
         raise ValueError(f"rows={rows}: the expert kernel needs a multiple of {tile}")
@@ -358,14 +561,21 @@ def compile_expert_gemm(
     arch: str,
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
+    depth: int = PREFETCH_DEPTH,
+    loader: str = "registers",
     extra_options: tuple = (),
 ):
     """Compiled pass-1 (glu) or pass-2 expert kernel for weights [experts, rows, k] (MXFP4) and
-    slots of `tokens` (8 or 16) rows. The slot count is a runtime value."""
+    slots of `tokens` (8 or 16) rows. The slot count is a runtime value. `depth`: chunks of raw
+    codes prefetched in registers (must divide the k / 128 chunks)."""
     if tokens not in (8, 16):
         raise ValueError(f"tokens={tokens} must be 8 or 16")
     check_expert_shape(experts, rows, k, glu)
-    key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, arch, tuple(extra_options))
+    if depth < 1 or (k // K_CHUNK) % depth:
+        raise ValueError(f"depth={depth} must divide the {k // K_CHUNK} K chunks")
+    if loader not in LOADERS:
+        raise ValueError(f"loader={loader!r}: expected one of {LOADERS}")
+    key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader, arch, tuple(extra_options))
 
     def build():
         import cutlass
@@ -379,7 +589,7 @@ def compile_expert_gemm(
         xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
         out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
         out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
-        gemm = kernel_class()(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta)
+        gemm = kernel_class()(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
             gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
@@ -399,14 +609,16 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
 
 def expert_pass(
     packed_a, scale_a, packed_b, scale_b, lists: moe_common.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
-    glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+    glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0, depth: int = PREFETCH_DEPTH,
+    loader: str | None = None,
 ):
     """Run one pass into `out` (caller-allocated; tests poison it). xb [S, tokens, K] bf16 must be
-    K-permuted and times 2^63 (`tokens_for_kernel`)."""
+    K-permuted and times 2^63 (`tokens_for_kernel`). `loader` None = DEFAULT_LOADER."""
     experts, rows, half_k = packed_a.shape
     tokens = xb.shape[1]
     compiled = compile_expert_gemm(
-        experts, rows, half_k * 2, tokens, glu, cute_common.target_arch(xb.device), situ_beta, situ_linear_beta
+        experts, rows, half_k * 2, tokens, glu, cute_common.target_arch(xb.device), situ_beta, situ_linear_beta, depth,
+        loader or DEFAULT_LOADER,
     )
     compiled(_as_words(packed_a), scale_a, _as_words(packed_b), scale_b, lists.slot_expert, xb, out)
     return out
@@ -437,14 +649,14 @@ def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: 
 
 def weights_supported(weights) -> bool:
     """Expert shapes the kernel tiles: I a multiple of 64 (pass 1) and latent of 128 (pass 2),
-    both K multiples of 256 (two chunks per main-loop step), contiguous packed codes."""
+    both K multiples of PREFETCH_DEPTH x 128 (chunks per main-loop step), contiguous packed codes."""
     num_experts, inter, half_latent = weights.w1_packed.shape
     latent = half_latent * 2
     return (
         inter % GLU_ROWS == 0
         and latent % ROW_TILE == 0
-        and latent % (2 * K_CHUNK) == 0
-        and inter % (2 * K_CHUNK) == 0
+        and latent % (PREFETCH_DEPTH * K_CHUNK) == 0
+        and inter % (PREFETCH_DEPTH * K_CHUNK) == 0
         and all(t.is_contiguous() for t in (weights.w1_packed, weights.w3_packed, weights.w2_packed,
                                              weights.w1_scale, weights.w3_scale, weights.w2_scale))
     )

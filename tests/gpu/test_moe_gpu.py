@@ -81,8 +81,9 @@ def routing_ids(kind: str, tokens: int, gen) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("loader", cute_sm90.LOADERS)
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
-def test_expert_kernels_match_float64_per_pair(weights, kind):
+def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = K3
     latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
@@ -95,13 +96,13 @@ def test_expert_kernels_match_float64_per_pair(weights, kind):
         xb = cute_sm90.tokens_for_kernel(latent, lists)
         act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
         cute_sm90.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
-                              lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta)
+                              lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta, loader=loader)
         y = torch.full((slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
         cute_sm90.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale,
-                              lists, act, y, False)
+                              lists, act, y, False, loader=loader)
         torch.cuda.synchronize()
         out = y.view(-1, cfg.latent_size)[lists.pair_position]  # [T, k, latent]
-        assert not out.isnan().any(), f"{kind} T={tokens}: {out.isnan().sum().item()} outputs not written"
+        assert not out.isnan().any(), f"{kind} {loader} T={tokens}: {out.isnan().sum().item()} outputs not written"
         ref = torch.empty(out.shape, dtype=torch.float64, device="cuda")
         h = latent.double()
         for e in ids.unique().tolist():
@@ -114,7 +115,7 @@ def test_expert_kernels_match_float64_per_pair(weights, kind):
                 cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta))
             ref[rows, slots_k] = a @ w2.t()
         err = relative_error(out, ref)
-        assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
+        assert err <= REL_TOL, f"{kind} {loader} T={tokens}: relative error {err:.2e} > {REL_TOL}"
         if kind == "repeated":
             assert int((lists.slot_expert >= 0).sum()) == SHARED_EXPERTS + tokens * (cfg.num_experts_per_token - SHARED_EXPERTS)
 
