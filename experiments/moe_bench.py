@@ -61,7 +61,8 @@ def main():
     parser.add_argument("--out", default="experiments/results/h200/moe_bench.json")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference block")
-    parser.add_argument("--loaders", nargs="+", default=list(cute_sm90.LOADERS), choices=cute_sm90.LOADERS)
+    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+device"],
+                        help="loader+lists pairs (cute_sm90.DEFAULT_LOADER, DEFAULT_LISTS); the first is the reference for the cross-check")
     args = parser.parse_args()
     cfg = K3
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -92,19 +93,23 @@ def main():
         row["block_distinct_experts"], row["block_floor_us"] = block_distinct, block_floor_us
         reps = 2 * ROUTINGS
         outputs = {}
-        for loader in args.loaders:
-            cute_sm90.DEFAULT_LOADER = loader  # what routed_experts / latent_moe use
-            timings = measure_loader(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, distinct)
+        for variant in args.variants:
+            loader, lists = variant.split("+")
+            # what routed_experts / latent_moe use
+            cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = loader, lists
+            passes_done = any(v.split("+")[0] == loader for v in row.get("variants_done", []))
+            timings = measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, distinct, passes=not passes_done)
             timings["routed_GBps"] = distinct * per_expert / best_us(timings["routed"]) / 1e3
             timings["routed_pct_floor"] = 100 * routed_floor_us / best_us(timings["routed"])
             timings["block_pct_floor"] = 100 * block_floor_us / best_us(timings["block"])
-            row[loader] = timings
-            outputs[loader] = cute_sm90.latent_moe(xs[0], weights, cfg).double()
-        # the loaders compute the same math: their block outputs must agree (a cheap correctness
-        # check of whichever loader the GPU tests did not cover in this run)
-        first = outputs[args.loaders[0]]
-        row["loaders_max_rel_diff"] = max(((out - first).norm() / first.norm()).item() for out in outputs.values())
-        cute_sm90.DEFAULT_LOADER = args.loaders[0]
+            row[variant] = timings
+            row.setdefault("variants_done", []).append(variant)
+            outputs[variant] = cute_sm90.latent_moe(xs[0], weights, cfg).double()
+        # the variants compute the same math: their block outputs must agree (a cheap correctness
+        # check of whatever the GPU tests did not cover in this run)
+        first = outputs[args.variants[0]]
+        row["variants_max_rel_diff"] = max(((out - first).norm() / first.norm()).item() for out in outputs.values())
+        cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = args.variants[0].split("+")
         if not args.no_reference:
             with registry.scoped((("linear", "reference"), ("latent_moe", "reference"))):
                 ref_calls = [lambda x=x: reference.latent_moe(x, weights, cfg) for x in xs]
@@ -123,10 +128,23 @@ def best_us(timing: dict) -> float:
     return timing["graph_us"] or timing["eager_us"]
 
 
-def measure_loader(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, distinct) -> dict:
-    """Graph/eager us of: the two expert passes alone (lists, gathered tokens and act precomputed:
-    separates the kernels from the torch glue), the routed half (lists + passes + gathers) and the
-    whole block (router + down + experts + norm + up + shared), for cute_sm90.DEFAULT_LOADER."""
+def measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, distinct, passes: bool) -> dict:
+    """Graph/eager us of: the two expert passes alone if `passes` (lists, gathered tokens and act
+    precomputed: separates the kernels from the torch glue), the routed half (lists + passes +
+    gathers) and the whole block (router + down + experts + norm + up + shared), for
+    cute_sm90.DEFAULT_LOADER and DEFAULT_LISTS."""
+    out = {}
+    if passes:
+        out.update(measure_passes(weights, cfg, tokens, ids_sets, latents, reps, rate, distinct))
+    routed = [lambda h=h, ids=ids: cute_sm90.routed_experts(h, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)
+              for h, ids in zip(latents, ids_sets)]
+    out["routed"] = time_calls(routed, reps, repeats=5)
+    block = [lambda x=x: cute_sm90.latent_moe(x, weights, cfg) for x in xs]
+    out["block"] = time_calls(block, reps, repeats=5)
+    return out
+
+
+def measure_passes(weights, cfg, tokens, ids_sets, latents, reps, rate, distinct) -> dict:
     out = {}
     tile = cute_sm90.token_tile(tokens)
     lists = [moe_common.build_expert_lists(ids, cfg.num_experts, tile) for ids in ids_sets]
@@ -148,11 +166,6 @@ def measure_loader(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, dist
         out[name] = timing
         out[name + "_GBps"] = distinct * nbytes / best_us(timing) / 1e3
         out[name + "_pct_floor"] = 100 * distinct * nbytes / rate / 1e3 / best_us(timing)
-    routed = [lambda h=h, ids=ids: cute_sm90.routed_experts(h, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)
-              for h, ids in zip(latents, ids_sets)]
-    out["routed"] = time_calls(routed, reps, repeats=5)
-    block = [lambda x=x: cute_sm90.latent_moe(x, weights, cfg) for x in xs]
-    out["block"] = time_calls(block, reps, repeats=5)
     return out
 
 

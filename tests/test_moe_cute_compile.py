@@ -66,6 +66,16 @@ def test_octet_permutation_matches_the_blackwell_dequantiser():
     assert torch.equal(moe_common.permute_k(x, "sm100")[:, 8:], x[:, 8:][:, perm])
 
 
+@needs_cutlass
+@pytest.mark.usefixtures("_ptx_dump_dir")
+def test_list_kernel_compiles():
+    from dspark.kernels.moe import cute_sm90
+
+    for tile in (8, 16):
+        ptx = cute_sm90.compile_lists_kernel(tile, K3.num_experts_per_token, "sm_90a", extra_options=("--keep-ptx",)).__ptx__
+        assert ptx.count("bar.sync") == 2 and ".local" not in ptx
+
+
 def test_chunk_permutation_is_the_register_fragment_order():
     perm = moe_common.chunk_permutation()
     assert sorted(perm.tolist()) == list(range(moe_common.K_CHUNK))

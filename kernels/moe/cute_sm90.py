@@ -630,12 +630,117 @@ def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.T
     return (moe_common.permute_k(gathered) * 2.0**moe_common.B_SCALE_LOG2).contiguous()
 
 
+LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
+
+
+def _build_lists_kernel(tile_tokens: int, top_k: int):
+    """One CTA that builds cute_common.ExpertLists (same contents as build_expert_lists, one launch
+    instead of ~16 torch kernels). Thread p owns pair p = t * k + j: its rank among the pairs of
+    the same expert is the number of earlier pairs with that expert (earlier = smaller token), it
+    opens a slot if its rank is 0, and its slot is the number of slot-opening pairs with a smaller
+    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+    from cutlass.memory import SmemAllocator
+
+    @cute.kernel
+    def lists_kernel(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        pairs = ids.shape[0]
+        slots = slot_expert.shape[0]
+        smem = SmemAllocator()
+        ids_s = smem.allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
+        opens_s = smem.allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
+        # unused slots: expert -1; padding rows: token 0
+        for i in cutlass.range(tidx, slots, LIST_THREADS, unroll=1):
+            slot_expert[i] = Int32(-1)
+        for i in cutlass.range(tidx, slots * tile_tokens, LIST_THREADS, unroll=1):
+            slot_tokens[i] = Int64(0)
+        expert = Int32(-1)
+        if tidx < pairs:
+            expert = ids[tidx].to(Int32)
+        ids_s[tidx] = expert
+        cute.arch.sync_threads()
+        rank = Int32(0)
+        for q in cutlass.range(pairs, unroll=1):
+            if q < tidx and ids_s[q] == expert:
+                rank += 1
+        opens_s[tidx] = Int32(1) if rank == 0 and tidx < pairs else Int32(0)
+        cute.arch.sync_threads()
+        slot = Int32(0)
+        for q in cutlass.range(pairs, unroll=1):
+            if opens_s[q] == 1 and ids_s[q] < expert:
+                slot += 1
+        if tidx < pairs:
+            if rank == 0:
+                slot_expert[slot] = expert
+            position = slot * tile_tokens + rank
+            slot_tokens[position] = (tidx // top_k).to(Int64)
+            pair_position[tidx] = position.to(Int64)
+
+    @cute.jit
+    def launch(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor, stream):
+        lists_kernel(ids, slot_expert, slot_tokens, pair_position).launch(
+            grid=(1, 1, 1), block=[LIST_THREADS, 1, 1], stream=stream
+        )
+
+    return launch
+
+
+def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options: tuple = ()):
+    key = ("moe_lists", tile_tokens, top_k, arch, tuple(extra_options))
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        pairs, slots, padded = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        ids = make_fake_compact_tensor(cutlass.Int64, (pairs,), assumed_align=8)
+        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
+        slot_tokens = make_fake_compact_tensor(cutlass.Int64, (padded,), assumed_align=8)
+        pair_position = make_fake_compact_tensor(cutlass.Int64, (pairs,), assumed_align=8)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(
+            _build_lists_kernel(tile_tokens, top_k), ids, slot_expert, slot_tokens, pair_position, stream,
+            options=cute_common.compile_options(arch, *extra_options),
+        )
+
+    return _cache.get(key, build)
+
+
+def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> moe_common.ExpertLists:
+    """cute_common.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
+    if ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"ids: expected a [T, k] int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    tokens, top_k = ids.shape
+    if not 1 <= tokens <= tile_tokens or tokens * top_k > LIST_THREADS:
+        raise ValueError(f"ids: {tokens} tokens x {top_k} experts exceeds the list kernel ({LIST_THREADS} pairs, <= {tile_tokens} tokens)")
+    pairs = tokens * top_k
+    slots = min(num_experts, pairs)
+    slot_expert = torch.empty(slots, dtype=torch.int32, device=ids.device)
+    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=ids.device)
+    pair_position = torch.empty(pairs, dtype=torch.long, device=ids.device)
+    compiled = compile_lists_kernel(tile_tokens, top_k, cute_common.target_arch(ids.device))
+    compiled(ids.contiguous().view(-1), slot_expert, slot_tokens, pair_position)
+    return moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+
+
+# How routed_experts builds its lists: "device" = the one-launch CuTe kernel above, "torch" =
+# cute_common.build_expert_lists (~16 small kernels). Chosen from experiments/notes/moe.md.
+DEFAULT_LISTS = "torch"
+
+
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float):
     """The routed half of the block on the latent: [T, latent] bf16 -> expert outputs [T, k, latent]
     fp32 (unweighted, in top-k order)."""
     num_experts, inter, _ = weights.w1_packed.shape
     tokens = token_tile(latent.shape[0])
-    lists = moe_common.build_expert_lists(ids, num_experts, tokens)
+    if DEFAULT_LISTS == "device":
+        lists = build_expert_lists_device(ids, num_experts, tokens)
+    else:
+        lists = moe_common.build_expert_lists(ids, num_experts, tokens)
     slots = lists.slot_expert.shape[0]
     xb = tokens_for_kernel(latent, lists)
     act = torch.empty((slots, tokens, inter), dtype=torch.bfloat16, device=latent.device)

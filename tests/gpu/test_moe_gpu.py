@@ -152,3 +152,17 @@ def test_expert_lists_match_a_host_loop_on_the_gpu():
                 slot, rank = divmod(int(lists.pair_position[t, j]), tile)
                 assert int(lists.slot_expert[slot]) == int(ids[t, j])
                 assert int(lists.slot_tokens[slot, rank]) == t
+
+
+@pytest.mark.parametrize("kind", ["disjoint", "repeated"])
+def test_device_list_kernel_equals_the_torch_lists(kind):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    for tokens in TOKEN_COUNTS:
+        ids = routing_ids(kind, tokens, gen)
+        tile = cute_sm90.token_tile(tokens)
+        expected = moe_common.build_expert_lists(ids, K3.num_experts, tile)
+        got = cute_sm90.build_expert_lists_device(ids, K3.num_experts, tile)
+        torch.cuda.synchronize()
+        assert torch.equal(got.slot_expert, expected.slot_expert), f"{kind} T={tokens}"
+        assert torch.equal(got.slot_tokens, expected.slot_tokens), f"{kind} T={tokens}"
+        assert torch.equal(got.pair_position, expected.pair_position), f"{kind} T={tokens}"
