@@ -730,6 +730,8 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 # How routed_experts builds its lists: "device" = the one-launch CuTe kernel above, "torch" =
 # cute_common.build_expert_lists (~16 small kernels). Chosen from experiments/notes/moe.md.
 DEFAULT_LISTS = "torch"
+# latent_moe: run the shared experts on a side stream, concurrently with the routed path.
+OVERLAP_SHARED = False
 
 
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float):
@@ -784,7 +786,7 @@ def supports(x: torch.Tensor) -> bool:
 def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
     """The K3 latent MoE block (kernels/moe/reference.py is the contract) with the routed experts
     on the MXFP4 expert kernel; dense projections go through ops.linear (the CuTe skinny GEMM)."""
-    from dspark.targets.kimi_k3.numerics import rms_norm, situ
+    from dspark.targets.kimi_k3.numerics import rms_norm
 
     if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
         raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
@@ -795,13 +797,42 @@ def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
     ids, route_weights = ops.moe_route(
         x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
     )
+    main = torch.cuda.current_stream(x.device)
+    if OVERLAP_SHARED:
+        # The shared experts need only x: run them on a side stream, so that their weight reads
+        # overlap the latency-bound routing kernels of the routed path (and the reverse).
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = shared_experts(x, weights, cfg)
     latent = ops.linear(x, weights.latent_down)
     expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)  # [T, k, latent]
     # weighted sum over the k experts in fp32 (one reduction kernel instead of the reference's
     # k multiply-adds; equal up to fp32 summation order)
     routed = (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)
     routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
-    shared = situ(
-        ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta
-    )
-    return ops.linear(routed, weights.latent_up) + ops.linear(shared, weights.shared_down)
+    if OVERLAP_SHARED:
+        # Join. `shared` was allocated on the side stream and is read here on the main one; its
+        # memory can only be reused by later side-stream work, which always starts by waiting
+        # for the main stream (above), so no record_stream is needed.
+        main.wait_stream(side)
+    else:
+        shared = shared_experts(x, weights, cfg)
+    return ops.linear(routed, weights.latent_up) + shared
+
+
+def shared_experts(x: torch.Tensor, weights, cfg) -> torch.Tensor:
+    from dspark.targets.kimi_k3.numerics import situ
+
+    act = situ(ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta)
+    return ops.linear(act, weights.shared_down)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
