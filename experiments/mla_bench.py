@@ -23,14 +23,12 @@ from benchlib import median_event_ms, provenance, time_calls, write_json
 HEADS, LATENT, ROPE = 96, 512, 64
 # cute_sm90 variants (flags of mla_verify_into), each timed at the default split count
 VARIANTS = {
-    "split_s": dict(producer_warpgroup=False, defer_pv_wait=False, qk_one_warpgroup=False, l2_prefetch=False),
-    "split_s+producer_wg": dict(producer_warpgroup=True, defer_pv_wait=False, qk_one_warpgroup=False, l2_prefetch=False),
-    "split_s+defer": dict(producer_warpgroup=False, defer_pv_wait=True, qk_one_warpgroup=False, l2_prefetch=False),
-    "split_s+producer_wg+defer": dict(producer_warpgroup=True, defer_pv_wait=True, qk_one_warpgroup=False,
-                                      l2_prefetch=False),
-    "split_s+l2_prefetch": dict(producer_warpgroup=False, defer_pv_wait=False, qk_one_warpgroup=False, l2_prefetch=True),
-    "qk_one_wg": dict(qk_one_warpgroup=True, l2_prefetch=False),
-    "qk_one_wg+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True),
+    "split_s": dict(qk_one_warpgroup=False, producer_warpgroup=False),
+    "split_s+producer_wg": dict(qk_one_warpgroup=False, producer_warpgroup=True),
+    "qk_one_wg": dict(qk_one_warpgroup=True, l2_prefetch=False, cluster_pairs=False),
+    "qk_one_wg+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True, cluster_pairs=False),
+    "qk_one_wg+cluster_pairs": dict(qk_one_warpgroup=True, l2_prefetch=False, cluster_pairs=True),
+    "qk_one_wg+cluster_pairs+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True, cluster_pairs=True),
 }
 SCALE = 192**-0.5
 

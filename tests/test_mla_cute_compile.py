@@ -128,13 +128,14 @@ def test_splits_fill_one_wave_and_keep_enough_work_per_split():
     sms = mla_common.H200_SMS
     # T = 8: 12 row tiles of 64 (96 heads x 8 tokens); 8k keys = 128 KV tiles
     assert mla_common.choose_splits(1, 8, HEADS, 8192, sms) == 11  # 132 CTAs
-    assert mla_common.choose_splits(1, 1, HEADS, 1024, sms) == 4  # 16 KV tiles, >= 4 each
+    assert mla_common.choose_splits(1, 1, HEADS, 1024, sms) == 8  # 16 KV tiles, >= 2 each
+    assert mla_common.choose_splits(1, 1, HEADS, 32768, sms) == mla_common.SPLITS_CAP
     for batch in (1, 2, 4):
         for tokens in (1, 4, 8, 16):
             for context in (256, 1024, 8192, 32768):
                 splits = mla_common.choose_splits(batch, tokens, HEADS, context, sms)
                 ctas = batch * mla_common.row_tiles(tokens, HEADS) * splits
-                assert 1 <= splits <= mla_common.MAX_SPLITS
+                assert 1 <= splits <= mla_common.SPLITS_CAP
                 assert splits == 1 or ctas <= sms  # at most one wave
                 assert splits == 1 or context / 64 / splits >= mla_common.MIN_TILES_PER_SPLIT
 

@@ -27,8 +27,11 @@ HEAD_DIM = LATENT + ROPE  # one cache row
 ROWS_PER_TILE = 64  # query rows (head x token) per CTA: one m64 MMA tile
 KV_TILE = 64  # cache rows per pipeline stage
 MAX_TOKENS = 16  # verify width T supported (k <= 15 drafts)
-MAX_SPLITS = 64
-MIN_TILES_PER_SPLIT = 4  # below this the pipeline ramp and the partials' traffic dominate
+# Split heuristic, from the round-1 split sweep on the H200 (experiments/notes/mla.md): 2 KV tiles
+# per split still paid at 1k keys for T <= 4, and T = 1 at 32k was faster with 32 splits than 64.
+SPLITS_CAP = 32
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 64  # what a caller may force (benchmarks)
 COMBINE_THREADS = LATENT // 4  # four output columns per thread
 INDEX_DTYPES = (torch.int32, torch.int64)
 H200_SMS = 132
@@ -40,14 +43,15 @@ def row_tiles(tokens: int, heads: int) -> int:
 
 def choose_splits(batch: int, tokens: int, heads: int, max_len: int, num_sms: int = H200_SMS) -> int:
     """KV splits per row tile so that batch x row tiles x splits CTAs fill one wave of the SMs
-    (one CTA per SM: the kernel uses ~225 KB of shared memory), but never fewer than
-    MIN_TILES_PER_SPLIT KV tiles per split. max_len (the cache capacity) bounds the context: the
-    real lengths live on the GPU and reading them would cost a sync."""
+    (one CTA per SM: the kernel uses ~226 KB of shared memory), with at least MIN_TILES_PER_SPLIT
+    KV tiles per split and at most SPLITS_CAP (each split costs a 64x512 fp32 partial write).
+    max_len (the cache capacity) bounds the context: the real lengths live on the GPU and reading
+    them would cost a sync."""
     base = batch * row_tiles(tokens, heads)
     kv_tiles = math.ceil(max_len / KV_TILE)
     by_sms = max(1, num_sms // base)
     by_work = max(1, kv_tiles // MIN_TILES_PER_SPLIT)
-    return max(1, min(by_sms, by_work, MAX_SPLITS))
+    return max(1, min(by_sms, by_work, SPLITS_CAP))
 
 
 def check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths) -> None:
@@ -170,9 +174,10 @@ def fake_arguments(heads: int, index: torch.dtype) -> tuple:
 
 def workspace(batch: int, tokens: int, heads: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV partials: o [B, splits, rows_pad, 512] fp32 and lse [B, splits, rows_pad] fp32, rows
-    padded to whole 64-row tiles so that the attention kernel stores without bounds checks. With
-    one split they are never touched (the caching allocator makes the allocation free)."""
-    rows_pad = row_tiles(tokens, heads) * ROWS_PER_TILE
+    padded to whole pairs of 64-row tiles (the cluster-pair kernel may run one tile past T*H) so
+    that the attention kernel stores without bounds checks. With one split they are never touched
+    (the caching allocator makes the allocation free)."""
+    rows_pad = math.ceil(row_tiles(tokens, heads) / 2) * 2 * ROWS_PER_TILE
     o_partial = torch.empty((batch, splits, rows_pad, LATENT), dtype=torch.float32, device=device)
     lse = torch.empty((batch, splits, rows_pad), dtype=torch.float32, device=device)
     return o_partial, lse

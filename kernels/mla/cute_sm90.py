@@ -1,36 +1,37 @@
 """Absorbed-MLA multi-token verify attention for Hopper (sm_90a) in CuTe DSL: TMA + WGMMA.
 
-Design (spec: kernels.md §2 "multi-token MLA verify", §7 row 5; kimi-k3.md §3 absorbed form):
+Design (spec: kernels.md §2 "multi-token MLA verify", §7 row 5; kimi-k3.md §3 absorbed form;
+measurements: experiments/notes/mla.md):
 - One CTA = 64 query rows (heads x tokens of one request, rows r = j*H + h) x one KV split.
-  Grid (row tiles, splits, B). 2 math warpgroups + 1 producer warp (288 threads), or with
-  `producer_warpgroup` a whole producer warpgroup (384 threads) so that setmaxnreg can give the
-  math warpgroups 240 registers (at 288 threads ptxas caps them at 168 and spills ~96 bytes).
-- Shared memory: Q tile 64 x 576 (loaded once), 2 pipeline stages of 64 cache rows x 576
-  (c_kv part and k_pe part in separate buffers), P 64 x 64 bf16, row statistics. ~225 KB.
-- The producer warp streams cache tiles with TMA (9 boxes of 64 x 64 per tile) into an
-  mbarrier pipeline (PipelineTmaAsync); the cache tensor is [slots, max_len, 576] and the slot
-  is a TMA coordinate, so rows past max_len are zero-filled (and masked).
-- Per KV tile, warpgroup w:
-    S_w = Q . K[32w : 32w+32]^T        (WGMMA m64n32k16 over 576, both operands in smem)
-    row max over both halves through shared memory, online softmax in fp32 (log2 domain),
-    P_w -> smem (bf16), named barrier,
-    O_w += P . V[:, 256w : 256w+256]   (WGMMA m64n256k16, P and V in smem)
-  V is the c_kv part of the same tile: the buffer holds 64-dim blocks of 64 rows x 128 bytes
-  (128B swizzle), which is both the K-major layout of K for Q.K^T and the MN-major layout of V
-  for P.V, so the tile is loaded once and read in both roles.
-  Each warpgroup keeps its own partial row sums; they meet once in the epilogue.
-  Variant `qk_one_warpgroup`: warpgroup 0 computes all of S (m64n64k16: Q.K^T at m64n32 needs
-  1.5x the shared-memory bandwidth of the tensor cores' rate) and the softmax, and publishes P and
-  the per-row rescale factors; warpgroup 1 only does its half of P.V (math_qk_one_warpgroup).
+  Grid (row tiles, splits, B). Two math warpgroups split O by columns (256 each, 128 fp32
+  registers per thread) + a TMA producer warp.
+- Shared memory (~226 KB, 1 CTA/SM): Q 64 x 576 (loaded once), 2 pipeline stages of 64 cache
+  rows x 576 (c_kv and k_pe parts in separate buffers), P 64 x 64 bf16, row statistics.
+- The producer streams cache tiles with TMA (9 boxes of 64 x 64 per tile) into an mbarrier
+  pipeline (PipelineTmaAsync); the cache is a [slots, max_len, 576] TMA tensor with the slot as a
+  coordinate, so rows past max_len are zero-filled (and masked).
+- V is the c_kv part of the same tile: a 64-dim block of 64 rows x 128 bytes (128B swizzle) is
+  both the K-major K of Q.K^T and the MN-major V of P.V, so each tile is loaded once.
+- Default (`qk_one_warpgroup`, the fastest in round 1): warpgroup 0 computes S = Q.K^T
+  (m64n64k16 over 576) and the online softmax (fp32, log2 domain), writes P (bf16) and the per-row
+  rescale factors to smem and signals warpgroup 1 (bar.arrive / bar.sync); both then do
+  O_half += P.V_half (m64n256k16). Warpgroup 0 lets its P.V run into the next Q.K^T (one wait
+  covers both). Needs the producer warpgroup (384 threads) so that setmaxnreg gives the math
+  warpgroups 240 registers. Reason for one S warpgroup: Q.K^T split over both warpgroups
+  (`qk_one_warpgroup=False`, m64n32k16 each, row maxima exchanged through smem) reads 1.5x the
+  shared-memory bandwidth the tensor cores' rate allows; it was 1.2-1.4x slower on the H200.
+- Options: `producer_warpgroup` (for the split-S variant), `l2_prefetch` (TMA prefetch of cache
+  tiles into L2 ahead of the two stages), `cluster_pairs` (two row tiles in a cluster, each CTA
+  loads half of every cache tile with TMA multicast into both: half the L2->SM traffic).
 - The bottom-right causal mask (query j sees rows < cache_lens[b] + j + 1) is applied only to
   tiles that reach past the first query's limit (the last one or two tiles).
 - Split-KV: each split covers a contiguous range of 64-row KV tiles of [0, keys this row tile
   needs); with several splits it writes O/l (fp32) and the log2-sum-exp per row, and the
-  combine kernel (cute_common.combine, PDL-launched) merges them; with one split the kernel
-  writes bf16 output directly (zeros for padding queries).
+  combine kernel (cute_common, PDL-launched) merges them; with one split the kernel writes bf16
+  output directly (zeros for padding queries).
 
-Not done (see experiments/notes/mla.md): no overlap of the softmax of tile i with the MMAs of
-tile i+1 inside a warpgroup (FA3/FlashMLA ping-pong), no persistent scheduling.
+Not done: softmax(t) is not overlapped with Q.K^T(t+1) (FA3 / FlashMLA "seesaw"; two stages of
+64 x 576 leave no room), no persistent scheduling.
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
 
@@ -52,9 +53,9 @@ PRODUCER_WARP = 4 * MATH_WARPGROUPS  # warp index of the TMA producer
 # setmaxnreg can move registers to the math warpgroups (whose O accumulators alone take 128).
 PRODUCER_REGS, MATH_REGS = 24, 240
 DEFAULT_PRODUCER_WARPGROUP = False
-DEFAULT_DEFER_PV_WAIT = False
-DEFAULT_QK_ONE_WARPGROUP = False
+DEFAULT_QK_ONE_WARPGROUP = True  # round 1 on the H200: fastest variant at every shape
 DEFAULT_L2_PREFETCH = False
+DEFAULT_CLUSTER_PAIRS = False
 L2_PREFETCH_AHEAD = 4  # KV tiles
 S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
 O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
@@ -95,14 +96,11 @@ def _build_kernel_class():
         splits, cache slots and max_len are runtime values."""
 
         def __init__(self, heads: int, split_kv: bool, warp_mma: bool = False, producer_warpgroup: bool = False,
-                     defer_pv_wait: bool = False, qk_one_warpgroup: bool = False, l2_prefetch: bool = False):
+                     qk_one_warpgroup: bool = False, l2_prefetch: bool = False,
+                     cluster_pairs: bool = False):
             # warp_mma: mma.sync m16n8k16 fed by ldmatrix instead of WGMMA (the Blackwell build,
             # cute_sm100.py: WGMMA does not exist there); everything else is shared.
             self.heads, self.split_kv, self.warp_mma = heads, split_kv, warp_mma
-            # defer_pv_wait: do not wait for P.V before the next tile; the next Q.K^T wait covers
-            # it (the O rescale needs it complete anyway), so the tensor cores go from P.V(t)
-            # straight into Q.K^T(t+1). The stage of tile t is released one tile later.
-            self.defer_pv_wait = defer_pv_wait and not warp_mma
             # qk_one_warpgroup: warpgroup 0 computes all of S (WGMMA m64n64k16, full rate for
             # shared memory; m64n32 needs 1.5x its bandwidth) and the softmax, hands P and the
             # rescale factors to warpgroup 1 through shared memory, and both do P.V on their
@@ -112,6 +110,10 @@ def _build_kernel_class():
             # l2_prefetch: the producer also issues TMA prefetches (cp.async.bulk.prefetch.tensor)
             # of the cache tiles L2_PREFETCH_AHEAD ahead, so the stage loads hit L2.
             self.l2_prefetch = l2_prefetch
+            # cluster_pairs: two CTAs (adjacent row tiles, same KV split) form a cluster and each
+            # loads half of every cache tile with TMA multicast into both: half the L2->SM
+            # traffic (at ~5 TB/s in the steady state of the unpaired kernel, round 1).
+            self.cluster = 2 if cluster_pairs else 1
             self.threads = 128 * MATH_WARPGROUPS + (128 if self.producer_warpgroup else 32)
 
         # ---------------------------------------------------------------- host side
@@ -146,7 +148,13 @@ def _build_kernel_class():
             block_layout = cute.slice_(k_layout, (None, None, 0))
             tma_q, tma_mQl = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQl, block_layout, (ROWS_PER_TILE, K_BLOCK))
             tma_qpe, tma_mQp = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQp, block_layout, (ROWS_PER_TILE, K_BLOCK))
-            tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKV, block_layout, (KV_TILE, K_BLOCK))
+            if cutlass.const_expr(self.cluster > 1):
+                tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SMulticastOp(), mKV, block_layout, (KV_TILE, K_BLOCK),
+                    num_multicast=self.cluster,
+                )
+            else:
+                tma_kv, tma_mKV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKV, block_layout, (KV_TILE, K_BLOCK))
 
             if cutlass.const_expr(self.warp_mma):
                 # 4 warps x m16 rows = the same 64-row tile per warpgroup
@@ -175,12 +183,17 @@ def _build_kernel_class():
                 sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(p_layout)], 1024]
 
             self.shared_storage = SharedStorage
-            grid = (cute.ceil_div(rows, ROWS_PER_TILE), splits, batch)
-            self.kernel(
+            # row tiles rounded up to whole clusters (an extra tile has no rows: never stored)
+            grid = (cute.ceil_div(rows, ROWS_PER_TILE * self.cluster) * self.cluster, splits, batch)
+            kernel = self.kernel(
                 tma_q, tma_mQl, tma_qpe, tma_mQp, tma_kv, tma_mKV, mO, o_partial, lse_partial,
                 slots, cache_lens, lengths, rows, splits, scale_log2, mma_qk, mma_pv,
                 q_layout, k_layout, kpe_layout, v_layout, p_layout,
-            ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+            )
+            if cutlass.const_expr(self.cluster > 1):
+                kernel.launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster, 1, 1), stream=stream, use_pdl=True)
+            else:
+                kernel.launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=True)
             if cutlass.const_expr(self.split_kv):
                 mla_common._combine_launcher()(o_partial, lse_partial, lengths, out, self.heads, stream)
 
@@ -224,13 +237,17 @@ def _build_kernel_class():
             storage = smem.allocate(self.shared_storage)
             block_bytes = KV_TILE * K_BLOCK * 2
             consumer_warps = 4 * MATH_WARPGROUPS
+            # With cluster pairs a stage is free only when the consumers of both CTAs released
+            # it (the partner's multicast writes into it): every consumer warp arrives on the
+            # empty barrier of each CTA of the pair.
+            cluster_vmnk = cute.make_layout((1, self.cluster, 1, 1))
             kv_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.kv_barriers.data_ptr(),
                 num_stages=STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * self.cluster),
                 tx_count=(LATENT_BLOCKS + 1) * block_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                cta_layout_vmnk=cluster_vmnk,
                 defer_sync=True,
             )
             q_pipe = pipeline.PipelineTmaAsync.create(
@@ -242,7 +259,7 @@ def _build_kernel_class():
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
 
             sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
             sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
@@ -259,9 +276,13 @@ def _build_kernel_class():
             num_tokens = lengths[b].to(cutlass.Int32)
             row0 = row_tile * ROWS_PER_TILE
             first_token = row0 // heads
-            last_token = cutlass.min((cutlass.min(row0 + ROWS_PER_TILE, rows) - 1) // heads, num_tokens - 1)
+            # the keys the cluster's row tiles need (both CTAs of a pair walk the same tiles)
+            group_row0 = (row_tile // self.cluster) * self.cluster * ROWS_PER_TILE
+            group_first_token = group_row0 // heads
+            group_last_row = cutlass.min(group_row0 + self.cluster * ROWS_PER_TILE, rows) - 1
+            last_token = cutlass.min(group_last_row // heads, num_tokens - 1)
             keys = cutlass.Int32(0)
-            if first_token < num_tokens:
+            if group_first_token < num_tokens:
                 keys = cache_len + last_token + 1
             kv_tiles = (keys + KV_TILE - 1) // KV_TILE
             per_split = (kv_tiles + splits - 1) // splits
@@ -270,7 +291,7 @@ def _build_kernel_class():
             # tiles from here on reach past what the first query of the tile may see
             first_masked_tile = (cache_len + first_token + 1) // KV_TILE
 
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
             if cutlass.const_expr(self.producer_warpgroup):
                 if warp_idx >= PRODUCER_WARP:
                     cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -282,8 +303,14 @@ def _build_kernel_class():
                 gKV = cute.local_tile(mKV, (KV_TILE, K_BLOCK), (None, None, slot))
                 tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQl, 0, 2))
                 tQps, tQpg = cpasync.tma_partition(tma_qpe, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQp, 0, 2))
-                tKs, tKg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2))
-                tKps, tKpg = cpasync.tma_partition(tma_kv, 0, cute.make_layout(1), cute.group_modes(sKpe, 0, 2), cute.group_modes(gKV, 0, 2))
+                # with cluster pairs each CTA loads its half of every 64x64 box, multicast to both
+                rank = row_tile % self.cluster
+                cluster_layout = cute.make_layout(self.cluster)
+                tKs, tKg = cpasync.tma_partition(tma_kv, rank, cluster_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2))
+                tKps, tKpg = cpasync.tma_partition(tma_kv, rank, cluster_layout, cute.group_modes(sKpe, 0, 2), cute.group_modes(gKV, 0, 2))
+                mcast_mask = None
+                if cutlass.const_expr(self.cluster > 1):
+                    mcast_mask = cpasync.create_tma_multicast_mask(cluster_vmnk, (0, rank, 0, 0), 1)
 
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 q_pipe.producer_acquire(q_state)
@@ -301,8 +328,10 @@ def _build_kernel_class():
                     tile = tile_begin + t
                     barrier = kv_pipe.producer_get_barrier(producer)
                     for kb in cutlass.range_constexpr(LATENT_BLOCKS):
-                        cute.copy(tma_kv, tKg[(None, tile, kb)], tKs[(None, producer.index * LATENT_BLOCKS + kb)], tma_bar_ptr=barrier)
-                    cute.copy(tma_kv, tKpg[(None, tile, LATENT_BLOCKS)], tKps[(None, producer.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_kv, tKg[(None, tile, kb)], tKs[(None, producer.index * LATENT_BLOCKS + kb)],
+                                  tma_bar_ptr=barrier, mcast_mask=mcast_mask)
+                    cute.copy(tma_kv, tKpg[(None, tile, LATENT_BLOCKS)], tKps[(None, producer.index)], tma_bar_ptr=barrier,
+                              mcast_mask=mcast_mask)
                     if cutlass.const_expr(self.l2_prefetch):
                         # two stages cannot cover the load latency: pull later tiles into L2
                         if t + L2_PREFETCH_AHEAD < tile_count:
@@ -398,7 +427,6 @@ def _build_kernel_class():
                     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                     q_pipe.consumer_wait(q_state)
                     consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-                    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
                     for t in cutlass.range(tile_count, unroll=1):
                         tile = tile_begin + t
                         kv_pipe.consumer_wait(consumer)
@@ -415,11 +443,6 @@ def _build_kernel_class():
                                 cute.gemm(mma_qk, acc_s, tSrQ[(None, None, k, LATENT_BLOCKS)], tSrKpe[(None, None, k, stage)], acc_s)
                             warpgroup.commit_group()
                             warpgroup.wait_group(0)
-                            if cutlass.const_expr(self.defer_pv_wait):
-                                # this wait also covered the previous tile's P.V: its stage is free
-                                if t > 0:
-                                    kv_pipe.consumer_release(release)
-                                    release.advance()
                         else:
                             for kb in cutlass.range_constexpr(LATENT_BLOCKS + 1):
                                 cute.copy(copy_q, sQ_copy[(None, None, None, kb)], rQ_copy)
@@ -489,22 +512,14 @@ def _build_kernel_class():
                             for k in cutlass.range_constexpr(KV_TILE // 16):
                                 cute.gemm(mma_pv, acc_o, tOrP[(None, None, k, 0)], tOrV[(None, None, k, stage)], acc_o)
                             warpgroup.commit_group()
-                            if cutlass.const_expr(not self.defer_pv_wait):
-                                warpgroup.wait_group(0)
+                            warpgroup.wait_group(0)
                         else:
                             cute.copy(copy_p, sP_copy[(None, None, None, 0)], rP_copy)
                             cute.copy(copy_v, sV_copy[(None, None, None, stage)], rV_copy)
                             for k in cutlass.range_constexpr(KV_TILE // 16):
                                 cute.gemm(mma_pv, acc_o, rP[(None, None, k)], rV[(None, None, k)], acc_o)
-                        if cutlass.const_expr(not self.defer_pv_wait):
-                            kv_pipe.consumer_release(release)
-                            release.advance()
+                        kv_pipe.consumer_release(consumer)
                         consumer.advance()
-                    if cutlass.const_expr(self.defer_pv_wait):
-                        # the last tile's P.V is still in flight (the next Q.K^T would have waited)
-                        warpgroup.wait_group(0)
-                        if tile_count > 0:
-                            kv_pipe.consumer_release(release)
 
                     cute.arch.griddepcontrol_launch_dependents()
 
@@ -750,24 +765,24 @@ def kernel_class():
 
 
 def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
-                       warp_mma: bool = False, producer_warpgroup: bool = False, defer_pv_wait: bool = False,
-                       qk_one_warpgroup: bool = False, l2_prefetch: bool = False):
+                       warp_mma: bool = False, producer_warpgroup: bool = False,
+                       qk_one_warpgroup: bool = False, l2_prefetch: bool = False, cluster_pairs: bool = False):
     """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
     split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
     (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
     warp_mma=True builds the mma.sync variant (cute_sm100.py); producer_warpgroup=True gives the
     producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg);
-    defer_pv_wait=True lets P.V(t) run into Q.K^T(t+1); qk_one_warpgroup=True gives all of Q.K^T
+    qk_one_warpgroup=True gives all of Q.K^T
     and the softmax to warpgroup 0; l2_prefetch=True prefetches cache tiles into L2 ahead of the
-    stage loads (see the kernel class)."""
+    stage loads; cluster_pairs=True multicasts each cache tile to two row tiles (see the kernel class)."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
-    if qk_one_warpgroup:  # implies the producer warpgroup; warpgroup 0 always defers its P.V wait
-        producer_warpgroup, defer_pv_wait = True, False
+    if qk_one_warpgroup:  # implies the producer warpgroup
+        producer_warpgroup = True
     if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
         raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
-    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup, defer_pv_wait,
-           qk_one_warpgroup, l2_prefetch)
+    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup,
+           qk_one_warpgroup, l2_prefetch, cluster_pairs)
 
     def build():
         import cutlass
@@ -777,8 +792,8 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
         args = mla_common.fake_arguments(heads, index)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, defer_pv_wait, qk_one_warpgroup,
-                           l2_prefetch), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, qk_one_warpgroup,
+                           l2_prefetch, cluster_pairs), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -791,18 +806,19 @@ def available() -> bool:
 
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
                     splits: int | None = None, partials=None, warp_mma: bool = False,
-                    producer_warpgroup: bool | None = None, defer_pv_wait: bool | None = None,
-                    qk_one_warpgroup: bool | None = None, l2_prefetch: bool | None = None) -> torch.Tensor:
+                    producer_warpgroup: bool | None = None,
+                    qk_one_warpgroup: bool | None = None, l2_prefetch: bool | None = None,
+                    cluster_pairs: bool | None = None) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
     `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
     if producer_warpgroup is None:
         producer_warpgroup = DEFAULT_PRODUCER_WARPGROUP and not warp_mma
-    if defer_pv_wait is None:
-        defer_pv_wait = DEFAULT_DEFER_PV_WAIT and not warp_mma
     if qk_one_warpgroup is None:
         qk_one_warpgroup = DEFAULT_QK_ONE_WARPGROUP and not warp_mma
     if l2_prefetch is None:
         l2_prefetch = DEFAULT_L2_PREFETCH
+    if cluster_pairs is None:
+        cluster_pairs = DEFAULT_CLUSTER_PAIRS and not warp_mma
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
     if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
@@ -813,10 +829,11 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
     elif not 1 <= splits <= mla_common.MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
     compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma,
-                                  producer_warpgroup=producer_warpgroup, defer_pv_wait=defer_pv_wait,
-                                  qk_one_warpgroup=qk_one_warpgroup, l2_prefetch=l2_prefetch)
+                                  producer_warpgroup=producer_warpgroup,
+                                  qk_one_warpgroup=qk_one_warpgroup, l2_prefetch=l2_prefetch,
+                                  cluster_pairs=cluster_pairs)
     if partials is None:
-        partials = mla_common.workspace(B, T, H, splits, q_latent.device)
+        partials = mla_common.workspace(B, T, H, splits, q_latent.device)  # rows padded to cluster pairs
     o_partial, lse = partials
     compiled(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out, o_partial, lse, scale * LOG2E, splits)
     return out

@@ -83,8 +83,9 @@ def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64, **var
     assert err <= REL_TOL, f"{label}: relative error {err:.2e} > {REL_TOL}"
 
 
-# Kernel variants (cute_sm90 flags): the default, and warpgroup 0 doing all of Q.K^T + softmax.
-MAIN_VARIANTS = {"default": {}, "qk_one_warpgroup": {"qk_one_warpgroup": True}}
+# Kernel variants (cute_sm90 flags): the default (warpgroup 0 does all of Q.K^T + softmax), and
+# the same with row-tile pairs sharing cache tiles through TMA multicast.
+MAIN_VARIANTS = {"default": {}, "cluster_pairs": {"cluster_pairs": True}}
 if kernel is not None and kernel.__name__.endswith("sm100"):
     MAIN_VARIANTS = {"default": {}}  # the Blackwell build has no variants
 
@@ -107,29 +108,28 @@ def test_two_requests_different_lengths_one_padded(T, context, variant):
 
 @pytest.mark.parametrize("splits", [1, 3, 64])
 def test_forced_splits_including_the_single_split_path(splits):
-    # one split: the attention kernel writes bf16 itself; 64 splits at 1k: most splits are empty
+    # one split: the attention kernel writes bf16 itself; 64 splits at 1k: most splits are empty;
+    # T = 3 has an odd number of row tiles (5): the cluster-pair kernel runs a sixth, empty one
     torch.backends.cuda.matmul.allow_tf32 = False
     run_case(2, 8, 1024 if splits == 64 else 8192, [8, 5], splits=splits)
     run_case(1, 1, 4000, [1], splits=splits)  # context not a multiple of the 64-row KV tile
+    run_case(2, 3, 3000, [3, 2], splits=splits, cluster_pairs=True)
 
 
-# 288 threads (one producer warp) or 384 (a producer warpgroup + setmaxnreg); P.V waited for in
-# its own tile or only by the next tile's Q.K^T wait; S split over both warpgroups or all in
-# warpgroup 0 (which implies the producer warpgroup and always defers its P.V wait); TMA
-# prefetches of cache tiles into L2 ahead of the stage loads
+# S split over both warpgroups (288 threads, or 384 with a producer warpgroup + setmaxnreg) or
+# all of S in warpgroup 0 (the default); TMA prefetches of cache tiles into L2; cluster pairs.
 VARIANTS = [
-    dict(producer_warpgroup=False, defer_pv_wait=False, qk_one_warpgroup=False),
-    dict(producer_warpgroup=True, defer_pv_wait=False, qk_one_warpgroup=False),
-    dict(producer_warpgroup=False, defer_pv_wait=True, qk_one_warpgroup=False),
-    dict(producer_warpgroup=True, defer_pv_wait=True, qk_one_warpgroup=False),
+    dict(qk_one_warpgroup=False, producer_warpgroup=False),
+    dict(qk_one_warpgroup=False, producer_warpgroup=True),
+    dict(qk_one_warpgroup=False, cluster_pairs=True),
     dict(qk_one_warpgroup=True),
-    dict(l2_prefetch=True),
     dict(qk_one_warpgroup=True, l2_prefetch=True),
+    dict(qk_one_warpgroup=True, cluster_pairs=True, l2_prefetch=True),
 ]
 
 
 @pytest.mark.skipif(kernel is not None and kernel.__name__.endswith("sm100"), reason="Hopper-only variants")
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(k for k, on in v.items() if on) or "plain")
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(k for k, on in v.items() if on) or "split_s")
 def test_every_kernel_variant(variant):
     torch.backends.cuda.matmul.allow_tf32 = False
     run_case(2, 8, 8192, [8, 6], **variant)
