@@ -84,16 +84,18 @@ def ceilings(nbytes: int, copies: int) -> dict:
 
 
 def parse_variant(text: str, op: str) -> dict:
-    """'bv128_c2_r8_fast' -> dict(block_v=128, cols=2, row_chunks=8, fast_math=True) (commit: no fast)."""
+    """'bv128_c2_r8_fast_bulk' -> dict(block_v=128, cols=2, row_chunks=8, fast_math=True,
+    bulk_state=True); commit has no fast_math. Options not named are off."""
     fields = {"bv": "block_v", "c": "cols", "r": "row_chunks"}
-    variant = {"fast_math": False} if op == "verify" else {}
+    flags = {"fast": "fast_math", "bulk": "bulk_state"} if op == "verify" else {"bulk": "bulk_state"}
+    variant = {flag: False for flag in flags.values()}
     for part in text.split("_"):
-        if part == "fast" and op == "verify":
-            variant["fast_math"] = True
+        if part in flags:
+            variant[flags[part]] = True
             continue
         name = next((n for n in sorted(fields, key=len, reverse=True) if part.startswith(n)), None)
         if name is None or not part[len(name):].isdigit():
-            raise ValueError(f"variant={text!r}: cannot read {part!r} (bvN_cN_rN[_fast])")
+            raise ValueError(f"variant={text!r}: cannot read {part!r} (bvN_cN_rN[_fast][_bulk])")
         variant[fields[name]] = int(part[len(name):])
     return variant
 
@@ -206,13 +208,15 @@ def main():
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--verify-variants", default="bv128_c1_r4,bv128_c1_r4_fast,bv128_c2_r4_fast,bv128_c2_r8_fast,"
-                        "bv128_c4_r8_fast,bv64_c2_r8_fast,bv32_c1_r4_fast",
-                        help="comma-separated bvN_cN_rN[_fast]: block_v, columns per thread, row chunks, fast math")
-    parser.add_argument("--probe-variants", default="bv128_c1_r4,bv128_c1_r4_fast,bv128_c2_r8_fast,bv128_c4_r8_fast",
+    parser.add_argument("--verify-variants", default="bv128_c1_r4,bv128_c1_r4_fast,bv128_c1_r4_fast_bulk,"
+                        "bv128_c2_r8_fast_bulk",
+                        help="comma-separated bvN_cN_rN[_fast][_bulk]: block_v, columns per thread, row chunks, fast "
+                        "math, state copied by the TMA unit")
+    parser.add_argument("--probe-variants", default="bv128_c1_r4_fast_bulk,bv128_c2_r8_fast_bulk",
                         help="verify variants also run as the probe build (phase breakdown)")
-    parser.add_argument("--commit-variants", default="bv32_c1_r4,bv32_c1_r8,bv128_c1_r4,bv64_c2_r8,bv128_c2_r8,"
-                        "bv128_c4_r8")
+    parser.add_argument("--commit-variants", default="bv32_c1_r4,bv32_c1_r4_bulk,bv64_c1_r4_bulk,bv128_c1_r4_bulk")
+    parser.add_argument("--pairs", default="default+default,bv128_c1_r4_fast_bulk+bv128_c1_r4_bulk",
+                        help="verify+commit variants timed together (verify, commit, verify, ... over the layers)")
     parser.add_argument("--out", default="experiments/results/h200/kda_bench.json")
     parser.add_argument("--commit", default=None, help="git commit of the tree (if git is not available here)")
     args = parser.parse_args()
@@ -264,7 +268,7 @@ def main():
         save(key)
 
     # commit variants replay the default verify's records
-    default_calls, records = verify_calls(layers, arch, {})
+    _, records = verify_calls(layers, arch, {})
     first_committed = None
     for name in args.commit_variants.split(","):
         key = f"commit_{name}"
@@ -279,15 +283,26 @@ def main():
             rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         save(key)
 
-    # the defaults together: verify then commit per layer in one graph, and the clock meanwhile
-    scratch = [(x["state"].clone(), x["conv_state"].clone()) for x in layers]
-    commits = [(lambda s=s, r=r: kda_cute.commit(s[0], s[1], r, accepted, arch=arch)) for s, r in zip(scratch, records)]
-    pairs = [c for pair in zip(default_calls, commits) for c in pair]
-    rows["defaults_verify_then_commit"] = {"per_call_us": time_per_call(pairs)}
-    rows["defaults_verify_then_commit"]["verify_plus_commit_per_layer_graph_us"] = (
-        2 * rows["defaults_verify_then_commit"]["per_call_us"]["graph_us"] or float("nan"))
-    rows["defaults_verify_then_commit"].update(sample_clock_during(lambda: [c() for c in default_calls], 0.3))
-    save("defaults_verify_then_commit")
+    # verify then commit per layer in one graph (the default pair first), and the clock meanwhile
+    for pair in args.pairs.split(","):
+        key = f"pair_{pair}"
+        try:
+            verify_name, commit_name = pair.split("+")
+            verify_variant = {} if verify_name == "default" else parse_variant(verify_name, "verify")
+            commit_variant = {} if commit_name == "default" else parse_variant(commit_name, "commit")
+            verifies, pair_records = verify_calls(layers, arch, verify_variant)
+            scratch = [(x["state"].clone(), x["conv_state"].clone()) for x in layers]
+            commits = [(lambda s=s, r=r: kda_cute.commit(s[0], s[1], r, accepted, arch=arch, **commit_variant))
+                       for s, r in zip(scratch, pair_records)]
+            timing = time_per_call([c for calls in zip(verifies, commits) for c in calls])
+            rows[key] = {"verify": kda_cute.resolve_variant(HEAD_DIM, "verify", **verify_variant),
+                         "commit": kda_cute.resolve_variant(HEAD_DIM, "commit", **commit_variant),
+                         "per_call_us": timing,
+                         "verify_plus_commit_per_layer_graph_us": 2 * (timing["graph_us"] or float("nan")),
+                         **sample_clock_during(lambda: [c() for c in verifies], 0.2)}
+        except Exception as exc:
+            rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        save(key)
 
     # fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)
     try:
@@ -329,6 +344,8 @@ def main():
     print(f"\nK3 KDA layer, B={B} T={T}: state read {c['state_read_us']:.1f} us, copy {c['state_copy_us']:.1f} us "
           f"(read ceiling {c['read_ceiling_GBps']:.0f} GB/s). Per layer, us (graph / eager):")
     for name, row in rows.items():
+        if not isinstance(row, dict):
+            continue
         if "error" in row:
             print(f"{name:28s} {row['error']}")
         elif name.startswith("verify_"):
@@ -344,7 +361,9 @@ def main():
             same = [v for k, v in row.items() if k.startswith("bitwise_equal")]
             print(f"{name:28s} per layer {m['graph_us'] or float('nan'):6.1f}   all layers in 1 launch "
                   f"{a['graph_us'] or float('nan'):6.1f}   same bits {same}")
-    print("defaults", json.dumps(rows["defaults_verify_then_commit"]))
+        elif name.startswith("pair_"):
+            print(f"{name:28s} verify+commit per layer {row['verify_plus_commit_per_layer_graph_us']:6.1f} "
+                  f"(graph of verify, commit pairs; SM clock {row.get('sm_clock_mhz_during_median')} MHz)")
     print("fla", json.dumps(rows["fla_fused_recurrent_kda"]))
     print("torch reference", json.dumps(rows["torch_reference"]))
 

@@ -77,6 +77,22 @@ def test_fast_math_layouts_compile_without_ieee_division(arch, block_v, cols, ro
     assert "ld.local" not in _ptx_of(compiled, tmp_path)
 
 
+@needs_cutlass
+@pytest.mark.parametrize("arch, block_v", [("sm_90a", 128), ("sm_103a", 32)])
+def test_bulk_state_variants_copy_the_state_on_the_tma_unit(arch, block_v, tmp_path):
+    """bulk_state: the state slice arrives by cp.async.bulk on an mbarrier, waited for before use
+    (a whole-head slice is 32 pieces issued by warp 0; a narrower one is one copy per row)."""
+    options = ("--keep-ptx", f"--dump-dir {tmp_path}")
+    verify = kda_cute.compile_verify(arch, HEAD_DIM, block_v, 8, torch.bfloat16, torch.bfloat16, extra_options=options,
+                                     bulk_state=True)
+    commit = kda_cute.compile_commit(arch, HEAD_DIM, block_v, torch.bfloat16, extra_options=options, bulk_state=True)
+    for ptx in (_ptx_of(verify, tmp_path), _ptx_of(commit, tmp_path)):
+        assert "ld.local" not in ptx and "st.local" not in ptx
+        copy = ptx.index("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
+        assert ptx.index("mbarrier.init") < copy < ptx.index("mbarrier.try_wait.parity")
+        assert "mbarrier.arrive.expect_tx" in ptx
+
+
 @pytest.mark.parametrize(
     "block_v, cols, row_chunks, field",
     [(128, 3, 4, "cols"), (32, 2, 4, "cols"), (128, 1, 16, "row_chunks"), (32, 1, 2, "row_chunks"),

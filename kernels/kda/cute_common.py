@@ -40,15 +40,17 @@ _cache = CompileCache()
 
 
 def default_variant(head_dim: int, op: str) -> dict:
-    """Kernel options per op, from the H200 bench at K3 dims, B=1, T=8 (experiments/notes/kda.md):
+    """Kernel options per op, from the H200 benches at K3 dims, B=1, T=8 (experiments/notes/kda.md):
     verify is fastest with one CTA per head (no cluster exchange, the q/k conv not repeated per
-    V-split: 20.6 us vs 30.2 us with 4 CTAs/head); commit with 4 CTAs per head (8.4 vs 10.0 us)."""
+    V-split: 17.2 us vs 28.9 us with 4 CTAs/head, session 2 round 1) and fast math (17.2 vs 18.8 us,
+    the same errors vs float64); more columns per thread did not help (17.8-19.3 us). Commit: 4
+    CTAs per head (5.6 us per layer in the all-layers launch vs 6.9 with one CTA per head)."""
     if op == "verify":
-        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=False)
-    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS)
+        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=True, bulk_state=False)
+    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS, bulk_state=False)
 
 
-def _variant(head_dim: int, op: str, **given) -> dict:
+def resolve_variant(head_dim: int, op: str, **given) -> dict:
     """The default variant of `op` with the options the caller gave (None = default)."""
     variant = default_variant(head_dim, op)
     variant.update({name: value for name, value in given.items() if value is not None})
@@ -80,6 +82,48 @@ def _check_layout(head_dim: int, block_v: int, cols: int, row_chunks: int) -> No
                          f"need head_dim={head_dim}..1024")
 
 
+BULK_COPY_PTX = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[{$r0}], [{$r1}], {$r2}, [{$r3}];")
+
+
+def _bulk_state_copier(head_dim: int, block_v: int):
+    """A @cute.jit function that starts the copy of one CTA's [head_dim x block_v] fp32 state
+    slice from global to shared memory on the TMA unit (cp.async.bulk, no registers, no per-thread
+    requests) and a function that waits for it. Run 1-2 of session 2 measured the register loads
+    (32 x 4-byte loads per thread) at ~7 us for the 64 KB of a head, far under the per-SM
+    bandwidth; bulk copies are the Hopper way to stream a large contiguous block into an SM.
+
+    start(state_row0, smem, mbar, lane, warp): warp 0 issues the copies (a whole-head slice is one
+    contiguous block, cut in 32 pieces; a narrower slice is one copy per row) and lane 0 arms the
+    mbarrier with the byte count; state_row0 points at row 0, column vs*block_v of the slice.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    D, BV = head_dim, block_v
+    CONTIGUOUS = BV == D
+    PIECES = 32 if CONTIGUOUS else D  # copies per slice
+    ROWS_PER_PIECE = D // 32 if CONTIGUOUS else 1
+    PIECE_BYTES = ROWS_PER_PIECE * BV * 4
+    GLOBAL_ROW = D  # floats between rows of the state in global memory
+
+    @cute.jit
+    def start(state_row0: cute.Pointer, smem: cute.Tensor, mbar: cute.Pointer, lane: Int32, warp: Int32):
+        if warp == 0:
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, D * BV * 4)
+            for i in cutlass.range_constexpr(PIECES // 32):
+                row = (lane + 32 * i) * ROWS_PER_PIECE
+                cute.arch.inline_ptx(
+                    BULK_COPY_PTX,
+                    read_only_args=[smem.iterator + row * BV, state_row0 + row * GLOBAL_ROW, Int32(PIECE_BYTES),
+                                    mbar],
+                )
+
+    return start
+
+
 def _tree_sum(values, first: int, count: int, stride: int):
     """Pairwise sum of values[first + stride * a] for a < count (a power of two), a fixed order."""
     if count == 1:
@@ -89,7 +133,7 @@ def _tree_sum(values, first: int, count: int, stride: int):
 
 
 def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype, conv_dtype, cols: int,
-                  row_chunks: int, fast_math: bool, probe: bool, extra_options):
+                  row_chunks: int, fast_math: bool, bulk_state: bool, probe: bool, extra_options):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -109,6 +153,7 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
     OUT_ROUNDS = (TM * BV + NT - 1) // NT  # output elements per thread (t-major, column tidx % BV)
     SCALE = D**-0.5
     CLUSTER = [NV, 1, 1] if NV > 1 else None  # one CTA per head: a plain launch
+    copy_state = _bulk_state_copier(D, BV)
 
     def reciprocal(x):
         # fast_math: rcp.approx (~1 ulp) instead of the IEEE division's slow path
@@ -173,9 +218,19 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         # costs one memory round trip: the state slice first (the most bytes), then the gate and
         # norm weight for the output, f / dt_bias / beta for the decays, and the conv inputs.
         S = cute.make_rmem_tensor((R * C,), Float32)
-        for i in cutlass.range_constexpr(R):
-            for c in cutlass.range_constexpr(C):
-                S[i * C + c] = state[b, h, kc * R + i, vs * BV + v_first + 32 * c]
+        if cutlass.const_expr(bulk_state):
+            # the slice streams into shared memory on the TMA unit while the prologue runs
+            state_s = smem.allocate_tensor(Float32, cute.make_layout((D, BV), stride=(BV, 1)), 128)
+            mbar = smem.allocate_tensor(Int64, cute.make_layout(1), 8)
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar.iterator, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            copy_state(state.iterator + (b * state.shape[1] + h) * D * D + vs * BV, state_s, mbar.iterator, lane, warp)
+        else:
+            for i in cutlass.range_constexpr(R):
+                for c in cutlass.range_constexpr(C):
+                    S[i * C + c] = state[b, h, kc * R + i, vs * BV + v_first + 32 * c]
         gate_pre = cute.make_rmem_tensor((OUT_ROUNDS,), Float32)
         for r in cutlass.range_constexpr(OUT_ROUNDS):
             t_out = (tidx + r * NT) // BV
@@ -306,6 +361,12 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         if cutlass.const_expr(probe):
             marks[2] = cute.arch.clock64()
             marks[7] = cute.arch.globaltimer()
+
+        if cutlass.const_expr(bulk_state):
+            cute.arch.mbarrier_wait(mbar.iterator, 0)
+            for i in cutlass.range_constexpr(R):
+                for c in cutlass.range_constexpr(C):
+                    S[i * C + c] = state_s[kc * R + i, v_first + 32 * c]
 
         # The delta rule, one token per step. o_t = S_t^T q = (decayed S)^T q + (k.q) u, so both
         # reductions over rows happen before the update and each step needs one barrier.
@@ -448,11 +509,14 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
 
 def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype: torch.dtype,
                    conv_dtype: torch.dtype, extra_options: tuple[str, ...] = (), *, cols: int = 1,
-                   row_chunks: int = ROW_CHUNKS, fast_math: bool = False, probe: bool = False):
+                   row_chunks: int = ROW_CHUNKS, fast_math: bool = False, bulk_state: bool = False,
+                   probe: bool = False):
     """The compiled verify kernel for one variant (cached; CPU-only compile works with any arch).
 
     cols / row_chunks: the thread layout (state columns per thread, warps a column's rows are
-    split over); fast_math: approximate reciprocals in the sigmoids and L2 norms; probe: thread 0
+    split over); fast_math: approximate reciprocals in the sigmoids and L2 norms; bulk_state: the
+    state slice is copied into shared memory by the TMA unit (cp.async.bulk) instead of register
+    loads; probe: thread 0
     of each CTA writes clock64 and %globaltimer at 5 phase boundaries into probe_out (diagnostic).
     extra_options: more cute.compile flags, e.g. ("--keep-ptx",) to inspect the PTX (written to
     the current directory).
@@ -462,20 +526,21 @@ def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_d
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
     key = ("kda_verify", arch, head_dim, block_v, max_tokens, in_dtype, conv_dtype, cols, row_chunks, fast_math,
-           probe, extra_options)
+           bulk_state, probe, extra_options)
     return _cache.get(key, lambda: _build_verify(
         arch, head_dim, block_v, max_tokens, torch_to_cutlass_dtype(in_dtype), torch_to_cutlass_dtype(conv_dtype),
-        cols, row_chunks, fast_math, probe, extra_options))
+        cols, row_chunks, fast_math, bulk_state, probe, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
 # commit
 
 
-def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int, row_chunks: int, extra_options):
+def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int, row_chunks: int, bulk_state: bool,
+                  extra_options):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Float32, Int32, Int64
     from cutlass.memory import SmemAllocator
 
     D, BV, C, RC = head_dim, block_v, cols, row_chunks
@@ -485,6 +550,7 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
     CONV_PER_CTA = 3 * D // NV  # conv channels (q, k, v of this head) shifted by each CTA
     TM = MAX_TOKENS
     STAGE_ROUNDS = (TM * D + NT - 1) // NT  # k / exp(g) record elements staged per thread
+    copy_state = _bulk_state_copier(D, BV)
 
     @cute.kernel
     def commit_kernel(
@@ -504,15 +570,28 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
         smem = SmemAllocator()
         k_s = smem.allocate_tensor(Float32, cute.make_layout((TM, D), stride=(D, 1)), 16)
         eg_s = smem.allocate_tensor(Float32, cute.make_layout((TM, D), stride=(D, 1)), 16)
+        if cutlass.const_expr(bulk_state):
+            state_s = smem.allocate_tensor(Float32, cute.make_layout((D, BV), stride=(BV, 1)), 128)
+            mbar = smem.allocate_tensor(Int64, cute.make_layout(1), 8)
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar.iterator, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
 
         # zero accepted tokens leaves state and window untouched (no stale write-back)
         if n > 0:
             # Issue every global load first (state slice, these columns' u, this head's k and
             # exp(g) rows), so the replay costs one memory round trip instead of one per token.
             S = cute.make_rmem_tensor((R * C,), Float32)
-            for i in cutlass.range_constexpr(R):
-                for c in cutlass.range_constexpr(C):
-                    S[i * C + c] = state[layer, b, h, kc * R + i, v_first + 32 * c]
+            if cutlass.const_expr(bulk_state):
+                # the slice streams into shared memory on the TMA unit while the records load
+                heads = state.shape[2]
+                copy_state(state.iterator + ((layer * batch + b) * heads + h) * D * D + vs * BV, state_s,
+                           mbar.iterator, lane, warp)
+            else:
+                for i in cutlass.range_constexpr(R):
+                    for c in cutlass.range_constexpr(C):
+                        S[i * C + c] = state[layer, b, h, kc * R + i, v_first + 32 * c]
             u_pre = cute.make_rmem_tensor((TM * C,), Float32)
             for t in cutlass.range_constexpr(TM):
                 if t < n:
@@ -553,6 +632,11 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
                     k_s[t, (tidx + r * NT) % D] = k_pre[r]
                     eg_s[t, (tidx + r * NT) % D] = eg_pre[r]
             cute.arch.sync_threads()
+            if cutlass.const_expr(bulk_state):
+                cute.arch.mbarrier_wait(mbar.iterator, 0)
+                for i in cutlass.range_constexpr(R):
+                    for c in cutlass.range_constexpr(C):
+                        S[i * C + c] = state_s[kc * R + i, v_first - vs * BV + 32 * c]
 
             for t in cutlass.range_constexpr(TM):  # unrolled: u_pre is indexed by constants only
                 if t < n:
@@ -598,13 +682,14 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
 
 
 def compile_commit(arch: str, head_dim: int, block_v: int, conv_dtype: torch.dtype,
-                   extra_options: tuple[str, ...] = (), *, cols: int = 1, row_chunks: int = ROW_CHUNKS):
+                   extra_options: tuple[str, ...] = (), *, cols: int = 1, row_chunks: int = ROW_CHUNKS,
+                   bulk_state: bool = False):
     """The compiled commit kernel for one variant (cached), see compile_verify."""
     _check_head_dim(head_dim, block_v)
     _check_layout(head_dim, block_v, cols, row_chunks)
-    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, extra_options)
+    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, bulk_state, extra_options)
     return _cache.get(key, lambda: _build_commit(arch, head_dim, block_v, torch_to_cutlass_dtype(conv_dtype),
-                                                 cols, row_chunks, extra_options))
+                                                 cols, row_chunks, bulk_state, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,11 +738,11 @@ def allocate_records(batch: int, tokens: int, heads: int, head_dim: int, conv_dt
 def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
            o_norm_weight, state, lengths, *, lower_bound: float, eps: float, arch: str,
            block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
-           fast_math: bool | None = None, records: KDARecords | None = None, out: torch.Tensor | None = None,
-           probe: torch.Tensor | None = None):
+           fast_math: bool | None = None, bulk_state: bool | None = None, records: KDARecords | None = None,
+           out: torch.Tensor | None = None, probe: torch.Tensor | None = None):
     """Output-only KDA verify, the reference kda_verify's contract. Returns (out, records).
 
-    block_v, cols, row_chunks, fast_math: kernel options (None = default_variant's); probe: an
+    block_v, cols, row_chunks, fast_math, bulk_state: kernel options (None = default_variant's); probe: an
     int64 [B, H, head_dim // block_v, 10] tensor selects the probe build, which writes each CTA's
     clock64 (0..4) and %globaltimer (5..9) at kernel start, after the conv, before the
     recurrence, after it, and at the end (diagnostic; see experiments/kda_bench.py).
@@ -670,7 +755,8 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
              "must be [B, H, D, D] fp32")
     B, H, D, D2 = state.shape
     _require(D == D2, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
-    variant = _variant(D, "verify", block_v=block_v, cols=cols, row_chunks=row_chunks, fast_math=fast_math)
+    variant = resolve_variant(D, "verify", block_v=block_v, cols=cols, row_chunks=row_chunks, fast_math=fast_math,
+                       bulk_state=bulk_state)
     _check_head_dim(D, variant["block_v"])
     _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
@@ -720,7 +806,7 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
                  (tuple(probe.shape), probe.dtype), f"must be contiguous {list(shape)} int64")
     kernel = compile_verify(arch, D, variant["block_v"], MAX_TOKENS, dtype, conv_state.dtype, cols=variant["cols"],
                             row_chunks=variant["row_chunks"], fast_math=variant["fast_math"],
-                            probe=probe is not None)
+                            bulk_state=variant["bulk_state"], probe=probe is not None)
     c = torch.Tensor.contiguous
     kernel(c(q_in), c(k_in), c(v_in), c(f), c(beta_in), c(gate_in), c(conv_weight), c(conv_state), c(A_log),
            c(dt_bias), c(o_norm_weight), c(state), lengths, out, records.keys, records.updates, records.decays,
@@ -743,19 +829,20 @@ def _num_tokens_tensor(num_tokens, batch: int, device) -> torch.Tensor:
 
 
 def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch: str,
-                  block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None) -> None:
+                  block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
+                  bulk_state: bool | None = None) -> None:
     """Commit the first num_tokens[b] verified positions of L stacked layers in one launch.
 
     states [L, B, H, D, D] fp32 and conv_states [L, B, 3, W, 3], both contiguous and updated in
     place; records with a leading L (keys/updates/decays [L, B, T, H, D], conv_inputs
     [L, B, 3, W, T]); num_tokens [B] in 0..T, shared by the layers. Counts above T are clamped
     to T on the device; the caller keeps them <= lengths (no host sync to check it here).
-    block_v, cols, row_chunks: the thread layout (None = default_variant's).
+    block_v, cols, row_chunks, bulk_state: kernel options (None = default_variant's).
     """
     _require(states.dim() == 5 and states.dtype == torch.float32 and states.is_contiguous(), "states.shape",
              (tuple(states.shape), states.dtype), "must be contiguous [L, B, H, D, D] fp32")
     L, B, H, D, _ = states.shape
-    variant = _variant(D, "commit", block_v=block_v, cols=cols, row_chunks=row_chunks)
+    variant = resolve_variant(D, "commit", block_v=block_v, cols=cols, row_chunks=row_chunks, bulk_state=bulk_state)
     _check_head_dim(D, variant["block_v"])
     _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
@@ -770,14 +857,14 @@ def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch:
     _require(tuple(x.shape) == (L, B, 3, W, T) and x.dtype == conv_states.dtype, "records.conv_inputs.shape",
              (tuple(x.shape), x.dtype), f"must be [{L}, {B}, 3, {W}, {T}] {conv_states.dtype}")
     kernel = compile_commit(arch, D, variant["block_v"], conv_states.dtype, cols=variant["cols"],
-                            row_chunks=variant["row_chunks"])
+                            row_chunks=variant["row_chunks"], bulk_state=variant["bulk_state"])
     c = torch.Tensor.contiguous
     kernel(states, conv_states, c(records.keys), c(records.updates), c(records.decays), c(records.conv_inputs),
            _num_tokens_tensor(num_tokens, B, states.device))
 
 
 def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, block_v: int | None = None,
-           cols: int | None = None, row_chunks: int | None = None) -> None:
+           cols: int | None = None, row_chunks: int | None = None, bulk_state: bool | None = None) -> None:
     """One layer (the reference kda_commit's contract): bring state [B, H, D, D] and conv_state
     [B, 3, W, 3] in place to the first num_tokens[b] verified positions; 0 leaves both untouched."""
     _require(state.dim() == 4, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
@@ -785,4 +872,4 @@ def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, blo
     stacked = KDARecords(records.keys.unsqueeze(0), records.updates.unsqueeze(0), records.decays.unsqueeze(0),
                          records.conv_inputs.unsqueeze(0), records.lengths)
     commit_layers(state.unsqueeze(0), conv_state.unsqueeze(0), stacked, num_tokens, arch=arch, block_v=block_v,
-                  cols=cols, row_chunks=row_chunks)
+                  cols=cols, row_chunks=row_chunks, bulk_state=bulk_state)
