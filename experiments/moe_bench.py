@@ -61,7 +61,7 @@ def main():
     parser.add_argument("--out", default="experiments/results/h200/moe_bench.json")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference block")
-    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+device", "tma+device+overlap"],
+    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+fused", "tma+fused+overlap"],
                         help="loader+lists[+overlap] (cute_sm90.DEFAULT_LOADER, DEFAULT_LISTS, OVERLAP_SHARED); "
                         "the first is the reference for the cross-check")
     args = parser.parse_args()

@@ -633,35 +633,70 @@ def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.T
 LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
 
 
-def _build_lists_kernel(tile_tokens: int, top_k: int):
+def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
     """One CTA that builds cute_common.ExpertLists (same contents as build_expert_lists, one launch
     instead of ~16 torch kernels). Thread p owns pair p = t * k + j: its rank among the pairs of
     the same expert is the number of earlier pairs with that expert (earlier = smaller token), it
     opens a slot if its rank is 0, and its slot is the number of slot-opening pairs with a smaller
-    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory."""
+    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory.
+
+    With num_experts > 0 the kernel routes first (the reference router, kimi-k3.md §1.2): warp w
+    takes tokens w, w + 8, ...; each lane holds sigmoid(logit) + bias of experts lane, lane + 32,
+    ...; k rounds of a warp arg-max (ties to the smaller expert id) pick the top-k in descending
+    order; weights = the chosen raw sigmoid scores / their sum * scaling."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Int32, Int64
+    from cutlass import Float32, Int32, Int64
     from cutlass.memory import SmemAllocator
 
-    @cute.kernel
-    def lists_kernel(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        pairs = ids.shape[0]
-        slots = slot_expert.shape[0]
-        smem = SmemAllocator()
-        ids_s = smem.allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
-        opens_s = smem.allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
-        # unused slots: expert -1; padding rows: token 0
-        for i in cutlass.range(tidx, slots, LIST_THREADS, unroll=1):
-            slot_expert[i] = Int32(-1)
-        for i in cutlass.range(tidx, slots * tile_tokens, LIST_THREADS, unroll=1):
-            slot_tokens[i] = Int64(0)
-        expert = Int32(-1)
-        if tidx < pairs:
-            expert = ids[tidx].to(Int32)
-        ids_s[tidx] = expert
-        cute.arch.sync_threads()
+    per_lane = num_experts // 32
+    warps = LIST_THREADS // 32
+    taken = Float32(-3.0e38)
+
+    @cute.jit
+    def route(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
+              weights_out: cute.Tensor, ids_s: cute.Tensor, tidx):
+        warp, lane = tidx // 32, tidx % 32
+        tokens = logits.shape[0]
+        values = cute.make_rmem_tensor((per_lane,), Float32)
+        chosen = cute.make_rmem_tensor((top_k,), Float32)
+        for t in cutlass.range(warp, tokens, warps, unroll=1):
+            for i in cutlass.range_constexpr(per_lane):
+                e = i * 32 + lane
+                score = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, e]))
+                values[i] = score + bias[e]
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(top_k):
+                best = taken
+                best_e = Int32(num_experts)
+                for i in cutlass.range_constexpr(per_lane):
+                    if values[i] > best:
+                        best = values[i]
+                        best_e = Int32(i * 32) + lane
+                for step in cutlass.range_constexpr(5):
+                    other = cute.arch.shuffle_sync_bfly(best, offset=1 << step)
+                    other_e = cute.arch.shuffle_sync_bfly(best_e, offset=1 << step)
+                    if other > best or (other == best and other_e < best_e):
+                        best = other
+                        best_e = other_e
+                for i in cutlass.range_constexpr(per_lane):
+                    if Int32(i * 32) + lane == best_e:
+                        values[i] = taken
+                score = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, best_e]))
+                chosen[r] = score
+                total += score
+                if lane == 0:
+                    ids_s[t * top_k + r] = best_e
+                    ids_out[t, r] = best_e.to(Int64)
+            if lane == 0:
+                for r in cutlass.range_constexpr(top_k):
+                    weights_out[t, r] = chosen[r] / total * scaling
+
+    @cute.jit
+    def build(ids_s: cute.Tensor, pairs, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
+              pair_position: cute.Tensor, tidx):
+        opens_s = SmemAllocator().allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
+        expert = ids_s[tidx]
         rank = Int32(0)
         for q in cutlass.range(pairs, unroll=1):
             if q < tidx and ids_s[q] == expert:
@@ -680,12 +715,110 @@ def _build_lists_kernel(tile_tokens: int, top_k: int):
             pair_position[tidx] = position.to(Int64)
 
     @cute.jit
+    def clear(slot_expert: cute.Tensor, slot_tokens: cute.Tensor, tidx):
+        """unused slots: expert -1; padding rows: token 0"""
+        slots = slot_expert.shape[0]
+        for i in cutlass.range(tidx, slots, LIST_THREADS, unroll=1):
+            slot_expert[i] = Int32(-1)
+        for i in cutlass.range(tidx, slots * tile_tokens, LIST_THREADS, unroll=1):
+            slot_tokens[i] = Int64(0)
+
+    @cute.kernel
+    def lists_kernel(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        pairs = ids.shape[0]
+        ids_s = SmemAllocator().allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
+        clear(slot_expert, slot_tokens, tidx)
+        expert = Int32(-1)
+        if tidx < pairs:
+            expert = ids[tidx].to(Int32)
+        ids_s[tidx] = expert
+        cute.arch.sync_threads()
+        build(ids_s, pairs, slot_expert, slot_tokens, pair_position, tidx)
+
+    @cute.kernel
+    def route_kernel(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
+                     weights_out: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
+                     pair_position: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        pairs = logits.shape[0] * top_k
+        ids_s = SmemAllocator().allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
+        clear(slot_expert, slot_tokens, tidx)
+        ids_s[tidx] = Int32(-1)
+        cute.arch.sync_threads()
+        route(logits, bias, scaling, ids_out, weights_out, ids_s, tidx)
+        cute.arch.sync_threads()
+        build(ids_s, pairs, slot_expert, slot_tokens, pair_position, tidx)
+
+    if num_experts:
+        @cute.jit
+        def launch_route(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
+                         weights_out: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
+                         pair_position: cute.Tensor, stream):
+            route_kernel(logits, bias, scaling, ids_out, weights_out, slot_expert, slot_tokens, pair_position).launch(
+                grid=(1, 1, 1), block=[LIST_THREADS, 1, 1], stream=stream
+            )
+
+        return launch_route
+
+    @cute.jit
     def launch(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor, stream):
         lists_kernel(ids, slot_expert, slot_tokens, pair_position).launch(
             grid=(1, 1, 1), block=[LIST_THREADS, 1, 1], stream=stream
         )
 
     return launch
+
+
+def compile_route_kernel(tile_tokens: int, top_k: int, num_experts: int, arch: str, extra_options: tuple = ()):
+    if num_experts % 32:
+        raise ValueError(f"num_experts={num_experts}: the routing kernel needs a multiple of 32")
+    key = ("moe_route_lists", tile_tokens, top_k, num_experts, arch, tuple(extra_options))
+
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+        tokens, slots, padded, pairs = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+        logits = make_fake_compact_tensor(cutlass.Float32, (tokens, num_experts), stride_order=(1, 0), assumed_align=16)
+        bias = make_fake_compact_tensor(cutlass.Float32, (num_experts,), assumed_align=16)
+        ids = make_fake_compact_tensor(cutlass.Int64, (tokens, top_k), stride_order=(1, 0), assumed_align=8)
+        route_weights = make_fake_compact_tensor(cutlass.Float32, (tokens, top_k), stride_order=(1, 0), assumed_align=4)
+        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
+        slot_tokens = make_fake_compact_tensor(cutlass.Int64, (padded,), assumed_align=8)
+        pair_position = make_fake_compact_tensor(cutlass.Int64, (pairs,), assumed_align=8)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(
+            _build_lists_kernel(tile_tokens, top_k, num_experts), logits, bias, cutlass.Float32(1.0), ids,
+            route_weights, slot_expert, slot_tokens, pair_position, stream,
+            options=cute_common.compile_options(arch, *extra_options),
+        )
+
+    return _cache.get(key, build)
+
+
+def route_and_lists_device(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, tile_tokens: int):
+    """The reference router (moe_route) on fp32 logits [T, E] and the expert lists, one launch ->
+    (ids [T, k] int64, weights [T, k] fp32, ExpertLists)."""
+    tokens, num_experts = logits.shape
+    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"logits/bias: expected fp32 [T, E] and [E], got {logits.dtype} {tuple(logits.shape)}, "
+                         f"{bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= tokens <= tile_tokens or tokens * top_k > LIST_THREADS or not 1 <= top_k <= num_experts:
+        raise ValueError(f"logits: {tokens} tokens x top_k={top_k} exceeds the routing kernel ({LIST_THREADS} pairs)")
+    device = logits.device
+    pairs = tokens * top_k
+    slots = min(num_experts, pairs)
+    ids = torch.empty((tokens, top_k), dtype=torch.long, device=device)
+    route_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
+    slot_expert = torch.empty(slots, dtype=torch.int32, device=device)
+    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=device)
+    pair_position = torch.empty(pairs, dtype=torch.long, device=device)
+    compiled = compile_route_kernel(tile_tokens, top_k, num_experts, cute_common.target_arch(device))
+    compiled(logits.contiguous(), bias.contiguous(), scaling, ids, route_weights, slot_expert, slot_tokens, pair_position)
+    lists = moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+    return ids, route_weights, lists
 
 
 def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options: tuple = ()):
@@ -727,21 +860,23 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
     return moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
 
 
-# How routed_experts builds its lists: "device" = the one-launch CuTe kernel above, "torch" =
-# cute_common.build_expert_lists (~16 small kernels). Chosen from experiments/notes/moe.md.
+# How the routing prologue runs: "torch" = ops.moe_route + cute_common.build_expert_lists (~26
+# small kernels), "device" = ops.moe_route + the one-launch list kernel above, "fused" = the fp32
+# router GEMV + one kernel for top-k selection, weights and lists. Chosen from experiments/notes/moe.md.
 DEFAULT_LISTS = "torch"
 # latent_moe: run the shared experts on a side stream, concurrently with the routed path.
 OVERLAP_SHARED = False
 
 
-def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float):
+def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float,
+                   lists: moe_common.ExpertLists | None = None):
     """The routed half of the block on the latent: [T, latent] bf16 -> expert outputs [T, k, latent]
-    fp32 (unweighted, in top-k order)."""
+    fp32 (unweighted, in top-k order). `lists` are built from `ids` unless given."""
     num_experts, inter, _ = weights.w1_packed.shape
     tokens = token_tile(latent.shape[0])
-    if DEFAULT_LISTS == "device":
+    if lists is None and DEFAULT_LISTS in ("device", "fused"):
         lists = build_expert_lists_device(ids, num_experts, tokens)
-    else:
+    elif lists is None:
         lists = moe_common.build_expert_lists(ids, num_experts, tokens)
     slots = lists.slot_expert.shape[0]
     xb = tokens_for_kernel(latent, lists)
@@ -794,9 +929,17 @@ def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
         # ops.latent_moe passes only x to the registry's `supports`, so expert shapes the kernel
         # cannot tile (the tiny test configs) are sent to the reference here.
         return reference.latent_moe(x, weights, cfg)
-    ids, route_weights = ops.moe_route(
-        x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
-    )
+    lists = None
+    if DEFAULT_LISTS == "fused":
+        # fp32 logits as the reference router computes them; selection, weights and lists in one kernel
+        logits = ops.linear(x.float(), weights.gate.float())
+        ids, route_weights, lists = route_and_lists_device(
+            logits, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor, token_tile(x.shape[0])
+        )
+    else:
+        ids, route_weights = ops.moe_route(
+            x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
+        )
     main = torch.cuda.current_stream(x.device)
     if OVERLAP_SHARED:
         # The shared experts need only x: run them on a side stream, so that their weight reads
@@ -806,7 +949,7 @@ def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
         with torch.cuda.stream(side):
             shared = shared_experts(x, weights, cfg)
     latent = ops.linear(x, weights.latent_down)
-    expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)  # [T, k, latent]
+    expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta, lists)  # [T, k, latent]
     # weighted sum over the k experts in fp32 (one reduction kernel instead of the reference's
     # k multiply-adds; equal up to fp32 summation order)
     routed = (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)
