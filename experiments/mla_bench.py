@@ -29,6 +29,9 @@ VARIANTS = {
     "qk_one_wg+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True, cluster_pairs=False),
     "qk_one_wg+cluster_pairs": dict(qk_one_warpgroup=True, l2_prefetch=False, cluster_pairs=True),
     "qk_one_wg+cluster_pairs+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True, cluster_pairs=True),
+    "qk_one_wg+bf16_partials": dict(qk_one_warpgroup=True, cluster_pairs=False, partial_dtype=torch.bfloat16),
+    "qk_one_wg+cluster_pairs+bf16_partials": dict(qk_one_warpgroup=True, cluster_pairs=True,
+                                                  partial_dtype=torch.bfloat16),
 }
 SCALE = 192**-0.5
 
@@ -141,7 +144,8 @@ def main(argv=None):
                      "default_splits": default_splits, "splits": {}, "variants": {}}
 
             def ours(splits, **variant):
-                partials = mla_common.workspace(1, tokens, HEADS, splits, "cuda")
+                partial_dtype = variant.pop("partial_dtype", getattr(kernel, "DEFAULT_PARTIAL_DTYPE", torch.float32))
+                partials = mla_common.workspace(1, tokens, HEADS, splits, "cuda", partial_dtype)
                 return [lambda x=x: kernel.mla_verify_into(*x, SCALE, out, splits=splits, partials=partials, **variant)
                         for x in copies]
 
@@ -153,7 +157,7 @@ def main(argv=None):
             if capability == (9, 0):  # every kernel variant at the default split count
                 for name, variant in VARIANTS.items():
                     print(f"  T={tokens} L={context} variant {name}", flush=True)  # where a hang would stop
-                    us, _ = measure(ours(default_splits, **variant))
+                    us, _ = measure(ours(default_splits, **dict(variant)))
                     entry["variants"][name] = {"us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1),
                                                "pct_peak": round(100 * tflops(tokens, context, us) / peak, 1)}
             best = min(entry["splits"].items(), key=lambda kv: kv[1]["us"])

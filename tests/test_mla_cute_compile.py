@@ -25,7 +25,10 @@ def _ptx_dump_dir(tmp_path, monkeypatch):
 @needs_cutlass
 @pytest.mark.parametrize("split_kv", [False, True])
 def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(split_kv):
-    compiled = cute_sm90.compile_mla_verify(HEADS, split_kv, torch.int64, "sm_90a", extra_options=("--keep-ptx",))
+    # the split-S structure: each warpgroup computes S for 32 keys and exchanges row maxima
+    compiled = cute_sm90.compile_mla_verify(
+        HEADS, split_kv, torch.int64, "sm_90a", extra_options=("--keep-ptx",), qk_one_warpgroup=False
+    )
     ptx = compiled.__ptx__
     assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in ptx  # S = Q.K^T
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx  # O += P.V
@@ -39,7 +42,8 @@ def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(split_kv):
 @needs_cutlass
 def test_sm90a_producer_warpgroup_variant_moves_registers_with_setmaxnreg():
     compiled = cute_sm90.compile_mla_verify(
-        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), producer_warpgroup=True
+        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), producer_warpgroup=True,
+        qk_one_warpgroup=False,
     )
     ptx = compiled.__ptx__
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{cute_sm90.PRODUCER_REGS};" in ptx
@@ -49,10 +53,9 @@ def test_sm90a_producer_warpgroup_variant_moves_registers_with_setmaxnreg():
 
 
 @needs_cutlass
-def test_sm90a_qk_one_warpgroup_variant_uses_full_width_qk():
-    compiled = cute_sm90.compile_mla_verify(
-        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), qk_one_warpgroup=True
-    )
+def test_sm90a_default_qk_one_warpgroup_uses_full_width_qk():
+    assert cute_sm90.resolve_variant()["qk_one_warpgroup"]  # the default since round 1
+    compiled = cute_sm90.compile_mla_verify(HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",))
     ptx = compiled.__ptx__
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # all of S in warpgroup 0
     assert "wgmma.mma_async.sync.aligned.m64n32k16" not in ptx
@@ -60,9 +63,21 @@ def test_sm90a_qk_one_warpgroup_variant_uses_full_width_qk():
     assert ".reqntid 384, 1, 1" in ptx and "bar.arrive" in ptx  # producer warpgroup; P handed over
     assert "cp.async.bulk.prefetch" not in ptx
     prefetching = cute_sm90.compile_mla_verify(
-        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), qk_one_warpgroup=True, l2_prefetch=True
+        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), l2_prefetch=True
     )
     assert "cp.async.bulk.prefetch.tensor.3d.L2.global.tile" in prefetching.__ptx__
+
+
+@needs_cutlass
+def test_sm90a_cluster_pairs_load_cache_tiles_with_tma_multicast():
+    compiled = cute_sm90.compile_mla_verify(
+        HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",), cluster_pairs=True,
+        partial_dtype=torch.bfloat16,
+    )
+    ptx = compiled.__ptx__
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster" in ptx
+    assert "mapa.shared::cluster" in ptx  # consumers release the stage in the partner CTA too
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
 
 
 @needs_cutlass

@@ -126,7 +126,7 @@ def _combine_launcher():
                 weight = cute.arch.exp2(lse_partial[b, s, row] - top)
                 total += weight
                 for c in cutlass.range_constexpr(4):
-                    acc[c] = acc[c] + weight * o_partial[b, s, row, tidx * 4 + c]
+                    acc[c] = acc[c] + weight * o_partial[b, s, row, tidx * 4 + c].to(cutlass.Float32)
             for c in cutlass.range_constexpr(4):
                 acc[c] = acc[c] / total
         for c in cutlass.range_constexpr(4):
@@ -149,7 +149,7 @@ def _combine_launcher():
     return launch
 
 
-def fake_arguments(heads: int, index: torch.dtype) -> tuple:
+def fake_arguments(heads: int, index: torch.dtype, partial_dtype: torch.dtype = torch.float32) -> tuple:
     """Compile-time stand-ins for (q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out,
     o_partial, lse): B, T, slots, max_len, splits and padded rows are symbolic."""
     import cutlass
@@ -166,18 +166,20 @@ def fake_arguments(heads: int, index: torch.dtype) -> tuple:
     slots, cache_lens, lengths = (make_fake_compact_tensor(idx, (batch,), assumed_align=align) for _ in range(3))
     out = make_fake_compact_tensor(bf16, (batch, tokens, heads, LATENT), stride_order=(3, 2, 1, 0), assumed_align=16)
     o_partial = make_fake_compact_tensor(
-        cutlass.Float32, (batch, splits, rows_pad, LATENT), stride_order=(3, 2, 1, 0), assumed_align=16
+        cute_common.torch_to_cutlass_dtype(partial_dtype), (batch, splits, rows_pad, LATENT), stride_order=(3, 2, 1, 0),
+        assumed_align=16,
     )
     lse = make_fake_compact_tensor(cutlass.Float32, (batch, splits, rows_pad), stride_order=(2, 1, 0), assumed_align=16)
     return q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out, o_partial, lse
 
 
-def workspace(batch: int, tokens: int, heads: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def workspace(batch: int, tokens: int, heads: int, splits: int, device,
+              partial_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV partials: o [B, splits, rows_pad, 512] fp32 and lse [B, splits, rows_pad] fp32, rows
     padded to whole pairs of 64-row tiles (the cluster-pair kernel may run one tile past T*H) so
     that the attention kernel stores without bounds checks. With one split they are never touched
     (the caching allocator makes the allocation free)."""
     rows_pad = math.ceil(row_tiles(tokens, heads) / 2) * 2 * ROWS_PER_TILE
-    o_partial = torch.empty((batch, splits, rows_pad, LATENT), dtype=torch.float32, device=device)
+    o_partial = torch.empty((batch, splits, rows_pad, LATENT), dtype=partial_dtype, device=device)
     lse = torch.empty((batch, splits, rows_pad), dtype=torch.float32, device=device)
     return o_partial, lse

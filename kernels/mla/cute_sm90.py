@@ -56,6 +56,8 @@ DEFAULT_PRODUCER_WARPGROUP = False
 DEFAULT_QK_ONE_WARPGROUP = True  # round 1 on the H200: fastest variant at every shape
 DEFAULT_L2_PREFETCH = False
 DEFAULT_CLUSTER_PAIRS = False
+# split-KV partial outputs O/l: bf16 halves the partials' write + combine read traffic
+DEFAULT_PARTIAL_DTYPE = torch.float32
 L2_PREFETCH_AHEAD = 4  # KV tiles
 S_COLS = KV_TILE // MATH_WARPGROUPS  # S columns (cache rows) per warpgroup
 O_COLS = LATENT // MATH_WARPGROUPS  # output columns per warpgroup
@@ -560,7 +562,9 @@ def _build_kernel_class():
                     else:
                         gO = cute.local_tile(o_partial[(b, split, None, None)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
                         tOgO = thr_pv.partition_C(gO)
-                        cute.autovec_copy(acc_o, tOgO)
+                        partial = cute.make_rmem_tensor(cO.shape, o_partial.element_type)
+                        partial.store(acc_o.load().to(o_partial.element_type))
+                        cute.autovec_copy(partial, tOgO)
                         if wg == 0 and lane % 4 == 0:
                             for r in cutlass.range_constexpr(2):
                                 lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
@@ -744,7 +748,9 @@ def _build_kernel_class():
             else:
                 gO = cute.local_tile(o_partial[(b, split, None, None)], (ROWS_PER_TILE, O_COLS), (row_tile, wg))
                 tOgO = thr_pv.partition_C(gO)
-                cute.autovec_copy(acc_o, tOgO)
+                partial = cute.make_rmem_tensor(cO.shape, o_partial.element_type)
+                partial.store(acc_o.load().to(o_partial.element_type))
+                cute.autovec_copy(partial, tOgO)
                 if wg == 0 and lane % 4 == 0:
                     for r in cutlass.range_constexpr(2):
                         lse_partial[b, split, row0 + row_in_tile[r]] = lse[r]
@@ -764,36 +770,55 @@ def kernel_class():
     return _kernel_class
 
 
+def resolve_variant(warp_mma: bool = False, producer_warpgroup: bool | None = None,
+                    qk_one_warpgroup: bool | None = None, l2_prefetch: bool | None = None,
+                    cluster_pairs: bool | None = None, partial_dtype: torch.dtype | None = None) -> dict:
+    """The kernel variant with every unset flag at its default (DEFAULT_* above; the mma.sync build
+    has only the split-S structure). See the kernel class for what each flag does."""
+    variant = dict(
+        warp_mma=warp_mma,
+        producer_warpgroup=DEFAULT_PRODUCER_WARPGROUP if producer_warpgroup is None else producer_warpgroup,
+        qk_one_warpgroup=DEFAULT_QK_ONE_WARPGROUP if qk_one_warpgroup is None else qk_one_warpgroup,
+        l2_prefetch=DEFAULT_L2_PREFETCH if l2_prefetch is None else l2_prefetch,
+        cluster_pairs=DEFAULT_CLUSTER_PAIRS if cluster_pairs is None else cluster_pairs,
+        partial_dtype=DEFAULT_PARTIAL_DTYPE if partial_dtype is None else partial_dtype,
+    )
+    if warp_mma:
+        variant.update(producer_warpgroup=False, qk_one_warpgroup=False, cluster_pairs=False)
+    if variant["qk_one_warpgroup"]:
+        variant["producer_warpgroup"] = True  # warpgroup 0 needs the 240 registers
+    if variant["partial_dtype"] not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype={variant['partial_dtype']}: float32 or bfloat16")
+    return variant
+
+
 def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str, extra_options: tuple = (),
-                       warp_mma: bool = False, producer_warpgroup: bool = False,
-                       qk_one_warpgroup: bool = False, l2_prefetch: bool = False, cluster_pairs: bool = False):
-    """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch, MMA).
-    split_kv=False: one split, the kernel writes the bf16 output; True: any number of splits
-    (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
-    warp_mma=True builds the mma.sync variant (cute_sm100.py); producer_warpgroup=True gives the
-    producer a whole warpgroup and the math warpgroups 240 registers each (setmaxnreg);
-    qk_one_warpgroup=True gives all of Q.K^T
-    and the softmax to warpgroup 0; l2_prefetch=True prefetches cache tiles into L2 ahead of the
-    stage loads; cluster_pairs=True multicasts each cache tile to two row tiles (see the kernel class)."""
+                       **flags):
+    """Compiled kernel for `heads` query heads, cached per (heads, split_kv, index dtype, arch,
+    variant). split_kv=False: one split, the kernel writes the bf16 output; True: any number of
+    splits (a runtime argument) and the combine kernel. B, T, cache slots and max_len are runtime.
+    `flags` (resolve_variant): warp_mma (the mma.sync build of cute_sm100.py), producer_warpgroup,
+    qk_one_warpgroup, l2_prefetch, cluster_pairs, partial_dtype."""
     if heads < 1:
         raise ValueError(f"heads={heads} must be positive")
-    if qk_one_warpgroup:  # implies the producer warpgroup
-        producer_warpgroup = True
-    if arch == "sm_90a" and warp_mma or arch != "sm_90a" and not warp_mma:
+    variant = resolve_variant(**flags)
+    if (arch == "sm_90a") == variant["warp_mma"]:
         raise ValueError(f"arch={arch!r}: WGMMA is the sm_90a build, mma.sync the sm_100a/sm_103a build")
-    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), warp_mma, producer_warpgroup,
-           qk_one_warpgroup, l2_prefetch, cluster_pairs)
+    key = ("mla_verify", heads, bool(split_kv), index, arch, tuple(extra_options), *sorted(variant.items(), key=str))
 
     def build():
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
 
-        args = mla_common.fake_arguments(heads, index)
+        args = mla_common.fake_arguments(heads, index, variant["partial_dtype"])
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        kernel = kernel_class()(
+            heads, bool(split_kv), variant["warp_mma"], variant["producer_warpgroup"], variant["qk_one_warpgroup"],
+            variant["l2_prefetch"], variant["cluster_pairs"],
+        )
         return cute.compile(
-            kernel_class()(heads, bool(split_kv), warp_mma, producer_warpgroup, qk_one_warpgroup,
-                           l2_prefetch, cluster_pairs), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+            kernel, *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
             options=cute_common.compile_options(arch, *extra_options),
         )
 
@@ -805,20 +830,13 @@ def available() -> bool:
 
 
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
-                    splits: int | None = None, partials=None, warp_mma: bool = False,
-                    producer_warpgroup: bool | None = None,
-                    qk_one_warpgroup: bool | None = None, l2_prefetch: bool | None = None,
-                    cluster_pairs: bool | None = None) -> torch.Tensor:
+                    splits: int | None = None, partials=None, **flags) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
-    `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison."""
-    if producer_warpgroup is None:
-        producer_warpgroup = DEFAULT_PRODUCER_WARPGROUP and not warp_mma
-    if qk_one_warpgroup is None:
-        qk_one_warpgroup = DEFAULT_QK_ONE_WARPGROUP and not warp_mma
-    if l2_prefetch is None:
-        l2_prefetch = DEFAULT_L2_PREFETCH
-    if cluster_pairs is None:
-        cluster_pairs = DEFAULT_CLUSTER_PAIRS and not warp_mma
+    `splits` overrides the heuristic (benchmarks); `partials` = (o_partial, lse) to reuse or poison
+    (their dtype sets partial_dtype); `flags` pick a kernel variant (resolve_variant)."""
+    if partials is not None:
+        flags["partial_dtype"] = partials[0].dtype
+    variant = resolve_variant(**flags)
     mla_common.check_arguments(q_latent, q_pe, kv_cache, slots, cache_lens, lengths)
     if out.shape != q_latent.shape or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError(f"out: expected a contiguous bf16 {tuple(q_latent.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
@@ -828,12 +846,9 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
         splits = mla_common.choose_splits(B, T, H, kv_cache.shape[1], num_sms)
     elif not 1 <= splits <= mla_common.MAX_SPLITS:
         raise ValueError(f"splits={splits} must be in 1..{mla_common.MAX_SPLITS}")
-    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), warp_mma=warp_mma,
-                                  producer_warpgroup=producer_warpgroup,
-                                  qk_one_warpgroup=qk_one_warpgroup, l2_prefetch=l2_prefetch,
-                                  cluster_pairs=cluster_pairs)
+    compiled = compile_mla_verify(H, splits > 1, slots.dtype, cute_common.target_arch(q_latent.device), **variant)
     if partials is None:
-        partials = mla_common.workspace(B, T, H, splits, q_latent.device)  # rows padded to cluster pairs
+        partials = mla_common.workspace(B, T, H, splits, q_latent.device, variant["partial_dtype"])
     o_partial, lse = partials
     compiled(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out, o_partial, lse, scale * LOG2E, splits)
     return out

@@ -21,6 +21,7 @@ elif CAPABILITY in ((10, 0), (10, 3)):
 else:
     kernel = None
 from dspark.kernels.mla import cute_common as mla_common
+from dspark.kernels.mla import cute_sm90
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -69,7 +70,8 @@ def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64, **var
     if splits is None:
         splits = mla_common.choose_splits(B, T, HEADS, context, torch.cuda.get_device_properties(0).multi_processor_count)
     out = torch.full((B, T, HEADS, mla_common.LATENT), float("nan"), dtype=torch.bfloat16, device="cuda")
-    o_partial, lse = mla_common.workspace(B, T, HEADS, splits, "cuda")
+    partial_dtype = variant.get("partial_dtype", cute_sm90.DEFAULT_PARTIAL_DTYPE)
+    o_partial, lse = mla_common.workspace(B, T, HEADS, splits, "cuda", partial_dtype)
     o_partial.fill_(float("nan"))
     lse.fill_(float("nan"))
     kernel.mla_verify_into(*args, SCALE, out, splits=splits, partials=(o_partial, lse), **variant)
@@ -117,7 +119,8 @@ def test_forced_splits_including_the_single_split_path(splits):
 
 
 # S split over both warpgroups (288 threads, or 384 with a producer warpgroup + setmaxnreg) or
-# all of S in warpgroup 0 (the default); TMA prefetches of cache tiles into L2; cluster pairs.
+# all of S in warpgroup 0 (the default); TMA prefetches of cache tiles into L2; cluster pairs;
+# bf16 split-KV partials.
 VARIANTS = [
     dict(qk_one_warpgroup=False, producer_warpgroup=False),
     dict(qk_one_warpgroup=False, producer_warpgroup=True),
@@ -125,11 +128,14 @@ VARIANTS = [
     dict(qk_one_warpgroup=True),
     dict(qk_one_warpgroup=True, l2_prefetch=True),
     dict(qk_one_warpgroup=True, cluster_pairs=True, l2_prefetch=True),
+    dict(qk_one_warpgroup=True, partial_dtype=torch.bfloat16),
+    dict(qk_one_warpgroup=True, cluster_pairs=True, partial_dtype=torch.bfloat16),
 ]
 
 
 @pytest.mark.skipif(kernel is not None and kernel.__name__.endswith("sm100"), reason="Hopper-only variants")
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(k for k, on in v.items() if on) or "split_s")
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(
+    k if on is True else f"{k}={str(on).split('.')[-1]}" for k, on in v.items() if on) or "split_s")
 def test_every_kernel_variant(variant):
     torch.backends.cuda.matmul.allow_tf32 = False
     run_case(2, 8, 8192, [8, 6], **variant)
