@@ -105,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--split-sweep", type=int, nargs="*", default=[1, 2, 4, 8, 11, 16, 22, 32, 44, 64])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--variants", choices=("all", "no_cluster"), default="all",
+                        help="no_cluster: skip the cluster-pair variants (when their GPU test failed)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -156,6 +158,8 @@ def main(argv=None):
                                                     "tflops": round(tflops(tokens, context, us), 1)}
             if capability == (9, 0):  # every kernel variant at the default split count
                 for name, variant in VARIANTS.items():
+                    if args.variants == "no_cluster" and variant.get("cluster_pairs"):
+                        continue
                     print(f"  T={tokens} L={context} variant {name}", flush=True)  # where a hang would stop
                     us, _ = measure(ours(default_splits, **dict(variant)))
                     entry["variants"][name] = {"us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1),
