@@ -3,10 +3,14 @@
 Nothing runs here (no GPU): each variant is traced, lowered and assembled by ptxas for Hopper
 (sm_90a) and GB300 (sm_103a) at Kimi K3 dims (H=96 heads are a runtime grid size; D=128 is
 compiled in) for T in {1, 8}, and the PTX is checked for what the design relies on: no local
-memory for the register-resident state, and in the V-split variant the cluster exchange for the
-head-wide RMSNorm ordered after its barrier.
+memory for the register-resident state; in the V-split variant the cluster exchange for the
+head-wide RMSNorm ordered after its barrier; fast math without IEEE division slow paths; the
+TMA-unit state copy (bulk_state) armed on an mbarrier and waited for; per-block named barriers
+(group_sync).
 The argument checks of the torch wrappers run on CPU tensors without compiling anything.
 """
+import re
+
 import pytest
 import torch
 
@@ -28,8 +32,7 @@ def _ptx_of(compiled, tmp_path) -> str:
 
 
 @needs_cutlass
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("arch, tokens", [("sm_90a", 8), ("sm_103a", 1)])
 def test_default_verify_compiles_without_spills(arch, tokens, tmp_path):
     block_v = kda_cute.default_variant(HEAD_DIM, "verify")["block_v"]  # one CTA per head: no cluster
     compiled = kda_cute.compile_verify(arch, HEAD_DIM, block_v, tokens, torch.bfloat16, torch.bfloat16,
@@ -72,9 +75,6 @@ def test_fast_math_layouts_compile_without_ieee_division(arch, block_v, cols, ro
     ptx = _ptx_of(compiled, tmp_path)
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "div.rn.f32" not in ptx and "rcp.rn.f32" not in ptx and "rcp.approx" in ptx
-    compiled = kda_cute.compile_commit(arch, HEAD_DIM, block_v, torch.bfloat16, cols=cols, row_chunks=row_chunks,
-                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"))
-    assert "ld.local" not in _ptx_of(compiled, tmp_path)
 
 
 @needs_cutlass
@@ -91,6 +91,17 @@ def test_bulk_state_variants_copy_the_state_on_the_tma_unit(arch, block_v, tmp_p
         copy = ptx.index("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
         assert ptx.index("mbarrier.init") < copy < ptx.index("mbarrier.try_wait.parity")
         assert "mbarrier.arrive.expect_tx" in ptx
+
+
+@needs_cutlass
+def test_group_sync_waits_on_one_named_barrier_per_column_block(tmp_path):
+    """group_sync: the step barrier spans the 4 row-chunk warps (128 threads) of a column block,
+    under a barrier id that depends on the warp (1 + column block), not the CTA-wide barrier 0."""
+    compiled = kda_cute.compile_verify("sm_90a", HEAD_DIM, 128, 8, torch.bfloat16, torch.bfloat16,
+                                       extra_options=("--keep-ptx", f"--dump-dir {tmp_path}"), group_sync=True)
+    ptx = _ptx_of(compiled, tmp_path)
+    assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,8 @@ def default_variant(head_dim: int, op: str) -> dict:
     the same errors vs float64); more columns per thread did not help (17.8-19.3 us). Commit: 4
     CTAs per head (5.6 us per layer in the all-layers launch vs 6.9 with one CTA per head)."""
     if op == "verify":
-        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=True, bulk_state=False)
+        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=True, bulk_state=False,
+                    group_sync=False)
     return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS, bulk_state=False)
 
 
@@ -133,7 +134,7 @@ def _tree_sum(values, first: int, count: int, stride: int):
 
 
 def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype, conv_dtype, cols: int,
-                  row_chunks: int, fast_math: bool, bulk_state: bool, probe: bool, extra_options):
+                  row_chunks: int, fast_math: bool, bulk_state: bool, group_sync: bool, probe: bool, extra_options):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -153,6 +154,10 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
     OUT_ROUNDS = (TM * BV + NT - 1) // NT  # output elements per thread (t-major, column tidx % BV)
     SCALE = D**-0.5
     CLUSTER = [NV, 1, 1] if NV > 1 else None  # one CTA per head: a plain launch
+    # group_sync: the RC warps of one column block exchange partial sums among themselves, so
+    # each step waits on a named barrier of its block (ids 1..GROUPS) instead of the whole CTA
+    GROUPS = NWARPS // RC
+    GROUP_SYNC = group_sync and GROUPS > 1
     copy_state = _bulk_state_copier(D, BV)
 
     def reciprocal(x):
@@ -211,8 +216,12 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         ssq_s = smem.allocate_tensor(Float32, cute.make_layout(TM), 16)
         tot_s = smem.allocate_tensor(Float32, cute.make_layout(TM), 16)
 
-        # o_t[v] is stored over q_t's first BV columns: q_t is dead once step t's barrier passed
-        o_s = conv_s
+        if cutlass.const_expr(GROUP_SYNC):
+            # column blocks run their steps independently: q_t may still be read by another block
+            o_s = smem.allocate_tensor(Float32, cute.make_layout((TM, BV), stride=(BV, 1)), 16)
+        else:
+            # o_t[v] is stored over q_t's first BV columns: q_t is dead once step t's barrier passed
+            o_s = conv_s
 
         S = cute.make_rmem_tensor((R * C,), Float32)
         if cutlass.const_expr(bulk_state):
@@ -394,7 +403,10 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
             for c in cutlass.range_constexpr(C):
                 part_s[buf, 0, kc, v_first + 32 * c] = _tree_sum(acc_k, c, ACC, C)
                 part_s[buf, 1, kc, v_first + 32 * c] = _tree_sum(acc_q, c, ACC, C)
-            cute.arch.sync_threads()
+            if cutlass.const_expr(GROUP_SYNC):
+                cute.arch.barrier(barrier_id=1 + warp // RC, number_of_threads=RC * 32)
+            else:
+                cute.arch.sync_threads()
             u = cute.make_rmem_tensor((C,), Float32)
             for c in cutlass.range_constexpr(C):
                 v_local = v_first + 32 * c
@@ -515,13 +527,14 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
 def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype: torch.dtype,
                    conv_dtype: torch.dtype, extra_options: tuple[str, ...] = (), *, cols: int = 1,
                    row_chunks: int = ROW_CHUNKS, fast_math: bool = False, bulk_state: bool = False,
-                   probe: bool = False):
+                   group_sync: bool = False, probe: bool = False):
     """The compiled verify kernel for one variant (cached; CPU-only compile works with any arch).
 
     cols / row_chunks: the thread layout (state columns per thread, warps a column's rows are
     split over); fast_math: approximate reciprocals in the sigmoids and L2 norms; bulk_state: the
     state slice is copied into shared memory by the TMA unit (cp.async.bulk) instead of register
-    loads; probe: thread 0
+    loads; group_sync: each step's barrier spans only the warps of one column block (named
+    barriers), so blocks do not wait for each other; probe: thread 0
     of each CTA writes clock64 and %globaltimer at 5 phase boundaries into probe_out (diagnostic).
     extra_options: more cute.compile flags, e.g. ("--keep-ptx",) to inspect the PTX (written to
     the current directory).
@@ -531,10 +544,10 @@ def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_d
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
     key = ("kda_verify", arch, head_dim, block_v, max_tokens, in_dtype, conv_dtype, cols, row_chunks, fast_math,
-           bulk_state, probe, extra_options)
+           bulk_state, group_sync, probe, extra_options)
     return _cache.get(key, lambda: _build_verify(
         arch, head_dim, block_v, max_tokens, torch_to_cutlass_dtype(in_dtype), torch_to_cutlass_dtype(conv_dtype),
-        cols, row_chunks, fast_math, bulk_state, probe, extra_options))
+        cols, row_chunks, fast_math, bulk_state, group_sync, probe, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -743,11 +756,12 @@ def allocate_records(batch: int, tokens: int, heads: int, head_dim: int, conv_dt
 def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
            o_norm_weight, state, lengths, *, lower_bound: float, eps: float, arch: str,
            block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
-           fast_math: bool | None = None, bulk_state: bool | None = None, records: KDARecords | None = None,
-           out: torch.Tensor | None = None, probe: torch.Tensor | None = None):
+           fast_math: bool | None = None, bulk_state: bool | None = None, group_sync: bool | None = None,
+           records: KDARecords | None = None, out: torch.Tensor | None = None, probe: torch.Tensor | None = None):
     """Output-only KDA verify, the reference kda_verify's contract. Returns (out, records).
 
-    block_v, cols, row_chunks, fast_math, bulk_state: kernel options (None = default_variant's); probe: an
+    block_v, cols, row_chunks, fast_math, bulk_state, group_sync: kernel options (None = default_variant's);
+    probe: an
     int64 [B, H, head_dim // block_v, 10] tensor selects the probe build, which writes each CTA's
     clock64 (0..4) and %globaltimer (5..9) at kernel start, after the conv, before the
     recurrence, after it, and at the end (diagnostic; see experiments/kda_bench.py).
@@ -761,7 +775,7 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
     B, H, D, D2 = state.shape
     _require(D == D2, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
     variant = resolve_variant(D, "verify", block_v=block_v, cols=cols, row_chunks=row_chunks, fast_math=fast_math,
-                       bulk_state=bulk_state)
+                              bulk_state=bulk_state, group_sync=group_sync)
     _check_head_dim(D, variant["block_v"])
     _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
@@ -811,7 +825,8 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
                  (tuple(probe.shape), probe.dtype), f"must be contiguous {list(shape)} int64")
     kernel = compile_verify(arch, D, variant["block_v"], MAX_TOKENS, dtype, conv_state.dtype, cols=variant["cols"],
                             row_chunks=variant["row_chunks"], fast_math=variant["fast_math"],
-                            bulk_state=variant["bulk_state"], probe=probe is not None)
+                            bulk_state=variant["bulk_state"], group_sync=variant["group_sync"],
+                            probe=probe is not None)
     c = torch.Tensor.contiguous
     kernel(c(q_in), c(k_in), c(v_in), c(f), c(beta_in), c(gate_in), c(conv_weight), c(conv_state), c(A_log),
            c(dt_bias), c(o_norm_weight), c(state), lengths, out, records.keys, records.updates, records.decays,

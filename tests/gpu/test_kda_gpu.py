@@ -81,9 +81,11 @@ def cute_verify(inputs, **kw):
 
 # every accepted count 0..T at T in {1, 8, 16} with one CTA per head (verify's default) and 4
 # V-split CTAs per head (block_v 32: the cluster exchange), then the other options: exact math,
-# 2 CTAs per head, columns per thread / row chunks, and the state copied by the TMA unit (bulk),
-# each with a commit variant of its own (records do not depend on the layout)
+# 2 CTAs per head, columns per thread / row chunks, the state copied by the TMA unit (bulk) and
+# per-column-block barriers (group), each with a commit variant of its own (records do not depend
+# on the layout)
 BULK = dict(block_v=128, bulk_state=True)
+BULK_GROUP = dict(block_v=128, bulk_state=True, group_sync=True)
 CASES = [(t, dict(block_v=bv), dict(block_v=bv)) for bv in (32, 128) for t in (1, 8, 16)] + [
     (4, dict(block_v=128, fast_math=False), dict(block_v=32)),
     (8, dict(block_v=64, cols=2, row_chunks=4), dict(block_v=64, cols=2, row_chunks=8)),
@@ -92,6 +94,9 @@ CASES = [(t, dict(block_v=bv), dict(block_v=bv)) for bv in (32, 128) for t in (1
     (8, BULK, BULK),
     (16, dict(block_v=32, bulk_state=True), dict(block_v=64, bulk_state=True)),
     (4, dict(block_v=128, cols=2, row_chunks=8, bulk_state=True), dict(block_v=32, bulk_state=True)),
+    (8, dict(block_v=128, group_sync=True), dict(block_v=32)),
+    (16, BULK_GROUP, BULK),
+    (8, dict(block_v=128, cols=2, row_chunks=8, bulk_state=True, group_sync=True), dict(block_v=32)),
 ]
 
 
@@ -160,7 +165,8 @@ FAST_COMMIT = dict(block_v=128, cols=4, row_chunks=8)
 
 
 @pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(t, dict(block_v=32), dict(block_v=32)) for t in (4, 16)]
-                         + [(8, dict(block_v=128), dict(block_v=128)), (8, FAST, FAST_COMMIT), (8, BULK, BULK)])
+                         + [(8, dict(block_v=128), dict(block_v=128)), (8, FAST, FAST_COMMIT), (8, BULK, BULK),
+                            (8, BULK_GROUP, dict(block_v=32, bulk_state=True))])
 def test_commit_equals_sequential_one_token_decode_bitwise(tokens, verify_kw, commit_kw):
     batch = 2
     inputs = make_inputs(batch, tokens)
