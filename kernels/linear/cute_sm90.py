@@ -50,6 +50,7 @@ K3_TRUNK_SHAPES = {
     "kda_qkvg": (49152, 7168),
     "kda_o/mla_o": (7168, 12288),
     "mla_q_a": (1536, 7168),
+    "mla_in_fused": (14400, 7168),  # q_a | kv_a | g in one GEMM, as the K3 model runs them (K3Model._fuse_rows)
     "mla_q_b": (18432, 1536),
     "mla_kv_a": (576, 7168),
     "mla_kv_b": (24576, 512),

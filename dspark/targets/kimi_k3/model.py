@@ -31,6 +31,10 @@ from .numerics import per_row, rms_normalise, rms_norm, sigmoid_gate, situ
 FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 
 
+# MLA projections that read the layer input h, fused into one GEMM (K3Model._fuse_rows).
+MLA_INPUT_PROJECTIONS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.g_proj.weight")
+
+
 @dataclass
 class DecodeState:
     """The committed state a forward reads, for the B requests of a call.
@@ -60,6 +64,7 @@ class K3Model:
         self.moe: dict[int, LatentMoEWeights] = {}
         self.conv_weights: dict[int, torch.Tensor] = {}
         self.mla_absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.mla_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
         self.kda_index = {i: k for k, i in enumerate(cfg.kda_layers)}
         self.mla_index = {i: k for k, i in enumerate(cfg.mla_layers)}
         for i in range(cfg.num_layers):
@@ -76,6 +81,7 @@ class K3Model:
                 w_uk_t = kv_b[:, : cfg.qk_nope_head_dim].transpose(1, 2).contiguous()  # [H, R, nope]
                 w_uv = kv_b[:, cfg.qk_nope_head_dim :].contiguous()  # [H, v, R]
                 self.mla_absorbed[i] = (w_uk_t, w_uv)
+                self.mla_inputs[i] = self._fuse_rows(i, MLA_INPUT_PROJECTIONS)
             if cfg.ffn_type(i) == "moe":
                 self.moe[i] = self._stack_moe(i, tensors)
 
@@ -112,6 +118,21 @@ class K3Model:
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),
             w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
         )
+
+    def _fuse_rows(self, i: int, suffixes: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
+        """One weight [sum N, K] for projections that read the same input, so they run as one
+        GEMM: the small ones alone are launch- and ramp-bound (MLA kv_a 576 x 7168 reached 35% of
+        the read rate on the H200, q_a 55%; experiments/notes/skinny_gemm.md) and vanish inside
+        the large one. The checkpoint names stay as row views of it: nothing is held twice."""
+        names = [f"{layout.layer_prefix(i)}.{suffix}" for suffix in suffixes]
+        fused = torch.cat([self.tensors[n] for n in names])
+        sizes, start = [], 0
+        for n in names:
+            rows = self.tensors[n].shape[0]
+            self.tensors[n] = fused[start : start + rows]
+            sizes.append(rows)
+            start += rows
+        return fused, sizes
 
     def named_tensors(self):
         """(name, tensor) in the checkpoint layout; experts are views of the stacked tensors."""
@@ -163,9 +184,10 @@ class K3Model:
         cfg, a = self.cfg, "self_attn"
         H, R, P, nope = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
         eps = cfg.rms_norm_eps
-        c_q = rms_norm(ops.linear(h, self._w(i, f"{a}.q_a_proj.weight")), self._w(i, f"{a}.q_a_layernorm.weight"), eps)
+        fused, sizes = self.mla_inputs[i]
+        q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
+        c_q = rms_norm(q_a, self._w(i, f"{a}.q_a_layernorm.weight"), eps)
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
-        kv = ops.linear(h, self._w(i, f"{a}.kv_a_proj_with_mqa.weight"))
         c_kv = rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
         rows = torch.cat([c_kv, kv[:, R:]], dim=-1).view(B, T, R + P)
         for b in range(B):  # the new tokens' rows, past the committed length
@@ -179,7 +201,7 @@ class K3Model:
             cfg.qk_head_dim**-0.5,
         ).view(B * T, H, R)
         o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
-        o = sigmoid_gate(o, ops.linear(h, self._w(i, f"{a}.g_proj.weight")))
+        o = sigmoid_gate(o, gate)
         return ops.linear(o, self._w(i, f"{a}.o_proj.weight"))
 
     def _ffn(self, i, y):
