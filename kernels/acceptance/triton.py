@@ -136,13 +136,13 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
     kernels.row_partials[(splits, positions, B)](
         target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], draft_tokens, sd[0], sd[1],
         temperature, floor_value, floor_index, part_f, part_i, positions, k, V, chunk // block,
-        SPLITS=splits, BLOCK=block, FILTERED=filtered, GREEDY_ONLY=greedy_only, num_warps=NUM_WARPS,
+        BLOCK=block, FILTERED=filtered, GREEDY_ONLY=greedy_only, num_warps=NUM_WARPS,
     )
     kernels.accept[(B,)](
         part_f, part_i, target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], draft_tokens, sd[0], sd[1],
         num_drafts, q, sq[0], sq[1], sq[2], uniforms, su[0], su[1], rates, temperature, floor_value, floor_index,
-        num_accepted, next_token, stop_f, stop_i, k,
-        POSITIONS=positions, SPLITS=splits, SPLITS_POW2=splits_pow2, FILTERED=filtered, HAS_Q=has_q,
+        num_accepted, next_token, stop_f, stop_i, k, splits,
+        POSITIONS=positions, SPLITS_POW2=splits_pow2, FILTERED=filtered, HAS_Q=has_q,
         SYNTHETIC=synthetic,
         num_warps=NUM_WARPS,
     )
@@ -152,9 +152,9 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
         kernels.residual_partials[(splits, B)](
             target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], q, sq[0], sq[1], sq[2],
             temperature, floor_value, floor_index, stop_f, stop_i, res_f, res_i, positions, V, chunk // block,
-            SPLITS=splits, BLOCK=block, FILTERED=filtered, num_warps=NUM_WARPS,
+            BLOCK=block, FILTERED=filtered, num_warps=NUM_WARPS,
         )
-        kernels.residual_pick[(B,)](res_f, res_i, stop_i, next_token, SPLITS=splits, SPLITS_POW2=splits_pow2,
+        kernels.residual_pick[(B,)](res_f, res_i, stop_i, next_token, splits, SPLITS_POW2=splits_pow2,
                                     num_warps=NUM_WARPS)
     return num_accepted, next_token
 

@@ -52,7 +52,7 @@ def row_partials(
     temperature_ptr, floor_value_ptr, floor_index_ptr,
     part_f_ptr, part_i_ptr,
     num_positions, num_drafts_max, vocab, steps,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, FILTERED: tl.constexpr, GREEDY_ONLY: tl.constexpr,
+    BLOCK: tl.constexpr, FILTERED: tl.constexpr, GREEDY_ONLY: tl.constexpr,
 ):
     split = tl.program_id(0)
     t = tl.program_id(1)
@@ -95,7 +95,7 @@ def row_partials(
             race_index = tl.where(better, idx, race_index)
             race_best = tl.where(better, key, race_best)
 
-    out = (b * num_positions + t) * SPLITS + split
+    out = (b * num_positions + t) * tl.num_programs(0) + split
     row_max = tl.max(lane_max, 0)
     row_sum = tl.sum(tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - row_max)), 0)
     raw_max = tl.max(raw_best, 0)
@@ -127,8 +127,8 @@ def accept(
     rates_ptr,
     temperature_ptr, floor_value_ptr, floor_index_ptr,
     num_accepted_ptr, next_token_ptr, stop_f_ptr, stop_i_ptr,
-    num_drafts_max,
-    POSITIONS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    num_drafts_max, num_splits,
+    POSITIONS: tl.constexpr, SPLITS_POW2: tl.constexpr,
     FILTERED: tl.constexpr, HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr,
 ):
     """Acceptance chain of one request (dspark.sampling.rejection_sample / synthetic_sample)."""
@@ -139,7 +139,7 @@ def accept(
     num_drafts = tl.load(num_drafts_ptr + b).to(tl.int32)
     noise_row = noise_ptr + b.to(tl.int64) * stride_nb
     splits = tl.arange(0, SPLITS_POW2)
-    in_splits = splits < SPLITS
+    in_splits = splits < num_splits
 
     done = 0
     num_accepted = 0
@@ -149,7 +149,7 @@ def accept(
     needs_residual = False
     for t in tl.static_range(POSITIONS):
         # combine the row's partials
-        part = (b * POSITIONS + t) * SPLITS + splits
+        part = (b * POSITIONS + t) * num_splits + splits
         part_max = tl.load(part_f_ptr + part * 4 + 0, mask=in_splits, other=float("-inf"))
         part_sum = tl.load(part_f_ptr + part * 4 + 1, mask=in_splits, other=0.0)
         row_max = tl.max(part_max, 0)
@@ -220,7 +220,7 @@ def residual_partials(
     temperature_ptr, floor_value_ptr, floor_index_ptr,
     stop_f_ptr, stop_i_ptr, res_f_ptr, res_i_ptr,
     num_positions, vocab, steps,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, FILTERED: tl.constexpr,
+    BLOCK: tl.constexpr, FILTERED: tl.constexpr,
 ):
     """Race over max(p - q, 0) at the rejected position n of a sampled request (dense q):
     per chunk the (max of residual / E, its index) and the residual mass."""
@@ -256,21 +256,20 @@ def residual_partials(
         best_index = tl.where(better, idx, best_index)
         best = tl.where(better, key, best)
     race_max, race_arg = _combine_max(best, best_index)
-    out = b * SPLITS + split
+    out = b * tl.num_programs(0) + split
     tl.store(res_f_ptr + out * 2 + 0, race_max)
     tl.store(res_f_ptr + out * 2 + 1, tl.sum(lane_mass, 0))
     tl.store(res_i_ptr + out, race_arg)
 
 
 @triton.jit
-def residual_pick(res_f_ptr, res_i_ptr, stop_i_ptr, next_token_ptr,
-                  SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
+def residual_pick(res_f_ptr, res_i_ptr, stop_i_ptr, next_token_ptr, num_splits, SPLITS_POW2: tl.constexpr):
     """The residual's race winner becomes the next token where a sampled request rejected and
     the residual has mass (else `accept` already wrote the race over p, as the sampler does)."""
     b = tl.program_id(0)
     splits = tl.arange(0, SPLITS_POW2)
-    in_splits = splits < SPLITS
-    part = b * SPLITS + splits
+    in_splits = splits < num_splits
+    part = b * num_splits + splits
     mass = tl.sum(tl.load(res_f_ptr + part * 2 + 1, mask=in_splits, other=0.0), 0)
     _, token = _combine_max(tl.load(res_f_ptr + part * 2 + 0, mask=in_splits, other=float("-inf")),
                             tl.load(res_i_ptr + part, mask=in_splits, other=INDEX_NONE))
