@@ -23,6 +23,7 @@ from ..registry import register
 BLOCK = 1024  # vocabulary entries per program per loop step (num_warps=4: 8 per thread)
 TARGET_PROGRAMS = 1024  # row_partials programs to aim for: ~8 per SM of an H200 (132 SMs)
 MAX_POSITIONS = 16  # positions the combine unrolls (k <= 15 drafts)
+MAX_BATCH = 65_535  # requests run on the grid's z dimension
 NUM_WARPS = 4
 
 
@@ -54,6 +55,7 @@ def _check(target_logits, draft_tokens, num_drafts, uniforms, race_noise, sampli
     _require(target_logits.dim() == 3 and target_logits.stride(-1) == 1, "target_logits.shape",
              tuple(target_logits.shape), "must be [B, T, V] with a contiguous last dimension")
     B, T, V = target_logits.shape
+    _require(B <= MAX_BATCH, "B", B, f"must be at most {MAX_BATCH} (the grid's third dimension)")
     _require(draft_tokens.dim() == 2 and draft_tokens.shape[0] == B and not draft_tokens.is_floating_point(),
              "draft_tokens.shape", (tuple(draft_tokens.shape), draft_tokens.dtype), f"must be [B={B}, k] integer")
     k = draft_tokens.shape[1]
@@ -130,6 +132,8 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
     stop_f = torch.empty(B, 2, device=device, dtype=torch.float32)
     stop_i = torch.empty(B, 2, device=device, dtype=torch.int32)
     rates = rates if rates is not None else temperature  # never read outside synthetic mode
+    if k == 0:  # no drafts (the first token after prefill): pass a live pointer, never read
+        draft_tokens = uniforms = num_drafts[:, None]
     sl, sn, sd, su, sq = (target_logits.stride(), race_noise.stride(), draft_tokens.stride(), uniforms.stride(),
                           q.stride())
 

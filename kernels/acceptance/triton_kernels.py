@@ -181,7 +181,7 @@ def accept(
             candidate = tl.where(greedy, argmax, race_with_x)
         else:
             if HAS_Q:
-                q_x = tl.load(q_ptr + b * stride_qb + t * stride_qk + x * stride_qv, mask=has_draft,
+                q_x = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qk + x * stride_qv, mask=has_draft,
                               other=1.0).to(tl.float32)
             else:
                 q_x = 1.0

@@ -117,6 +117,14 @@ def test_synthetic_sample_decisions_equal_the_samplers(mode, V):
                               sampling.synthetic_sample(*args), block, f"synthetic {mode} V={V} batch {i}")
 
 
+@pytest.mark.parametrize("mode", ["greedy", "mixed"])
+def test_first_token_after_prefill_without_drafts(mode):
+    # k = 0 (the engine's prefill step): T = 1, the next token is the argmax or p's race
+    block = random_block(6, 0, K3_VOCAB, mode, dense_q=False)
+    assert_same_decisions(acceptance.rejection_sample(**block, out=poisoned_out(6)), sampling.rejection_sample(**block),
+                          block, f"k=0 {mode}")
+
+
 @pytest.mark.parametrize("mode, dense_q", [("temperature", False), ("mixed", True)])
 def test_no_host_synchronisation_and_cuda_graph_replay(mode, dense_q):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
