@@ -85,11 +85,12 @@ def ceilings(nbytes: int, copies: int) -> dict:
 
 def parse_variant(text: str, op: str) -> dict:
     """'bv128_c2_r8_fast_bulk' -> dict(block_v=128, cols=2, row_chunks=8, fast_math=True,
-    bulk_state=True); flags fast, bulk, group (group_sync); commit has only bulk. Options not
-    named are off."""
+    bulk_state=True); flags fast, bulk, group (group_sync), pdl; commit has only bulk and pdl.
+    Options not named are off."""
     fields = {"bv": "block_v", "c": "cols", "r": "row_chunks"}
-    flags = {"fast": "fast_math", "bulk": "bulk_state", "group": "group_sync"} if op == "verify" else {
-        "bulk": "bulk_state"}
+    flags = {"bulk": "bulk_state", "pdl": "pdl"}
+    if op == "verify":
+        flags.update(fast="fast_math", group="group_sync")
     variant = {flag: False for flag in flags.values()}
     for part in text.split("_"):
         if part in flags:
@@ -97,7 +98,7 @@ def parse_variant(text: str, op: str) -> dict:
             continue
         name = next((n for n in sorted(fields, key=len, reverse=True) if part.startswith(n)), None)
         if name is None or not part[len(name):].isdigit():
-            raise ValueError(f"variant={text!r}: cannot read {part!r} (bvN_cN_rN[_fast][_bulk][_group])")
+            raise ValueError(f"variant={text!r}: cannot read {part!r} (bvN_cN_rN[_fast][_bulk][_group][_pdl])")
         variant[fields[name]] = int(part[len(name):])
     return variant
 
@@ -211,13 +212,13 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--verify-variants", default="bv128_c1_r4_fast,bv128_c1_r4_fast_bulk,bv128_c1_r4_fast_group,"
-                        "bv128_c1_r4_fast_bulk_group,bv128_c2_r8_fast_bulk_group",
+                        "bv128_c1_r4_fast_bulk_group,bv128_c1_r4_fast_bulk_group_pdl,bv128_c2_r8_fast_bulk_group",
                         help="comma-separated bvN_cN_rN[_fast][_bulk]: block_v, columns per thread, row chunks, fast "
                         "math, state copied by the TMA unit")
     parser.add_argument("--probe-variants", default="bv128_c1_r4_fast_bulk,bv128_c1_r4_fast_bulk_group",
                         help="verify variants also run as the probe build (phase breakdown)")
     parser.add_argument("--commit-variants", default="bv32_c1_r4,bv32_c1_r4_bulk,bv64_c1_r4_bulk,bv128_c1_r4_bulk")
-    parser.add_argument("--pairs", default="default+default,bv128_c1_r4_fast_bulk_group+bv128_c1_r4_bulk",
+    parser.add_argument("--pairs", default="default+default,bv128_c1_r4_fast_bulk_group_pdl+bv32_c1_r4_bulk_pdl",
                         help="verify+commit variants timed together (verify, commit, verify, ... over the layers)")
     parser.add_argument("--out", default="experiments/results/h200/kda_bench.json")
     parser.add_argument("--commit", default=None, help="git commit of the tree (if git is not available here)")

@@ -47,8 +47,8 @@ def default_variant(head_dim: int, op: str) -> dict:
     CTAs per head (5.6 us per layer in the all-layers launch vs 6.9 with one CTA per head)."""
     if op == "verify":
         return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=True, bulk_state=False,
-                    group_sync=False)
-    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS, bulk_state=False)
+                    group_sync=False, pdl=False)
+    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS, bulk_state=False, pdl=False)
 
 
 def resolve_variant(head_dim: int, op: str, **given) -> dict:
@@ -134,7 +134,8 @@ def _tree_sum(values, first: int, count: int, stride: int):
 
 
 def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype, conv_dtype, cols: int,
-                  row_chunks: int, fast_math: bool, bulk_state: bool, group_sync: bool, probe: bool, extra_options):
+                  row_chunks: int, fast_math: bool, bulk_state: bool, group_sync: bool, pdl: bool, probe: bool,
+                  extra_options):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -193,6 +194,10 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
     ):
         tidx, _, _ = cute.arch.thread_idx()
         vs, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(pdl):
+            # launched early (programmatic dependent launch): wait for the previous kernel's
+            # results before touching memory; only the launch latency overlaps its tail
+            cute.arch.griddepcontrol_wait()
         marks = cute.make_rmem_tensor((10,), Int64)  # probe: clock64 and globaltimer at 5 points
         if cutlass.const_expr(probe):
             marks[0] = cute.arch.clock64()
@@ -376,6 +381,9 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
             marks[2] = cute.arch.clock64()
             marks[7] = cute.arch.globaltimer()
 
+        if cutlass.const_expr(pdl):
+            # the next kernel may launch now; it waits for this grid to finish before it reads
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(bulk_state):
             cute.arch.mbarrier_wait(mbar.iterator, 0)
             for i in cutlass.range_constexpr(R):
@@ -496,7 +504,7 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
         verify_kernel(
             q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, a_log, dt_bias,
             o_norm_weight, state, lengths, out, rec_k, rec_u, rec_eg, rec_x, probe_out, lower_bound, eps,
-        ).launch(grid=[NV, heads, batch], block=[NT, 1, 1], cluster=CLUSTER, stream=stream)
+        ).launch(grid=[NV, heads, batch], block=[NT, 1, 1], cluster=CLUSTER, stream=stream, use_pdl=pdl)
 
     sym = cute.sym_int
     B, T, W, H = sym(), sym(), sym(), sym()
@@ -527,14 +535,16 @@ def _build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dt
 def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype: torch.dtype,
                    conv_dtype: torch.dtype, extra_options: tuple[str, ...] = (), *, cols: int = 1,
                    row_chunks: int = ROW_CHUNKS, fast_math: bool = False, bulk_state: bool = False,
-                   group_sync: bool = False, probe: bool = False):
+                   group_sync: bool = False, pdl: bool = False, probe: bool = False):
     """The compiled verify kernel for one variant (cached; CPU-only compile works with any arch).
 
     cols / row_chunks: the thread layout (state columns per thread, warps a column's rows are
     split over); fast_math: approximate reciprocals in the sigmoids and L2 norms; bulk_state: the
     state slice is copied into shared memory by the TMA unit (cp.async.bulk) instead of register
     loads; group_sync: each step's barrier spans only the warps of one column block (named
-    barriers), so blocks do not wait for each other; probe: thread 0
+    barriers), so blocks do not wait for each other; pdl: programmatic dependent launch (the
+    kernel waits for its predecessor before any memory access and lets its successor launch
+    after the prologue); probe: thread 0
     of each CTA writes clock64 and %globaltimer at 5 phase boundaries into probe_out (diagnostic).
     extra_options: more cute.compile flags, e.g. ("--keep-ptx",) to inspect the PTX (written to
     the current directory).
@@ -544,10 +554,10 @@ def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_d
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
     key = ("kda_verify", arch, head_dim, block_v, max_tokens, in_dtype, conv_dtype, cols, row_chunks, fast_math,
-           bulk_state, group_sync, probe, extra_options)
+           bulk_state, group_sync, pdl, probe, extra_options)
     return _cache.get(key, lambda: _build_verify(
         arch, head_dim, block_v, max_tokens, torch_to_cutlass_dtype(in_dtype), torch_to_cutlass_dtype(conv_dtype),
-        cols, row_chunks, fast_math, bulk_state, group_sync, probe, extra_options))
+        cols, row_chunks, fast_math, bulk_state, group_sync, pdl, probe, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,7 +565,7 @@ def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_d
 
 
 def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int, row_chunks: int, bulk_state: bool,
-                  extra_options):
+                  pdl: bool, extra_options):
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -577,6 +587,9 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         vs, h, layer_batch = cute.arch.block_idx()
+        if cutlass.const_expr(pdl):
+            cute.arch.griddepcontrol_wait()  # the records come from the verify kernels before
+            cute.arch.griddepcontrol_launch_dependents()
         batch = state.shape[1]
         layer = layer_batch // batch
         b = layer_batch % batch
@@ -678,7 +691,7 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
         batch = state.shape[1]
         heads = state.shape[2]
         commit_kernel(state, conv_state, rec_k, rec_u, rec_eg, rec_x, num_tokens).launch(
-            grid=[NV, heads, layers * batch], block=[NT, 1, 1], stream=stream
+            grid=[NV, heads, layers * batch], block=[NT, 1, 1], stream=stream, use_pdl=pdl
         )
 
     sym = cute.sym_int
@@ -701,13 +714,13 @@ def _build_commit(arch: str, head_dim: int, block_v: int, conv_dtype, cols: int,
 
 def compile_commit(arch: str, head_dim: int, block_v: int, conv_dtype: torch.dtype,
                    extra_options: tuple[str, ...] = (), *, cols: int = 1, row_chunks: int = ROW_CHUNKS,
-                   bulk_state: bool = False):
+                   bulk_state: bool = False, pdl: bool = False):
     """The compiled commit kernel for one variant (cached), see compile_verify."""
     _check_head_dim(head_dim, block_v)
     _check_layout(head_dim, block_v, cols, row_chunks)
-    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, bulk_state, extra_options)
+    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, bulk_state, pdl, extra_options)
     return _cache.get(key, lambda: _build_commit(arch, head_dim, block_v, torch_to_cutlass_dtype(conv_dtype),
-                                                 cols, row_chunks, bulk_state, extra_options))
+                                                 cols, row_chunks, bulk_state, pdl, extra_options))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -757,10 +770,11 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
            o_norm_weight, state, lengths, *, lower_bound: float, eps: float, arch: str,
            block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
            fast_math: bool | None = None, bulk_state: bool | None = None, group_sync: bool | None = None,
-           records: KDARecords | None = None, out: torch.Tensor | None = None, probe: torch.Tensor | None = None):
+           pdl: bool | None = None, records: KDARecords | None = None, out: torch.Tensor | None = None,
+           probe: torch.Tensor | None = None):
     """Output-only KDA verify, the reference kda_verify's contract. Returns (out, records).
 
-    block_v, cols, row_chunks, fast_math, bulk_state, group_sync: kernel options (None = default_variant's);
+    block_v, cols, row_chunks, fast_math, bulk_state, group_sync, pdl: kernel options (None = default_variant's);
     probe: an
     int64 [B, H, head_dim // block_v, 10] tensor selects the probe build, which writes each CTA's
     clock64 (0..4) and %globaltimer (5..9) at kernel start, after the conv, before the
@@ -775,7 +789,7 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
     B, H, D, D2 = state.shape
     _require(D == D2, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
     variant = resolve_variant(D, "verify", block_v=block_v, cols=cols, row_chunks=row_chunks, fast_math=fast_math,
-                              bulk_state=bulk_state, group_sync=group_sync)
+                              bulk_state=bulk_state, group_sync=group_sync, pdl=pdl)
     _check_head_dim(D, variant["block_v"])
     _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
@@ -825,7 +839,7 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
                  (tuple(probe.shape), probe.dtype), f"must be contiguous {list(shape)} int64")
     kernel = compile_verify(arch, D, variant["block_v"], MAX_TOKENS, dtype, conv_state.dtype, cols=variant["cols"],
                             row_chunks=variant["row_chunks"], fast_math=variant["fast_math"],
-                            bulk_state=variant["bulk_state"], group_sync=variant["group_sync"],
+                            bulk_state=variant["bulk_state"], group_sync=variant["group_sync"], pdl=variant["pdl"],
                             probe=probe is not None)
     c = torch.Tensor.contiguous
     kernel(c(q_in), c(k_in), c(v_in), c(f), c(beta_in), c(gate_in), c(conv_weight), c(conv_state), c(A_log),
@@ -850,19 +864,20 @@ def _num_tokens_tensor(num_tokens, batch: int, device) -> torch.Tensor:
 
 def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch: str,
                   block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
-                  bulk_state: bool | None = None) -> None:
+                  bulk_state: bool | None = None, pdl: bool | None = None) -> None:
     """Commit the first num_tokens[b] verified positions of L stacked layers in one launch.
 
     states [L, B, H, D, D] fp32 and conv_states [L, B, 3, W, 3], both contiguous and updated in
     place; records with a leading L (keys/updates/decays [L, B, T, H, D], conv_inputs
     [L, B, 3, W, T]); num_tokens [B] in 0..T, shared by the layers. Counts above T are clamped
     to T on the device; the caller keeps them <= lengths (no host sync to check it here).
-    block_v, cols, row_chunks, bulk_state: kernel options (None = default_variant's).
+    block_v, cols, row_chunks, bulk_state, pdl: kernel options (None = default_variant's).
     """
     _require(states.dim() == 5 and states.dtype == torch.float32 and states.is_contiguous(), "states.shape",
              (tuple(states.shape), states.dtype), "must be contiguous [L, B, H, D, D] fp32")
     L, B, H, D, _ = states.shape
-    variant = resolve_variant(D, "commit", block_v=block_v, cols=cols, row_chunks=row_chunks, bulk_state=bulk_state)
+    variant = resolve_variant(D, "commit", block_v=block_v, cols=cols, row_chunks=row_chunks, bulk_state=bulk_state,
+                              pdl=pdl)
     _check_head_dim(D, variant["block_v"])
     _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
@@ -877,14 +892,15 @@ def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch:
     _require(tuple(x.shape) == (L, B, 3, W, T) and x.dtype == conv_states.dtype, "records.conv_inputs.shape",
              (tuple(x.shape), x.dtype), f"must be [{L}, {B}, 3, {W}, {T}] {conv_states.dtype}")
     kernel = compile_commit(arch, D, variant["block_v"], conv_states.dtype, cols=variant["cols"],
-                            row_chunks=variant["row_chunks"], bulk_state=variant["bulk_state"])
+                            row_chunks=variant["row_chunks"], bulk_state=variant["bulk_state"], pdl=variant["pdl"])
     c = torch.Tensor.contiguous
     kernel(states, conv_states, c(records.keys), c(records.updates), c(records.decays), c(records.conv_inputs),
            _num_tokens_tensor(num_tokens, B, states.device))
 
 
 def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, block_v: int | None = None,
-           cols: int | None = None, row_chunks: int | None = None, bulk_state: bool | None = None) -> None:
+           cols: int | None = None, row_chunks: int | None = None, bulk_state: bool | None = None,
+           pdl: bool | None = None) -> None:
     """One layer (the reference kda_commit's contract): bring state [B, H, D, D] and conv_state
     [B, 3, W, 3] in place to the first num_tokens[b] verified positions; 0 leaves both untouched."""
     _require(state.dim() == 4, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
@@ -892,4 +908,4 @@ def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, blo
     stacked = KDARecords(records.keys.unsqueeze(0), records.updates.unsqueeze(0), records.decays.unsqueeze(0),
                          records.conv_inputs.unsqueeze(0), records.lengths)
     commit_layers(state.unsqueeze(0), conv_state.unsqueeze(0), stacked, num_tokens, arch=arch, block_v=block_v,
-                  cols=cols, row_chunks=row_chunks, bulk_state=bulk_state)
+                  cols=cols, row_chunks=row_chunks, bulk_state=bulk_state, pdl=pdl)

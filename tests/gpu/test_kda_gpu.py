@@ -166,7 +166,7 @@ FAST_COMMIT = dict(block_v=128, cols=4, row_chunks=8)
 
 @pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(t, dict(block_v=32), dict(block_v=32)) for t in (4, 16)]
                          + [(8, dict(block_v=128), dict(block_v=128)), (8, FAST, FAST_COMMIT), (8, BULK, BULK),
-                            (8, BULK_GROUP, dict(block_v=32, bulk_state=True))])
+                            (8, dict(BULK_GROUP, pdl=True), dict(block_v=32, bulk_state=True, pdl=True))])
 def test_commit_equals_sequential_one_token_decode_bitwise(tokens, verify_kw, commit_kw):
     batch = 2
     inputs = make_inputs(batch, tokens)
