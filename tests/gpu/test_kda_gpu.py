@@ -88,15 +88,12 @@ BULK = dict(block_v=128, bulk_state=True)
 BULK_GROUP = dict(block_v=128, bulk_state=True, group_sync=True)
 CASES = [(t, dict(block_v=bv), dict(block_v=bv)) for bv in (32, 128) for t in (1, 8, 16)] + [
     (4, dict(block_v=128, fast_math=False), dict(block_v=32)),
-    (8, dict(block_v=64, cols=2, row_chunks=4), dict(block_v=64, cols=2, row_chunks=8)),
-    (8, dict(block_v=128, cols=2, row_chunks=8), dict(block_v=128, cols=4, row_chunks=8)),
-    (16, dict(block_v=128, cols=4, row_chunks=8), dict(block_v=128, cols=2, row_chunks=4)),
+    (8, dict(block_v=128, cols=2, row_chunks=8), dict(block_v=64, bulk_state=True)),
     (8, BULK, BULK),
     (16, dict(block_v=32, bulk_state=True), dict(block_v=64, bulk_state=True)),
-    (4, dict(block_v=128, cols=2, row_chunks=8, bulk_state=True), dict(block_v=32, bulk_state=True)),
+    (4, dict(block_v=128, cols=2, row_chunks=8, bulk_state=True, group_sync=True), dict(block_v=32, bulk_state=True)),
     (8, dict(block_v=128, group_sync=True), dict(block_v=32)),
     (16, BULK_GROUP, BULK),
-    (8, dict(block_v=128, cols=2, row_chunks=8, bulk_state=True, group_sync=True), dict(block_v=32)),
 ]
 
 
@@ -161,7 +158,7 @@ def test_per_request_accepted_counts_and_padding_lengths():
 
 
 FAST = dict(block_v=128, cols=2, row_chunks=8)
-FAST_COMMIT = dict(block_v=128, cols=4, row_chunks=8)
+FAST_COMMIT = dict(block_v=128, bulk_state=True)
 
 
 @pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(t, dict(block_v=32), dict(block_v=32)) for t in (4, 16)]
