@@ -220,6 +220,8 @@ def main():
     parser.add_argument("--commit-variants", default="bv32_c1_r4,bv32_c1_r4_bulk,bv64_c1_r4_bulk,bv128_c1_r4_bulk")
     parser.add_argument("--pairs", default="default+default,bv128_c1_r4_fast_bulk_group_pdl+bv32_c1_r4_bulk_pdl",
                         help="verify+commit variants timed together (verify, commit, verify, ... over the layers)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip fla and the torch reference (a second run for new variants only)")
     parser.add_argument("--out", default="experiments/results/h200/kda_bench.json")
     parser.add_argument("--commit", default=None, help="git commit of the tree (if git is not available here)")
     args = parser.parse_args()
@@ -301,6 +303,8 @@ def main():
 
     # fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)
     try:
+        if args.no_baselines:
+            raise RuntimeError("skipped (--no-baselines)")
         from fla.ops.kda import fused_recurrent_kda
 
         fla_inputs = []
@@ -336,6 +340,8 @@ def main():
 
     # the torch reference on the GPU (fp32 state, eager: it is many small kernels)
     try:
+        if args.no_baselines:
+            raise RuntimeError("skipped (--no-baselines)")
         def ref_pair(x):
             _, rec = reference.kda_verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS)
             reference.kda_commit(x["state"].clone(), x["conv_state"].clone(), rec, accepted)
