@@ -81,7 +81,7 @@ def cute_verify(inputs, **kw):
 
 # every accepted count 0..T at T in {1, 8, 16} with one CTA per head (verify's default), 4
 # V-split CTAs per head (block_v 32: the cluster exchange), then the other options: exact math,
-# 2 CTAs per head, columns per thread / row chunks, the state copied by the TMA unit (bulk) and
+# columns per thread / row chunks, the state copied by the TMA unit (bulk) and
 # per-column-block barriers (group), each with a commit variant of its own (records do not depend
 # on the layout)
 BULK = dict(block_v=128, bulk_state=True)
