@@ -115,3 +115,47 @@ def test_triton_wrapper_rejects_bad_arguments_naming_the_field(change, field):
     block.update(change)
     with pytest.raises(ValueError, match=field):
         acceptance_triton.rejection_sample(**block)
+
+
+# ---- where triton is installed (not in CI): every kernel variant compiles for Hopper ----------
+
+def _compile_all_variants(capability: int) -> dict[str, str]:
+    """PTX of every constexpr variant the wrapper launches, built without a GPU (Triton 3.6's
+    ASTSource + a named target)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dspark.kernels.acceptance import triton_kernels as kernels
+
+    pointers = {  # element types as the wrapper passes them (bf16 logits, int64 ids and outputs)
+        "logits_ptr": "*bf16", "noise_ptr": "*fp32", "drafts_ptr": "*i64", "num_drafts_ptr": "*i64", "q_ptr": "*fp32",
+        "uniforms_ptr": "*fp32", "rates_ptr": "*fp32", "temperature_ptr": "*fp32", "floor_value_ptr": "*fp32",
+        "floor_index_ptr": "*i32", "part_f_ptr": "*fp32", "part_i_ptr": "*i32", "num_accepted_ptr": "*i64",
+        "next_token_ptr": "*i64", "stop_f_ptr": "*fp32", "stop_i_ptr": "*i32", "res_f_ptr": "*fp32", "res_i_ptr": "*i32",
+    }
+
+    def build(fn, constexprs):
+        names = fn.arg_names
+        signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+        source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+        return triton_compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm["ptx"]
+
+    ptx = {}
+    for filtered in (False, True):
+        for greedy_only in (False, True):
+            ptx[f"row_partials F={filtered} G={greedy_only}"] = build(
+                kernels.row_partials, dict(BLOCK=1024, FILTERED=filtered, GREEDY_ONLY=greedy_only))
+        for has_q, synthetic in ((False, False), (True, False), (False, True)):
+            ptx[f"accept F={filtered} Q={has_q} S={synthetic}"] = build(
+                kernels.accept, dict(POSITIONS=8, SPLITS_POW2=128, FILTERED=filtered, HAS_Q=has_q, SYNTHETIC=synthetic))
+        ptx[f"residual_partials F={filtered}"] = build(kernels.residual_partials, dict(BLOCK=1024, FILTERED=filtered))
+    ptx["residual_pick"] = build(kernels.residual_pick, dict(SPLITS_POW2=128))
+    return ptx
+
+
+@pytest.mark.skipif(not acceptance_triton.triton_available(), reason="triton not installed (CI)")
+def test_every_triton_kernel_variant_compiles_for_hopper_without_spills():
+    for name, ptx in _compile_all_variants(90).items():
+        assert ".target sm_90" in ptx, name
+        assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local memory (register spills)"

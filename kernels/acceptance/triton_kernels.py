@@ -22,26 +22,17 @@ the combine adds it back for the bonus race. Ties go to the lowest index, like t
 import triton
 import triton.language as tl
 
-INDEX_NONE = 2147483647  # larger than any vocabulary index: loses every lowest-index tie-break
+INDEX_NONE = tl.constexpr(2147483647)  # larger than any vocabulary index: loses every lowest-index tie-break
 
 
 @triton.jit
-def _threshold(floor_value_ptr, floor_index_ptr, row, FILTERED: tl.constexpr):
-    """The filter threshold of one (request, position) row; without filters one that keeps all."""
+def _kept(s, vocab_idx, floor_value, floor_index, FILTERED: tl.constexpr):
+    """Tokens that survive: finite, and with filters above the row's threshold (value, index):
+    s > value, or s == value and index <= floor_index (see triton.filter_threshold)."""
+    keep = s != float("-inf")
     if FILTERED:
-        floor_value = tl.load(floor_value_ptr + row)
-        floor_index = tl.load(floor_index_ptr + row)
-    else:
-        floor_value = float("-inf")
-        floor_index = INDEX_NONE
-    return floor_value, floor_index
-
-
-@triton.jit
-def _eligible(s, vocab_idx, floor_value, floor_index):
-    """The top-k / top-p filter as a threshold: keep s > floor, and at s == floor the indices up
-    to floor_index (the tokens the sampler's stable sort kept among ties)."""
-    return (s > floor_value) | ((s == floor_value) & (vocab_idx <= floor_index))
+        keep = keep & ((s > floor_value) | ((s == floor_value) & (vocab_idx <= floor_index)))
+    return keep
 
 
 @triton.jit
@@ -61,7 +52,11 @@ def row_partials(
     noise_row = noise_ptr + b.to(tl.int64) * stride_nb
     temperature = tl.load(temperature_ptr + b)
     temperature = tl.where(temperature == 0.0, 1.0, temperature)  # greedy rows: as processed_probs
-    floor_value, floor_index = _threshold(floor_value_ptr, floor_index_ptr, b * num_positions + t, FILTERED)
+    floor_value = 0.0  # no filters: unused
+    floor_index = 0
+    if FILTERED:
+        floor_value = tl.load(floor_value_ptr + b * num_positions + t)
+        floor_index = tl.load(floor_index_ptr + b * num_positions + t)
     # this position's draft token is left out of the race (see the module docstring)
     left_out = tl.load(drafts_ptr + b * stride_db + t * stride_dk, mask=t < num_drafts_max, other=-1).to(tl.int32)
 
@@ -83,7 +78,7 @@ def row_partials(
         raw_best = tl.where(better, x, raw_best)
         if not GREEDY_ONLY:
             s = tl.math.div_rn(x, temperature)  # IEEE division, the bits of logits / temperature
-            keep = in_row & (s != float("-inf")) & _eligible(s, idx, floor_value, floor_index)
+            keep = in_row & _kept(s, idx, floor_value, floor_index, FILTERED)
             s = tl.where(keep, s, float("-inf"))
             new_max = tl.maximum(lane_max, s)
             rescale = tl.where(new_max == float("-inf"), 0.0, tl.exp(lane_max - new_max))
@@ -166,8 +161,12 @@ def accept(
         logit_x = tl.load(logits_ptr + b.to(tl.int64) * stride_lb + t * stride_lt + x, mask=has_draft,
                           other=float("-inf")).to(tl.float32)
         s_x = tl.math.div_rn(logit_x, temperature)
-        floor_value, floor_index = _threshold(floor_value_ptr, floor_index_ptr, b * POSITIONS + t, FILTERED)
-        x_kept = has_draft & _eligible(s_x, x, floor_value, floor_index)
+        floor_value = 0.0  # no filters: unused
+        floor_index = 0
+        if FILTERED:
+            floor_value = tl.load(floor_value_ptr + b * POSITIONS + t)
+            floor_index = tl.load(floor_index_ptr + b * POSITIONS + t)
+        x_kept = has_draft & _kept(s_x, x, floor_value, floor_index, FILTERED)
         noise_x = tl.load(noise_row + x * stride_nv, mask=has_draft, other=1.0)
         key_x = tl.where(x_kept, s_x - tl.log(noise_x), float("-inf"))
         x_wins = x_kept & ((key_x > race_key) | ((key_x == race_key) & (x < race_token)))
@@ -232,7 +231,11 @@ def residual_partials(
     row_max = tl.load(stop_f_ptr + b * 2 + 0)
     row_sum = tl.load(stop_f_ptr + b * 2 + 1)
     temperature = tl.load(temperature_ptr + b)
-    floor_value, floor_index = _threshold(floor_value_ptr, floor_index_ptr, b * num_positions + n, FILTERED)
+    floor_value = 0.0  # no filters: unused
+    floor_index = 0
+    if FILTERED:
+        floor_value = tl.load(floor_value_ptr + b * num_positions + n)
+        floor_index = tl.load(floor_index_ptr + b * num_positions + n)
     row = logits_ptr + b.to(tl.int64) * stride_lb + n.to(tl.int64) * stride_lt
     q_row = q_ptr + b.to(tl.int64) * stride_qb + n.to(tl.int64) * stride_qk
     noise_row = noise_ptr + b.to(tl.int64) * stride_nb
@@ -245,7 +248,7 @@ def residual_partials(
         idx = start + step * BLOCK + lanes
         in_row = (idx < vocab) & needed
         s = tl.math.div_rn(tl.load(row + idx, mask=in_row, other=float("-inf")).to(tl.float32), temperature)
-        keep = in_row & (s != float("-inf")) & _eligible(s, idx, floor_value, floor_index)
+        keep = in_row & _kept(s, idx, floor_value, floor_index, FILTERED)
         p = tl.where(keep, tl.exp(s - row_max) / row_sum, 0.0)
         q = tl.load(q_row + idx * stride_qv, mask=in_row, other=0.0).to(tl.float32)
         residual = tl.where(in_row, tl.maximum(p - q, 0.0), 0.0)
