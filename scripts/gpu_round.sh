@@ -4,10 +4,12 @@
 # lines may hold "# limit: SECONDS" (default 120). A job runs from /tmp with REPO (the checkout)
 # and JOB_OUT (its output folder) set; its log and files come back in $OUT/round.tgz, one folder
 # per job. Jobs run in name order and a job that would outrun the call's budget is skipped.
-# Usage on the device: bash scripts/gpu_round.sh [TOTAL_SECONDS]
+# Usage on the device: bash scripts/gpu_round.sh [TOTAL_SECONDS [JOB ...]] (default: every job)
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOTAL=${1:-540}
+shift $(( $# > 0 ? 1 : 0 ))
+if (( $# > 0 )); then JOBS=("$@"); else JOBS=(); for j in "$REPO"/.round/jobs/*.sh; do JOBS+=("$(basename "$j" .sh)"); done; fi
 START=$(date +%s)
 source "$REPO/.gpu/env.sh"
 pip install -q --no-deps --target /tmp/extra "$REPO"/.gpu/wheels/*.whl >/dev/null 2>&1
@@ -17,8 +19,8 @@ export DSPARK_GIT_COMMIT=$(cat "$REPO/.round/commit" 2>/dev/null || echo unknown
 WORK=/tmp/round_out
 rm -rf "$WORK" && mkdir -p "$WORK"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$WORK/nvidia-smi.txt" 2>&1
-for job in "$REPO"/.round/jobs/*.sh; do
-  name=$(basename "$job" .sh)
+for name in "${JOBS[@]}"; do
+  job="$REPO/.round/jobs/$name.sh"
   limit=$(sed -n 's/^# limit: *\([0-9]*\).*/\1/p' "$job" | head -1)
   limit=${limit:-120}
   left=$(( TOTAL - ($(date +%s) - START) ))
