@@ -4,9 +4,11 @@ branches: num_accepted and the next token stay on the GPU).
 
 Why Triton and not CuTe DSL: the work is a split-row reduction (max / sum-exp / argmax /
 race-argmax partials, then a tiny combine), SIMT only, where neither TMA nor WGMMA helps; Triton
-expresses it in a few dozen lines and its CPU interpreter (TRITON_INTERPRET=1) let the kernels be
-debugged before they met the GPU. The cost: CI has no triton, so these kernels have GPU tests
-only (tests/gpu/test_acceptance_gpu.py); experiments/notes/acceptance.md has the H200 numbers.
+expresses it in a few hundred lines, its CPU interpreter (TRITON_INTERPRET=1) ran the kernels
+against dspark.sampling before they met the GPU, and it compiles them for sm_90 without a GPU
+(tests/test_acceptance_op.py, where triton is installed). The cost: CI has no triton, so the
+kernels run in GPU tests only (tests/gpu/test_acceptance_gpu.py); experiments/notes/acceptance.md
+has the H200 numbers.
 
 Top-k / top-p: the filtered set comes from the sampler's own sort (dspark.sampling._top_k_top_p
 on the GPU, no host sync), reduced to a per-row threshold (value, last kept index among ties) that
@@ -40,7 +42,7 @@ def _kernels():
 
 def chunk_size(batch: int, positions: int, vocab: int, block: int = BLOCK, target_programs: int = TARGET_PROGRAMS) -> int:
     """Vocabulary entries per row_partials program: a multiple of `block`, so that the grid has
-    about `target_programs` programs (one row of V = 163,840 is split ~128 ways at B = 1, T = 8)."""
+    about `target_programs` programs (one row of V = 163,840 is split 80 ways at B = 1, T = 8)."""
     splits_wanted = max(1, target_programs // max(1, batch * positions))
     steps = max(1, -(-vocab // (block * splits_wanted)))
     return steps * block
