@@ -22,6 +22,9 @@ the combine adds it back for the bonus race. Ties go to the lowest index, like t
 import triton
 import triton.language as tl
 
+# Sizes that change from call to call (positions, drafts, steps, splits) are not value-specialised,
+# so one compile serves every batch and k; `vocab` and the strides are (their divisibility by 16
+# lets the row loads vectorise).
 INDEX_NONE = tl.constexpr(2147483647)  # larger than any vocabulary index: loses every lowest-index tie-break
 
 
@@ -35,7 +38,7 @@ def _kept(s, vocab_idx, floor_value, floor_index, FILTERED: tl.constexpr):
     return keep
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_positions", "num_drafts_max", "steps"])
 def row_partials(
     logits_ptr, stride_lb, stride_lt,
     noise_ptr, stride_nb, stride_nv,
@@ -110,7 +113,7 @@ def _combine_max(values, indices):
     return best, tl.min(tl.where(values == best, indices, INDEX_NONE), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_drafts_max", "num_splits"])
 def accept(
     part_f_ptr, part_i_ptr,
     logits_ptr, stride_lb, stride_lt,
@@ -211,7 +214,7 @@ def accept(
         tl.store(stop_i_ptr + b * 2 + 1, needs_residual.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_positions", "steps"])
 def residual_partials(
     logits_ptr, stride_lb, stride_lt,
     noise_ptr, stride_nb, stride_nv,
@@ -265,7 +268,7 @@ def residual_partials(
     tl.store(res_i_ptr + out, race_arg)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def residual_pick(res_f_ptr, res_i_ptr, stop_i_ptr, next_token_ptr, num_splits, SPLITS_POW2: tl.constexpr):
     """The residual's race winner becomes the next token where a sampled request rejected and
     the residual has mass (else `accept` already wrote the race over p, as the sampler does)."""

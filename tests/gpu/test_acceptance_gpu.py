@@ -80,43 +80,6 @@ def assert_same_decisions(ours, ref, block, what):
     assert torch.equal(next_tok, ref[1]), f"{what}: next token {next_tok.tolist()} != {ref[1].tolist()}"
 
 
-CASES = [  # (B, k, V, batches)
-    (1, 7, K3_VOCAB, 12),
-    (4, 7, K3_VOCAB, 6),
-    (8, 4, 1000, 25),
-]
-
-
-@pytest.mark.parametrize("mode", ["greedy", "temperature", "top_k", "top_p", "mixed"])
-@pytest.mark.parametrize("dense_q", [False, True])
-@pytest.mark.parametrize("B, k, V, batches", CASES)
-def test_rejection_sample_decisions_equal_the_samplers(mode, dense_q, B, k, V, batches):
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    outcomes = torch.zeros(2, dtype=torch.long)  # (rejections, all accepted) seen: the paths ran
-    for i in range(batches):
-        dtype = torch.bfloat16 if mode in ("greedy", "temperature") and i % 2 else torch.float32
-        block = random_block(B, k, V, mode, dense_q=dense_q, dtype=dtype, gen=gen)
-        ref = sampling.rejection_sample(**block)
-        ours = acceptance.rejection_sample(**block, out=poisoned_out(B))
-        assert_same_decisions(ours, ref, block, f"{mode} dense_q={dense_q} B={B} V={V} batch {i} {dtype}")
-        outcomes += torch.stack([(ref[0] < block["num_drafts"]).sum(), (ref[0] == block["num_drafts"]).sum()]).cpu()
-    assert (outcomes > 0).all(), f"only one kind of outcome: {outcomes.tolist()}"
-
-
-@pytest.mark.parametrize("mode", ["greedy", "temperature", "mixed"])
-@pytest.mark.parametrize("V", [K3_VOCAB, 1000])
-def test_synthetic_sample_decisions_equal_the_samplers(mode, V):
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    k = 7
-    rates = torch.tensor(sampling.conditional_rates(sampling.acceptance_length_to_rates(4.3, k)), device="cuda")
-    for i in range(8):
-        block = random_block(4, k, V, mode, dense_q=False, gen=gen)
-        args = (block["target_logits"], block["draft_tokens"], block["num_drafts"], rates, block["sampling"],
-                block["uniforms"], block["race_noise"])
-        assert_same_decisions(acceptance.synthetic_sample(*args, out=poisoned_out(4)),
-                              sampling.synthetic_sample(*args), block, f"synthetic {mode} V={V} batch {i}")
-
-
 @pytest.mark.parametrize("mode", ["greedy", "mixed"])
 def test_first_token_after_prefill_without_drafts(mode):
     # k = 0 (the engine's prefill step): T = 1, the next token is the argmax or p's race
@@ -223,3 +186,42 @@ def test_emitted_tokens_follow_the_target_distribution(temperature, top_k):
 
 def test_the_distribution_test_fails_for_resampling_from_p():
     assert emitted_token_pvalues(broken_rejection_sample, 1.0, 0)[0] < 1e-6
+
+
+# ---- decisions over many random blocks (last: the longest part of the file) -----------------
+
+CASES = [  # (B, k, V, batches)
+    (1, 7, K3_VOCAB, 10),
+    (4, 7, K3_VOCAB, 5),
+    (8, 4, 1000, 20),
+]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "temperature", "top_k", "top_p", "mixed"])
+@pytest.mark.parametrize("dense_q", [False, True])
+@pytest.mark.parametrize("B, k, V, batches", CASES)
+def test_rejection_sample_decisions_equal_the_samplers(mode, dense_q, B, k, V, batches):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    outcomes = torch.zeros(2, dtype=torch.long)  # (rejections, all accepted) seen: the paths ran
+    for i in range(batches):
+        dtype = torch.bfloat16 if mode in ("greedy", "temperature") and i % 2 else torch.float32
+        block = random_block(B, k, V, mode, dense_q=dense_q, dtype=dtype, gen=gen)
+        ref = sampling.rejection_sample(**block)
+        ours = acceptance.rejection_sample(**block, out=poisoned_out(B))
+        assert_same_decisions(ours, ref, block, f"{mode} dense_q={dense_q} B={B} V={V} batch {i} {dtype}")
+        outcomes += torch.stack([(ref[0] < block["num_drafts"]).sum(), (ref[0] == block["num_drafts"]).sum()]).cpu()
+    assert (outcomes > 0).all(), f"only one kind of outcome: {outcomes.tolist()}"
+
+
+@pytest.mark.parametrize("mode", ["greedy", "temperature", "mixed"])
+@pytest.mark.parametrize("V", [K3_VOCAB, 1000])
+def test_synthetic_sample_decisions_equal_the_samplers(mode, V):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    k = 7
+    rates = torch.tensor(sampling.conditional_rates(sampling.acceptance_length_to_rates(4.3, k)), device="cuda")
+    for i in range(8):
+        block = random_block(4, k, V, mode, dense_q=False, gen=gen)
+        args = (block["target_logits"], block["draft_tokens"], block["num_drafts"], rates, block["sampling"],
+                block["uniforms"], block["race_noise"])
+        assert_same_decisions(acceptance.synthetic_sample(*args, out=poisoned_out(4)),
+                              sampling.synthetic_sample(*args), block, f"synthetic {mode} V={V} batch {i}")
