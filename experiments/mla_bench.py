@@ -23,13 +23,10 @@ from benchlib import median_event_ms, provenance, time_calls, write_json
 HEADS, LATENT, ROPE = 96, 512, 64
 # cute_sm90 variants (flags of mla_verify_into), each timed at the default split count
 VARIANTS = {
-    "split_s": dict(qk_one_warpgroup=False, producer_warpgroup=False),
     "split_s+producer_wg": dict(qk_one_warpgroup=False, producer_warpgroup=True),
-    "qk_one_wg": dict(qk_one_warpgroup=True, l2_prefetch=False, cluster_pairs=False),
-    "qk_one_wg+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True, cluster_pairs=False),
-    "qk_one_wg+cluster_pairs": dict(qk_one_warpgroup=True, l2_prefetch=False, cluster_pairs=True),
-    "qk_one_wg+cluster_pairs+l2_prefetch": dict(qk_one_warpgroup=True, l2_prefetch=True, cluster_pairs=True),
+    "qk_one_wg": dict(qk_one_warpgroup=True, cluster_pairs=False, partial_dtype=torch.float32),
     "qk_one_wg+bf16_partials": dict(qk_one_warpgroup=True, cluster_pairs=False, partial_dtype=torch.bfloat16),
+    "qk_one_wg+cluster_pairs": dict(qk_one_warpgroup=True, cluster_pairs=True, partial_dtype=torch.float32),
     "qk_one_wg+cluster_pairs+bf16_partials": dict(qk_one_warpgroup=True, cluster_pairs=True,
                                                   partial_dtype=torch.bfloat16),
 }

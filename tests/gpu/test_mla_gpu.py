@@ -85,9 +85,13 @@ def run_case(B, T, context, lengths, splits=None, index_dtype=torch.int64, **var
     assert err <= REL_TOL, f"{label}: relative error {err:.2e} > {REL_TOL}"
 
 
-# Kernel variants (cute_sm90 flags): the default (warpgroup 0 does all of Q.K^T + softmax), and
-# the same with row-tile pairs sharing cache tiles through TMA multicast.
-MAIN_VARIANTS = {"default": {}, "cluster_pairs": {"cluster_pairs": True}}
+# Kernel variants (cute_sm90 flags): the default (warpgroup 0 does all of Q.K^T + softmax), the
+# same with row-tile pairs sharing cache tiles through TMA multicast, and that with bf16 partials.
+MAIN_VARIANTS = {
+    "default": {},
+    "cluster_pairs": {"cluster_pairs": True},
+    "cluster_pairs+bf16_partials": {"cluster_pairs": True, "partial_dtype": torch.bfloat16},
+}
 if kernel is not None and kernel.__name__.endswith("sm100"):
     MAIN_VARIANTS = {"default": {}}  # the Blackwell build has no variants
 
