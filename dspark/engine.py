@@ -22,15 +22,13 @@ from typing import Callable, Iterator
 import torch
 
 from .config import SamplingParams, SpecConfig
-from .kernels import registry
+from .kernels import ops, registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
 from .sampling import (
     SamplingTensors,
     acceptance_length_to_rates,
     conditional_rates,
-    rejection_sample,
-    synthetic_sample,
 )
 
 
@@ -268,11 +266,11 @@ class Engine:
         # 4. accept
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
         if self._cond_rates is not None:
-            num_acc, next_tok = synthetic_sample(
+            num_acc, next_tok = ops.synthetic_sample(
                 out.logits, proposal.tokens, num_drafts, self._cond_rates, sampling, uniforms[:, :kmax], noise
             )
         else:
-            sample = self.sampler or rejection_sample
+            sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
             num_acc, next_tok = sample(
                 out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise
             )
@@ -428,7 +426,7 @@ class Engine:
         _, noise = self._draw_noise(new, sampling, 1)
         none = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
         zero = torch.zeros(len(new), dtype=torch.long, device=self.device)
-        _, first = rejection_sample(logits, none, zero, None, sampling, none.float(), noise)
+        _, first = ops.rejection_sample(logits, none, zero, None, sampling, none.float(), noise)
         events, finished = [], []
         for i, (r, tok) in enumerate(zip(new, first.tolist())):
             r.num_computed = len(r.prompt)
