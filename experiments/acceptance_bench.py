@@ -33,9 +33,11 @@ CASES = {  # name: (temperature, top_k, top_p, dense draft probs)
     "top_p_0.9": (1.0, 0, 0.9, False),
     "top_k_50": (1.0, 50, 1.0, False),
 }
-# split tunings timed for the no-filter cases (chunk_size arguments); the first is the default
+# options timed for the fp32 no-filter cases (the split: chunk_size arguments; programmatic
+# dependent launch); the first is the default
 TUNINGS = {
     "default": dict(block=acceptance.BLOCK, target_programs=acceptance.TARGET_PROGRAMS),
+    "pdl": dict(block=acceptance.BLOCK, target_programs=acceptance.TARGET_PROGRAMS, pdl=True),
     "block1024_p2048": dict(block=1024, target_programs=2048),
     "block2048_p1024": dict(block=2048, target_programs=1024),
     "block512_p1024": dict(block=512, target_programs=1024),
@@ -77,7 +79,8 @@ def bench_case(case, dtype, l2_bytes, ceiling_gbps):
                for b in blocks]
     row["torch_amax_read"] = time_calls(readers, reps)
     row["torch_sampler"] = time_calls([lambda b=b: sampling.rejection_sample(**b) for b in blocks], reps, graph=False)
-    tunings = TUNINGS if CASES[case][1] == 0 and CASES[case][2] == 1.0 and not CASES[case][3] else {"default": TUNINGS["default"]}
+    no_filter = CASES[case][1] == 0 and CASES[case][2] == 1.0
+    tunings = TUNINGS if no_filter and dtype == torch.float32 else {"default": TUNINGS["default"]}
     for label, tuning in tunings.items():
         outs = [(torch.empty(1, dtype=torch.long, device="cuda"), torch.empty(1, dtype=torch.long, device="cuda"))
                 for _ in blocks]
@@ -88,7 +91,8 @@ def bench_case(case, dtype, l2_bytes, ceiling_gbps):
             [int(x) for x in acceptance.rejection_sample(**b, **tuning)] == [int(x) for x in sampling.rejection_sample(**b)]
             for b in blocks[:4])
         row[f"triton_{label}"]["decisions_equal_sampler"] = agree
-        row[f"triton_{label}"]["splits"] = -(-V // acceptance.chunk_size(1, K + 1, V, **tuning))
+        split_args = {n: tuning[n] for n in ("block", "target_programs")}
+        row[f"triton_{label}"]["splits"] = -(-V // acceptance.chunk_size(1, K + 1, V, **split_args))
     print(json.dumps(row), flush=True)
     del blocks
     torch.cuda.empty_cache()

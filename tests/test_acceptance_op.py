@@ -142,15 +142,18 @@ def _compile_all_variants(capability: int) -> dict[str, str]:
         return triton_compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm["ptx"]
 
     ptx = {}
-    for filtered in (False, True):
+    for filtered, pdl in ((False, False), (True, False), (False, True)):
         for greedy_only in (False, True):
-            ptx[f"row_partials F={filtered} G={greedy_only}"] = build(
-                kernels.row_partials, dict(BLOCK=1024, FILTERED=filtered, GREEDY_ONLY=greedy_only))
+            ptx[f"row_partials F={filtered} G={greedy_only} PDL={pdl}"] = build(
+                kernels.row_partials, dict(BLOCK=1024, FILTERED=filtered, GREEDY_ONLY=greedy_only, PDL=pdl))
         for has_q, synthetic in ((False, False), (True, False), (False, True)):
-            ptx[f"accept F={filtered} Q={has_q} S={synthetic}"] = build(
-                kernels.accept, dict(POSITIONS=8, SPLITS_POW2=128, FILTERED=filtered, HAS_Q=has_q, SYNTHETIC=synthetic))
-        ptx[f"residual_partials F={filtered}"] = build(kernels.residual_partials, dict(BLOCK=1024, FILTERED=filtered))
-    ptx["residual_pick"] = build(kernels.residual_pick, dict(SPLITS_POW2=128))
+            ptx[f"accept F={filtered} Q={has_q} S={synthetic} PDL={pdl}"] = build(
+                kernels.accept, dict(POSITIONS=8, SPLITS_POW2=128, FILTERED=filtered, HAS_Q=has_q, SYNTHETIC=synthetic,
+                                     PDL=pdl))
+        ptx[f"residual_partials F={filtered} PDL={pdl}"] = build(
+            kernels.residual_partials, dict(BLOCK=1024, FILTERED=filtered, PDL=pdl))
+    for pdl in (False, True):
+        ptx[f"residual_pick PDL={pdl}"] = build(kernels.residual_pick, dict(SPLITS_POW2=128, PDL=pdl))
     return ptx
 
 
@@ -159,3 +162,7 @@ def test_every_triton_kernel_variant_compiles_for_hopper_without_spills():
     for name, ptx in _compile_all_variants(90).items():
         assert ".target sm_90" in ptx, name
         assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local memory (register spills)"
+        # programmatic dependent launch only where asked for (row_partials only releases)
+        assert ("griddepcontrol" in ptx) == ("PDL=True" in name), name
+        if "PDL=True" in name and not name.startswith("row_partials"):
+            assert "griddepcontrol.wait" in ptx, name

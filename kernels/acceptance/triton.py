@@ -103,7 +103,8 @@ def filter_threshold(target_logits: torch.Tensor, positions: int, sampling) -> t
 
 
 def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, sampling, uniforms, race_noise,
-            *, synthetic: bool, out=None, block: int = BLOCK, target_programs: int = TARGET_PROGRAMS):
+            *, synthetic: bool, out=None, block: int = BLOCK, target_programs: int = TARGET_PROGRAMS,
+            pdl: bool = False):
     kernels = _kernels()
     B, _, V = target_logits.shape
     k = draft_tokens.shape[1]
@@ -142,15 +143,14 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
     kernels.row_partials[(splits, positions, B)](
         target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], draft_tokens, sd[0], sd[1],
         temperature, floor_value, floor_index, part_f, part_i, positions, k, V, chunk // block,
-        BLOCK=block, FILTERED=filtered, GREEDY_ONLY=greedy_only, num_warps=NUM_WARPS,
+        BLOCK=block, FILTERED=filtered, GREEDY_ONLY=greedy_only, PDL=pdl, num_warps=NUM_WARPS,
     )
     kernels.accept[(B,)](
         part_f, part_i, target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], draft_tokens, sd[0], sd[1],
         num_drafts, q, sq[0], sq[1], sq[2], uniforms, su[0], su[1], rates, temperature, floor_value, floor_index,
         num_accepted, next_token, stop_f, stop_i, k, splits,
         POSITIONS=positions, SPLITS_POW2=splits_pow2, FILTERED=filtered, HAS_Q=has_q,
-        SYNTHETIC=synthetic,
-        num_warps=NUM_WARPS,
+        SYNTHETIC=synthetic, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )
     if has_q and not synthetic:
         res_f = torch.empty(B, splits, 2, device=device, dtype=torch.float32)
@@ -158,10 +158,10 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
         kernels.residual_partials[(splits, B)](
             target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], q, sq[0], sq[1], sq[2],
             temperature, floor_value, floor_index, stop_f, stop_i, res_f, res_i, positions, V, chunk // block,
-            BLOCK=block, FILTERED=filtered, num_warps=NUM_WARPS,
+            BLOCK=block, FILTERED=filtered, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
         )
-        kernels.residual_pick[(B,)](res_f, res_i, stop_i, next_token, splits, SPLITS_POW2=splits_pow2,
-                                    num_warps=NUM_WARPS)
+        kernels.residual_pick[(B,)](res_f, res_i, stop_i, next_token, splits, SPLITS_POW2=splits_pow2, PDL=pdl,
+                                    num_warps=NUM_WARPS, launch_pdl=pdl)
     return num_accepted, next_token
 
 
@@ -170,7 +170,8 @@ def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampl
     """dspark.sampling.rejection_sample on the GPU (same arguments, same outputs).
 
     options: out=(num_accepted, next_token) preallocated [B] int64 (CUDA graphs, tests that poison
-    them); block / target_programs tune the split (chunk_size)."""
+    them); block / target_programs tune the split (chunk_size); pdl=True launches the kernels
+    after the first with programmatic dependent launch (sm_90+)."""
     _check(target_logits, draft_tokens, num_drafts, uniforms, race_noise, sampling)
     if draft_probs is not None:
         B, _, V = target_logits.shape

@@ -12,6 +12,9 @@ Split-row structure (spec: kernels.md §7 row 9, "tiny reduce + acceptance kerne
      acceptance chain (vllm-integration.md §6.1) and writes num_accepted and the next token.
   3. Only with dense draft probabilities q: `residual_partials` races max(p - q, 0) over the row
      where a sampled request rejected, and `residual_pick` combines it.
+With programmatic dependent launch (the wrapper's pdl option) each kernel after the first may be
+launched while its predecessor runs; it waits in griddepcontrol.wait before its first load, so
+only the launch latency overlaps, never the data. Without the option no griddepcontrol is emitted.
 
 The race argmax_v p(v) / E_v of dspark.sampling.race is computed in the log domain,
 argmax_v s(v) - log E_v with s the scaled logit (same argmax; p is exp(s - max) / sum). With a
@@ -46,9 +49,11 @@ def row_partials(
     temperature_ptr, floor_value_ptr, floor_index_ptr,
     part_f_ptr, part_i_ptr,
     num_positions, num_drafts_max, vocab, steps,
-    BLOCK: tl.constexpr, FILTERED: tl.constexpr, GREEDY_ONLY: tl.constexpr,
+    BLOCK: tl.constexpr, FILTERED: tl.constexpr, GREEDY_ONLY: tl.constexpr, PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
+    if PDL:  # `accept` may launch now; it waits for this grid before its first load
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(1)
     b = tl.program_id(2)
     row = logits_ptr + b.to(tl.int64) * stride_lb + t.to(tl.int64) * stride_lt
@@ -127,10 +132,13 @@ def accept(
     num_accepted_ptr, next_token_ptr, stop_f_ptr, stop_i_ptr,
     num_drafts_max, num_splits,
     POSITIONS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-    FILTERED: tl.constexpr, HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr,
+    FILTERED: tl.constexpr, HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Acceptance chain of one request (dspark.sampling.rejection_sample / synthetic_sample)."""
     b = tl.program_id(0)
+    if PDL:  # every row_partials program is complete and its partials visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     temperature = tl.load(temperature_ptr + b)
     greedy = temperature == 0.0
     temperature = tl.where(greedy, 1.0, temperature)
@@ -222,12 +230,15 @@ def residual_partials(
     temperature_ptr, floor_value_ptr, floor_index_ptr,
     stop_f_ptr, stop_i_ptr, res_f_ptr, res_i_ptr,
     num_positions, vocab, steps,
-    BLOCK: tl.constexpr, FILTERED: tl.constexpr,
+    BLOCK: tl.constexpr, FILTERED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Race over max(p - q, 0) at the rejected position n of a sampled request (dense q):
     per chunk the (max of residual / E, its index) and the residual mass."""
     split = tl.program_id(0)
     b = tl.program_id(1)
+    if PDL:  # `accept` is complete and its stop rows visible
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # requests that need no residual race load nothing and store an empty partial
     needed = tl.load(stop_i_ptr + b * 2 + 1) != 0
     n = tl.load(stop_i_ptr + b * 2 + 0)
@@ -269,10 +280,13 @@ def residual_partials(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def residual_pick(res_f_ptr, res_i_ptr, stop_i_ptr, next_token_ptr, num_splits, SPLITS_POW2: tl.constexpr):
+def residual_pick(res_f_ptr, res_i_ptr, stop_i_ptr, next_token_ptr, num_splits, SPLITS_POW2: tl.constexpr,
+                  PDL: tl.constexpr):
     """The residual's race winner becomes the next token where a sampled request rejected and
     the residual has mass (else `accept` already wrote the race over p, as the sampler does)."""
     b = tl.program_id(0)
+    if PDL:  # the residual partials are complete and visible
+        tl.extra.cuda.gdc_wait()
     splits = tl.arange(0, SPLITS_POW2)
     in_splits = splits < num_splits
     part = b * num_splits + splits

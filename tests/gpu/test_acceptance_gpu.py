@@ -122,6 +122,15 @@ def test_no_host_synchronisation_and_cuda_graph_replay(mode, dense_q):
         assert_same_decisions(out, sampling.rejection_sample(**block), block, f"graph replay {i}")
 
 
+@pytest.mark.parametrize("dense_q", [False, True])
+def test_programmatic_dependent_launch_gives_the_same_decisions(dense_q):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    for i in range(4):
+        block = random_block(2, 7, K3_VOCAB, "temperature", dense_q=dense_q, gen=gen)
+        assert_same_decisions(acceptance.rejection_sample(**block, out=poisoned_out(2), pdl=True),
+                              sampling.rejection_sample(**block), block, f"pdl dense_q={dense_q} batch {i}")
+
+
 def test_registry_picks_triton_on_cuda_and_the_op_agrees():
     registry.overrides.pop("rejection_sample", None)
     block = random_block(3, 5, 5000, "mixed", dense_q=True)
