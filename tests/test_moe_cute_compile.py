@@ -124,6 +124,22 @@ def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated)
             assert int(lists.pair_position[t, j]) == slot * tile + rank
 
 
+def test_kernel_token_operand_is_the_gathered_permuted_scaled_rows():
+    from dspark.kernels.moe import cute_sm90, cute_sm100
+
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(20)[:4] for _ in range(5)])
+    lists = moe_common.build_expert_lists(ids, 20, 8)
+    for module, order in ((cute_sm90, "sm90"), (cute_sm100, "sm100")):
+        operand = module.tokens_for_kernel(x, lists)
+        perm = moe_common.chunk_permutation() if order == "sm90" else moe_common.octet_permutation()
+        for slot in range(lists.slot_tokens.shape[0]):
+            for row in range(8):
+                token = int(lists.slot_tokens[slot, row])
+                expected = x[token].view(-1, perm.numel())[:, perm].flatten().double() * 2.0**63
+                assert torch.equal(operand[slot, row].double(), expected)
+
+
 def test_expert_lists_reject_bad_input():
     with pytest.raises(ValueError, match="ids"):
         moe_common.build_expert_lists(torch.zeros(17, 4, dtype=torch.long), 896, 16)

@@ -377,5 +377,5 @@ def compile_expert_gemm(
 
 def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.Tensor:
     """x [T, K] bf16 -> B operand [S, 16, K]: gathered per slot, octet-permuted, times 2^63."""
-    gathered = x[lists.slot_tokens]
-    return (moe_common.permute_k(gathered, "sm100") * 2.0**moe_common.B_SCALE_LOG2).contiguous()
+    prepared = moe_common.permute_k(x, "sm100") * 2.0**moe_common.B_SCALE_LOG2
+    return prepared[lists.slot_tokens]

@@ -626,8 +626,9 @@ def expert_pass(
 
 def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.Tensor:
     """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted, times 2^63."""
-    gathered = x[lists.slot_tokens]  # [S, tokens, K]
-    return (moe_common.permute_k(gathered) * 2.0**moe_common.B_SCALE_LOG2).contiguous()
+    # permute and scale the T rows first (tiny), then one gather writes the [S, tokens, K] operand
+    prepared = moe_common.permute_k(x) * 2.0**moe_common.B_SCALE_LOG2
+    return prepared[lists.slot_tokens]
 
 
 LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
