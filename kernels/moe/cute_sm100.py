@@ -2,8 +2,8 @@
 
 NEVER RUN: no Blackwell GPU is available to this project. The kernel is compiled for sm_100a and
 sm_103a in CI (tests/test_moe_cute_compile.py checks the PTX for tcgen05) and is not registered
-for any device; tests/gpu/test_moe_gpu.py's expert test must pass on a B200/GB300 (adapted to
-call this module) before it is wired into `latent_moe`.
+for any device; tests/gpu/test_moe_gpu.py::test_blackwell_expert_kernels_match_float64_per_pair
+must pass on a B200/GB300 before it is wired into `latent_moe`.
 
 Why software dequantisation and not the native block-scaled MMA (spec kernels.md §4.3 GB300
 path, §7 row 2): tcgen05's MXFP4 kinds (mxf8f6f4, mxf4) need the tokens in an 8-bit or 4-bit MX
@@ -379,3 +379,17 @@ def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.T
     """x [T, K] bf16 -> B operand [S, 16, K]: gathered per slot, octet-permuted, times 2^63."""
     prepared = moe_common.permute_k(x, "sm100") * 2.0**moe_common.B_SCALE_LOG2
     return prepared[lists.slot_tokens]
+
+
+def expert_pass(packed_a, scale_a, packed_b, scale_b, lists: moe_common.ExpertLists, xb: torch.Tensor,
+                out: torch.Tensor, glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """One pass into `out` [S, 16, rows] (pass 1: bf16 act, octet K order, times 2^63; pass 2:
+    fp32); lists built with tile_tokens = 16 and xb = tokens_for_kernel(...). Never run."""
+    experts, rows, half_k = packed_a.shape
+    if xb.shape[1] != TOKENS or lists.slot_tokens.shape[1] != TOKENS:
+        raise ValueError(f"xb/lists: the Blackwell kernel takes slots of {TOKENS} token rows, got {xb.shape[1]}")
+    compiled = compile_expert_gemm(
+        experts, rows, half_k * 2, glu, cute_common.target_arch(xb.device), situ_beta, situ_linear_beta
+    )
+    compiled(packed_a.view(torch.int32), scale_a, packed_b.view(torch.int32), scale_b, lists.slot_expert, xb, out)
+    return out

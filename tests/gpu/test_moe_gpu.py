@@ -1,5 +1,6 @@
-"""GPU numerics of the CuTe DSL MXFP4 latent-MoE block (kernels/moe/cute_sm90.py) at full K3 MoE
-shapes (E 896, top-16, latent 3584, I 3072, shared 6144, D 7168) for T in {1, 2, 4, 8, 16}.
+"""GPU numerics of the CuTe DSL MXFP4 latent-MoE block (kernels/moe/cute_sm90.py, run on the H200;
+the Blackwell expert kernel of cute_sm100.py has its own test here that has never run) at full K3
+MoE shapes (E 896, top-16, latent 3584, I 3072, shared 6144, D 7168) for T in {1, 2, 4, 8, 16}.
 
 Random MXFP4 codes are drawn directly as uint8 on the GPU with E8M0 scales around 2^-7.5, so
 gate/up and the expert outputs are O(1). Two routings: one where every token's experts are
@@ -13,18 +14,19 @@ import torch
 
 from dspark.kernels import cute_common, registry
 from dspark.kernels.moe import cute_common as moe_common
-from dspark.kernels.moe import cute_sm90, reference
+from dspark.kernels.moe import cute_sm90, cute_sm100, reference
 from dspark.targets.kimi_k3.config import K3
 from dspark.targets.kimi_k3.mxfp4 import dequantise
 
+CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-        reason="the CuTe DSL MoE expert kernel that runs is sm_90a (the sm_100a build is compile-only)",
-    ),
     pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed"),
 ]
+hopper = pytest.mark.skipif(CAPABILITY != (9, 0), reason="the sm_90a kernels (cute_sm90.py)")
+blackwell = pytest.mark.skipif(
+    CAPABILITY not in ((10, 0), (10, 3)), reason="the sm_100a/sm_103a kernel (cute_sm100.py; never run so far)"
+)
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 REL_TOL = 1e-2
@@ -81,6 +83,23 @@ def routing_ids(kind: str, tokens: int, gen) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def expert_reference(weights, latent, ids, cfg):
+    """float64 per-pair expert outputs [T, k, latent] on the dequantised weights."""
+    ref = torch.empty(*ids.shape, cfg.latent_size, dtype=torch.float64, device="cuda")
+    h = latent.double()
+    for e in ids.unique().tolist():
+        rows, slots_k = (ids == e).nonzero(as_tuple=True)
+        w1 = dequantise(weights.w1_packed[e], weights.w1_scale[e]).double()
+        w3 = dequantise(weights.w3_packed[e], weights.w3_scale[e]).double()
+        w2 = dequantise(weights.w2_packed[e], weights.w2_scale[e]).double()
+        g, u = h[rows] @ w1.t(), h[rows] @ w3.t()
+        a = (cfg.situ_beta * torch.tanh(g / cfg.situ_beta) * torch.sigmoid(g)) * (
+            cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta))
+        ref[rows, slots_k] = a @ w2.t()
+    return ref
+
+
+@hopper
 @pytest.mark.parametrize("loader", cute_sm90.LOADERS)
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
 def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
@@ -103,23 +122,13 @@ def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
         torch.cuda.synchronize()
         out = y.view(-1, cfg.latent_size)[lists.pair_position]  # [T, k, latent]
         assert not out.isnan().any(), f"{kind} {loader} T={tokens}: {out.isnan().sum().item()} outputs not written"
-        ref = torch.empty(out.shape, dtype=torch.float64, device="cuda")
-        h = latent.double()
-        for e in ids.unique().tolist():
-            rows, slots_k = (ids == e).nonzero(as_tuple=True)
-            w1 = dequantise(weights.w1_packed[e], weights.w1_scale[e]).double()
-            w3 = dequantise(weights.w3_packed[e], weights.w3_scale[e]).double()
-            w2 = dequantise(weights.w2_packed[e], weights.w2_scale[e]).double()
-            g, u = h[rows] @ w1.t(), h[rows] @ w3.t()
-            a = (cfg.situ_beta * torch.tanh(g / cfg.situ_beta) * torch.sigmoid(g)) * (
-                cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta))
-            ref[rows, slots_k] = a @ w2.t()
-        err = relative_error(out, ref)
+        err = relative_error(out, expert_reference(weights, latent, ids, cfg))
         assert err <= REL_TOL, f"{kind} {loader} T={tokens}: relative error {err:.2e} > {REL_TOL}"
         if kind == "repeated":
             assert int((lists.slot_expert >= 0).sum()) == SHARED_EXPERTS + tokens * (cfg.num_experts_per_token - SHARED_EXPERTS)
 
 
+@hopper
 @pytest.mark.parametrize("kind", ["random", "repeated"])
 def test_block_matches_reference(weights, kind):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -141,6 +150,7 @@ def test_block_matches_reference(weights, kind):
         weights.score_bias.zero_()
 
 
+@hopper
 def test_expert_lists_match_a_host_loop_on_the_gpu():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     for tokens in TOKEN_COUNTS:
@@ -154,6 +164,7 @@ def test_expert_lists_match_a_host_loop_on_the_gpu():
                 assert int(lists.slot_tokens[slot, rank]) == t
 
 
+@hopper
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
 def test_device_list_kernel_equals_the_torch_lists(kind):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -168,6 +179,7 @@ def test_device_list_kernel_equals_the_torch_lists(kind):
         assert torch.equal(got.pair_position, expected.pair_position), f"{kind} T={tokens}"
 
 
+@hopper
 @pytest.mark.parametrize("kind", ["random", "repeated"])
 def test_fused_routing_kernel_equals_the_reference_router_and_lists(kind):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
@@ -192,3 +204,28 @@ def test_fused_routing_kernel_equals_the_reference_router_and_lists(kind):
         assert torch.equal(lists.slot_expert, expected.slot_expert), f"{kind} T={tokens}"
         assert torch.equal(lists.slot_tokens, expected.slot_tokens), f"{kind} T={tokens}"
         assert torch.equal(lists.pair_position, expected.pair_position), f"{kind} T={tokens}"
+
+
+@blackwell
+@pytest.mark.parametrize("kind", ["disjoint", "repeated"])
+def test_blackwell_expert_kernels_match_float64_per_pair(weights, kind):
+    """What must pass on a B200/GB300 before cute_sm100.py is trusted (it has never run)."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cfg = K3
+    latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
+    for tokens in TOKEN_COUNTS:
+        ids = routing_ids(kind, tokens, gen)
+        latent = latent_all[:tokens]
+        lists = moe_common.build_expert_lists(ids, cfg.num_experts, cute_sm100.TOKENS)
+        slots = lists.slot_expert.shape[0]
+        xb = cute_sm100.tokens_for_kernel(latent, lists)
+        act = torch.full((slots, cute_sm100.TOKENS, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cute_sm100.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
+                               lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta)
+        y = torch.full((slots, cute_sm100.TOKENS, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
+        cute_sm100.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
+        torch.cuda.synchronize()
+        out = y.view(-1, cfg.latent_size)[lists.pair_position]
+        assert not out.isnan().any(), f"{kind} T={tokens}: outputs not written"
+        err = relative_error(out, expert_reference(weights, latent, ids, cfg))
+        assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
