@@ -148,7 +148,7 @@ def _compile_all_variants(capability: int) -> dict[str, str]:
                 kernels.row_partials, dict(BLOCK=1024, FILTERED=filtered, GREEDY_ONLY=greedy_only, PDL=pdl))
         for has_q, synthetic in ((False, False), (True, False), (False, True)):
             ptx[f"accept F={filtered} Q={has_q} S={synthetic} PDL={pdl}"] = build(
-                kernels.accept, dict(POSITIONS=8, SPLITS_POW2=128, FILTERED=filtered, HAS_Q=has_q, SYNTHETIC=synthetic,
+                kernels.accept, dict(POSITIONS=8, POSITIONS_POW2=8, SPLITS_POW2=128, FILTERED=filtered, HAS_Q=has_q, SYNTHETIC=synthetic,
                                      PDL=pdl))
         ptx[f"residual_partials F={filtered} PDL={pdl}"] = build(
             kernels.residual_partials, dict(BLOCK=1024, FILTERED=filtered, PDL=pdl))

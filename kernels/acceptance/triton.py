@@ -24,7 +24,7 @@ from ..registry import register
 
 BLOCK = 1024  # vocabulary entries per program per loop step (num_warps=4: 8 per thread)
 TARGET_PROGRAMS = 1024  # row_partials programs to aim for: ~8 per SM of an H200 (132 SMs)
-MAX_POSITIONS = 16  # positions the combine unrolls (k <= 15 drafts)
+MAX_POSITIONS = 16  # positions the combine holds as one vector (k <= 15 drafts)
 MAX_BATCH = 65_535  # requests run on the grid's z dimension
 NUM_WARPS = 4
 
@@ -113,6 +113,7 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
     chunk = chunk_size(B, positions, V, block, target_programs)
     splits = -(-V // chunk)
     splits_pow2 = max(2, 1 << (splits - 1).bit_length())
+    positions_pow2 = max(2, 1 << (positions - 1).bit_length())
     # host-side flags of SamplingTensors (not device data); greedy rows ignore the filters
     filtered = bool(sampling.filters) and not sampling.all_greedy
     if filtered:
@@ -149,7 +150,7 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
         part_f, part_i, target_logits, sl[0], sl[1], race_noise, sn[0], sn[1], draft_tokens, sd[0], sd[1],
         num_drafts, q, sq[0], sq[1], sq[2], uniforms, su[0], su[1], rates, temperature, floor_value, floor_index,
         num_accepted, next_token, stop_f, stop_i, k, splits,
-        POSITIONS=positions, SPLITS_POW2=splits_pow2, FILTERED=filtered, HAS_Q=has_q,
+        POSITIONS=positions, POSITIONS_POW2=positions_pow2, SPLITS_POW2=splits_pow2, FILTERED=filtered, HAS_Q=has_q,
         SYNTHETIC=synthetic, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )
     if has_q and not synthetic:

@@ -118,6 +118,13 @@ def _combine_max(values, indices):
     return best, tl.min(tl.where(values == best, indices, INDEX_NONE), 0)
 
 
+@triton.jit
+def _combine_rows(values, indices):
+    """Per row of [positions, splits] partial maxima: (max, lowest index attaining it)."""
+    best = tl.max(values, 1)
+    return best, tl.min(tl.where(values == best[:, None], indices, INDEX_NONE), 1)
+
+
 @triton.jit(do_not_specialize=["num_drafts_max", "num_splits"])
 def accept(
     part_f_ptr, part_i_ptr,
@@ -131,10 +138,14 @@ def accept(
     temperature_ptr, floor_value_ptr, floor_index_ptr,
     num_accepted_ptr, next_token_ptr, stop_f_ptr, stop_i_ptr,
     num_drafts_max, num_splits,
-    POSITIONS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    POSITIONS: tl.constexpr, POSITIONS_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
     FILTERED: tl.constexpr, HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Acceptance chain of one request (dspark.sampling.rejection_sample / synthetic_sample)."""
+    """Acceptance chain of one request (dspark.sampling.rejection_sample / synthetic_sample).
+
+    Every position is decided at once, as vectors over positions: one [positions, splits] tile
+    of partials and one reduction per statistic, instead of a serial chain of reductions; the
+    chain itself is then "the first position not accepted", a min over positions."""
     b = tl.program_id(0)
     if PDL:  # every row_partials program is complete and its partials visible
         tl.extra.cuda.gdc_wait()
@@ -143,83 +154,72 @@ def accept(
     greedy = temperature == 0.0
     temperature = tl.where(greedy, 1.0, temperature)
     num_drafts = tl.load(num_drafts_ptr + b).to(tl.int32)
-    noise_row = noise_ptr + b.to(tl.int64) * stride_nb
+    t = tl.arange(0, POSITIONS_POW2)
+    in_t = t < POSITIONS
+
+    # combine each row's partials
     splits = tl.arange(0, SPLITS_POW2)
-    in_splits = splits < num_splits
+    part = (b * POSITIONS + t[:, None]) * num_splits + splits[None, :]
+    in_part = in_t[:, None] & (splits[None, :] < num_splits)
+    part_max = tl.load(part_f_ptr + part * 4 + 0, mask=in_part, other=float("-inf"))
+    part_sum = tl.load(part_f_ptr + part * 4 + 1, mask=in_part, other=0.0)
+    row_max = tl.max(part_max, 1)
+    row_sum = tl.sum(tl.where(part_max == float("-inf"), 0.0, part_sum * tl.exp(part_max - row_max[:, None])), 1)
+    _, argmax = _combine_rows(tl.load(part_f_ptr + part * 4 + 2, mask=in_part, other=float("-inf")),
+                              tl.load(part_i_ptr + part * 2 + 0, mask=in_part, other=INDEX_NONE))
+    race_key, race_token = _combine_rows(tl.load(part_f_ptr + part * 4 + 3, mask=in_part, other=float("-inf")),
+                                         tl.load(part_i_ptr + part * 2 + 1, mask=in_part, other=INDEX_NONE))
 
-    done = 0
-    num_accepted = 0
-    next_token = 0
-    stop_max = 0.0
-    stop_sum = 0.0
-    needs_residual = False
-    for t in tl.static_range(POSITIONS):
-        # combine the row's partials
-        part = (b * POSITIONS + t) * num_splits + splits
-        part_max = tl.load(part_f_ptr + part * 4 + 0, mask=in_splits, other=float("-inf"))
-        part_sum = tl.load(part_f_ptr + part * 4 + 1, mask=in_splits, other=0.0)
-        row_max = tl.max(part_max, 0)
-        row_sum = tl.sum(tl.where(part_max == float("-inf"), 0.0, part_sum * tl.exp(part_max - row_max)), 0)
-        _, argmax = _combine_max(tl.load(part_f_ptr + part * 4 + 2, mask=in_splits, other=float("-inf")),
-                                 tl.load(part_i_ptr + part * 2 + 0, mask=in_splits, other=INDEX_NONE))
-        race_key, race_token = _combine_max(
-            tl.load(part_f_ptr + part * 4 + 3, mask=in_splits, other=float("-inf")),
-            tl.load(part_i_ptr + part * 2 + 1, mask=in_splits, other=INDEX_NONE))
+    # the draft token x of each position: p(x), and its race key to put it back in
+    has_draft = t < num_drafts_max
+    x = tl.load(drafts_ptr + b * stride_db + t * stride_dk, mask=has_draft, other=0).to(tl.int32)
+    logit_x = tl.load(logits_ptr + b.to(tl.int64) * stride_lb + t * stride_lt + x, mask=has_draft,
+                      other=float("-inf")).to(tl.float32)
+    s_x = tl.math.div_rn(logit_x, temperature)
+    floor_value = 0.0  # no filters: unused
+    floor_index = 0
+    if FILTERED:
+        floor_value = tl.load(floor_value_ptr + b * POSITIONS + t, mask=in_t, other=float("inf"))
+        floor_index = tl.load(floor_index_ptr + b * POSITIONS + t, mask=in_t, other=0)
+    x_kept = has_draft & _kept(s_x, x, floor_value, floor_index, FILTERED)
+    noise_x = tl.load(noise_ptr + b.to(tl.int64) * stride_nb + x * stride_nv, mask=has_draft, other=1.0)
+    key_x = tl.where(x_kept, s_x - tl.log(noise_x), float("-inf"))
+    x_wins = x_kept & ((key_x > race_key) | ((key_x == race_key) & (x < race_token)))
+    race_with_x = tl.where(x_wins, x, race_token)  # the race over the whole processed row
+    p_x = tl.where(x_kept, tl.exp(s_x - row_max) / row_sum, 0.0)
 
-        # the draft token x of this position: p(x), and its race key to put it back in
-        has_draft = t < num_drafts_max
-        x = tl.load(drafts_ptr + b * stride_db + t * stride_dk, mask=has_draft, other=0).to(tl.int32)
-        logit_x = tl.load(logits_ptr + b.to(tl.int64) * stride_lb + t * stride_lt + x, mask=has_draft,
-                          other=float("-inf")).to(tl.float32)
-        s_x = tl.math.div_rn(logit_x, temperature)
-        floor_value = 0.0  # no filters: unused
-        floor_index = 0
-        if FILTERED:
-            floor_value = tl.load(floor_value_ptr + b * POSITIONS + t)
-            floor_index = tl.load(floor_index_ptr + b * POSITIONS + t)
-        x_kept = has_draft & _kept(s_x, x, floor_value, floor_index, FILTERED)
-        noise_x = tl.load(noise_row + x * stride_nv, mask=has_draft, other=1.0)
-        key_x = tl.where(x_kept, s_x - tl.log(noise_x), float("-inf"))
-        x_wins = x_kept & ((key_x > race_key) | ((key_x == race_key) & (x < race_token)))
-        race_with_x = tl.where(x_wins, x, race_token)  # the race over the whole processed row
-        p_x = tl.where(x_kept, tl.exp(s_x - row_max) / row_sum, 0.0)
-
-        valid = t < num_drafts
-        u = tl.load(uniforms_ptr + b * stride_ub + t * stride_uk, mask=has_draft, other=1.0)
-        if SYNTHETIC:
-            accepted = u < tl.load(rates_ptr + t, mask=has_draft, other=0.0)
-            candidate = tl.where(greedy, argmax, race_with_x)
+    valid = t < num_drafts
+    u = tl.load(uniforms_ptr + b * stride_ub + t * stride_uk, mask=has_draft, other=1.0)
+    if SYNTHETIC:
+        accepted = u < tl.load(rates_ptr + t, mask=has_draft, other=0.0)
+        candidate = tl.where(greedy, argmax, race_with_x)
+    else:
+        if HAS_Q:
+            q_x = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qk + x * stride_qv, mask=has_draft,
+                          other=1.0).to(tl.float32)
         else:
-            if HAS_Q:
-                q_x = tl.load(q_ptr + b.to(tl.int64) * stride_qb + t * stride_qk + x * stride_qv, mask=has_draft,
-                              other=1.0).to(tl.float32)
-            else:
-                q_x = 1.0
-            # greedy rows: p is the one-hot of the argmax, so p(x) > u q(x) iff x is the argmax
-            accepted = tl.where(greedy, x == argmax, p_x > u * q_x)
-            # first rejection (t < num_drafts): the residual race; bonus (t == num_drafts): p's race
-            if HAS_Q:
-                residual_token = race_with_x  # replaced by residual_pick unless its mass vanishes
-            else:
-                # one-hot residual p - onehot(x) is p without x; no mass left: resample from p
-                residual_token = tl.where(1.0 - p_x > 1e-8, race_token, race_with_x)
-            candidate = tl.where(greedy, argmax, tl.where(valid, residual_token, race_with_x))
-        accepted = accepted & valid
-        stops_here = (done == 0) & (accepted == 0)
-        num_accepted = tl.where(stops_here, t, num_accepted)
-        next_token = tl.where(stops_here, candidate, next_token)
-        stop_max = tl.where(stops_here, row_max, stop_max)
-        stop_sum = tl.where(stops_here, row_sum, stop_sum)
-        needs_residual = tl.where(stops_here, valid & (greedy == 0), needs_residual)
-        done = tl.where(stops_here, 1, done)
+            q_x = 1.0
+        # greedy rows: p is the one-hot of the argmax, so p(x) > u q(x) iff x is the argmax
+        accepted = tl.where(greedy, x == argmax, p_x > u * q_x)
+        # first rejection (t < num_drafts): the residual race; bonus (t == num_drafts): p's race
+        if HAS_Q:
+            residual_token = race_with_x  # replaced by residual_pick unless its mass vanishes
+        else:
+            # one-hot residual p - onehot(x) is p without x; no mass left: resample from p
+            residual_token = tl.where(1.0 - p_x > 1e-8, race_token, race_with_x)
+        candidate = tl.where(greedy, argmax, tl.where(valid, residual_token, race_with_x))
+    accepted = accepted & valid
 
+    # the first position not accepted (position k never is: it has no draft)
+    num_accepted = tl.min(tl.where(in_t & (accepted == 0), t, POSITIONS_POW2), 0)
+    at_stop = t == num_accepted
     tl.store(num_accepted_ptr + b, num_accepted.to(tl.int64))
-    tl.store(next_token_ptr + b, next_token.to(tl.int64))
+    tl.store(next_token_ptr + b, tl.sum(tl.where(at_stop, candidate, 0), 0).to(tl.int64))
     if HAS_Q:
-        tl.store(stop_f_ptr + b * 2 + 0, stop_max)
-        tl.store(stop_f_ptr + b * 2 + 1, stop_sum)
+        tl.store(stop_f_ptr + b * 2 + 0, tl.sum(tl.where(at_stop, row_max, 0.0), 0))
+        tl.store(stop_f_ptr + b * 2 + 1, tl.sum(tl.where(at_stop, row_sum, 0.0), 0))
         tl.store(stop_i_ptr + b * 2 + 0, num_accepted)
-        tl.store(stop_i_ptr + b * 2 + 1, needs_residual.to(tl.int32))
+        tl.store(stop_i_ptr + b * 2 + 1, ((num_accepted < num_drafts) & (greedy == 0)).to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["num_positions", "steps"])

@@ -62,8 +62,10 @@ def random_block(B, k, V, mode, *, dense_q, dtype=torch.float32, gen=None):
     all_greedy = bool((temperature == 0).all())
     filters = bool(((top_k > 0) | (top_p < 1)).any())
     params = sampling.SamplingTensors(temperature, top_k, top_p, all_greedy=all_greedy, filters=filters)
-    return dict(target_logits=logits.to(dtype), draft_tokens=drafts,
-                num_drafts=torch.randint(0, k + 1, (B,), device=dev, generator=gen),
+    num_drafts = torch.randint(0, k + 1, (B,), device=dev, generator=gen)
+    # the first request verifies all k drafts (rejections are likely) or none (a bonus for sure)
+    num_drafts[0] = k if bool(rand(1) < 0.5) else 0
+    return dict(target_logits=logits.to(dtype), draft_tokens=drafts, num_drafts=num_drafts,
                 draft_probs=q if dense_q else None, sampling=params, uniforms=rand(B, k),
                 race_noise=torch.empty(B, V, device=dev).exponential_(generator=gen))
 
