@@ -133,13 +133,22 @@ def test_verify_and_every_commit_count_match_the_float64_reference(tokens, verif
         assert torch.equal(conv_state.double(), ref_conv), f"T={tokens} accepted={accepted}: conv window differs"
 
 
-def test_per_request_accepted_counts_and_padding_lengths():
+# the default and the fastest-looking options together (state copied by the TMA unit, per-block
+# barriers, programmatic dependent launch) through the batch / padding / stacked-layer / fla checks
+CANDIDATE = (dict(block_v=128, bulk_state=True, group_sync=True, pdl=True),
+             dict(block_v=32, bulk_state=True, pdl=True))
+DEFAULT_AND_CANDIDATE = pytest.mark.parametrize("verify_kw, commit_kw", [({}, {}), CANDIDATE],
+                                                ids=["default", "candidate"])
+
+
+@DEFAULT_AND_CANDIDATE
+def test_per_request_accepted_counts_and_padding_lengths(verify_kw, commit_kw):
     """Requests in one batch accept different counts; a request shorter than T is padding beyond."""
     batch, tokens = 3, 8
     inputs = make_inputs(batch, tokens)
     inputs["lengths"] = torch.tensor([8, 5, 1], device="cuda")
     accepted = torch.tensor([3, 5, 0], device="cuda")
-    out, records = cute_verify(inputs, records=poisoned_records(batch, tokens, inputs))
+    out, records = cute_verify(inputs, records=poisoned_records(batch, tokens, inputs), **verify_kw)
     for name in RECORD_FIELDS:  # padding positions hold zeros, as the reference's
         assert not getattr(records, name).isnan().any(), f"records.{name} not fully written"
     ref_inputs = as_float64(inputs)
@@ -149,7 +158,7 @@ def test_per_request_accepted_counts_and_padding_lengths():
         assert err <= OUT_TOL, f"request {b}: output relative error {err:.2e}"
         assert torch.equal(out[b, n:].float(), ref_out[b, n:].float()), f"request {b}: padding output differs"
     state, conv_state = inputs["state"].clone(), inputs["conv_state"].clone()
-    kda_cute.commit(state, conv_state, records, accepted, arch=arch())
+    kda_cute.commit(state, conv_state, records, accepted, arch=arch(), **commit_kw)
     reference.kda_commit(ref_inputs["state"], ref_inputs["conv_state"], ref_records, accepted)
     assert relative_error(state, ref_inputs["state"]) <= STATE_TOL
     assert torch.equal(conv_state.double(), ref_inputs["conv_state"])
@@ -187,21 +196,22 @@ def test_commit_equals_sequential_one_token_decode_bitwise(tokens, verify_kw, co
         assert torch.equal(conv_state, seq_conv), f"T={tokens} accepted={accepted}: conv window not bitwise equal"
 
 
-def test_one_launch_commits_a_stack_of_layers():
+@DEFAULT_AND_CANDIDATE
+def test_one_launch_commits_a_stack_of_layers(verify_kw, commit_kw):
     layers, batch, tokens = 3, 2, 4
     per_layer = [make_inputs(batch, tokens) for _ in range(layers)]
     stacked = poisoned_records(batch, tokens, per_layer[0], leading=(layers,))
     views = []
     for layer, inputs in enumerate(per_layer):
         view = reference.KDARecords(*(getattr(stacked, n)[layer] for n in RECORD_FIELDS), inputs["lengths"])
-        views.append(cute_verify(inputs, records=view)[1])
+        views.append(cute_verify(inputs, records=view, **verify_kw)[1])
     accepted = torch.tensor([2, 4], device="cuda")
     states = torch.stack([x["state"] for x in per_layer])
     conv_states = torch.stack([x["conv_state"] for x in per_layer])
-    kda_cute.commit_layers(states, conv_states, stacked, accepted, arch=arch())
+    kda_cute.commit_layers(states, conv_states, stacked, accepted, arch=arch(), **commit_kw)
     for layer, inputs in enumerate(per_layer):
         state, conv_state = inputs["state"].clone(), inputs["conv_state"].clone()
-        kda_cute.commit(state, conv_state, views[layer], accepted, arch=arch())
+        kda_cute.commit(state, conv_state, views[layer], accepted, arch=arch(), **commit_kw)
         assert torch.equal(states[layer], state) and torch.equal(conv_states[layer], conv_state)
 
 
@@ -228,15 +238,15 @@ def _conv_silu_float32(inputs, proj_name, proj):
     return torch.nn.functional.silu(y)
 
 
-@pytest.mark.parametrize("tokens", [1, 16])
-def test_against_fla_fused_recurrent_kda(tokens):
+@pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(1, {}, {}), (16, {}, {}), (8, *CANDIDATE)])
+def test_against_fla_fused_recurrent_kda(tokens, verify_kw, commit_kw):
     fla_kda = pytest.importorskip("fla.ops.kda")
     batch = 2
     inputs = make_inputs(batch, tokens)
-    out, records = cute_verify(inputs)
+    out, records = cute_verify(inputs, **verify_kw)
     state = inputs["state"].clone()
     conv_state = inputs["conv_state"].clone()
-    kda_cute.commit(state, conv_state, records, torch.full((batch,), tokens, device="cuda"), arch=arch())
+    kda_cute.commit(state, conv_state, records, torch.full((batch,), tokens, device="cuda"), arch=arch(), **commit_kw)
 
     split = lambda x: x.reshape(batch, tokens, HEADS, HEAD_DIM).contiguous()  # noqa: E731
     q, k, v = (split(_conv_silu_float32(inputs, n, p)) for p, n in enumerate(("q_in", "k_in", "v_in")))
