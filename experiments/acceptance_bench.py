@@ -8,7 +8,9 @@ rotate that L2 (50 MB) does not serve them (each call streams its logits, noise 
 CUDA events, median of repeats; `graph_us` = per call in a CUDA-graph replay (ours only: the
 torch sampler synchronises with the host, `rejected.any()`, and cannot be captured), `eager_us` =
 launched from Python. The pure-read floor of a case is its input bytes at the read ceiling
-measured in the same run, and a measured torch.amax over the same bytes (one kernel, graph).
+measured in the same run, a measured torch.amax over the same bytes (one kernel per input,
+graph), and `read_kernel`: one Triton launch with our split that only reads the same bytes (the
+floor of any one-launch design: launch latency plus the read).
 Goal: <= 20 us for T = 8 (kernels.md §7 row 9).
 
 Usage: python experiments/acceptance_bench.py [--out experiments/results/h200/acceptance_bench.json]
@@ -19,6 +21,9 @@ import math
 import time
 
 import torch
+
+import triton
+import triton.language as tl
 
 from benchlib import provenance, read_ceiling, time_calls, write_json
 from dspark import sampling
@@ -42,6 +47,31 @@ TUNINGS = {
     "block2048_p1024": dict(block=2048, target_programs=1024),
     "block512_p1024": dict(block=512, target_programs=1024),
 }
+
+
+@triton.jit
+def read_kernel(logits_ptr, noise_ptr, out_ptr, vocab, steps, BLOCK: tl.constexpr):
+    """Reads one chunk of one logits row and of the noise row (as row_partials does) and writes
+    one number per program: the read floor of a one-launch acceptance with the same split."""
+    split = tl.program_id(0)
+    t = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for step in range(steps):
+        idx = split * steps * BLOCK + step * BLOCK + lanes
+        in_row = idx < vocab
+        acc += tl.load(logits_ptr + t * vocab + idx, mask=in_row, other=0.0).to(tl.float32)
+        acc += tl.load(noise_ptr + idx, mask=in_row, other=0.0)
+    tl.store(out_ptr + t * tl.num_programs(0) + split, tl.sum(acc, 0))
+
+
+def read_only_call(block):
+    chunk = acceptance.chunk_size(1, K + 1, V)
+    splits = -(-V // chunk)
+    out = torch.empty(K + 1, splits, device="cuda")
+    return lambda: read_kernel[(splits, K + 1)](block["target_logits"], block["race_noise"], out, V,
+                                                 chunk // acceptance.BLOCK, BLOCK=acceptance.BLOCK,
+                                                 num_warps=acceptance.NUM_WARPS)
 
 
 def make_inputs(case, dtype, copies):
@@ -78,6 +108,7 @@ def bench_case(case, dtype, l2_bytes, ceiling_gbps):
     readers = [lambda b=b: [t.amax() for t in (b["target_logits"], b["race_noise"], b["draft_probs"]) if t is not None]
                for b in blocks]
     row["torch_amax_read"] = time_calls(readers, reps)
+    row["triton_read_kernel"] = time_calls([read_only_call(b) for b in blocks], reps)
     row["torch_sampler"] = time_calls([lambda b=b: sampling.rejection_sample(**b) for b in blocks], reps, graph=False)
     no_filter = CASES[case][1] == 0 and CASES[case][2] == 1.0
     tunings = TUNINGS if no_filter and dtype == torch.float32 else {"default": TUNINGS["default"]}
@@ -122,11 +153,12 @@ def main():
         write_json(args.out, result)  # after every case, so a cut-off run keeps what it measured
 
     print(f"\nread ceiling {ceiling['read_ceiling_GBps']:.0f} GB/s. us per call, B=1 T={K + 1} V={V}:")
-    print(f"{'case':22s} {'dtype':8s} {'read@ceil':>9s} {'amax':>6s} {'torch(eager)':>12s} {'ours graph':>10s} {'ours eager':>10s} same")
+    print(f"{'case':22s} {'dtype':8s} {'read@ceil':>9s} {'amax':>6s} {'readk':>6s} {'torch(eager)':>12s} {'ours graph':>10s} {'ours eager':>10s} same")
     for row in rows:
         ours = row["triton_default"]
         print(f"{row['case']:22s} {row['dtype']:8s} {row['pure_read_at_ceiling_us']:9.2f} "
-              f"{row['torch_amax_read']['graph_us'] or 0:6.1f} {row['torch_sampler']['eager_us']:12.1f} "
+              f"{row['torch_amax_read']['graph_us'] or 0:6.1f} {row['triton_read_kernel']['graph_us'] or 0:6.1f} "
+              f"{row['torch_sampler']['eager_us']:12.1f} "
               f"{ours['graph_us'] or 0:10.1f} {ours['eager_us']:10.1f} {ours['decisions_equal_sampler']}")
         for label in TUNINGS:
             if label != "default" and f"triton_{label}" in row:
