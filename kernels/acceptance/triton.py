@@ -104,7 +104,7 @@ def filter_threshold(target_logits: torch.Tensor, positions: int, sampling) -> t
 
 def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, sampling, uniforms, race_noise,
             *, synthetic: bool, out=None, block: int = BLOCK, target_programs: int = TARGET_PROGRAMS,
-            pdl: bool = False):
+            pdl: bool = False, combine_warps: int = NUM_WARPS):
     kernels = _kernels()
     B, _, V = target_logits.shape
     k = draft_tokens.shape[1]
@@ -151,7 +151,7 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
         num_drafts, q, sq[0], sq[1], sq[2], uniforms, su[0], su[1], rates, temperature, floor_value, floor_index,
         num_accepted, next_token, stop_f, stop_i, k, splits,
         POSITIONS=positions, POSITIONS_POW2=positions_pow2, SPLITS_POW2=splits_pow2, FILTERED=filtered, HAS_Q=has_q,
-        SYNTHETIC=synthetic, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
+        SYNTHETIC=synthetic, PDL=pdl, num_warps=combine_warps, launch_pdl=pdl,
     )
     if has_q and not synthetic:
         res_f = torch.empty(B, splits, 2, device=device, dtype=torch.float32)
@@ -172,7 +172,8 @@ def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampl
 
     options: out=(num_accepted, next_token) preallocated [B] int64 (CUDA graphs, tests that poison
     them); block / target_programs tune the split (chunk_size); pdl=True launches the kernels
-    after the first with programmatic dependent launch (sm_90+)."""
+    after the first with programmatic dependent launch (sm_90+); combine_warps = warps of the
+    per-request combine (fewer: its reductions stay inside a warp)."""
     _check(target_logits, draft_tokens, num_drafts, uniforms, race_noise, sampling)
     if draft_probs is not None:
         B, _, V = target_logits.shape
