@@ -39,8 +39,8 @@ CASES = {  # name: (temperature, top_k, top_p, dense draft probs)
     "top_p_0.9": (1.0, 0, 0.9, False),
     "top_k_50": (1.0, 50, 1.0, False),
 }
-# options timed for the fp32 no-filter cases (the split: chunk_size arguments; programmatic
-# dependent launch); the first is the default
+# options timed for the fp32 no-filter cases (programmatic dependent launch, warps of the combine,
+# the split: chunk_size arguments); the first is the default
 TUNINGS = {
     "default": dict(block=acceptance.BLOCK, target_programs=acceptance.TARGET_PROGRAMS),
     "pdl": dict(block=acceptance.BLOCK, target_programs=acceptance.TARGET_PROGRAMS, pdl=True),
