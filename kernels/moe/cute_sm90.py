@@ -44,8 +44,9 @@ TMA_STAGES = 6  # "tma" loader: chunks of codes + tokens in the shared-memory pi
 LOADERS = ("registers", "tma")
 # How the codes reach the dequantiser: "registers" = per-thread 16-byte global loads prefetched
 # PREFETCH_DEPTH chunks ahead (bytes in flight cost registers); "tma" = TMA into the shared-memory
-# pipeline with the tokens. Chosen from the H200 measurements in experiments/notes/moe.md.
-DEFAULT_LOADER = "registers"
+# pipeline with the tokens. H200 round 2 (experiments/notes/moe.md): tma 72-73 % of the byte
+# floor at T = 8 vs 62-63 % for registers, faster at every T, bit-identical outputs.
+DEFAULT_LOADER = "tma"
 
 
 def token_tile(tokens: int) -> int:
@@ -863,10 +864,12 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 
 # How the routing prologue runs: "torch" = ops.moe_route + cute_common.build_expert_lists (~26
 # small kernels), "device" = ops.moe_route + the one-launch list kernel above, "fused" = the fp32
-# router GEMV + one kernel for top-k selection, weights and lists. Chosen from experiments/notes/moe.md.
+# router GEMV + one kernel for top-k selection, weights and lists. The two kernels are not yet
+# verified on a GPU (round 2's test of "fused" ran out of its time slot), so "torch" stays.
 DEFAULT_LISTS = "torch"
-# latent_moe: run the shared experts on a side stream, concurrently with the routed path.
-OVERLAP_SHARED = False
+# latent_moe: run the shared experts on a side stream, concurrently with the routed path
+# (H200 round 2: block -36 us at T = 8, -34 us at T = 1; bit-identical outputs).
+OVERLAP_SHARED = True
 
 
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float,
