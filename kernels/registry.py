@@ -150,7 +150,7 @@ def select(op: str, *args: torch.Tensor) -> Implementation:
     impl = resolve(op, device)
     if impl.takes(*args):
         return impl
-    shapes = [(tuple(a.shape), a.dtype) for a in args]
+    shapes = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
     if (overrides.get(op) or _env_overrides().get(op)) is not None:
         raise ValueError(f"kernel override {op}={impl.name!r} does not support arguments {shapes}")
     candidates = [i for i in implementations(op).values() if i.runs_on(device) and i.takes(*args)]
