@@ -6,12 +6,14 @@ cute_common.build_expert_lists, grid = (row tiles of the expert's output, slots)
 expert's weights are streamed from HBM exactly once per call, however many tokens chose it.
 - Swap-AB: 128 dequantised weight rows are the WGMMA A operand (two m64 atoms of one warpgroup),
   the slot's tokens (N = 8 or 16, padded) are B, read from shared memory.
-- A comes from registers (WGMMA RS): each thread loads, per 128-element K chunk, one contiguous
+- A comes from registers (WGMMA RS): each thread takes, per 128-element K chunk, one contiguous
   16-byte run of packed E2M1 codes per row it owns (4 rows) and the one E8M0 scale of that run
   (the K permutation of cute_common.chunk_permutation makes the run exactly one MX group), turns
   each 32-bit word into four bf16x2 fragment registers with shifts and masks, and applies the
-  scale with one bf16x2 multiply. Raw codes are prefetched two chunks ahead in registers.
-- B (the tokens, K-permuted) arrives by TMA through a 4-stage mbarrier pipeline.
+  scale with one bf16x2 multiply.
+- Two loaders (DEFAULT_LOADER): "tma" (default) brings the codes by TMA into a 6-stage
+  shared-memory pipeline together with the tokens (B) and reads them with LDS.128; "registers"
+  loads them straight from global memory two chunks ahead, with B in a 4-stage TMA pipeline.
 - Dequantisation (Hopper has no E2M1 convert): a code s|e1 e0|m placed as bf16 bits
   (s << 15) | (e1 e0 m << 6) is exactly value * 2^-126 (e = 0 lands on the subnormal 0.5 * 2^-126
   * m, e > 0 on 2^(e-127) * (1 + m/2)). Multiplying by 2^(scale - 64) gives W * 2^-63 without
