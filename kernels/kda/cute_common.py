@@ -40,15 +40,20 @@ _cache = CompileCache()
 
 
 def default_variant(head_dim: int, op: str) -> dict:
-    """Kernel options per op, from the H200 benches at K3 dims, B=1, T=8 (experiments/notes/kda.md):
-    verify is fastest with one CTA per head (no cluster exchange, the q/k conv not repeated per
-    V-split: 17.2 us vs 28.9 us with 4 CTAs/head, session 2 round 1) and fast math (17.2 vs 18.8 us,
-    the same errors vs float64); more columns per thread did not help (17.8-19.3 us). Commit: 4
-    CTAs per head (5.6 us per layer in the all-layers launch vs 6.9 with one CTA per head)."""
+    """Kernel options per op, from the H200 benches at K3 dims, B=1, T=8 (experiments/notes/kda.md).
+
+    Verify: one CTA per head (no cluster exchange, the q/k conv not repeated per V-split: 17.2 us
+    vs 28.9 us with 4 CTAs/head, session 2 round 1), fast math (17.2 vs 18.8 us, same errors), the
+    state copied by the TMA unit with per-block barriers and PDL (17.1 us, round 2). The default is
+    the combination that passed every GPU test in round 2: with register state loads
+    (bulk_state=False) verify's outputs were NOT bitwise equal to one-token decode in round 2 (3
+    failing cases, cause not found), so those remain options for measurement only. Commit: 4 CTAs
+    per head with the TMA-unit state copy and PDL, the commit that passed the bitwise decode test
+    with this verify (6.5 us per layer in the all-layers launch; 5.5 us with register loads)."""
     if op == "verify":
-        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=True, bulk_state=False,
-                    group_sync=False, pdl=False)
-    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS, bulk_state=False, pdl=False)
+        return dict(block_v=head_dim, cols=1, row_chunks=ROW_CHUNKS, fast_math=True, bulk_state=True,
+                    group_sync=True, pdl=True)
+    return dict(block_v=32, cols=1, row_chunks=ROW_CHUNKS, bulk_state=True, pdl=True)
 
 
 def resolve_variant(head_dim: int, op: str, **given) -> dict:

@@ -166,13 +166,8 @@ def test_per_request_accepted_counts_and_padding_lengths(verify_kw, commit_kw):
         assert relative_error(getattr(records, name), getattr(ref_records, name)) <= STATE_TOL, name
 
 
-FAST = dict(block_v=128, cols=2, row_chunks=8)
-FAST_COMMIT = dict(block_v=128, bulk_state=True)
-
-
-@pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(16, dict(block_v=32), dict(block_v=32))]
-                         + [(8, dict(block_v=128), dict(block_v=128)), (8, FAST, FAST_COMMIT), (8, BULK, BULK),
-                            (8, dict(BULK_GROUP, pdl=True), dict(block_v=32, bulk_state=True, pdl=True))])
+@pytest.mark.parametrize("tokens, verify_kw, commit_kw", [(8, {}, {}), (16, {}, {}), (16, dict(block_v=32), {}),
+                                                       (8, BULK, BULK), (8, BULK_GROUP, dict(block_v=128))])
 def test_commit_equals_sequential_one_token_decode_bitwise(tokens, verify_kw, commit_kw):
     batch = 2
     inputs = make_inputs(batch, tokens)
