@@ -14,6 +14,7 @@ Warp 0 issues the TMA loads and the MMAs (one thread issues a UMMA for the whole
 warps read the accumulator out of TMEM in the epilogue.
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
+import functools
 import math
 
 import torch
@@ -301,15 +302,8 @@ def _build_kernel_class():
     return SkinnyGemmSm100
 
 
-_kernel_class = None
 _cache = cute_common.CompileCache()
-
-
-def kernel_class():
-    global _kernel_class
-    if _kernel_class is None:
-        _kernel_class = _build_kernel_class()
-    return _kernel_class
+kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def compile_skinny_gemm(

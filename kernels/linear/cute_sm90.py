@@ -24,6 +24,7 @@ reference at 1e-2 relative error.
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
 
+import functools
 import math
 
 import torch
@@ -377,15 +378,8 @@ def _build_kernel_class():
     return SkinnyGemmSm90
 
 
-_kernel_class = None
 _cache = cute_common.CompileCache()
-
-
-def kernel_class():
-    global _kernel_class
-    if _kernel_class is None:
-        _kernel_class = _build_kernel_class()
-    return _kernel_class
+kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def compile_skinny_gemm(

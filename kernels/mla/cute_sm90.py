@@ -35,6 +35,7 @@ Not done: softmax(t) is not overlapped with Q.K^T(t+1) (FA3 / FlashMLA "seesaw";
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
 
+import functools
 import math
 
 import torch
@@ -759,15 +760,8 @@ def _build_kernel_class():
     return MlaVerifySm90
 
 
-_kernel_class = None
 _cache = cute_common.CompileCache()
-
-
-def kernel_class():
-    global _kernel_class
-    if _kernel_class is None:
-        _kernel_class = _build_kernel_class()
-    return _kernel_class
+kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def resolve_variant(warp_mma: bool = False, producer_warpgroup: bool | None = None,

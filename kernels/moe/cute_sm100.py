@@ -29,6 +29,8 @@ Design (same grid and contract as cute_sm90.expert_pass; kernels.md §4.3):
   SiTU and stores act * 2^63 in bf16 in the octet K order that pass 2 reads.
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
+import functools
+
 import torch
 
 from .. import cute_common
@@ -323,15 +325,8 @@ def _build_kernel_class():
     return MxFp4ExpertGemmSm100
 
 
-_kernel_class = None
 _cache = cute_common.CompileCache()
-
-
-def kernel_class():
-    global _kernel_class
-    if _kernel_class is None:
-        _kernel_class = _build_kernel_class()
-    return _kernel_class
+kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def compile_expert_gemm(

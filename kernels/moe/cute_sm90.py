@@ -28,6 +28,8 @@ expert's weights are streamed from HBM exactly once per call, however many token
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
 
+import functools
+
 import torch
 
 from .. import cute_common, ops
@@ -534,15 +536,8 @@ def _build_kernel_class():
     return MxFp4ExpertGemmSm90
 
 
-_kernel_class = None
 _cache = cute_common.CompileCache()
-
-
-def kernel_class():
-    global _kernel_class
-    if _kernel_class is None:
-        _kernel_class = _build_kernel_class()
-    return _kernel_class
+kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def check_expert_shape(experts: int, rows: int, k: int, glu: bool) -> None:
