@@ -17,6 +17,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from .registry import register
+
 # Targets we build for; the "a" suffix enables the arch-specific instructions (wgmma, tcgen05).
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 
@@ -31,6 +33,19 @@ def cutlass_available() -> bool:
     except Exception:  # a broken install (e.g. missing runtime library) counts as unavailable
         return False
     return True
+
+
+# The compute capabilities each family of CuTe DSL builds runs on: sm_90a code (wgmma, Hopper TMA)
+# on 9.0 alone; the Blackwell builds on 10.0 (B200) through 10.3 (GB300).
+FAMILY_CAPABILITIES = {"cute_sm90": ((9, 0), (9, 0)), "cute_sm100": ((10, 0), (10, 3))}
+
+
+def register_cute(op: str, family: str, supports: Callable[..., bool]) -> Callable[[Callable], Callable]:
+    """Register a CuTe DSL implementation of `op` named `family` ("cute_sm90" or "cute_sm100"):
+    CUDA on that family's capabilities, above the torch reference, when the CuTe DSL imports."""
+    low, high = FAMILY_CAPABILITIES[family]
+    return register(op, family, devices=("cuda",), min_capability=low, max_capability=high, priority=10,
+                    available=cutlass_available, supports=supports)
 
 
 def arch_of_capability(capability: tuple[int, int]) -> str | None:

@@ -8,8 +8,7 @@ run on a Blackwell GPU here.
 """
 import torch
 
-from ..cute_common import arch_of_capability, cutlass_available
-from ..registry import register
+from ..cute_common import arch_of_capability, register_cute
 from . import cute_common
 
 
@@ -20,8 +19,7 @@ def _arch(device: torch.device) -> str:
     return arch
 
 
-@register("kda_verify", "cute_sm100", devices=("cuda",), min_capability=(10, 0), max_capability=(10, 3),
-          priority=10, available=cutlass_available, supports=cute_common.supports_verify)
+@register_cute("kda_verify", "cute_sm100", cute_common.supports_verify)
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
                state, lengths, *, lower_bound, eps):
     return cute_common.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
@@ -29,7 +27,6 @@ def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A
                               arch=_arch(state.device))
 
 
-@register("kda_commit", "cute_sm100", devices=("cuda",), min_capability=(10, 0), max_capability=(10, 3),
-          priority=10, available=cutlass_available, supports=cute_common.supports_commit)
+@register_cute("kda_commit", "cute_sm100", cute_common.supports_commit)
 def kda_commit(state, conv_state, records, num_tokens):
     cute_common.commit(state, conv_state, records, num_tokens, arch=_arch(state.device))

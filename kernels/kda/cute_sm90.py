@@ -3,22 +3,19 @@
 Registered as "cute_sm90" for ops kda_verify and kda_commit (priority 10, CUDA capability 9.0).
 The kernels use clusters and distributed shared memory (sm_90+) and no Hopper-only instructions.
 """
-from ..cute_common import cutlass_available
-from ..registry import register
+from ..cute_common import register_cute
 from . import cute_common
 
 ARCH = "sm_90a"
 
 
-@register("kda_verify", "cute_sm90", devices=("cuda",), min_capability=(9, 0), max_capability=(9, 0),
-          priority=10, available=cutlass_available, supports=cute_common.supports_verify)
+@register_cute("kda_verify", "cute_sm90", cute_common.supports_verify)
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
                state, lengths, *, lower_bound, eps):
     return cute_common.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
                               o_norm_weight, state, lengths, lower_bound=lower_bound, eps=eps, arch=ARCH)
 
 
-@register("kda_commit", "cute_sm90", devices=("cuda",), min_capability=(9, 0), max_capability=(9, 0),
-          priority=10, available=cutlass_available, supports=cute_common.supports_commit)
+@register_cute("kda_commit", "cute_sm90", cute_common.supports_commit)
 def kda_commit(state, conv_state, records, num_tokens):
     cute_common.commit(state, conv_state, records, num_tokens, arch=ARCH)

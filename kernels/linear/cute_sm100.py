@@ -20,7 +20,6 @@ import math
 import torch
 
 from .. import cute_common
-from ..registry import register
 from .cute_sm90 import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports
 
 TOKENS = 16  # UMMA N for M = 128 must be a multiple of 16
@@ -363,16 +362,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
     return out
 
 
-@register(
-    "linear",
-    "cute_sm100",
-    devices=("cuda",),
-    min_capability=(10, 0),
-    max_capability=(10, 3),
-    priority=10,
-    available=cute_common.cutlass_available,
-    supports=supports,
-)
+@cute_common.register_cute("linear", "cute_sm100", supports)
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     return skinny_gemm(x, weight, out)

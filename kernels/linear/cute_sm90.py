@@ -30,7 +30,6 @@ import math
 import torch
 
 from .. import cute_common
-from ..registry import register
 
 WEIGHT_TILE = 128  # weight rows per CTA (two m64 WGMMAs)
 K_TILE = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row per stage
@@ -439,10 +438,6 @@ def compile_skinny_gemm(
     return _cache.get(key, build), splits
 
 
-def available() -> bool:
-    return cute_common.cutlass_available()
-
-
 _counters: dict[tuple, torch.Tensor] = {}
 
 
@@ -487,16 +482,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
     return out
 
 
-@register(
-    "linear",
-    "cute_sm90",
-    devices=("cuda",),
-    min_capability=(9, 0),
-    max_capability=(9, 0),
-    priority=10,
-    available=available,
-    supports=supports,
-)
+@cute_common.register_cute("linear", "cute_sm90", supports)
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     return skinny_gemm(x, weight, out)

@@ -41,7 +41,6 @@ import math
 import torch
 
 from .. import cute_common
-from ..registry import register
 from . import cute_common as mla_common
 from .cute_common import HEAD_DIM, KV_TILE, LATENT, ROPE, ROWS_PER_TILE
 
@@ -819,10 +818,6 @@ def compile_mla_verify(heads: int, split_kv: bool, index: torch.dtype, arch: str
     return _cache.get(key, build)
 
 
-def available() -> bool:
-    return cute_common.cutlass_available()
-
-
 def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float, out: torch.Tensor,
                     splits: int | None = None, partials=None, **flags) -> torch.Tensor:
     """o_latent into a caller-given bf16 [B, T, H, 512] buffer (tests poison it first).
@@ -848,16 +843,7 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
     return out
 
 
-@register(
-    "mla_verify_attention",
-    "cute_sm90",
-    devices=("cuda",),
-    min_capability=(9, 0),
-    max_capability=(9, 0),
-    priority=10,
-    available=available,
-    supports=mla_common.supports,
-)
+@cute_common.register_cute("mla_verify_attention", "cute_sm90", mla_common.supports)
 def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:
     out = torch.empty_like(q_latent)
     return mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale, out)

@@ -33,7 +33,6 @@ import functools
 import torch
 
 from .. import cute_common, ops
-from ..registry import register
 from . import cute_common as moe_common
 from . import reference
 
@@ -597,10 +596,6 @@ def compile_expert_gemm(
     return _cache.get(key, build)
 
 
-def available() -> bool:
-    return cute_common.cutlass_available()
-
-
 def _as_words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)  # [E, rows, K/2] uint8 -> [E, rows, K/8] int32, no copy
 
@@ -909,16 +904,7 @@ def supports(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_TOKENS
 
 
-@register(
-    "latent_moe",
-    "cute_sm90",
-    devices=("cuda",),
-    min_capability=(9, 0),
-    max_capability=(9, 0),
-    priority=10,
-    available=available,
-    supports=supports,
-)
+@cute_common.register_cute("latent_moe", "cute_sm90", supports)
 def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
     """The K3 latent MoE block (kernels/moe/reference.py is the contract) with the routed experts
     on the MXFP4 expert kernel; dense projections go through ops.linear (the CuTe skinny GEMM)."""
