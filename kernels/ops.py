@@ -43,8 +43,9 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
 
 
 def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
-    """The whole K3 latent-MoE FFN: x [M, D] -> [M, D]."""
-    return select("latent_moe", x).fn(x, weights, cfg)
+    """The whole K3 latent-MoE FFN: x [M, D] -> [M, D]. Implementations' `supports` see x and the
+    weights (an expert kernel tiles only some expert shapes)."""
+    return select("latent_moe", x, weights).fn(x, weights, cfg)
 
 
 def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise):

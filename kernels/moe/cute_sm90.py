@@ -34,7 +34,6 @@ import torch
 
 from .. import cute_common, ops
 from . import cute_common as moe_common
-from . import reference
 
 ROW_TILE = 128  # weight rows per CTA: two m64 WGMMA atoms
 GLU_ROWS = ROW_TILE // 2  # pass 1: 64 w1 rows + the same 64 w3 rows
@@ -900,8 +899,9 @@ def weights_supported(weights) -> bool:
     )
 
 
-def supports(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_TOKENS
+def supports(x: torch.Tensor, weights) -> bool:
+    return (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_TOKENS
+            and weights_supported(weights))
 
 
 @cute_common.register_cute("latent_moe", "cute_sm90", supports)
@@ -912,10 +912,6 @@ def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
 
     if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
         raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
-    if not weights_supported(weights):
-        # ops.latent_moe passes only x to the registry's `supports`, so expert shapes the kernel
-        # cannot tile (the tiny test configs) are sent to the reference here.
-        return reference.latent_moe(x, weights, cfg)
     lists = None
     if DEFAULT_LISTS == "fused":
         # fp32 logits as the reference router computes them; selection, weights and lists in one kernel
