@@ -139,7 +139,7 @@ def test_block_matches_reference(weights, kind):
         x_all = torch.randn(max(TOKEN_COUNTS), cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
         for tokens in TOKEN_COUNTS:
             x = x_all[:tokens]
-            assert registry.select("latent_moe", x).name == "cute_sm90"
+            assert registry.select("latent_moe", x, weights).name == "cute_sm90"
             ours = cute_sm90.latent_moe(x, weights, cfg)
             ref = reference.latent_moe(x, weights, cfg)
             torch.cuda.synchronize()
