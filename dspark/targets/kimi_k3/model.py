@@ -40,8 +40,9 @@ class DecodeState:
     """The committed state a forward reads, for the B requests of a call.
 
     kda: per KDA layer (state [B, H, D, D] fp32, conv window [B, 3, W, 3]); read only.
-    mla: per MLA layer the latent cache [slots, max_len, R + P]; rows of the new tokens are
-         written at cache_lens[b] + j of slot slots[b].
+    mla: per MLA layer the latent cache [slots, max_len + 1, R + P] (the last row of each slot is
+         a spare that padding positions write); rows of the new tokens are written at
+         cache_lens[b] + j of slot slots[b].
     """
 
     kda: list[tuple[torch.Tensor, torch.Tensor]]
@@ -190,9 +191,7 @@ class K3Model:
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
         c_kv = rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
         rows = torch.cat([c_kv, kv[:, R:]], dim=-1).view(B, T, R + P)
-        for b in range(B):  # the new tokens' rows, past the committed length
-            start, n = int(cache_lens[b]), int(lengths[b])
-            cache[int(slots[b]), start : start + n] = rows[b, :n].to(cache.dtype)
+        self._write_rows(cache, rows, slots, cache_lens, lengths)
         w_uk_t, w_uv = self.mla_absorbed[i]
         q_latent = ops.linear_heads(q[:, :, :nope], w_uk_t)  # [B*T, H, R]
         q_pe = q[:, :, nope:].contiguous()
@@ -203,6 +202,18 @@ class K3Model:
         o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
         o = sigmoid_gate(o, gate)
         return ops.linear(o, self._w(i, f"{a}.o_proj.weight"))
+
+    @staticmethod
+    def _write_rows(cache, rows, slots, cache_lens, lengths):
+        """The new tokens' latent rows go past each slot's committed length, in one scatter with
+        no host read of the lengths. cache [slots, L + 1, R + P] has one spare row per slot (index
+        L, never read): padding positions (j >= lengths[b]) write there."""
+        B, T = rows.shape[:2]
+        spare = cache.shape[1] - 1
+        offsets = torch.arange(T, device=rows.device)
+        valid = offsets[None, :] < lengths[:, None]
+        positions = torch.where(valid, cache_lens[:, None] + offsets[None, :], spare)
+        cache.index_put_((slots[:, None].expand(B, T), positions), rows.to(cache.dtype))
 
     def _ffn(self, i, y):
         cfg = self.cfg

@@ -7,6 +7,12 @@ latent cache [slots, n_mla, max_seq_len, R + P] (model dtype) and the committed 
 verify is output-only: KDA layers record (k, u, exp g) per position and commit replays the
 accepted ones bitwise (kernels/kda/reference.py); MLA rows of the verified tokens are written
 past the committed length and commit only moves the length.
+
+No host synchronisation on the device: verify and commit read lengths, counts and tokens only
+where they already are on the host (lists, CPU tensors), so a CUDA step can be captured in a
+graph. Checks that need the values (token ids in the vocabulary, capacity, accepted counts)
+run on host values; device values were checked where the request entered the engine, and the
+engine bounds every request's k by the context it has left.
 """
 from __future__ import annotations
 
@@ -39,6 +45,14 @@ def _one_cpu_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
+def _host_ints(values) -> list[int] | None:
+    """values as a list of ints when they are on the host (list, tuple, CPU tensor); None for a
+    device tensor, whose values are not read (reading them would synchronise)."""
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.tolist()] if values.device.type == "cpu" else None
+    return [int(v) for v in values]
+
+
 class K3Target:
     def __init__(self, model: K3Model, max_slots: int, max_seq_len: int):
         cfg = model.cfg
@@ -60,16 +74,23 @@ class K3Target:
         dev = self.device
         self.kda_state = torch.zeros(max_slots, n_kda, H, D, D, dtype=torch.float32, device=dev)
         self.conv_state = torch.zeros(max_slots, n_kda, 3, W, cfg.kda_conv_size - 1, dtype=model.dtype, device=dev)
-        self.mla_cache = torch.zeros(max_slots, n_mla, max_seq_len, cfg.kv_cache_width, dtype=model.dtype, device=dev)
+        # One spare row per slot past max_seq_len: the padding positions of a ragged batch write
+        # their rows there, so the rows of a whole [B, T] block go in with one scatter (no
+        # per-request loop reading lengths on the host). Nothing ever reads the spare row.
+        self._mla_rows = torch.zeros(max_slots, n_mla, max_seq_len + 1, cfg.kv_cache_width, dtype=model.dtype,
+                                     device=dev)
+        self.mla_cache = self._mla_rows[:, :, :max_seq_len]
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=dev)
-        self._pending = None  # (slots, KDA records per layer, lengths) of the last verify
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        # The last verify: (slots, KDA state and conv gathered for them, records, host lengths or None, T).
+        self._pending = None
 
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embed_tokens [V, d], lm_head [V, d]) that a DSpark drafter shares with the target."""
         return self.model.tensors[layout.EMBED], self.model.tensors[layout.LM_HEAD]
 
     # ------------------------------------------------------------------------ validation
-    def _slot_index(self, slots) -> torch.Tensor:
+    def _check_slots(self, slots) -> list[int]:
         slots = [int(s) for s in slots]
         if not slots:
             raise ValueError("slots: empty")
@@ -78,7 +99,22 @@ class K3Target:
                 raise ValueError(f"slots: {s} outside [0, {self.max_slots})")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots: duplicate slot in {slots}")
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        return slots
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the target's device without a synchronising copy."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """The device index of a batch's slots, built once per batch composition (the engine's
+        batch changes only when a request enters or leaves)."""
+        key = tuple(slots)
+        if key not in self._index_cache:
+            self._index_cache[key] = self._to_device(slots)
+        return self._index_cache[key]
 
     def _check_tokens(self, tokens: torch.Tensor, lengths: list[int]) -> None:
         for r, n in enumerate(lengths):
@@ -88,95 +124,117 @@ class K3Target:
                 j = int(bad.nonzero()[0, 0])
                 raise ValueError(f"tokens: id {int(row[j])} at [{r}, {j}] outside [0, {self.vocab_size})")
 
+    def _check_capacity(self, slots: list[int], lengths: list[int]) -> None:
+        if self.lengths.device.type != "cpu":
+            return  # the engine bounds each request's k by the context it has left
+        for slot, n in zip(slots, lengths):
+            have = int(self.lengths[slot])
+            if have + n > self.max_seq_len:
+                raise ValueError(f"verify past max_seq_len={self.max_seq_len}: slot {slot} has "
+                                 f"{have} tokens and {n} more were fed")
+
     # ------------------------------------------------------------------------ protocol
-    def verify(self, slots, tokens: torch.Tensor, lengths: torch.Tensor, tap_layers=()) -> TargetOutput:
+    def verify(self, slots, tokens: torch.Tensor, lengths, tap_layers=()) -> TargetOutput:
+        slots = self._check_slots(slots)
         index = self._slot_index(slots)
-        if tokens.dim() != 2 or tokens.shape[0] != len(index):
-            raise ValueError(f"tokens: expected [{len(index)}, T], got {tuple(tokens.shape)}")
+        if tokens.dim() != 2 or tokens.shape[0] != len(slots):
+            raise ValueError(f"tokens: expected [{len(slots)}, T], got {tuple(tokens.shape)}")
         T = tokens.shape[1]
-        lengths_list = [int(n) for n in torch.as_tensor(lengths).tolist()]
-        if len(lengths_list) != len(index):
-            raise ValueError(f"lengths: expected {len(index)} entries, got {len(lengths_list)}")
-        for n in lengths_list:
-            if not 0 <= n <= T:
-                raise ValueError(f"lengths: {n} outside [0, {T}]")
+        host_lengths = _host_ints(lengths)
+        if host_lengths is not None:
+            if len(host_lengths) != len(slots):
+                raise ValueError(f"lengths: expected {len(slots)} entries, got {len(host_lengths)}")
+            for n in host_lengths:
+                if not 0 <= n <= T:
+                    raise ValueError(f"lengths: {n} outside [0, {T}]")
+            self._check_capacity(slots, host_lengths)
+            lengths_t = self._to_device(host_lengths)
+        else:
+            if tuple(lengths.shape) != (len(slots),):
+                raise ValueError(f"lengths: expected {len(slots)} entries, got shape {tuple(lengths.shape)}")
+            lengths_t = lengths.to(torch.long)
         for layer in tap_layers:
             if not -1 <= layer < self.num_layers:
                 raise ValueError(f"tap_layers: {layer} outside [-1, {self.num_layers})")
-        tokens = tokens.to(self.device, torch.long)
-        self._check_tokens(tokens, lengths_list)
-        cache_lens = self.lengths[index]
-        for r, n in enumerate(lengths_list):
-            if int(cache_lens[r]) + n > self.max_seq_len:
-                raise ValueError(f"verify past max_seq_len={self.max_seq_len}: slot {int(index[r])} has "
-                                 f"{int(cache_lens[r])} tokens and {n} more were fed")
-        lengths_t = torch.tensor(lengths_list, dtype=torch.long, device=self.device)
+        if tokens.device.type == "cpu" and host_lengths is not None:
+            self._check_tokens(tokens, host_lengths)
+        tokens = tokens.to(self.device, torch.long, non_blocking=True)
+        # The KDA state of the batch, layer-major so that each layer's [B, H, D, D] is contiguous
+        # for the kernels; commit advances it in place and writes it back in one scatter.
+        kda = self.kda_state.index_select(0, index).transpose(0, 1).contiguous()
+        conv = self.conv_state.index_select(0, index).transpose(0, 1).contiguous()
         state = DecodeState(
-            kda=[(self.kda_state[index, k], self.conv_state[index, k]) for k in range(self.kda_state.shape[1])],
-            mla=[self.mla_cache[:, k] for k in range(self.mla_cache.shape[1])],
+            kda=[(kda[k], conv[k]) for k in range(kda.shape[0])],
+            mla=[self._mla_rows[:, k] for k in range(self._mla_rows.shape[1])],
             slots=index,
-            cache_lens=cache_lens,
+            cache_lens=self.lengths.index_select(0, index),
         )
         with _one_cpu_thread(self.device):
             logits, taps, records = self.model.forward(tokens, lengths_t, state, tuple(tap_layers))
-        self._pending = (index.tolist(), records, lengths_list)
+        self._pending = (slots, kda, conv, records, host_lengths, T)
         return TargetOutput(logits=logits, taps=taps)
 
-    def commit(self, slots, num_tokens: torch.Tensor) -> None:
+    def commit(self, slots, num_tokens) -> None:
         """Keep num_tokens[r] tokens of slots[r]; slots must be among the last verify's (the
-        engine commits only the requests that go on; the others keep nothing)."""
-        index = self._slot_index(slots)
+        engine commits only the requests that go on; the others keep nothing). num_tokens may
+        stay on the device: then it is not read on the host."""
+        slots = self._check_slots(slots)
         if self._pending is None:
             raise ValueError("slots: commit without a preceding verify")
-        verified, records, lengths = self._pending
-        counts = [int(n) for n in torch.as_tensor(num_tokens).tolist()]
-        if len(counts) != len(index):
-            raise ValueError(f"num_tokens: expected {len(index)} entries, got {len(counts)}")
-        # Counts over the whole verified batch, 0 (unchanged) for slots not committed now.
-        batch_counts = [0] * len(verified)
-        for slot, n in zip(index.tolist(), counts):
+        verified, kda, conv, records, lengths, width = self._pending
+        for slot in slots:
             if slot not in verified:
                 raise ValueError(f"slots: {slot} was not in the last verify (slots {verified})")
-            r = verified.index(slot)
-            if not 0 <= n <= lengths[r]:
-                raise ValueError(f"num_tokens: {n} for slot {slot} outside [0, {lengths[r]}]")
-            batch_counts[r] = n
-        batch_index = torch.tensor(verified, dtype=torch.long, device=self.device)
-        counts_t = torch.tensor(batch_counts, dtype=torch.long, device=self.device)
+        counts = _host_ints(num_tokens)
+        if counts is not None:
+            if len(counts) != len(slots):
+                raise ValueError(f"num_tokens: expected {len(slots)} entries, got {len(counts)}")
+            for slot, n in zip(slots, counts):
+                most = lengths[verified.index(slot)] if lengths is not None else width
+                if not 0 <= n <= most:
+                    raise ValueError(f"num_tokens: {n} for slot {slot} outside [0, {most}]")
+        elif tuple(num_tokens.shape) != (len(slots),):
+            raise ValueError(f"num_tokens: expected {len(slots)} entries, got shape {tuple(num_tokens.shape)}")
+        counts_t = self._to_device(counts) if counts is not None else num_tokens.to(torch.long)
+        if slots != verified:  # counts over the whole verified batch: 0 (unchanged) for the others
+            rows = self._to_device([verified.index(s) for s in slots])
+            counts_t = torch.zeros(len(verified), dtype=torch.long, device=self.device).index_copy_(0, rows, counts_t)
         for k, rec in enumerate(records):
-            state, conv = self.kda_state[batch_index, k], self.conv_state[batch_index, k]
-            ops.kda_commit(state, conv, rec, counts_t)
-            self.kda_state[batch_index, k] = state
-            self.conv_state[batch_index, k] = conv
-        self.lengths[batch_index] += counts_t
+            ops.kda_commit(kda[k], conv[k], rec, counts_t)
+        index = self._slot_index(verified)
+        self.kda_state.index_copy_(0, index, kda.transpose(0, 1))
+        self.conv_state.index_copy_(0, index, conv.transpose(0, 1))
+        self.lengths.index_add_(0, index, counts_t)
         self._pending = None
 
     def prefill(self, slots, prompts: list[torch.Tensor], tap_layers=()) -> TargetOutput:
-        index = self._slot_index(slots)
-        if len(prompts) != len(index):
-            raise ValueError(f"prompts: expected {len(index)}, got {len(prompts)}")
+        slots = self._check_slots(slots)
+        if len(prompts) != len(slots):
+            raise ValueError(f"prompts: expected {len(slots)}, got {len(prompts)}")
         for r, p in enumerate(prompts):
             if p.dim() != 1 or len(p) == 0:
                 raise ValueError(f"prompts: prompt {r} must be a non-empty 1-D tensor, got shape {tuple(p.shape)}")
             if len(p) > self.max_seq_len:
                 raise ValueError(f"prompts: prompt {r} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
-        self.release(index.tolist())
+        self.release(slots)
         longest = max(len(p) for p in prompts)
-        tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=self.device)
+        tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
         for r, p in enumerate(prompts):
-            tokens[r, : len(p)] = p.to(self.device)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        out = self.verify(index.tolist(), tokens, lengths, tap_layers)
-        self.commit(index.tolist(), lengths)
+            tokens[r, : len(p)] = p.cpu()
+        lengths = [len(p) for p in prompts]
+        out = self.verify(slots, tokens, lengths, tap_layers)
+        self.commit(slots, lengths)
         return out
 
     def release(self, slots) -> None:
+        """Forget the slots' state. MLA rows need no clearing: a row is read only below its
+        slot's committed length, and every row there is written before it counts."""
+        slots = self._check_slots(slots)
         index = self._slot_index(slots)
-        self.kda_state[index] = 0
-        self.conv_state[index] = 0
-        self.mla_cache[index] = 0
-        self.lengths[index] = 0
-        if self._pending is not None and set(self._pending[0]) & set(index.tolist()):
+        self.kda_state.index_fill_(0, index, 0)
+        self.conv_state.index_fill_(0, index, 0)
+        self.lengths.index_fill_(0, index, 0)
+        if self._pending is not None and set(self._pending[0]) & set(slots):
             self._pending = None
 
 

@@ -1,0 +1,81 @@
+"""CUDA-graph capture of a whole step, with a clear error when the step cannot be captured.
+
+A step that is captured must not synchronise with the host (no `.item()`, `.tolist()`, `int()`
+of a device tensor, no pageable host copy): capture would fail with CUDA's bare "operation not
+permitted when stream is capturing", which names nothing. So before capturing, the step runs
+once eagerly under torch's sync-debug mode "error", and a synchronising call is reported with
+the frame of dspark's own code that made it (docs/architecture.md, "The step on the GPU").
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Callable
+
+import torch
+
+_OWN_FOLDERS = tuple(os.sep + name + os.sep for name in ("dspark", "kernels", "drafters"))
+
+
+class CaptureError(RuntimeError):
+    """The step cannot be captured into a CUDA graph; the message names the call that synchronised."""
+
+
+def _own_frame(tb) -> str:
+    """The innermost frame of the traceback in dspark's own source (else the innermost one)."""
+    frames = traceback.extract_tb(tb)
+    own = [f for f in frames if any(folder in f.filename for folder in _OWN_FOLDERS)
+           and not f.filename.endswith("cuda_graphs.py")]
+    f = (own or frames)[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def run_without_sync(fn: Callable[[], object], what: str):
+    """fn() with any host synchronisation turned into a CaptureError naming where it happened."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    except RuntimeError as e:
+        if "synchronizing" not in str(e):
+            raise
+        raise CaptureError(f"{what}: the step synchronises with the host at {_own_frame(e.__traceback__)}; "
+                           f"it cannot be captured into a CUDA graph") from e
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+class StepGraph:
+    """One captured step: `replay()` reruns every kernel of fn() on the same static buffers.
+
+    fn reads its inputs from tensors the caller refills before each replay and writes its
+    outputs to the tensors it returns (`outputs`), which every replay overwrites in place.
+    Two eager warm-up runs on a side stream come first, as capture requires: one that may
+    compile and allocate, then one under the no-sync check. fn's side effects (a commit) happen
+    in them too: the caller captures on scratch state or resets it afterwards.
+    """
+
+    def __init__(self, fn: Callable[[], object], what: str, *, pool=None):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # compiles kernels and allocates workspaces, which may synchronise once
+            torch.cuda.synchronize()
+            run_without_sync(fn, what)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn()
+        except RuntimeError as e:
+            raise CaptureError(f"{what}: CUDA-graph capture failed at {_own_frame(e.__traceback__)}: {e}") from e
+        self.what = what
+
+    def replay(self):
+        self.graph.replay()
+        return self.outputs
+
+    @property
+    def pool(self):
+        return self.graph.pool()
