@@ -1,7 +1,7 @@
 """Kimi K3 model configuration and presets.
 
 Values of the `k3` preset are the released `config.json` (text_config) as tabulated in
-../shared/spec/kimi-k3.md §1.2-1.3. `k3-tiny` keeps the structure (layer pattern, dense first
+docs/kimi-k3.md §1.2-1.3. `k3-tiny` keeps the structure (layer pattern, dense first
 layer, latent MoE, AttnRes blocks) with dims small enough for a CPU test; `k3-slice` keeps the
 real dims with only the first four layers (three KDA, one MLA) so it fits one H200.
 """

@@ -1,7 +1,7 @@
 """K3 checkpoint layout: tensor names, shapes and dtypes of the released Hugging Face checkpoint,
 random initialisation in that layout, and safetensors load/save.
 
-Names (spec kimi-k3.md §1.3): the text model sits under `language_model.` of
+Names (docs/kimi-k3.md §1.3): the text model sits under `language_model.` of
 KimiK3ForConditionalGeneration, layers as `language_model.model.layers.{i}.…`. KDA and MLA
 tensors are under `self_attn`, the dense layer-0 FFN under `mlp`, the latent MoE under
 `block_sparse_moe` (the Kimi-Linear module name), with routed experts
