@@ -576,7 +576,8 @@ GB300_NVLINK5_MODEL = AlphaBetaComm(
 class MeasuredComm:
     """Latencies from experiments/comm_bench.py's JSON: for an op, the rows of one world size
     and mode (graph preferred), uniform routing for all-to-all, interpolated linearly in bytes
-    (below the smallest message: its latency; above the largest: its latency scaled by bytes)."""
+    (below the smallest message: its latency; above the largest: its latency scaled by bytes).
+    Rows of one size (the dispatch and the combine) are averaged."""
 
     def __init__(self, path: str):
         self.path = path
@@ -603,8 +604,11 @@ class MeasuredComm:
             if op not in COMM_OPS or row.get("routing", "uniform") != "uniform":
                 continue
             self.points.setdefault((op, size, mode), []).append((nbytes, median))
-        for points in self.points.values():
-            points.sort()
+        for key, points in self.points.items():  # one latency per message size (dispatch and combine alike)
+            by_size: dict[float, list[float]] = {}
+            for nbytes, seconds in points:
+                by_size.setdefault(nbytes, []).append(seconds)
+            self.points[key] = sorted((nbytes, sum(ts) / len(ts)) for nbytes, ts in by_size.items())
         self.world_sizes = sorted({size for _, size, _ in self.points})
         self.label = f"measured on {self.device} ({path})"
 
