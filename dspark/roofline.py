@@ -573,6 +573,21 @@ GB300_NVLINK5_MODEL = AlphaBetaComm(
 )
 
 
+def _read_result_rows(path: str, flag: str, producer: str) -> tuple[dict, list]:
+    """(the object, its non-empty 'rows' list) of a result JSON given with `flag`."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: cannot be read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path!r}: not valid JSON ({e})") from None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{flag} {path!r}: expected an object with a non-empty 'rows' list ({producer} output)")
+    return data, rows
+
+
 class MeasuredComm:
     """Latencies from experiments/comm_bench.py's JSON: for an op, the rows of one world size
     and mode (graph preferred), uniform routing for all-to-all, interpolated linearly in bytes
@@ -582,16 +597,7 @@ class MeasuredComm:
     def __init__(self, path: str):
         self.path = path
         self.is_model = False
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as e:
-            raise ValueError(f"--comm {path!r}: cannot be read ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--comm {path!r}: not valid JSON ({e})") from None
-        rows = data.get("rows") if isinstance(data, dict) else None
-        if not isinstance(rows, list) or not rows:
-            raise ValueError(f"--comm {path!r}: expected an object with a non-empty 'rows' list (comm_bench.py output)")
+        data, rows = _read_result_rows(path, "--comm", "comm_bench.py")
         self.device = data.get("device", "unknown device")
         self.points: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
         for i, row in enumerate(rows):
@@ -665,16 +671,7 @@ class MeasuredFraction:
 def load_measured_fraction(path: str, context: int = 8192) -> MeasuredFraction:
     """The graph-replay rows of step_bench.json (eager rows when there is no graph row, said in
     `note`) for k3-slice, batch 1, `context`, T = 1 and T = 8."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--measured {path!r}: cannot be read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--measured {path!r}: not valid JSON ({e})") from None
-    rows = data.get("rows") if isinstance(data, dict) else None
-    if not isinstance(rows, list):
-        raise ValueError(f"--measured {path!r}: expected an object with a 'rows' list (step_bench.py output)")
+    _, rows = _read_result_rows(path, "--measured", "step_bench.py")
     picked, modes = {}, {}
     for T in (1, 8):
         for mode in ("graph", "eager"):

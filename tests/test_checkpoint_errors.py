@@ -21,14 +21,7 @@ from dspark.drafters.dspark.config import K3_TINY_DSPARK
 from dspark.targets.gguf_assets import GGUFFile
 from dspark.targets.kimi_k3 import K3_TINY, K3Model, K3Target, save_checkpoint
 from dspark.targets.kimi_k3.weights import load_checkpoint as load_target_checkpoint
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from dspark_fixtures import one_thread  # noqa: F401 (autouse fixture)
 
 
 def _seed():
@@ -199,22 +192,22 @@ def _drafter_argv(path):
             "--prompt-ids", "1,2,3", "--max-tokens", "2", "--max-seq-len", "32"]
 
 
+CLI_CASES = [("target", case) for case in TARGET_CASES] + [("drafter", case) for case in DRAFTER_CASES]
+
+
+def _broken_cli_argv(request, kind, case):
+    """Damage the `kind` checkpoint as `case` says: (the CLI arguments, the path the error names)."""
+    directory = request.getfixturevalue(f"{kind}_dir")
+    named = (TARGET_CASES if kind == "target" else DRAFTER_CASES)[case][0](directory)
+    path = named if case == "missing_directory" else directory
+    return (_target_argv if kind == "target" else _drafter_argv)(path), named
+
+
 # Every case in-process through the CLI's handler (cheap); a few as real subprocesses below.
-@pytest.mark.parametrize("case", TARGET_CASES)
-def test_cli_broken_target_is_one_line_exit_2(target_dir, capsys, case):
-    named = TARGET_CASES[case][0](target_dir)
-    path = named if case == "missing_directory" else target_dir
-    assert cli_main(_target_argv(path)) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dspark generate: error: ") and str(named) in lines[0], captured.err
-
-
-@pytest.mark.parametrize("case", DRAFTER_CASES)
-def test_cli_broken_drafter_is_one_line_exit_2(drafter_dir, capsys, case):
-    named = DRAFTER_CASES[case][0](drafter_dir)
-    path = named if case == "missing_directory" else drafter_dir
-    assert cli_main(_drafter_argv(path)) == 2
+@pytest.mark.parametrize("kind, case", CLI_CASES)
+def test_cli_broken_checkpoint_is_one_line_exit_2(request, capsys, kind, case):
+    argv, named = _broken_cli_argv(request, kind, case)
+    assert cli_main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dspark generate: error: ") and str(named) in lines[0], captured.err
@@ -226,19 +219,11 @@ def _run_cli(argv):
                           timeout=120)
 
 
-@pytest.mark.parametrize("case", ["config_missing_key", "corrupt_header"])
-def test_cli_subprocess_broken_target(target_dir, case):
-    named = TARGET_CASES[case][0](target_dir)
-    result = _run_cli(_target_argv(target_dir))
+@pytest.mark.parametrize("kind, case", [("target", "config_missing_key"), ("target", "corrupt_header"),
+                                        ("drafter", "missing_config"), ("drafter", "truncated_weights")])
+def test_cli_subprocess_broken_checkpoint(request, kind, case):
+    argv, named = _broken_cli_argv(request, kind, case)
+    result = _run_cli(argv)
     assert result.returncode == 2, result.stderr
     assert str(named) in result.stderr and "Traceback" not in result.stderr + result.stdout, result.stderr
-    assert result.stderr.startswith("dspark generate: error: ")
-
-
-@pytest.mark.parametrize("case", ["missing_config", "truncated_weights"])
-def test_cli_subprocess_broken_drafter(drafter_dir, case):
-    named = DRAFTER_CASES[case][0](drafter_dir)
-    result = _run_cli(_drafter_argv(drafter_dir))
-    assert result.returncode == 2, result.stderr
-    assert str(named) in result.stderr and "Traceback" not in result.stderr + result.stdout, result.stderr
-    assert result.stderr.startswith("dspark generate: error: ")
+    assert result.stderr.startswith("dspark generate: error: ") and result.stderr.count("\n") == 1
