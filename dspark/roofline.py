@@ -754,7 +754,7 @@ def build_projection(result: "Roofline", cfg: K3Config, draft: DSparkConfig | No
             "plain": measured.plain, "verify": measured.verify, "mode": measured.mode, "source": measured.source,
             "note": measured.note},
         "comm": None if comm is None else {"source": comm.describe(count), "is_model": comm.is_model},
-        "seed_tokens_per_s": f">{SEED_TOKENS_PER_S:g} at AL {SEED_AL:g} (unverified: docs/kimi-k3.md §5.1)",
+        "seed_tokens_per_s": f">{SEED_TOKENS_PER_S:g} tok/s at AL {SEED_AL:g} (unverified: docs/kimi-k3.md §5.1)",
         "layouts": rows,
     }
 
