@@ -721,6 +721,9 @@ def build_projection(result: "Roofline", cfg: K3Config, draft: DSparkConfig | No
     """Batch-1 plain and spec steps on 16 GB300 for each layout: the bytes floor, the floor
     scaled by the measured fraction (if given), the communication (if given) and the projected
     tokens/s at `al`. The draft pass is scaled by the verify's fraction (not measured apart)."""
+    if not 1 <= al <= result.verify.tokens_per_request:
+        raise ValueError(f"acceptance length {al:g} of the projection: needs k + 1 >= {al:g}, "
+                         f"got k = {result.verify.tokens_per_request - 1}")
     gpu, count = get_gpu(PROJECTION_GPU), PROJECTION_NUM_GPUS
     rows = []
     for layout, sharding in COMM_LAYOUTS.items():

@@ -474,3 +474,5 @@ def test_cli_projection_json_and_text(tmp_path, capsys):
     assert "PROJECTION" in out and ">840" in out and "not included (no --comm)" in out and "60.0%" in out
     assert rf.main(parser.parse_args([])) == 0
     assert "PROJECTION" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="k = 3"):
+        rf.main(parser.parse_args(["--k", "3", "--al", "2", "--comm", "model"]))
