@@ -1,6 +1,6 @@
 """Bytes, FLOPs and bandwidth floors of a Kimi K3 decode or verify step.
 
-Every byte count is derived from the tensor shapes of a K3Config (../shared/spec/kimi-k3.md §1.3);
+Every byte count is derived from the tensor shapes of a K3Config (docs/kimi-k3.md §1.3);
 the model and its assumptions are those of spec §6:
 - every weight is read once per forward, whatever the number of tokens in the step;
 - routed experts are MXFP4 (4-bit codes + one 8-bit E8M0 scale per group of 32 = 4.25 bit/weight)
@@ -12,7 +12,11 @@ the model and its assumptions are those of spec §6:
 - the draft pass reads the drafter's weights, the target's lm_head and the drafter's context cache;
 - no activation, communication or launch costs: these are floors.
 
-`dspark roofline` (configure_parser / main) prints the byte breakdown and the floors.
+`dspark roofline` (configure_parser / main) prints the byte breakdown and the floors. With
+`--comm` and/or `--measured` it adds a batch-1 PROJECTION to 16 GB300 at AL 6, beside the seed's
+">840 tok/s": the floor scaled by the floor fraction a step reached on one H200 (step_bench.json),
+plus the collectives of a TP16 or TP+EP16 layout timed from a latency table (comm_bench.json, or
+a labelled model of NVLink 5). Floor, fraction and communication are each shown apart.
 """
 from __future__ import annotations
 
@@ -152,7 +156,7 @@ def distinct_experts(cfg: K3Config, num_tokens: int, expert_dedup: float | None 
 def draft_params(draft: DSparkConfig) -> int:
     """Parameters a DSpark drafter reads per pass, counted on the real module (built on the meta
     device, so nothing is allocated): its layers, tap projection, norms, Markov and confidence
-    heads. Embeddings and lm_head are the target's (dspark-algorithm.md §2.4), buffers there,
+    heads. Embeddings and lm_head are the target's (docs/dspark-algorithm.md §2.4), buffers there,
     so not counted; a published checkpoint's embed copy is never read at serving time."""
     with torch.device("meta"):
         shared = torch.empty(draft.vocab_size, draft.hidden_size)
@@ -267,7 +271,7 @@ def step_cost(
 
     # FLOPs: 2 per multiply-add of every matmul, plus the attention and recurrence cores.
     # Elementwise work (norms, gates, activations, AttnRes mixing) is left out.
-    # MLA absorbed decode (kernels.md §2): per head, query and key, 576 MACs for the score and 512 for the output.
+    # MLA absorbed decode (docs/kernels.md §2): per head, query and key, 576 MACs for the score and 512 for the output.
     keys = sum(context + t + 1 for t in range(T))
     flops = {
         "trunk_matmuls": 2.0 * trunk_matmul_params(cfg) * tokens,
@@ -386,8 +390,8 @@ class GPU:
     peak_flops: float | None = None  # dense bf16 FLOP/s, for the compute floor; None = bandwidth only
 
 
-# Datasheet figures: H200 4.8 TB/s, 989 TFLOP/s dense bf16; GB300 8 TB/s (spec kimi-k3.md §6.5,
-# kernels.md §0). A measured bandwidth (the H200 copies at 4.3 TB/s) replaces the datasheet one.
+# Datasheet figures: H200 4.8 TB/s, 989 TFLOP/s dense bf16; GB300 8 TB/s (docs/kimi-k3.md §6.5,
+# docs/kernels.md §0). A measured bandwidth (the H200 copies at 4.3 TB/s) replaces the datasheet one.
 GPUS = {
     "h200": GPU("H200", 4.8e12, 989e12),
     "gb300": GPU("GB300", 8.0e12, None),
@@ -449,6 +453,341 @@ def tokens_per_second(acceptance_length: float, seconds_per_step: float) -> floa
     if not seconds_per_step > 0:
         raise ValueError(f"seconds_per_step={seconds_per_step!r}: must be > 0")
     return acceptance_length / seconds_per_step
+
+
+# ---- communication (issue 16) -------------------------------------------------------------------
+
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# Layouts of the sharded model; each uses the bytes floor of the sharding beside it.
+COMM_LAYOUTS = {"tp": "ideal", "tp_ep": "ep"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`count` collectives of one kind in a step. nbytes: the whole tensor for all-reduce,
+    all-gather (its output) and reduce-scatter (its input); for all-to-all, the bytes the
+    busiest rank sends."""
+
+    op: str
+    nbytes: float
+    count: int
+    what: str
+
+
+def dispatch_bytes(cfg: K3Config, rows: int, num_gpus: int, row_bytes: float) -> float:
+    """Bytes the busiest rank sends in one EP dispatch (or gets back in the combine): each of its
+    ceil(rows / G) tokens goes once to every other rank that holds at least one of the token's
+    top-k experts; a rank owns N/G experts, so it is hit with probability 1 - C(N - N/G, k) / C(N, k)
+    under uniform routing."""
+    n, k = cfg.num_experts, cfg.num_experts_per_token
+    per_rank = n // num_gpus
+    p_hit = 1.0 - math.exp(_log_comb(n - per_rank, k) - _log_comb(n, k))
+    return math.ceil(rows / num_gpus) * (num_gpus - 1) * p_hit * row_bytes
+
+
+def step_collectives(cost: StepCost, cfg: K3Config, layout: str, num_gpus: int,
+                     draft: DSparkConfig | None = None) -> list[Collective]:
+    """The collectives of one step of `cost` (plain, verify, or verify + draft when `draft` is
+    given) with the model sharded over `num_gpus` GPUs, bf16 activations.
+
+    Both layouts shard attention by heads (row-parallel output: one all-reduce of [rows, d]), the
+    dense FFN and the shared experts by their intermediate size, the embedding and lm_head by
+    vocabulary (an all-reduce of the embedded rows, an all-gather of the logits). The router and
+    the latent down projection are column-parallel: one all-gather of their outputs (latent rows
+    plus fp32 router scores) per MoE layer. Then:
+    - "tp": routed experts sharded by intermediate size; their partial latent sums are
+      reduce-scattered before the row-parallel latent up projection, whose output is summed with
+      the shared experts' in one all-reduce of [rows, d];
+    - "tp_ep" (TP attention + EP experts, as vLLM serves K3): whole experts on N/G ranks; an
+      all-to-all dispatch sends each token's latent row from its owner rank to the ranks of its
+      experts and an all-to-all combine brings the weighted results back, in place of the
+      reduce-scatter. With the latent already gathered on every rank the dispatch could be
+      skipped; the EP MoE kernels move the rows anyway, so this is what is counted.
+    Each collective depends on its layer's output, so at batch 1 none overlaps the bytes."""
+    _check_choice("layout", layout, COMM_LAYOUTS)
+    _check_positive_int("num_gpus", num_gpus, minimum=2)
+    if layout == "tp_ep" and cfg.num_experts % num_gpus:
+        raise ValueError(f"num_gpus={num_gpus!r}: must divide num_experts={cfg.num_experts} for layout 'tp_ep'")
+    rows = cost.batch * cost.tokens_per_request
+    d, latent = cfg.hidden_size, cfg.latent_size
+    num_moe = cfg.num_layers - cfg.first_k_dense
+    hidden = rows * d * BF16
+    collectives = [
+        Collective("all_reduce", hidden, 1, "embedding (vocab-parallel)"),
+        Collective("all_reduce", hidden, cfg.num_layers, "attention output"),
+        Collective("all_reduce", hidden, cfg.first_k_dense, "dense FFN output"),
+        Collective("all_gather", rows * (latent * BF16 + cfg.num_experts * FP32), num_moe,
+                   "router scores + latent down"),
+    ]
+    if layout == "tp":
+        collectives.append(Collective("reduce_scatter", rows * latent * BF16, num_moe, "routed experts' latent sums"))
+    else:
+        moved = dispatch_bytes(cfg, rows, num_gpus, latent * BF16)
+        collectives.append(Collective("all_to_all", moved, num_moe, "EP dispatch"))
+        collectives.append(Collective("all_to_all", moved, num_moe, "EP combine"))
+    collectives.append(Collective("all_reduce", hidden, num_moe, "latent up + shared experts"))
+    collectives.append(Collective("all_gather", rows * cfg.vocab_size * BF16, 1, "lm_head logits"))
+    if draft is not None:
+        # The drafter's block: its layers sharded like the target's dense layers, the target's
+        # embedding and lm_head shared.
+        block_rows = cost.batch * draft.block_size
+        block = block_rows * draft.hidden_size * BF16
+        collectives += [
+            Collective("all_reduce", block, 1, "draft: embedding"),
+            Collective("all_reduce", block, 2 * draft.num_layers, "draft: attention + FFN outputs"),
+            Collective("all_gather", block_rows * cfg.vocab_size * BF16, 1, "draft: lm_head logits"),
+        ]
+    return [c for c in collectives if c.count]
+
+
+class AlphaBetaComm:
+    """Collective latency = alpha (a fixed cost per collective) + the bytes each rank puts on the
+    wire / its link bandwidth, with NCCL's bus-bandwidth accounting (all-reduce 2(G-1)/G of the
+    tensor; all-gather and reduce-scatter (G-1)/G; all-to-all the bytes a rank sends)."""
+
+    def __init__(self, label: str, link_bytes_per_s: float, alpha_s: dict[str, float], assumptions: str):
+        self.label, self.link_bytes_per_s, self.alpha_s, self.assumptions = label, link_bytes_per_s, alpha_s, assumptions
+        self.is_model = True
+
+    def latency(self, op: str, nbytes: float, num_gpus: int) -> float:
+        _check_choice("op", op, COMM_OPS)
+        share = (num_gpus - 1) / num_gpus
+        wire = {"all_reduce": 2 * share * nbytes, "all_gather": share * nbytes,
+                "reduce_scatter": share * nbytes, "all_to_all": nbytes}[op]
+        return self.alpha_s[op] + wire / self.link_bytes_per_s
+
+    def describe(self, num_gpus: int) -> str:
+        return f"{self.label}: MODEL, not measured. {self.assumptions}"
+
+
+# No multi-GPU figure has been measured yet; these are round assumptions to be replaced by
+# experiments/comm_bench.py's measurement (`--comm experiments/results/h200x8/comm_bench.json`).
+GB300_NVLINK5_MODEL = AlphaBetaComm(
+    "GB300 NVLink 5 model",
+    link_bytes_per_s=900e9,
+    alpha_s={"all_reduce": 8e-6, "all_gather": 6e-6, "reduce_scatter": 6e-6, "all_to_all": 10e-6},
+    assumptions=("Assumed: 900 GB/s per GPU and direction (NVLink 5's 1.8 TB/s per GPU, both directions); "
+                 "a fixed cost per collective inside a CUDA graph of 8 us (all-reduce), 6 us (all-gather, "
+                 "reduce-scatter) and 10 us (all-to-all), the order of small-message NCCL collectives on one "
+                 "NVLink domain; all 16 GPUs in one NVLink domain (NVL72)."),
+)
+
+
+def _read_result_rows(path: str, flag: str, producer: str) -> tuple[dict, list]:
+    """(the object, its non-empty 'rows' list) of a result JSON given with `flag`."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: cannot be read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path!r}: not valid JSON ({e})") from None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{flag} {path!r}: expected an object with a non-empty 'rows' list ({producer} output)")
+    return data, rows
+
+
+class MeasuredComm:
+    """Latencies from experiments/comm_bench.py's JSON: for an op, the rows of one world size
+    and mode (graph preferred), uniform routing for all-to-all, interpolated linearly in bytes
+    (below the smallest message: its latency; above the largest: its latency scaled by bytes).
+    Rows of one size (the dispatch and the combine) are averaged."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.is_model = False
+        data, rows = _read_result_rows(path, "--comm", "comm_bench.py")
+        self.device = data.get("device", "unknown device")
+        self.points: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+        for i, row in enumerate(rows):
+            try:
+                op, size, mode = row["op"], int(row["world_size"]), row["mode"]
+                nbytes, median = float(row["bytes"]), float(row["median_us"]) * 1e-6
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"--comm {path!r}: rows[{i}] lacks or mistypes op/world_size/mode/bytes/median_us "
+                                 f"({e!r})") from None
+            if op not in COMM_OPS or row.get("routing", "uniform") != "uniform":
+                continue
+            self.points.setdefault((op, size, mode), []).append((nbytes, median))
+        for key, points in self.points.items():  # one latency per message size (dispatch and combine alike)
+            by_size: dict[float, list[float]] = {}
+            for nbytes, seconds in points:
+                by_size.setdefault(nbytes, []).append(seconds)
+            self.points[key] = sorted((nbytes, sum(ts) / len(ts)) for nbytes, ts in by_size.items())
+        self.world_sizes = sorted({size for _, size, _ in self.points})
+        self.label = f"measured on {self.device} ({path})"
+
+    def _series(self, op: str, num_gpus: int) -> tuple[int, str, list[tuple[float, float]]]:
+        sizes = [s for s in self.world_sizes if any(k[0] == op and k[1] == s for k in self.points)]
+        if not sizes:
+            raise ValueError(f"--comm {self.path!r}: no rows for op {op!r}")
+        size = num_gpus if num_gpus in sizes else max(sizes)
+        mode = "graph" if (op, size, "graph") in self.points else "eager"
+        return size, mode, self.points[(op, size, mode)]
+
+    def latency(self, op: str, nbytes: float, num_gpus: int) -> float:
+        _, _, points = self._series(op, num_gpus)
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        b_max, t_max = points[-1]
+        return t_max * nbytes / b_max
+
+    def describe(self, num_gpus: int) -> str:
+        used = {op: self._series(op, num_gpus)[:2] for op in COMM_OPS if any(k[0] == op for k in self.points)}
+        parts = [f"{op} at {size} GPUs ({mode})" for op, (size, mode) in used.items()]
+        note = "" if all(size == num_gpus for size, _ in used.values()) else (
+            f"; applied to {num_gpus} GPUs as measured (fewer ranks, another interconnect: an approximation)")
+        return f"{self.label}: " + ", ".join(parts) + note
+
+
+def comm_time(collectives: list[Collective], table, num_gpus: int) -> float:
+    """Seconds of communication in a step: every collective in series."""
+    return sum(c.count * table.latency(c.op, c.nbytes, num_gpus) for c in collectives)
+
+
+def load_comm(source: str):
+    """`--comm`: "model" for the GB300 NVLink 5 model, else a comm_bench.py JSON file."""
+    return GB300_NVLINK5_MODEL if source == "model" else MeasuredComm(source)
+
+
+# ---- measured fraction of the floor (issue 12 item 6) ----------------------------------------------
+
+@dataclass(frozen=True)
+class MeasuredFraction:
+    """floor / measured step time of k3-slice on one GPU (experiments/step_bench.py), plain
+    decode (T = 1) and verify (T = 8), batch 1, 8k context."""
+
+    plain: float
+    verify: float
+    mode: str
+    source: str
+    note: str
+
+
+def load_measured_fraction(path: str, context: int = 8192) -> MeasuredFraction:
+    """The graph-replay rows of step_bench.json (eager rows when there is no graph row, said in
+    `note`) for k3-slice, batch 1, `context`, T = 1 and T = 8."""
+    _, rows = _read_result_rows(path, "--measured", "step_bench.py")
+    picked, modes = {}, {}
+    for T in (1, 8):
+        for mode in ("graph", "eager"):
+            match = [r for r in rows if isinstance(r, dict) and r.get("target") == "k3-slice" and r.get("batch") == 1
+                     and r.get("context") == context and r.get("T") == T and r.get("mode") == mode]
+            if len(match) > 1:
+                raise ValueError(f"--measured {path!r}: {len(match)} rows for k3-slice batch 1 context {context} "
+                                 f"T={T} mode {mode}; expected one")
+            if match:
+                picked[T], modes[T] = _row_fraction(path, match[0]), mode
+                break
+        else:
+            raise ValueError(f"--measured {path!r}: no row for k3-slice, batch 1, context {context}, T={T} "
+                             "(graph or eager)")
+    eager = [f"T={T}" for T, mode in modes.items() if mode == "eager"]
+    note = f"no graph row for {', '.join(eager)}: eager rows used" if eager else ""
+    mode = "graph" if not eager else ("eager" if len(eager) == 2 else "graph/eager")
+    return MeasuredFraction(plain=picked[1], verify=picked[8], mode=mode, source=path, note=note)
+
+
+def _row_fraction(path: str, row: dict) -> float:
+    """floor_ms / ms of one row, checked against its floor_fraction."""
+    try:
+        ms, floor_ms, fraction = float(row["ms"]), float(row["floor_ms"]), float(row["floor_fraction"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--measured {path!r}: row T={row.get('T')} {row.get('mode')} lacks or mistypes "
+                         f"ms/floor_ms/floor_fraction ({e!r})") from None
+    if not ms > 0 or not floor_ms > 0:
+        raise ValueError(f"--measured {path!r}: row T={row.get('T')}: ms={ms!r}, floor_ms={floor_ms!r}: must be > 0")
+    if abs(floor_ms / ms - fraction) > 0.01 * fraction:
+        raise ValueError(f"--measured {path!r}: row T={row.get('T')}: floor_fraction={fraction!r} is not "
+                         f"floor_ms / ms = {floor_ms / ms:.4g}")
+    return floor_ms / ms
+
+
+# ---- the projection to the seed's setting ------------------------------------------------------------
+
+# The seed's batch-1 figure (unverified: docs/kimi-k3.md §5.1) and its setting.
+SEED_TOKENS_PER_S = 840.0
+SEED_AL = 6.0
+PROJECTION_GPU, PROJECTION_NUM_GPUS = "gb300", 16
+
+
+def build_projection(result: "Roofline", cfg: K3Config, draft: DSparkConfig | None, *, comm=None,
+                     measured: MeasuredFraction | None = None, al: float = SEED_AL,
+                     max_experts_per_rank: float | None = None) -> dict:
+    """Batch-1 plain and spec steps on 16 GB300 for each layout: the bytes floor, the floor
+    scaled by the measured fraction (if given), the communication (if given) and the projected
+    tokens/s at `al`. The draft pass is scaled by the verify's fraction (not measured apart)."""
+    if not 1 <= al <= result.verify.tokens_per_request:
+        raise ValueError(f"acceptance length {al:g} of the projection: needs k + 1 >= {al:g}, "
+                         f"got k = {result.verify.tokens_per_request - 1}")
+    gpu, count = get_gpu(PROJECTION_GPU), PROJECTION_NUM_GPUS
+    rows = []
+    for layout, sharding in COMM_LAYOUTS.items():
+        ep = sharding == "ep"
+        floors = {name: step_time(cost, gpu, count, ep, max_experts_per_rank if ep else None) for name, cost in
+                  (("plain", result.plain), ("spec", result.spec))}
+        steps = dict(floors)
+        if measured is not None:
+            steps = {"plain": floors["plain"] / measured.plain, "spec": floors["spec"] / measured.verify}
+        comm_s = {"plain": 0.0, "spec": 0.0}
+        counts = {"plain": 0, "spec": 0}
+        if comm is not None:
+            for name, cost, d in (("plain", result.plain, None), ("spec", result.spec, draft)):
+                collectives = step_collectives(cost, cfg, layout, count, d)
+                comm_s[name] = comm_time(collectives, comm, count)
+                counts[name] = sum(c.count for c in collectives)
+        rows.append({
+            "layout": layout, "sharding": sharding,
+            "plain_floor_ms": floors["plain"] * 1e3, "spec_floor_ms": floors["spec"] * 1e3,
+            "plain_scaled_ms": steps["plain"] * 1e3, "spec_scaled_ms": steps["spec"] * 1e3,
+            "plain_comm_ms": comm_s["plain"] * 1e3, "spec_comm_ms": comm_s["spec"] * 1e3,
+            "plain_collectives": counts["plain"], "spec_collectives": counts["spec"],
+            "plain_tokens_per_s": tokens_per_second(1.0, steps["plain"] + comm_s["plain"]),
+            "spec_tokens_per_s": tokens_per_second(al, steps["spec"] + comm_s["spec"]),
+            "spec_tokens_per_s_without_comm": tokens_per_second(al, steps["spec"]),
+        })
+    return {
+        "label": "PROJECTION (not a measurement)",
+        "gpu": gpu.name, "num_gpus": count, "batch": result.plain.batch, "acceptance_length": al,
+        "measured_fraction": None if measured is None else {
+            "plain": measured.plain, "verify": measured.verify, "mode": measured.mode, "source": measured.source,
+            "note": measured.note},
+        "comm": None if comm is None else {"source": comm.describe(count), "is_model": comm.is_model},
+        "seed_tokens_per_s": f">{SEED_TOKENS_PER_S:g} tok/s at AL {SEED_AL:g} (unverified: docs/kimi-k3.md §5.1)",
+        "layouts": rows,
+    }
+
+
+def _format_projection(p: dict) -> str:
+    al = format(p["acceptance_length"], "g")
+    lines = ["", "", f"{p['label']}: batch {p['batch']} on {p['num_gpus']}x {p['gpu']}, spec step = verify T=k+1 + draft, "
+             f"AL {al}; seed figure {p['seed_tokens_per_s']}"]
+    if p["measured_fraction"]:
+        m = p["measured_fraction"]
+        lines.append(f"  step = bytes floor / measured floor fraction (k3-slice, 1 GPU, {m['mode']}): plain "
+                     f"{m['plain']:.1%}, verify {m['verify']:.1%}, from {m['source']}" + (f"; {m['note']}" if m["note"] else ""))
+    else:
+        lines.append("  step = bytes floor (no --measured fraction: kernels, launches and host assumed free)")
+    if p["comm"]:
+        lines.append(f"  communication: {p['comm']['source']}")
+    else:
+        lines.append("  communication: not included (no --comm)")
+    lines.append(f"  {'layout':<8}{'floor ms':>17}{'scaled ms':>17}{'comm ms':>17}{'collectives':>15}"
+                 f"{'plain tok/s':>13}{'tok/s AL=' + al:>14}{'(no comm)':>11}")
+    lines.append(f"  {'':<8}" + f"{'plain / spec':>17}" * 3 + f"{'plain / spec':>15}")
+    for r in p["layouts"]:
+        lines.append(
+            f"  {r['layout']:<8}{r['plain_floor_ms']:>8.3f} /{r['spec_floor_ms']:>7.3f}"
+            f"{r['plain_scaled_ms']:>8.3f} /{r['spec_scaled_ms']:>7.3f}"
+            f"{r['plain_comm_ms']:>8.3f} /{r['spec_comm_ms']:>7.3f}"
+            f"{r['plain_collectives']:>7d} /{r['spec_collectives']:>6d}"
+            f"{r['plain_tokens_per_s']:>13.0f}{r['spec_tokens_per_s']:>14.0f}{r['spec_tokens_per_s_without_comm']:>11.0f}"
+        )
+    return "\n".join(lines)
 
 
 # ---- report -----------------------------------------------------------------------------------------
@@ -582,19 +921,35 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--num-gpus", type=int, nargs="+", default=[1, 16], help="GPU counts to floor for")
     parser.add_argument("--max-experts-per-rank", type=float, default=None,
                         help="measured busiest-rank experts per layer for the EP floor (default: uniform expectation)")
+    parser.add_argument("--comm", default=None, metavar="FILE|model",
+                        help="add communication to the batch-1 projection on 16 GB300: a comm_bench.py JSON "
+                             "(experiments/results/h200x8/comm_bench.json) or 'model' (the GB300 NVLink 5 model)")
+    parser.add_argument("--measured", default=None, metavar="FILE",
+                        help="scale the 16 GB300 floors by the measured floor fraction of a step_bench.json "
+                             "(experiments/results/h200/step_bench.json) in the batch-1 projection")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
 
 def main(args: argparse.Namespace) -> int:
+    cfg = get_preset(args.preset)
+    draft = _parse_draft(args.draft)
     result = build_roofline(
-        get_preset(args.preset),
+        cfg,
         k=args.k, batch=args.batch, context=args.context, acceptance_lengths=tuple(args.al),
         trunk_dtype=args.trunk_dtype, kv_dtype=args.kv_dtype, kda_state=args.kda_state,
-        expert_dedup=args.expert_dedup, draft=_parse_draft(args.draft),
+        expert_dedup=args.expert_dedup, draft=draft,
         gpus=tuple(_parse_gpu(g) for g in args.gpu), gpu_counts=tuple(args.num_gpus),
         max_experts_per_rank=args.max_experts_per_rank,
     )
+    projection = None
+    if args.comm is not None or args.measured is not None:
+        projection = build_projection(
+            result, cfg, default_draft(cfg) if draft == "auto" else draft,
+            comm=None if args.comm is None else load_comm(args.comm),
+            measured=None if args.measured is None else load_measured_fraction(args.measured),
+            max_experts_per_rank=args.max_experts_per_rank,
+        )
     if args.json:
         payload = {
             "preset": args.preset,
@@ -605,7 +960,9 @@ def main(args: argparse.Namespace) -> int:
                 for f in result.floors
             ],
         }
+        if projection is not None:
+            payload["projection"] = projection
         print(json.dumps(payload, indent=2))
     else:
-        print(_format_table(result))
+        print(_format_table(result) + ("" if projection is None else _format_projection(projection)))
     return 0

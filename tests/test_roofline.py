@@ -1,4 +1,4 @@
-"""The roofline model against the byte tables of ../shared/spec/kimi-k3.md §6 and against
+"""The roofline model against the byte tables of docs/kimi-k3.md §6 and against
 independent re-derivations (a literal per-tensor shape list, Monte Carlo routing)."""
 import argparse
 import dataclasses
@@ -283,3 +283,196 @@ def test_cli_json_and_table(capsys):
     assert rf.main(parser.parse_args(["--gpu", "h200=4.3", "--num-gpus", "1", "--trunk-dtype", "fp8"])) == 0
     out = capsys.readouterr().out
     assert "routed_experts" in out and "H200@4.3TB/s" in out
+
+
+# ---- communication term (issue 16) --------------------------------------------------------------------
+
+def _by_what(collectives):
+    return {c.what: c for c in collectives}
+
+
+@pytest.mark.parametrize("layout, moe_collectives", [("tp", 3), ("tp_ep", 4)])
+def test_collective_counts_per_layout(layout, moe_collectives):
+    num_moe = K3.num_layers - K3.first_k_dense
+    for T in (1, 8):
+        cost = rf.step_cost(K3, tokens_per_request=T)
+        collectives = rf.step_collectives(cost, K3, layout, 16)
+        # embedding + one per layer after attention + the dense FFN + per MoE layer + lm_head
+        assert sum(c.count for c in collectives) == 1 + 93 + 1 + moe_collectives * num_moe + 1
+        assert sum(c.count for c in collectives if c.op == "all_reduce") == 1 + 93 + 1 + num_moe
+        spec = rf.step_cost(K3, tokens_per_request=T, draft=K3_DRAFT)
+        with_draft = rf.step_collectives(spec, K3, layout, 16, K3_DRAFT)
+        assert sum(c.count for c in with_draft) - sum(c.count for c in collectives) == 2 + 2 * K3_DRAFT.num_layers
+    ops = {c.op for c in collectives}
+    assert ("all_to_all" in ops) == (layout == "tp_ep") and ("reduce_scatter" in ops) == (layout == "tp")
+
+
+def test_collective_sizes_at_verify():
+    T = 8
+    cost = rf.step_cost(K3, batch=2, tokens_per_request=T)
+    tp = _by_what(rf.step_collectives(cost, K3, "tp", 16))
+    assert tp["attention output"].nbytes == 2 * T * 7168 * 2  # [B*T, 7168] bf16
+    assert tp["router scores + latent down"].nbytes == 2 * T * (3584 * 2 + 896 * 4)
+    assert tp["routed experts' latent sums"].nbytes == 2 * T * 3584 * 2
+    assert tp["lm_head logits"].nbytes == 2 * T * 163840 * 2
+    spec = rf.step_cost(K3, batch=2, tokens_per_request=T, draft=K3_DRAFT)
+    draft = _by_what(rf.step_collectives(spec, K3, "tp", 16, K3_DRAFT))
+    assert draft["draft: attention + FFN outputs"].nbytes == 2 * K3_DRAFT.block_size * 7168 * 2
+    with pytest.raises(ValueError, match="layout"):
+        rf.step_collectives(cost, K3, "pp", 16)
+    with pytest.raises(ValueError, match="num_gpus"):
+        rf.step_collectives(cost, K3, "tp_ep", 5)
+
+
+def test_dispatch_bytes_against_monte_carlo_routing():
+    # Fresh random routing: each token's owner sends its row once to every other rank holding one
+    # of its top-k experts; the busiest rank owns ceil(rows / G) tokens. 3000 trials put the
+    # standard error of the mean remote-rank count near 0.03; 0.2 ranks is a safe bound that
+    # counting (token, expert) pairs instead (k * (G-1)/G = 15) misses by far.
+    rng = np.random.default_rng()
+    G, rows, row_bytes = 16, 8, 7168
+    per_rank = K3.num_experts // G
+    remote = []
+    for _ in range(3000):
+        owner = int(rng.integers(G))
+        ranks = set(rng.choice(K3.num_experts, K3.num_experts_per_token, replace=False) // per_rank)
+        remote.append(len(ranks - {owner}))
+    expected = rf.dispatch_bytes(K3, rows, G, row_bytes) / (math.ceil(rows / G) * row_bytes)
+    assert abs(np.mean(remote) - expected) < 0.2, (np.mean(remote), expected)
+    assert rf.dispatch_bytes(K3, 33, G, row_bytes) == pytest.approx(3 * expected * row_bytes)
+
+
+def test_alpha_beta_latency_arithmetic():
+    model = rf.AlphaBetaComm("m", link_bytes_per_s=1e9, alpha_s=dict.fromkeys(rf.COMM_OPS, 1e-6), assumptions="")
+    n = 4e6
+    assert model.latency("all_reduce", n, 4) == pytest.approx(1e-6 + 2 * 0.75 * n / 1e9)
+    assert model.latency("all_gather", n, 4) == pytest.approx(1e-6 + 0.75 * n / 1e9)
+    assert model.latency("reduce_scatter", n, 2) == pytest.approx(1e-6 + 0.5 * n / 1e9)
+    assert model.latency("all_to_all", n, 8) == pytest.approx(1e-6 + n / 1e9)
+    collectives = [rf.Collective("all_reduce", n, 3, "x"), rf.Collective("all_to_all", n, 2, "y")]
+    assert rf.comm_time(collectives, model, 4) == pytest.approx(3 * model.latency("all_reduce", n, 4)
+                                                               + 2 * model.latency("all_to_all", n, 4))
+    assert "MODEL" in rf.GB300_NVLINK5_MODEL.describe(16)
+
+
+def _comm_file(tmp_path, rows):
+    path = tmp_path / "comm_bench.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "rows": rows}))
+    return str(path)
+
+
+def test_measured_comm_interpolates_prefers_graph_and_largest_world(tmp_path):
+    rows = [
+        {"op": "all_reduce", "world_size": 8, "mode": "graph", "bytes": 1000, "median_us": 10.0},
+        {"op": "all_reduce", "world_size": 8, "mode": "graph", "bytes": 3000, "median_us": 20.0},
+        {"op": "all_reduce", "world_size": 8, "mode": "eager", "bytes": 1000, "median_us": 99.0},
+        {"op": "all_reduce", "world_size": 2, "mode": "graph", "bytes": 1000, "median_us": 5.0},
+        {"op": "all_to_all", "world_size": 8, "mode": "eager", "bytes": 500, "median_us": 30.0},
+        {"op": "all_to_all", "world_size": 8, "mode": "eager", "bytes": 500, "median_us": 77.0, "routing": "skewed"},
+    ]
+    table = rf.MeasuredComm(_comm_file(tmp_path, rows))
+    assert table.latency("all_reduce", 2000, 8) == pytest.approx(15e-6)  # halfway
+    assert table.latency("all_reduce", 10, 8) == pytest.approx(10e-6)  # below the smallest: its latency
+    assert table.latency("all_reduce", 6000, 8) == pytest.approx(40e-6)  # above: scaled by bytes
+    assert table.latency("all_reduce", 1000, 2) == pytest.approx(5e-6)
+    assert table.latency("all_reduce", 1000, 16) == pytest.approx(10e-6)  # 16 not measured: 8 used, said so
+    assert "approximation" in table.describe(16) and "eager" in table.describe(16)
+    assert table.latency("all_to_all", 500, 8) == pytest.approx(30e-6)  # uniform routing only
+    with pytest.raises(ValueError, match="no rows for op 'all_gather'"):
+        table.latency("all_gather", 10, 8)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("not json", "not valid JSON"), ('{"rows": []}', "non-empty 'rows'"),
+    ('{"rows": [{"op": "all_reduce"}]}', "rows\\[0\\]"),
+])
+def test_bad_comm_file_names_the_file(tmp_path, content, words):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=words) as info:
+        rf.MeasuredComm(str(path))
+    assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match="cannot be read"):
+        rf.MeasuredComm(str(tmp_path / "missing.json"))
+
+
+# ---- measured floor fraction and the projection (issue 12 item 6) ------------------------------------
+
+def _step_row(T, mode, ms, floor_ms, **extra):
+    return {"target": "k3-slice", "batch": 1, "context": 8192, "T": T, "mode": mode, "ms": ms,
+            "gpu_kernel_ms": ms / 2, "launches": 100, "floor_ms": floor_ms, "floor_fraction": floor_ms / ms, **extra}
+
+
+def _step_bench(tmp_path, rows):
+    path = tmp_path / "step_bench.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "versions": {}, "commit": "x", "command": "c", "rows": rows}))
+    return str(path)
+
+
+def test_measured_fraction_prefers_graph_rows(tmp_path):
+    rng = random.Random()
+    f1, f8 = rng.uniform(0.3, 0.9), rng.uniform(0.3, 0.9)
+    rows = [_step_row(1, "eager", 10.0, 2.0), _step_row(1, "graph", 2.0 / f1, 2.0),
+            _step_row(8, "eager", 20.0, 3.0), _step_row(8, "graph", 3.0 / f8, 3.0),
+            {**_step_row(8, "graph", 1.0, 0.5), "context": 2048}, {**_step_row(8, "graph", 1.0, 0.5), "batch": 4}]
+    measured = rf.load_measured_fraction(_step_bench(tmp_path, rows))
+    assert measured.plain == pytest.approx(f1) and measured.verify == pytest.approx(f8)
+    assert measured.mode == "graph" and measured.note == ""
+
+
+def test_measured_fraction_falls_back_to_eager_and_says_so(tmp_path):
+    rows = [_step_row(1, "graph", 4.0, 2.0), _step_row(8, "eager", 6.0, 3.0)]
+    measured = rf.load_measured_fraction(_step_bench(tmp_path, rows))
+    assert measured.verify == pytest.approx(0.5) and "T=8" in measured.note and "eager" in measured.note
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([_step_row(1, "graph", 4.0, 2.0)], "no row .* T=8"),
+    ([_step_row(1, "graph", 4.0, 2.0), _step_row(8, "graph", 4.0, 2.0, floor_fraction=0.9)], "floor_fraction=0.9"),
+    ([_step_row(1, "graph", 4.0, 2.0), _step_row(8, "graph", 4.0, 2.0), _step_row(8, "graph", 5.0, 2.0)], "2 rows"),
+    ([_step_row(1, "graph", 4.0, 2.0), {**_step_row(8, "graph", 4.0, 2.0), "ms": "fast"}], "ms/floor_ms"),
+])
+def test_bad_step_bench_names_the_file_and_row(tmp_path, rows, words):
+    path = _step_bench(tmp_path, rows)
+    with pytest.raises(ValueError, match=words) as info:
+        rf.load_measured_fraction(path)
+    assert path in str(info.value)
+
+
+def test_projection_adds_scaled_floor_and_communication(tmp_path):
+    rng = random.Random()
+    f1, f8 = rng.uniform(0.2, 0.9), rng.uniform(0.2, 0.9)
+    measured = rf.load_measured_fraction(_step_bench(tmp_path, [_step_row(1, "graph", 2 / f1, 2.0),
+                                                                _step_row(8, "graph", 3 / f8, 3.0)]))
+    result = rf.build_roofline(K3)
+    projection = rf.build_projection(result, K3, K3_DRAFT, comm=rf.GB300_NVLINK5_MODEL, measured=measured)
+    assert "PROJECTION" in projection["label"] and ">840" in projection["seed_tokens_per_s"]
+    gb300 = rf.get_gpu("gb300")
+    for row in projection["layouts"]:
+        ep = row["layout"] == "tp_ep"
+        spec_floor = rf.step_time(result.spec, gb300, 16, ep)
+        comm = rf.comm_time(rf.step_collectives(result.spec, K3, row["layout"], 16, K3_DRAFT), rf.GB300_NVLINK5_MODEL, 16)
+        assert row["spec_floor_ms"] == pytest.approx(spec_floor * 1e3)
+        assert row["spec_scaled_ms"] == pytest.approx(spec_floor / f8 * 1e3)
+        assert row["spec_comm_ms"] == pytest.approx(comm * 1e3) and comm > 0
+        assert row["spec_tokens_per_s"] == pytest.approx(6.0 / (spec_floor / f8 + comm))
+        assert row["plain_tokens_per_s"] == pytest.approx(
+            1.0 / (rf.step_time(result.plain, gb300, 16, ep) / f1 + row["plain_comm_ms"] / 1e3))
+    ideal = projection["layouts"][0]
+    assert ideal["spec_tokens_per_s_without_comm"] == pytest.approx(6.0 / (ideal["spec_scaled_ms"] / 1e3))
+
+
+def test_cli_projection_json_and_text(tmp_path, capsys):
+    bench = _step_bench(tmp_path, [_step_row(1, "graph", 4.0, 2.0), _step_row(8, "graph", 5.0, 3.0)])
+    parser = rf.configure_parser(argparse.ArgumentParser())
+    assert rf.main(parser.parse_args(["--json", "--comm", "model", "--measured", bench])) == 0
+    projection = json.loads(capsys.readouterr().out)["projection"]
+    assert projection["measured_fraction"]["verify"] == pytest.approx(0.6) and projection["comm"]["is_model"]
+    assert [r["layout"] for r in projection["layouts"]] == ["tp", "tp_ep"]
+    assert rf.main(parser.parse_args(["--measured", bench])) == 0
+    out = capsys.readouterr().out
+    assert "PROJECTION" in out and ">840" in out and "not included (no --comm)" in out and "60.0%" in out
+    assert rf.main(parser.parse_args([])) == 0
+    assert "PROJECTION" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="k = 3"):
+        rf.main(parser.parse_args(["--k", "3", "--al", "2", "--comm", "model"]))

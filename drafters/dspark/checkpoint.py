@@ -1,6 +1,6 @@
 """Drafter checkpoints: safetensors weights + config.json, plus the trainer state for resuming.
 
-Tensor names are those of the published Kimi K3 DSpark drafter (spec kimi-k3 §4; 68 tensors for
+Tensor names are those of the published Kimi K3 DSpark drafter (docs/kimi-k3.md §4; 68 tensors for
 5 layers): context_proj, context_norm, layers.{i}.{input_layernorm, post_attention_layernorm,
 self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
 o_proj}, mlp.{gate,up,down}_proj}, final_norm, markov_head.markov_w{1,2},
@@ -10,11 +10,12 @@ out: the embedding and lm_head always come from the target.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from dspark.checkpoint_files import CheckpointError, load_safetensors, read_json, require_directory
 
 from .config import DSparkConfig
 from .model import DSparkModel
@@ -48,17 +49,35 @@ def save_checkpoint(
 
 
 def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (one model.safetensors or an index of shards)."""
-    directory = Path(directory)
+    """All tensors of a checkpoint directory (one model.safetensors or an index of shards); a
+    missing, truncated or corrupt file is a CheckpointError naming it."""
+    directory = require_directory(directory, "drafter checkpoint")
     if (directory / WEIGHTS_FILE).exists():
-        return load_file(str(directory / WEIGHTS_FILE))
+        return load_safetensors(directory / WEIGHTS_FILE)
     if (directory / INDEX_FILE).exists():
-        shards = sorted(set(json.loads((directory / INDEX_FILE).read_text())["weight_map"].values()))
+        index = read_json(directory / INDEX_FILE, "drafter checkpoint")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{str(directory / INDEX_FILE)!r}: expected a 'weight_map' object of "
+                                  f"tensor name -> shard file, found {weight_map!r:.80}")
         tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            tensors.update(load_file(str(directory / shard)))
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(load_safetensors(directory / shard))
         return tensors
-    raise ValueError(f"checkpoint directory {str(directory)!r}: has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    raise CheckpointError(f"drafter checkpoint {str(directory)!r}: has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+
+
+def read_config(directory: str | Path) -> DSparkConfig:
+    """The DSparkConfig of directory/config.json; a missing directory or file, invalid JSON or a
+    missing or bad key is a CheckpointError naming the file."""
+    config_file = require_directory(directory, "drafter checkpoint") / "config.json"
+    data = read_json(config_file, "drafter checkpoint")
+    try:
+        return DSparkConfig.from_json_dict(data)
+    except (ValueError, TypeError, AttributeError) as e:
+        # TypeError / AttributeError: a value of the wrong JSON type (a string where a number or
+        # an object belongs) reaching the config's arithmetic.
+        raise CheckpointError(f"{str(config_file)!r}: {e}") from None
 
 
 def load_weights(model: DSparkModel, tensors: dict[str, torch.Tensor]) -> None:
@@ -92,13 +111,18 @@ def load_checkpoint(
 ) -> DSparkModel:
     """Build the drafter described by directory/config.json around the target's embedding and
     lm_head, and load its weights."""
-    config = DSparkConfig.load(directory)
+    config = read_config(directory)
     model = DSparkModel(config, embed_tokens, lm_head)
     model.to(dtype=dtype)
     model.embed_tokens, model.lm_head = embed_tokens, lm_head  # keep sharing the target's tensors
     if device is not None:
         model.to(device)
-    load_weights(model, read_tensors(directory))
+    try:
+        load_weights(model, read_tensors(directory))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"drafter checkpoint {str(directory)!r}: {e}") from None
     return model
 
 

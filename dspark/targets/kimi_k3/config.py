@@ -1,7 +1,7 @@
 """Kimi K3 model configuration and presets.
 
 Values of the `k3` preset are the released `config.json` (text_config) as tabulated in
-../shared/spec/kimi-k3.md §1.2-1.3. `k3-tiny` keeps the structure (layer pattern, dense first
+docs/kimi-k3.md §1.2-1.3. `k3-tiny` keeps the structure (layer pattern, dense first
 layer, latent MoE, AttnRes blocks) with dims small enough for a CPU test; `k3-slice` keeps the
 real dims with only the first four layers (three KDA, one MLA) so it fits one H200.
 """
@@ -83,12 +83,20 @@ class K3Config:
     def ffn_type(self, i: int) -> str:
         return "dense" if i < self.first_k_dense else "moe"
 
+    # Integer fields for which 0 is meaningful (no dense layer, no shared experts, token id 0).
+    _MAY_BE_ZERO = ("first_k_dense", "num_shared_experts", "bos_token_id", "eos_token_id", "pad_token_id")
+
     def validate(self) -> "K3Config":
         def bad(field_name, value, why):
             raise ValueError(f"K3Config.{field_name}={value!r}: {why}")
 
-        if self.num_layers < 1:
-            bad("num_layers", self.num_layers, "must be >= 1")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                bad(f.name, value, "must be an integer")
+            minimum = 0 if f.name in self._MAY_BE_ZERO else 1
+            if f.type == "int" and value < minimum:
+                bad(f.name, value, f"must be >= {minimum}")
         for i in self.mla_layers:
             if not 0 <= i < self.num_layers:
                 bad("mla_layers", self.mla_layers, f"layer {i} outside [0, {self.num_layers})")

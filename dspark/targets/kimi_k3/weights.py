@@ -1,7 +1,7 @@
 """K3 checkpoint layout: tensor names, shapes and dtypes of the released Hugging Face checkpoint,
 random initialisation in that layout, and safetensors load/save.
 
-Names (spec kimi-k3.md §1.3): the text model sits under `language_model.` of
+Names (docs/kimi-k3.md §1.3): the text model sits under `language_model.` of
 KimiK3ForConditionalGeneration, layers as `language_model.model.layers.{i}.…`. KDA and MLA
 tensors are under `self_attn`, the dense layer-0 FFN under `mlp`, the latent MoE under
 `block_sparse_moe` (the Kimi-Linear module name), with routed experts
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.checkpoint_files import CheckpointError, iter_safetensors, read_json, require_directory
 from .config import K3Config
 from .mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP_SIZE
 
@@ -245,76 +246,123 @@ def config_to_json(cfg: K3Config) -> dict:
 
 
 def config_from_json(data: dict, name: str = "checkpoint") -> K3Config:
-    t = data.get("text_config", data)
-    lin = t["linear_attn_config"]
+    """A K3Config from the released config.json (its text_config). A missing key or a value of the
+    wrong type is a ValueError naming the key (with its JSON path) and the value."""
+    nested = "text_config" in data
+    t = _section(data, "text_config") if nested else data
+    where = "text_config." if nested else ""
+    lin = _section(t, "linear_attn_config", where)
+    lin_where = f"{where}linear_attn_config."
+
+    def need(section, key, kind=int, prefix=where):
+        if key not in section:
+            raise ValueError(f"missing key {prefix + key!r}")
+        return _typed(section[key], kind, prefix + key)
+
+    def get(section, key, default, kind=int, prefix=where):
+        return _typed(section[key], kind, prefix + key) if key in section else default
+
     group_size = 32
-    for group in t.get("quantization_config", {}).get("config_groups", {}).values():
-        group_size = group.get("weights", {}).get("group_size", group_size)
+    quant = get(t, "quantization_config", {}, dict)
+    for group_name, group in get(quant, "config_groups", {}, dict, f"{where}quantization_config.").items():
+        prefix = f"{where}quantization_config.config_groups.{group_name}."
+        weights = get(_typed(group, dict, prefix[:-1]), "weights", {}, dict, prefix)
+        group_size = get(weights, "group_size", group_size, prefix=prefix + "weights.")
+    full_attn = need(lin, "full_attn_layers", list, lin_where)
+    for i in full_attn:
+        _typed(i, int, f"{lin_where}full_attn_layers[]")
+    head_dim = need(lin, "head_dim", prefix=lin_where)
     return K3Config(
         name=name,
-        vocab_size=t["vocab_size"],
-        hidden_size=t["hidden_size"],
-        num_layers=t["num_hidden_layers"],
-        mla_layers=tuple(i - 1 for i in lin["full_attn_layers"]),
-        kda_num_heads=lin["num_heads"],
-        kda_head_dim=lin["head_dim"],
-        kda_conv_size=lin.get("short_conv_kernel_size", 4),
-        kda_gate_rank=t.get("dspark_kda_gate_rank", lin["head_dim"]),
-        kda_gate_lower_bound=lin.get("gate_lower_bound", -5.0),
-        kda_a_log_size=t.get("dspark_kda_a_log_size", lin["head_dim"]),
-        mla_num_heads=t["num_attention_heads"],
-        q_lora_rank=t["q_lora_rank"],
-        kv_lora_rank=t["kv_lora_rank"],
-        qk_nope_head_dim=t["qk_nope_head_dim"],
-        qk_rope_head_dim=t["qk_rope_head_dim"],
-        v_head_dim=t["v_head_dim"],
-        first_k_dense=t["first_k_dense_replace"],
-        intermediate_size=t["intermediate_size"],
-        num_experts=t["num_experts"],
-        num_experts_per_token=t["num_experts_per_token"],
-        num_shared_experts=t["num_shared_experts"],
-        moe_intermediate_size=t["moe_intermediate_size"],
-        latent_size=t["routed_expert_hidden_size"],
-        routed_scaling_factor=t.get("routed_scaling_factor", 1.0),
-        situ_beta=t["activation_situ_beta"],
-        situ_linear_beta=t["activation_situ_linear_beta"],
+        vocab_size=need(t, "vocab_size"),
+        hidden_size=need(t, "hidden_size"),
+        num_layers=need(t, "num_hidden_layers"),
+        mla_layers=tuple(i - 1 for i in full_attn),
+        kda_num_heads=need(lin, "num_heads", prefix=lin_where),
+        kda_head_dim=head_dim,
+        kda_conv_size=get(lin, "short_conv_kernel_size", 4, prefix=lin_where),
+        kda_gate_rank=get(t, "dspark_kda_gate_rank", head_dim),
+        kda_gate_lower_bound=get(lin, "gate_lower_bound", -5.0, float, lin_where),
+        kda_a_log_size=get(t, "dspark_kda_a_log_size", head_dim),
+        mla_num_heads=need(t, "num_attention_heads"),
+        q_lora_rank=need(t, "q_lora_rank"),
+        kv_lora_rank=need(t, "kv_lora_rank"),
+        qk_nope_head_dim=need(t, "qk_nope_head_dim"),
+        qk_rope_head_dim=need(t, "qk_rope_head_dim"),
+        v_head_dim=need(t, "v_head_dim"),
+        first_k_dense=need(t, "first_k_dense_replace"),
+        intermediate_size=need(t, "intermediate_size"),
+        num_experts=need(t, "num_experts"),
+        num_experts_per_token=need(t, "num_experts_per_token"),
+        num_shared_experts=need(t, "num_shared_experts"),
+        moe_intermediate_size=need(t, "moe_intermediate_size"),
+        latent_size=need(t, "routed_expert_hidden_size"),
+        routed_scaling_factor=get(t, "routed_scaling_factor", 1.0, float),
+        situ_beta=need(t, "activation_situ_beta", float),
+        situ_linear_beta=need(t, "activation_situ_linear_beta", float),
         mxfp4_group_size=group_size,
-        attn_res_block_size=t["attn_res_block_size"],
-        rms_norm_eps=t["rms_norm_eps"],
-        max_position_embeddings=t["max_position_embeddings"],
-        bos_token_id=t.get("bos_token_id", 0),
-        eos_token_id=t.get("eos_token_id", 0),
-        pad_token_id=t.get("pad_token_id", 0),
-        tie_word_embeddings=t.get("tie_word_embeddings", False),
+        attn_res_block_size=need(t, "attn_res_block_size"),
+        rms_norm_eps=need(t, "rms_norm_eps", float),
+        max_position_embeddings=need(t, "max_position_embeddings"),
+        bos_token_id=get(t, "bos_token_id", 0),
+        eos_token_id=get(t, "eos_token_id", 0),
+        pad_token_id=get(t, "pad_token_id", 0),
+        tie_word_embeddings=get(t, "tie_word_embeddings", False, bool),
     ).validate()
+
+
+def _section(data: dict, key: str, prefix: str = "") -> dict:
+    if key not in data:
+        raise ValueError(f"missing key {prefix + key!r}")
+    return _typed(data[key], dict, prefix + key)
+
+
+def _typed(value, kind: type, key: str):
+    """`value` when it is a JSON value of `kind` (int for int, int or float for float; bools only
+    for bool), else ValueError naming the key."""
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ValueError(f"{key}={value!r}: expected {'a number' if kind is float else kind.__name__}")
+    return float(value) if kind is float else value
 
 
 # ---------------------------------------------------------------------------- safetensors I/O
 def load_checkpoint(path, dtype: torch.dtype, device) -> tuple[K3Config, dict[str, torch.Tensor]]:
-    """config.json + *.safetensors in `path` -> (config, tensors in the model's dtypes)."""
-    from safetensors import safe_open
+    """config.json + *.safetensors in `path` -> (config, tensors in the model's dtypes).
 
-    path = Path(path)
+    Every problem with the files (missing directory or config.json, config that is not JSON or
+    lacks a key, a truncated or corrupt safetensors file, a missing or misshapen tensor) is one
+    CheckpointError naming the file."""
+    path = require_directory(path, "K3 checkpoint")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"checkpoint {str(path)!r}: no config.json")
-    cfg = config_from_json(json.loads(config_file.read_text()), name=path.name)
+    try:
+        cfg = config_from_json(read_json(config_file, "K3 checkpoint"), name=path.name)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{str(config_file)!r}: {e}") from None
     if cfg.mxfp4_group_size != GROUP_SIZE:
-        raise ValueError(f"quantization_config group_size={cfg.mxfp4_group_size}: only {GROUP_SIZE} is supported")
+        raise CheckpointError(f"{str(config_file)!r}: quantization_config group_size={cfg.mxfp4_group_size}: "
+                              f"only {GROUP_SIZE} is supported")
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"checkpoint {str(path)!r}: no *.safetensors files")
+        raise CheckpointError(f"K3 checkpoint {str(path)!r}: no *.safetensors files")
     specs = tensor_specs(cfg)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if not name.startswith("language_model."):
-                    continue  # vision tower and projector: not part of the text target
-                tensor = f.get_tensor(name)
-                kind = specs[name][1] if name in specs else "float"
-                tensors[name] = tensor.to(device=device, dtype=tensor_dtype(kind, dtype) if kind != "u8" else tensor.dtype)
-    check_tensors(cfg, tensors)
+        # The vision tower and projector are not part of the text target.
+        for name, tensor in iter_safetensors(file, keep=lambda n: n.startswith("language_model.")):
+            kind = specs[name][1] if name in specs else "float"
+            tensors[name] = tensor.to(device=device, dtype=tensor_dtype(kind, dtype) if kind != "u8" else tensor.dtype)
+    try:
+        check_tensors(cfg, tensors)
+    except ValueError as e:
+        raise CheckpointError(f"K3 checkpoint {str(path)!r}: {e}") from None
     return cfg, tensors
 
 
