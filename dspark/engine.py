@@ -275,9 +275,12 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        if self._batch1_kernels and len(self._running) == 1 and not self._waiting:
-            # The latency path's own kernel choice, for this engine's step only: registry.scoped
-            # sets a context-local table, so other engines and the process-wide overrides keep theirs.
+        # The batch this step runs: the running requests plus those admission will prefill into it.
+        batch_size = len(self._running) + min(len(self._waiting), len(self._free_slots))
+        if self._batch1_kernels and batch_size == 1:
+            # The latency path's own kernel choice, for this engine's step (prefill included) only:
+            # registry.scoped sets a context-local table, so other engines and the process-wide
+            # overrides keep theirs.
             with registry.scoped(self._batch1_kernels):
                 return self._step()
         return self._step()
