@@ -59,12 +59,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Profile:
-    """Settings for one regime of the engine (the batch-1 latency path or the batched path)."""
+    """Settings for one regime of the engine (the batch-1 latency path or the batched path).
+
+    cuda_graphs: on a CUDA target, steps of up to 8 requests replay CUDA graphs of verify +
+    acceptance + commit (dspark/graph_step.py); False runs them eagerly. A CPU target has
+    nothing to capture and always runs eagerly."""
 
     num_speculative_tokens: int = 7
     verify_policy: VerifyPolicyName = "fixed"
     confidence_threshold: float = 0.0  # for verify_policy="threshold"
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides
 
     def validate(self, owner: str = "Profile") -> "Profile":

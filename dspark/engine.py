@@ -29,6 +29,7 @@ from .config import SamplingParams, SpecConfig
 from .kernels import ops, registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
+from .graph_step import GraphedStep
 from .sampling import SamplingTensors, conditional_rates
 
 
@@ -104,7 +105,14 @@ class Engine:
         policy=None,
         sampler: Callable | None = None,
         sync_timing: bool | None = None,
+        cuda_graphs: bool | None = None,
     ):
+        """cuda_graphs: replay each step of up to 8 requests as a CUDA graph. None: wherever the
+        target can be captured (a CUDA target with `supports_cuda_graphs`) unless
+        SpecConfig.batch1_profile.cuda_graphs is False; True: required (an error otherwise); False:
+        eager steps. A substituted `sampler` runs eagerly. sync_timing: synchronise
+        the device between phases so that metrics.phase_seconds splits GPU time by phase (default:
+        on for eager CUDA steps, off with graphs, whose only synchronisation is the readback)."""
         self.target = target
         self.spec = (spec or SpecConfig(num_speculative_tokens=0)).validate()
         if self.spec.max_k > 0 and drafter is None:
@@ -128,7 +136,17 @@ class Engine:
         # test substitute a deliberately broken one to show the distribution test can fail.
         self._cond_rates: dict[int, torch.Tensor] = {}  # synthetic conditional rates by k
         self.sampler = sampler
-        self.sync_timing = self.device.type == "cuda" if sync_timing is None else sync_timing
+        capturable = self.device.type == "cuda" and getattr(target, "supports_cuda_graphs", False)
+        if cuda_graphs and not capturable:
+            raise ValueError(f"cuda_graphs=True: the target ({type(target).__name__} on {self.device}) cannot be "
+                             "captured; CUDA graphs need a CUDA target with supports_cuda_graphs")
+        if cuda_graphs is None:
+            cuda_graphs = capturable and (profile is None or profile.cuda_graphs)
+        # A substituted sampler (a test's broken one) runs eagerly: graphs capture the registry's.
+        self._graphs = GraphedStep(target, self._verify_taps) if cuda_graphs and sampler is None else None
+        if sync_timing is None:
+            sync_timing = self.device.type == "cuda" and self._graphs is None
+        self.sync_timing = sync_timing
         self.metrics = SpecMetrics()
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
         self._no_uniforms = torch.zeros(1, 1, device=self.device)
@@ -138,14 +156,22 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(target.max_slots - 1, -1, -1))
+        if self._graphs is not None:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """The common graphs ahead of the first step: every batch bucket at T = 1 and T = k + 1
+        with all-greedy sampling (other shapes and sampling flavours are captured when first
+        needed; a capture changes no state, docs/architecture.md)."""
+        for batch in self._graphs.buckets:
+            for tokens in sorted({1, self.spec.k_for_batch(batch) + 1}):
+                self._graphs.capture(batch, tokens, synthetic=self._synthetic and tokens > 1)
 
     @staticmethod
     def _check_profile(profile) -> tuple[tuple[str, str], ...]:
         """The batch-1 profile's kernel overrides, checked against the registry."""
         if profile is None:
             return ()
-        if profile.cuda_graphs:
-            raise ValueError("SpecConfig.batch1_profile.cuda_graphs=True: this engine does not capture CUDA graphs yet")
         for op, impl in profile.kernels:
             known = registry.implementations(op)
             if impl not in known:
@@ -178,6 +204,8 @@ class Engine:
         self._observers.append(observer)
         self._observer_taps = tuple(sorted({*self._observer_taps, *tap_layers}))
         self._verify_taps = tuple(sorted({*self.tap_layers, *self._observer_taps}))
+        if self._graphs is not None:  # the graphs' verify must compute the new taps too
+            self._graphs = GraphedStep(self.target, self._verify_taps)
 
     def _make_policy(self, name: str, threshold: float):
         from .policy import ConfidenceScheduler, make_policy
@@ -294,7 +322,7 @@ class Engine:
         B = len(reqs)
         slots = [r.slot for r in reqs]
         sampling = self._sampling_tensors(reqs)
-        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=self.device)
+        anchors = self._to_device([r.anchor for r in reqs])
 
         # 1-2. draft and decide how many drafts each request verifies
         k_req = self._drafts_allowed(reqs)
@@ -303,26 +331,33 @@ class Engine:
         num_drafts = proposal.num_drafts
         self._mark("draft")
 
-        # 3. verify
-        tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
-        lengths = 1 + num_drafts
-        out = self.target.verify(slots, tokens, lengths, self._verify_taps)
-        self._mark("verify")
-
-        # 4. accept
+        # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
-        if self._synthetic:
-            rates = self._synthetic_cond_rates(kmax)
-            num_acc, next_tok = ops.synthetic_sample(
-                out.logits, proposal.tokens, num_drafts, rates, sampling, uniforms[:, :kmax], noise
-            )
+        rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
+        graphed = self._graphs is not None and self._graphs.bucket(B) is not None
+        if graphed:
+            greedy_only = sampling.all_greedy and not self._synthetic  # reads no noise
+            step = self._graphs.run(
+                slots, self._free_slots, [r.anchor for r in reqs], proposal.tokens, num_drafts, proposal.probs,
+                sampling, None if greedy_only else uniforms, None if greedy_only else noise,
+                rates[:kmax] if rates is not None else None)
+            num_acc_l, next_l, drafts_l, num_drafts_l = step.num_accepted, step.next_token, step.drafts, step.num_drafts
+            num_acc, tokens, taps_out = step.num_accepted_device, step.tokens_device, step.taps
+            self._mark("verify")
         else:
-            sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
-            num_acc, next_tok = sample(
-                out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise
-            )
-        num_acc_l, next_l = num_acc.tolist(), next_tok.tolist()
-        drafts_l, num_drafts_l = proposal.tokens.tolist(), num_drafts.tolist()
+            tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
+            out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
+            taps_out = out.taps
+            self._mark("verify")
+            if rates is not None:
+                num_acc, next_tok = ops.synthetic_sample(
+                    out.logits, proposal.tokens, num_drafts, rates, sampling, uniforms[:, :kmax], noise)
+            else:
+                sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
+                num_acc, next_tok = sample(
+                    out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise)
+            num_acc_l, next_l = num_acc.tolist(), next_tok.tolist()
+            drafts_l, num_drafts_l = proposal.tokens.tolist(), num_drafts.tolist()
         self._mark("accept")
 
         # 5. emit, stop, commit
@@ -343,18 +378,19 @@ class Engine:
         self.metrics.num_steps += 1
         if self._observers:
             record = StepRecord([r.out.request_id for r in reqs], proposal, num_acc_l, emitted,
-                                {layer: out.taps[layer] for layer in self._observer_taps})
+                                {layer: taps_out[layer] for layer in self._observer_taps})
             for observer in self._observers:
                 observer(record)
         if keep:
             kept, keep_tokens = num_acc + 1, tokens
-            taps = {layer: out.taps[layer] for layer in self.tap_layers}
+            taps = {layer: taps_out[layer] for layer in self.tap_layers}
             if len(keep) < B:
                 idx = torch.tensor(keep, device=self.device)
                 kept, keep_tokens = kept.index_select(0, idx), tokens.index_select(0, idx)
                 taps = {layer: t.index_select(0, idx) for layer, t in taps.items()}
             keep_slots = [slots[i] for i in keep]
-            self.target.commit(keep_slots, kept)
+            if not graphed:  # the graph committed every row (finished ones are released below)
+                self.target.commit(keep_slots, kept)
             if self.drafter is not None:
                 self.drafter.commit(keep_slots, keep_tokens, kept, taps)
         self._release([reqs[i] for i in finished])
@@ -363,6 +399,13 @@ class Engine:
         self.metrics.step_seconds.append(time.perf_counter() - t_start)
         self.metrics.step_tokens.append(sum(len(e.new_token_ids) for e in events[len(events) - B:]))
         return events
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the engine's device without a synchronising copy (pinned staging)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _drafts_allowed(self, reqs: list[_Request]) -> list[int]:
         """Drafts each request may verify this step: the profile's k for the live batch size,
@@ -399,7 +442,7 @@ class Engine:
         )
         num = prop.num_drafts.to(dev)
         if any(k_req[i] < kmax for i in rows):
-            num = torch.minimum(num, torch.tensor([k_req[i] for i in rows], dtype=torch.long, device=dev))
+            num = torch.minimum(num, self._to_device([k_req[i] for i in rows]))
         policy = self._policy_batch1 if B == 1 else self._policy
         if policy is not None:
             num = torch.minimum(num, policy.verify_lengths(dataclasses.replace(prop, num_drafts=num)))

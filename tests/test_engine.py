@@ -256,13 +256,18 @@ def test_batch1_profile_kernel_overrides_apply_only_at_batch_1(monkeypatch):
     assert registry.overrides == {}
 
 
-@pytest.mark.parametrize("profile,match", [
-    (Profile(kernels=(("linear", "nope"),)), "linear='nope'"),
-    (Profile(cuda_graphs=True), "cuda_graphs=True"),
-])
-def test_batch1_profile_options_are_checked(profile, match):
-    with pytest.raises(ValueError, match=match):
+def test_batch1_profile_options_are_checked():
+    profile = Profile(kernels=(("linear", "nope"),))
+    with pytest.raises(ValueError, match="linear='nope'"):
         Engine(MarkovTarget(8), NgramDrafter(), SpecConfig(num_speculative_tokens=2, batch1_profile=profile))
+
+
+def test_cuda_graphs_required_of_a_target_that_cannot_be_captured_is_an_error():
+    spec = SpecConfig(num_speculative_tokens=2, batch1_profile=Profile(cuda_graphs=True))
+    engine = Engine(MarkovTarget(8), NgramDrafter(), spec)  # the profile allows graphs; a CPU target runs eagerly
+    assert engine._graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs=True: the target \\(MarkovTarget on cpu\\) cannot be captured"):
+        Engine(MarkovTarget(8), NgramDrafter(), spec, cuda_graphs=True)
 
 
 def _synthetic_metrics(spec, batch):

@@ -95,13 +95,12 @@ def test_replay_equals_eager_step_with_padding_and_a_leaving_request(model, temp
         uniforms = torch.rand(B, K, generator=gen).cuda()
         noise = torch.empty(B, K3_SLICE.vocab_size).exponential_(generator=gen).cuda()
         want = _eager_step(eager, slots, pad, anchors, drafts, num_drafts, sampling, uniforms, noise)
-        got_acc, got_next, got_drafts, _ = runner.run(slots, free, anchors, drafts, num_drafts, None, sampling,
-                                                      uniforms, noise)
-        assert (got_acc, got_next) == want, f"step {step}: accepted/next differ"
-        assert got_drafts == drafts.tolist()
+        got = runner.run(slots, free, anchors, drafts, num_drafts, None, sampling, uniforms, noise)
+        assert (got.num_accepted, got.next_token) == want, f"step {step}: accepted/next differ"
+        assert got.drafts == drafts.tolist() and got.num_drafts == num_drafts.tolist()
         _assert_same_state(_state(graphed, slots), _state(eager, slots), f"step {step}")
         _assert_same_state(_state(graphed, pad), before_pad, f"step {step}: a padding slot changed")
-        anchors = got_next
+        anchors = got.next_token
 
 
 def test_steady_state_replay_does_not_synchronise(model):
@@ -116,7 +115,7 @@ def test_steady_state_replay_does_not_synchronise(model):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            acc, nxt, _, _ = runner.run([1], free, [3], drafts, num, None, sampling, None, None)
+            got = runner.run([1], free, [3], drafts, num, None, sampling, None, None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert 0 <= acc[0] <= K and 0 <= nxt[0] < K3_SLICE.vocab_size
+    assert 0 <= got.num_accepted[0] <= K and 0 <= got.next_token[0] < K3_SLICE.vocab_size

@@ -54,6 +54,10 @@ def _host_ints(values) -> list[int] | None:
 
 
 class K3Target:
+    # verify and commit take a device tensor of slots and never read device values on the host,
+    # so an engine may capture them in a CUDA graph (dspark/graph_step.py)
+    supports_cuda_graphs = True
+
     def __init__(self, model: K3Model, max_slots: int, max_seq_len: int):
         cfg = model.cfg
         if max_slots < 1:
