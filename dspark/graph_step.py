@@ -14,6 +14,7 @@ and commit 0: they change nothing.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ class GraphedStep:
         self.buckets = tuple(b for b in sorted(buckets) if b <= target.max_slots)
         self.enabled = torch.ones((), dtype=torch.long, device=target.device)
         self._steps: dict[GraphKey, tuple[StepGraph, _StaticStep]] = {}
+        self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
         self._pool = None
         self._host_rows: dict[int, torch.Tensor] = {}
 
@@ -151,6 +153,7 @@ class GraphedStep:
         graph, step = self._steps[key]
         self._fill(step, *inputs)
         packed, num_accepted, taps = graph.replay()
+        self.replays[key] += 1
         step.host_out.copy_(packed, non_blocking=True)
         step.done.record()
         step.done.synchronize()
