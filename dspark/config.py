@@ -2,7 +2,7 @@
 
 Field names follow vLLM's SamplingParams / SpeculativeConfig where vLLM has the same notion, so
 a SpecConfig converts to a vLLM `speculative_config` without renaming surprises
-(../shared/spec/vllm-integration.md §1). Every check raises a ValueError that names the field
+(docs/vllm-integration.md §1). Every check raises a ValueError that names the field
 and the offending value; nothing is clamped.
 """
 from __future__ import annotations
@@ -59,12 +59,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Profile:
-    """Settings for one regime of the engine (the batch-1 latency path or the batched path)."""
+    """Settings for one regime of the engine (the batch-1 latency path or the batched path).
+
+    cuda_graphs: on a CUDA target, steps of up to 8 requests replay CUDA graphs of verify +
+    acceptance + commit (dspark/graph_step.py); False runs them eagerly. A CPU target has
+    nothing to capture and always runs eagerly."""
 
     num_speculative_tokens: int = 7
     verify_policy: VerifyPolicyName = "fixed"
     confidence_threshold: float = 0.0  # for verify_policy="threshold"
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides
 
     def validate(self, owner: str = "Profile") -> "Profile":
@@ -152,6 +156,10 @@ class SpecConfig:
         else:
             if len(rates) != k:
                 _fail(own, "synthetic_acceptance_rates", rates, f"must have k={k} entries, has {len(rates)}")
+            if self.max_k > k:
+                _fail(own, "batch1_profile.num_speculative_tokens", self.max_k,
+                      f"synthetic_acceptance_rates has rates for {k} positions only; give synthetic_acceptance_length "
+                      "or a batch-1 k <= num_speculative_tokens")
             for i, r in enumerate(rates):
                 if not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
                     _fail(own, "synthetic_acceptance_rates", rates, f"entry {i} = {r!r} outside [0, 1]")
@@ -178,6 +186,34 @@ class SpecConfig:
                 _fail(own, "num_speculative_tokens_per_batch_size", gates,
                       f"entry {gate!r} has k outside [0, num_speculative_tokens={self.num_speculative_tokens}]")
             prev_end = end
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """k for a step of this many requests: the batch-1 profile's k at batch size 1 when one is
+        set, else the gate covering the batch size (vLLM's (start, end, k) triples), else
+        num_speculative_tokens. The one rule for k: the engine, the vLLM converter and the
+        synthetic rates all ask here."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: must be an integer >= 1")
+        if batch_size == 1 and self.batch1_profile is not None:
+            return self.batch1_profile.num_speculative_tokens
+        for start, end, k in self.num_speculative_tokens_per_batch_size or ():
+            if start <= batch_size <= end:
+                return k
+        return self.num_speculative_tokens
+
+    def synthetic_rates(self, k: int) -> tuple[float, ...]:
+        """Unconditional acceptance rates of the k draft positions of a step under synthetic
+        acceptance: the first k entries of the schedule over the largest k (max_k), so every
+        batch size sees the same per-position rates (a smaller k is capped, never rescaled)."""
+        from .sampling import acceptance_length_to_rates  # sampling imports this module
+
+        if self.rejection_sample_method != "synthetic":
+            raise ValueError(f"SpecConfig.rejection_sample_method={self.rejection_sample_method!r}: no synthetic rates")
+        if not 0 <= k <= self.max_k:
+            raise ValueError(f"k={k!r}: must be in [0, max_k={self.max_k}]")
+        if self.synthetic_acceptance_rates is not None:
+            return tuple(self.synthetic_acceptance_rates[:k])
+        return tuple(acceptance_length_to_rates(self.synthetic_acceptance_length, self.max_k)[:k])
 
     @property
     def max_k(self) -> int:

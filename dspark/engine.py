@@ -1,4 +1,4 @@
-"""The draft-and-verify loop (../shared/ARCHITECTURE.md):
+"""The draft-and-verify loop (docs/architecture.md):
 
     drafter.propose -> policy.verify_lengths -> target.verify -> sampler -> target/drafter.commit
 
@@ -11,9 +11,13 @@ not yet seen (the "anchor"). Each step verifies [x0, d1..dl]; with a drafts acce
 emits d1..da plus one token from the target (the correction at the first rejection or the bonus
 after the last draft), keeps a + 1 tokens (x0, d1..da) in the target's state, and the emitted
 last token becomes the next anchor. A step emits a + 1 tokens: vLLM's acceptance length.
+
+This is the one decoding loop: calibration and self-distillation (drafters/dspark) run on it and
+read what each step did through observers (`add_observer`, `StepRecord`).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,11 +29,8 @@ from .config import SamplingParams, SpecConfig
 from .kernels import ops, registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
-from .sampling import (
-    SamplingTensors,
-    acceptance_length_to_rates,
-    conditional_rates,
-)
+from .graph_step import GraphedStep
+from .sampling import SamplingTensors, conditional_rates
 
 
 @dataclass
@@ -58,6 +59,32 @@ class StepOutput:
 
 
 @dataclass
+class StepRecord:
+    """What one engine step did, handed to observers. Row i of every field is request
+    request_ids[i] (the requests that were running at the step).
+
+    proposal:     the drafts as verified: tokens [B, k] (columns >= num_drafts[i] are padding),
+                  num_drafts [B] = drafts verified after the per-request cap and the verification
+                  policy, probs [B, k, V] or None, confidence (calibrated) and confidence_logits
+                  (raw) [B, k] when the drafter reports them.
+    num_accepted: drafts accepted per request.
+    emitted:      tokens appended to each request's output (accepted drafts, then the target's
+                  token; cut at a stop condition or max_tokens).
+    taps:         {layer: [B, 1 + k, d]} the target's hidden states over [anchor, drafts] for the
+                  layers observers asked for in add_observer (empty when none asked).
+    """
+
+    request_ids: list[int]
+    proposal: Proposal
+    num_accepted: list[int]
+    emitted: list[list[int]]
+    taps: dict[int, torch.Tensor]
+
+
+StepObserver = Callable[[StepRecord], None]
+
+
+@dataclass
 class _Request:
     out: RequestOutput
     prompt: torch.Tensor
@@ -78,13 +105,23 @@ class Engine:
         policy=None,
         sampler: Callable | None = None,
         sync_timing: bool | None = None,
+        cuda_graphs: bool | None = None,
     ):
+        """cuda_graphs: replay each step of up to 8 requests as a CUDA graph. None: wherever the
+        target can be captured (a CUDA target with `supports_cuda_graphs`) unless
+        SpecConfig.batch1_profile.cuda_graphs is False; True: required (an error otherwise); False:
+        eager steps. A substituted `sampler` runs eagerly. sync_timing: synchronise
+        the device between phases so that metrics.phase_seconds splits GPU time by phase (default:
+        on for eager CUDA steps, off with graphs, whose only synchronisation is the readback)."""
         self.target = target
         self.spec = (spec or SpecConfig(num_speculative_tokens=0)).validate()
         if self.spec.max_k > 0 and drafter is None:
             raise ValueError(f"SpecConfig.num_speculative_tokens={self.spec.max_k}: speculation needs a drafter")
         self.drafter = drafter
         self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+        self._observers: list[StepObserver] = []
+        self._observer_taps: tuple[int, ...] = ()
+        self._verify_taps = self.tap_layers  # the drafter's taps plus any an observer asked for
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(target.device)
         # Verification-length policies: the configured one, and the batch-1 profile's own.
@@ -97,9 +134,19 @@ class Engine:
             profile.verify_policy, profile.confidence_threshold)
         # The lossless sampler unless the config asks for synthetic acceptance; `sampler` lets a
         # test substitute a deliberately broken one to show the distribution test can fail.
-        self._cond_rates = self._synthetic_rates(self.spec)
+        self._cond_rates: dict[int, torch.Tensor] = {}  # synthetic conditional rates by k
         self.sampler = sampler
-        self.sync_timing = self.device.type == "cuda" if sync_timing is None else sync_timing
+        capturable = self.device.type == "cuda" and getattr(target, "supports_cuda_graphs", False)
+        if cuda_graphs and not capturable:
+            raise ValueError(f"cuda_graphs=True: the target ({type(target).__name__} on {self.device}) cannot be "
+                             "captured; CUDA graphs need a CUDA target with supports_cuda_graphs")
+        if cuda_graphs is None:
+            cuda_graphs = capturable and (profile is None or profile.cuda_graphs)
+        # A substituted sampler (a test's broken one) runs eagerly: graphs capture the registry's.
+        self._graphs = GraphedStep(target, self._verify_taps) if cuda_graphs and sampler is None else None
+        if sync_timing is None:
+            sync_timing = self.device.type == "cuda" and self._graphs is None
+        self.sync_timing = sync_timing
         self.metrics = SpecMetrics()
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
         self._no_uniforms = torch.zeros(1, 1, device=self.device)
@@ -109,26 +156,38 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(target.max_slots - 1, -1, -1))
+        if self._graphs is not None:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """The common graphs ahead of the first step: every batch bucket at T = 1 and T = k + 1
+        with all-greedy sampling (other shapes and sampling flavours are captured when first
+        needed; a capture changes no state, docs/architecture.md)."""
+        for batch in self._graphs.buckets:
+            for tokens in sorted({1, self.spec.k_for_batch(batch) + 1}):
+                self._graphs.capture(batch, tokens, synthetic=self._synthetic and tokens > 1)
 
     @staticmethod
     def _check_profile(profile) -> tuple[tuple[str, str], ...]:
         """The batch-1 profile's kernel overrides, checked against the registry."""
         if profile is None:
             return ()
-        if profile.cuda_graphs:
-            raise ValueError("SpecConfig.batch1_profile.cuda_graphs=True: this engine does not capture CUDA graphs yet")
         for op, impl in profile.kernels:
             known = registry.implementations(op)
             if impl not in known:
                 raise ValueError(f"SpecConfig.batch1_profile.kernels: {op}={impl!r} is not an implementation; have {sorted(known)}")
         return tuple(profile.kernels)
 
-    def _synthetic_rates(self, spec: SpecConfig) -> torch.Tensor | None:
-        if spec.rejection_sample_method != "synthetic":
-            return None
-        rates = spec.synthetic_acceptance_rates or acceptance_length_to_rates(
-            spec.synthetic_acceptance_length, spec.num_speculative_tokens)
-        return torch.tensor(conditional_rates(list(rates)), dtype=torch.float32, device=self.device)
+    @property
+    def _synthetic(self) -> bool:
+        return self.spec.rejection_sample_method == "synthetic"
+
+    def _synthetic_cond_rates(self, k: int) -> torch.Tensor:
+        """Conditional acceptance rates [k] for a step whose drafts are k wide."""
+        if k not in self._cond_rates:
+            rates = conditional_rates(list(self.spec.synthetic_rates(k)))
+            self._cond_rates[k] = torch.tensor(rates, dtype=torch.float32, device=self.device)
+        return self._cond_rates[k]
 
     def set_acceptance(self, spec: SpecConfig) -> None:
         """Switch k and the acceptance mode between steps, keeping the live requests (a phased
@@ -136,7 +195,17 @@ class Engine:
         spec = spec.validate()
         if spec.max_k > 0 and self.drafter is None:
             raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: speculation needs a drafter")
-        self.spec, self._cond_rates = spec, self._synthetic_rates(spec)
+        self.spec, self._cond_rates = spec, {}
+
+    def add_observer(self, observer: StepObserver, tap_layers: tuple[int, ...] = ()) -> None:
+        """Call `observer(StepRecord)` after every step from now on. tap_layers: target layers
+        whose hidden states over the verified tokens the record should carry (verify then
+        computes them too). Without observers a step builds no record."""
+        self._observers.append(observer)
+        self._observer_taps = tuple(sorted({*self._observer_taps, *tap_layers}))
+        self._verify_taps = tuple(sorted({*self.tap_layers, *self._observer_taps}))
+        if self._graphs is not None:  # the graphs' verify must compute the new taps too
+            self._graphs = GraphedStep(self.target, self._verify_taps)
 
     def _make_policy(self, name: str, threshold: float):
         from .policy import ConfidenceScheduler, make_policy
@@ -149,7 +218,7 @@ class Engine:
 
     def profile_sps(self):
         """Steps/s of target.verify against the tokens it feeds, measured now on this device
-        (the confidence scheduler's cost curve; ../shared/spec/dspark-algorithm.md §5.3). Runs
+        (the confidence scheduler's cost curve; docs/dspark-algorithm.md §5.3). Runs
         on the last slot before any request holds it and commits nothing."""
         from .policy import SPSTable
 
@@ -234,8 +303,13 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        if self._batch1_kernels and len(self._running) == 1 and not self._waiting:
-            with registry.scoped(self._batch1_kernels):  # the latency path's own kernel choice
+        # The batch this step runs: the running requests plus those admission will prefill into it.
+        batch_size = len(self._running) + min(len(self._waiting), len(self._free_slots))
+        if self._batch1_kernels and batch_size == 1:
+            # The latency path's own kernel choice, for this engine's step (prefill included) only:
+            # registry.scoped sets a context-local table, so other engines and the process-wide
+            # overrides keep theirs.
+            with registry.scoped(self._batch1_kernels):
                 return self._step()
         return self._step()
 
@@ -248,7 +322,7 @@ class Engine:
         B = len(reqs)
         slots = [r.slot for r in reqs]
         sampling = self._sampling_tensors(reqs)
-        anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=self.device)
+        anchors = self._to_device([r.anchor for r in reqs])
 
         # 1-2. draft and decide how many drafts each request verifies
         k_req = self._drafts_allowed(reqs)
@@ -257,32 +331,41 @@ class Engine:
         num_drafts = proposal.num_drafts
         self._mark("draft")
 
-        # 3. verify
-        tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
-        lengths = 1 + num_drafts
-        out = self.target.verify(slots, tokens, lengths, self.tap_layers)
-        self._mark("verify")
-
-        # 4. accept
+        # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
-        if self._cond_rates is not None:
-            num_acc, next_tok = ops.synthetic_sample(
-                out.logits, proposal.tokens, num_drafts, self._cond_rates, sampling, uniforms[:, :kmax], noise
-            )
+        rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
+        graphed = self._graphs is not None and self._graphs.bucket(B) is not None
+        if graphed:
+            greedy_only = sampling.all_greedy and not self._synthetic  # reads no noise
+            step = self._graphs.run(
+                slots, self._free_slots, [r.anchor for r in reqs], proposal.tokens, num_drafts, proposal.probs,
+                sampling, None if greedy_only else uniforms, None if greedy_only else noise,
+                rates[:kmax] if rates is not None else None)
+            num_acc_l, next_l, drafts_l, num_drafts_l = step.num_accepted, step.next_token, step.drafts, step.num_drafts
+            num_acc, tokens, taps_out = step.num_accepted_device, step.tokens_device, step.taps
+            self._mark("verify")
         else:
-            sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
-            num_acc, next_tok = sample(
-                out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise
-            )
-        num_acc_l, next_l = num_acc.tolist(), next_tok.tolist()
-        drafts_l, num_drafts_l = proposal.tokens.tolist(), num_drafts.tolist()
+            tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
+            out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
+            taps_out = out.taps
+            self._mark("verify")
+            if rates is not None:
+                num_acc, next_tok = ops.synthetic_sample(
+                    out.logits, proposal.tokens, num_drafts, rates, sampling, uniforms[:, :kmax], noise)
+            else:
+                sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
+                num_acc, next_tok = sample(
+                    out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise)
+            num_acc_l, next_l = num_acc.tolist(), next_tok.tolist()
+            drafts_l, num_drafts_l = proposal.tokens.tolist(), num_drafts.tolist()
         self._mark("accept")
 
         # 5. emit, stop, commit
-        keep, finished = [], []
+        keep, finished, emitted = [], [], []
         for i, r in enumerate(reqs):
             a = num_acc_l[i]
             new = self._emit(r, drafts_l[i][:a] + [next_l[i]])
+            emitted.append(new)
             r.out.num_steps += 1
             r.out.num_accepted_drafts += a
             r.num_computed += a + 1
@@ -293,14 +376,21 @@ class Engine:
             (finished if r.out.finished else keep).append(i)
         self.metrics.observe(num_drafts_l, num_acc_l)
         self.metrics.num_steps += 1
+        if self._observers:
+            record = StepRecord([r.out.request_id for r in reqs], proposal, num_acc_l, emitted,
+                                {layer: taps_out[layer] for layer in self._observer_taps})
+            for observer in self._observers:
+                observer(record)
         if keep:
-            kept, keep_tokens, taps = num_acc + 1, tokens, out.taps
+            kept, keep_tokens = num_acc + 1, tokens
+            taps = {layer: taps_out[layer] for layer in self.tap_layers}
             if len(keep) < B:
                 idx = torch.tensor(keep, device=self.device)
                 kept, keep_tokens = kept.index_select(0, idx), tokens.index_select(0, idx)
                 taps = {layer: t.index_select(0, idx) for layer, t in taps.items()}
             keep_slots = [slots[i] for i in keep]
-            self.target.commit(keep_slots, kept)
+            if not graphed:  # the graph committed every row (finished ones are released below)
+                self.target.commit(keep_slots, kept)
             if self.drafter is not None:
                 self.drafter.commit(keep_slots, keep_tokens, kept, taps)
         self._release([reqs[i] for i in finished])
@@ -309,6 +399,13 @@ class Engine:
         self.metrics.step_seconds.append(time.perf_counter() - t_start)
         self.metrics.step_tokens.append(sum(len(e.new_token_ids) for e in events[len(events) - B:]))
         return events
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the engine's device without a synchronising copy (pinned staging)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _drafts_allowed(self, reqs: list[_Request]) -> list[int]:
         """Drafts each request may verify this step: the profile's k for the live batch size,
@@ -324,15 +421,8 @@ class Engine:
         return allowed
 
     def step_k(self, batch_size: int) -> int:
-        """k for a step of this many requests: the batch-1 profile at batch 1 when one is set,
-        else the batch-size gate covering the batch (vLLM's (start, end, k) triples), else k."""
-        spec = self.spec
-        if batch_size == 1 and spec.batch1_profile is not None:
-            return spec.batch1_profile.num_speculative_tokens
-        for start, end, gk in spec.num_speculative_tokens_per_batch_size or ():
-            if start <= batch_size <= end:
-                return gk
-        return spec.num_speculative_tokens
+        """k for a step of this many requests (SpecConfig.k_for_batch)."""
+        return self.spec.k_for_batch(batch_size)
 
     def _propose(self, reqs, k_req: list[int], kmax: int, anchors: torch.Tensor) -> Proposal:
         B = len(reqs)
@@ -352,23 +442,25 @@ class Engine:
         )
         num = prop.num_drafts.to(dev)
         if any(k_req[i] < kmax for i in rows):
-            num = torch.minimum(num, torch.tensor([k_req[i] for i in rows], dtype=torch.long, device=dev))
+            num = torch.minimum(num, self._to_device([k_req[i] for i in rows]))
         policy = self._policy_batch1 if B == 1 else self._policy
         if policy is not None:
-            num = torch.minimum(num, policy.verify_lengths(Proposal(prop.tokens, num, prop.probs, prop.confidence)))
+            num = torch.minimum(num, policy.verify_lengths(dataclasses.replace(prop, num_drafts=num)))
         if sub is None:
-            return Proposal(prop.tokens, num, prop.probs, prop.confidence)
+            return dataclasses.replace(prop, num_drafts=num)
         # Scatter the proposing rows back into the full batch; the others verify no drafts.
         idx = torch.tensor(rows, device=dev)
-        tokens = anchors[:, None].expand(B, kmax).clone()
-        tokens[idx] = prop.tokens
-        full_num = torch.zeros(B, dtype=torch.long, device=dev)
-        full_num[idx] = num
-        probs = None
-        if prop.probs is not None:
-            probs = torch.ones(B, kmax, prop.probs.shape[-1], dtype=prop.probs.dtype, device=dev)
-            probs[idx] = prop.probs
-        return Proposal(tokens, full_num, probs)
+
+        def scatter(proposed: torch.Tensor | None, fill: torch.Tensor | float) -> torch.Tensor | None:
+            if proposed is None:
+                return None
+            full = torch.empty(B, *proposed.shape[1:], dtype=proposed.dtype, device=dev)
+            full[:] = fill
+            full[idx] = proposed
+            return full
+
+        return Proposal(scatter(prop.tokens, anchors[:, None]), scatter(num, 0), scatter(prop.probs, 1.0),
+                        scatter(prop.confidence, 0.0), scatter(prop.confidence_logits, 0.0))
 
     def _sampling_tensors(self, reqs: list[_Request]) -> SamplingTensors:
         """The batch's sampling parameters as tensors, rebuilt only when the batch changes."""
@@ -381,7 +473,7 @@ class Engine:
         """Per-request randomness from each request's own generator, so a seeded request gives
         the same output whatever else is in the batch. All-greedy standard acceptance uses none."""
         V = self.target.vocab_size
-        if sampling.all_greedy and self._cond_rates is None:
+        if sampling.all_greedy and not self._synthetic:
             return self._no_uniforms.expand(len(reqs), k), self._no_noise.expand(len(reqs), V)
         uniforms = torch.stack([torch.rand(k, generator=r.generator, device=self.device) for r in reqs])
         noise = torch.ones(len(reqs), V, device=self.device)

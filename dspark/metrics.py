@@ -1,4 +1,4 @@
-"""Speculative-decoding metrics, counted the way vLLM counts them (../shared/spec/vllm-integration.md §4.1).
+"""Speculative-decoding metrics, counted the way vLLM counts them (docs/vllm-integration.md §4.1).
 
 A "draft" is one verify step of one request that verified at least one draft token. Acceptance
 length (AL) = 1 + accepted draft tokens / drafts: tokens emitted per verify step, bonus included.

@@ -5,7 +5,7 @@ LongTensor [B] with 0 <= length[r] <= min(num_drafts[r], k). The engine feeds ea
 anchor plus that many drafts to the target.
 
 - FixedK: verify everything proposed (up to k).
-- ConfidenceThreshold: DeepSpec's static rule (../shared/spec/dspark-algorithm.md §5.5).
+- ConfidenceThreshold: DeepSpec's static rule (docs/dspark-algorithm.md §5.5).
 - ConfidenceScheduler: the paper's hardware-aware prefix scheduler, Algorithm 1 (§5.3), with its
   early stop, over an SPSTable of measured steps/s vs verified tokens.
 """

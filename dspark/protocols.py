@@ -1,6 +1,6 @@
 """The seams of the pipeline: Target and Drafter.
 
-One speculative step (../shared/ARCHITECTURE.md):
+One speculative step (docs/architecture.md):
 
     drafter.propose -> policy.verify_lengths -> target.verify -> sampler -> target.commit, drafter.commit
 
@@ -12,7 +12,7 @@ Slots: a target preallocates per-request state for `max_slots` requests; the eng
 live request a slot in [0, max_slots) and releases it when the request ends.
 
 Optional accessor: `target.embedding_weights() -> (embed_tokens [V, d], lm_head [V, d])`, what a
-DSpark drafter shares with its target and keeps frozen (../shared/spec/dspark-algorithm.md §2.4).
+DSpark drafter shares with its target and keeps frozen (docs/dspark-algorithm.md §2.4).
 K3Target and LlamaTarget have it; targets that only serve drafters without a vocabulary head of
 their own (n-gram, the toy target) need not.
 """
@@ -86,13 +86,17 @@ class Proposal:
                 request's temperature/top-k/top-p), or None for deterministic drafts, which the
                 sampler treats as one-hot proposals.
     confidence: [B, k] float32 in [0, 1], predicted conditional acceptance of each position
-                given the previous ones were accepted (DSpark's confidence head), or None.
+                given the previous ones were accepted (DSpark's confidence head), calibrated
+                (dspark.policy.calibrated_confidence), or None. The verification policies read it.
+    confidence_logits: [B, k] the confidence head's raw logits before calibration, or None
+                (what calibration fits its temperatures on).
     """
 
     tokens: torch.Tensor
     num_drafts: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -63,3 +63,25 @@ def synthetic_sample(target_logits, draft_tokens, num_drafts, cond_rates, sampli
     tensors = (target_logits, draft_tokens, num_drafts, uniforms, race_noise, cond_rates)
     return select("synthetic_sample", *tensors).fn(
         target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """K3's RMSNorm over the last dimension: normalise in fp32, round to x's dtype, scale."""
+    return select("rms_norm", x, weight).fn(x, weight, eps)
+
+
+def attn_res_mix_norm(current: torch.Tensor, checkpoints: torch.Tensor, mix_norm: torch.Tensor,
+                      mix_proj: torch.Tensor, out_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(out_norm) of Block AttnRes's mix of {checkpoints [C, M, d], current [M, d]} -> [M, d]."""
+    args = (current, checkpoints, mix_norm, mix_proj, out_norm)
+    return select("attn_res_mix_norm", *args).fn(*args, eps)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU: b1*tanh(g/b1)*sigmoid(g) * b2*tanh(u/b2) in fp32, result in gate's dtype."""
+    return select("situ_glu", gate, up).fn(gate, up, beta, linear_beta)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) in fp32, result in x's dtype (KDA's and gated MLA's output gates)."""
+    return select("sigmoid_gate", x, gate).fn(x, gate)

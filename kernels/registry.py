@@ -6,15 +6,19 @@ with the devices and compute capabilities they run on and a priority; `resolve` 
 highest-priority one that is available for the tensor's device.
 
 Overrides, strongest first:
-  1. `use(op, impl)` / the `overrides` mapping (what a config file sets),
-  2. the environment: DSPARK_KERNELS="linear=reference,latent_moe=cute_sm90",
-  3. the default choice by priority.
+  1. the context's table (`scoped(pairs)`): what one engine sets around its own step, visible
+     only to code running in that context (a contextvars.ContextVar), so two engines in one
+     process keep their own kernel choices,
+  2. `use(op, impl)` / the process-wide `overrides` mapping (what a config file sets),
+  3. the environment: DSPARK_KERNELS="linear=reference,latent_moe=cute_sm90",
+  4. the default choice by priority.
 An override naming an implementation that does not exist, or cannot run on the device, is an
 error that names the op and the implementation: nothing silently falls back.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import os
 import pkgutil
@@ -57,7 +61,9 @@ class Implementation:
 
 _IMPLS: dict[str, dict[str, Implementation]] = {}
 overrides: dict[str, str] = {}
-_resolved: dict[tuple[str, str, int | None], Implementation] = {}
+# The context's override table: sorted (op, implementation) pairs, hashable so it keys the cache.
+_scoped: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("dspark_kernel_overrides", default=())
+_resolved: dict[tuple[str, str, int | None, tuple[tuple[str, str], ...]], Implementation] = {}
 _loaded = False
 
 
@@ -117,13 +123,24 @@ def use(op: str, impl: str | None) -> None:
     _resolved.clear()
 
 
+def _override(op: str) -> str | None:
+    """The implementation forced for `op`: the context's table, then `use`, then DSPARK_KERNELS."""
+    return dict(_scoped.get()).get(op) or overrides.get(op) or _env_overrides().get(op)
+
+
+def active_overrides() -> dict[str, str]:
+    """The overrides in force here: the context's table over the process-wide `overrides`
+    (DSPARK_KERNELS not included)."""
+    return {**overrides, **dict(_scoped.get())}
+
+
 def resolve(op: str, device: torch.device | str) -> Implementation:
     device = torch.device(device)
-    key = (op, device.type, device.index)
+    key = (op, device.type, device.index, _scoped.get())
     if key in _resolved:
         return _resolved[key]
     impls = implementations(op)
-    chosen_name = overrides.get(op) or _env_overrides().get(op)
+    chosen_name = _override(op)
     if chosen_name is not None:
         if chosen_name not in impls:
             raise ValueError(f"kernel override {op}={chosen_name!r}: no such implementation; have {sorted(impls)}")
@@ -151,7 +168,7 @@ def select(op: str, *args: torch.Tensor) -> Implementation:
     if impl.takes(*args):
         return impl
     shapes = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
-    if (overrides.get(op) or _env_overrides().get(op)) is not None:
+    if _override(op) is not None:
         raise ValueError(f"kernel override {op}={impl.name!r} does not support arguments {shapes}")
     candidates = [i for i in implementations(op).values() if i.runs_on(device) and i.takes(*args)]
     if not candidates:
@@ -161,13 +178,13 @@ def select(op: str, *args: torch.Tensor) -> Implementation:
 
 @contextlib.contextmanager
 def scoped(pairs: tuple[tuple[str, str], ...]):
-    """Apply (op, implementation) overrides for the duration of a block (a profile's kernels)."""
-    saved = dict(overrides)
+    """Apply (op, implementation) overrides to the code this block runs (a profile's kernels),
+    over any outer scope's; the process-wide `overrides` stay as they are."""
+    for op, _ in pairs:
+        implementations(op)  # validates the op name
+    table = tuple(sorted({**dict(_scoped.get()), **dict(pairs)}.items()))
+    token = _scoped.set(table)
     try:
-        for op, impl in pairs:
-            use(op, impl)
         yield
     finally:
-        overrides.clear()
-        overrides.update(saved)
-        _resolved.clear()
+        _scoped.reset(token)

@@ -244,7 +244,7 @@ def test_batch1_profile_kernel_overrides_apply_only_at_batch_1(monkeypatch):
     real = MarkovTarget.verify
 
     def spy(self, slots, tokens, lengths, tap_layers=()):
-        seen.append((len(slots), dict(registry.overrides)))
+        seen.append((len(slots), registry.active_overrides()))
         return real(self, slots, tokens, lengths, tap_layers)
 
     monkeypatch.setattr(MarkovTarget, "verify", spy)
@@ -256,10 +256,44 @@ def test_batch1_profile_kernel_overrides_apply_only_at_batch_1(monkeypatch):
     assert registry.overrides == {}
 
 
-@pytest.mark.parametrize("profile,match", [
-    (Profile(kernels=(("linear", "nope"),)), "linear='nope'"),
-    (Profile(cuda_graphs=True), "cuda_graphs=True"),
-])
-def test_batch1_profile_options_are_checked(profile, match):
-    with pytest.raises(ValueError, match=match):
+def test_batch1_profile_options_are_checked():
+    profile = Profile(kernels=(("linear", "nope"),))
+    with pytest.raises(ValueError, match="linear='nope'"):
         Engine(MarkovTarget(8), NgramDrafter(), SpecConfig(num_speculative_tokens=2, batch1_profile=profile))
+
+
+def test_cuda_graphs_required_of_a_target_that_cannot_be_captured_is_an_error():
+    spec = SpecConfig(num_speculative_tokens=2, batch1_profile=Profile(cuda_graphs=True))
+    engine = Engine(MarkovTarget(8), NgramDrafter(), spec)  # the profile allows graphs; a CPU target runs eagerly
+    assert engine._graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs=True: the target \\(MarkovTarget on cpu\\) cannot be captured"):
+        Engine(MarkovTarget(8), NgramDrafter(), spec, cuda_graphs=True)
+
+
+def _synthetic_metrics(spec, batch):
+    from dspark.drafters.uniform import UniformDrafter
+
+    engine = Engine(MarkovTarget(16, seed=3, max_slots=batch, max_seq_len=512), UniformDrafter(16), spec)
+    engine.generate([[1, 2, 3]] * batch, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    return engine.metrics
+
+
+def test_synthetic_rates_are_sized_with_the_k_each_step_uses():
+    """One rule for k (SpecConfig.k_for_batch) picks the step's k and sizes its synthetic rates:
+    a batch-1 profile whose k is above num_speculative_tokens forces the same AL over its own k
+    positions; a gate with a smaller k gets the first k positions of the schedule."""
+    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="synthetic", synthetic_acceptance_length=3.0,
+                      batch1_profile=Profile(num_speculative_tokens=5))
+    assert [spec.k_for_batch(b) for b in (1, 2, 7)] == [5, 2, 2]
+    alone = _synthetic_metrics(spec, batch=1)
+    assert alone.acceptance_length == 3.0 and alone.per_position_acceptance == [1.0, 1.0, 0.0, 0.0, 0.0]
+    batched = _synthetic_metrics(spec, batch=3)
+    assert batched.acceptance_length == 3.0 and batched.per_position_acceptance == [1.0, 1.0]
+    gated = SpecConfig(num_speculative_tokens=4, rejection_sample_method="synthetic", synthetic_acceptance_length=4.0,
+                       num_speculative_tokens_per_batch_size=((2, 8, 1),))
+    assert _synthetic_metrics(gated, batch=3).per_position_acceptance == [1.0]  # [1, 1, 1, 0][:1]
+    with pytest.raises(ValueError, match="batch1_profile.num_speculative_tokens=5"):
+        SpecConfig(num_speculative_tokens=2, rejection_sample_method="synthetic", synthetic_acceptance_rates=(1.0, 0.5),
+                   batch1_profile=Profile(num_speculative_tokens=5)).validate()
+    with pytest.raises(ValueError, match="batch_size=0"):
+        spec.k_for_batch(0)

@@ -23,7 +23,6 @@ from dspark.kernels.moe.reference import LatentMoEWeights
 
 from . import weights as layout
 from .config import K3Config
-from .numerics import per_row, rms_normalise, rms_norm, sigmoid_gate, situ
 
 # Spec §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
 # output (one JAX re-implementation feeds attention and FFN from the same value set instead).
@@ -31,8 +30,10 @@ from .numerics import per_row, rms_normalise, rms_norm, sigmoid_gate, situ
 FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 
 
-# MLA projections that read the layer input h, fused into one GEMM (K3Model._fuse_rows).
+# Projections that read the same input, fused into one GEMM each (K3Model._fuse_rows).
 MLA_INPUT_PROJECTIONS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.g_proj.weight")
+KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "g", "f_a", "b"))
+DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 
 
 @dataclass
@@ -65,7 +66,8 @@ class K3Model:
         self.moe: dict[int, LatentMoEWeights] = {}
         self.conv_weights: dict[int, torch.Tensor] = {}
         self.mla_absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.mla_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self.fused_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}  # attention's fused input GEMM
+        self.ffn_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the dense FFN's gate|up GEMM
         self.kda_index = {i: k for k, i in enumerate(cfg.kda_layers)}
         self.mla_index = {i: k for k, i in enumerate(cfg.mla_layers)}
         for i in range(cfg.num_layers):
@@ -75,6 +77,7 @@ class K3Model:
                 self.conv_weights[i] = torch.stack(
                     [tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
                 ).float()
+                self.fused_inputs[i] = self._fuse_rows(i, KDA_INPUT_PROJECTIONS)
             else:
                 # kv_b [H*(nope+v), R] splits per head into W_UK [nope, R] and W_UV [v, R]
                 # (spec §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
@@ -82,9 +85,13 @@ class K3Model:
                 w_uk_t = kv_b[:, : cfg.qk_nope_head_dim].transpose(1, 2).contiguous()  # [H, R, nope]
                 w_uv = kv_b[:, cfg.qk_nope_head_dim :].contiguous()  # [H, v, R]
                 self.mla_absorbed[i] = (w_uk_t, w_uv)
-                self.mla_inputs[i] = self._fuse_rows(i, MLA_INPUT_PROJECTIONS)
+                self.fused_inputs[i] = self._fuse_rows(i, MLA_INPUT_PROJECTIONS)
             if cfg.ffn_type(i) == "moe":
                 self.moe[i] = self._stack_moe(i, tensors)
+            else:
+                self.ffn_inputs[i] = self._fuse_rows(i, DENSE_FFN_INPUT_PROJECTIONS)
+        # Block AttnRes seals a checkpoint every attn_res_block_size layers (docs/kimi-k3.md §7).
+        self.max_checkpoints = len(range(0, cfg.num_layers, cfg.attn_res_block_size))
 
     @classmethod
     def random(cls, cfg: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "K3Model":
@@ -149,32 +156,15 @@ class K3Model:
     def _w(self, i: int, suffix: str) -> torch.Tensor:
         return self.tensors[f"{layout.layer_prefix(i)}.{suffix}"]
 
-    def _mix(self, current, checkpoints, norm_weight, proj_weight):
-        """AttnRes mix (spec §7; `_apply_attn_res` of modeling_kimi_linear.py): candidates
-        {checkpoints..., current} in that order, score = RMSNorm(v) . (norm_weight * proj) in
-        fp32, softmax over candidates, weighted sum of the raw candidates in fp32."""
-        candidates = checkpoints + [current]
-        score_weight = (norm_weight.float() * proj_weight.float().view(-1)).view(1, -1)
-        scores = torch.cat(
-            [ops.linear(rms_normalise(v, self.cfg.rms_norm_eps), score_weight) for v in candidates], dim=-1
-        )
-        weights = per_row(lambda row: torch.softmax(row, dim=-1), scores)
-        out = weights[..., :1] * candidates[0].float()
-        for j in range(1, len(candidates)):
-            out = out + weights[..., j : j + 1] * candidates[j].float()
-        return out.to(current.dtype)
-
     def _kda(self, i, h, B, T, lengths, state, conv_state):
         cfg, a = self.cfg, "self_attn"
         W = cfg.kda_width
-
-        def proj(name, x=h):
-            return ops.linear(x, self._w(i, f"{a}.{name}.weight"))
-
-        f = proj("f_b_proj", proj("f_a_proj"))
+        fused, sizes = self.fused_inputs[i]
+        q, k, v, g, f_a, beta = ops.linear(h, fused).split(sizes, dim=-1)  # KDA_INPUT_PROJECTIONS order
+        f = ops.linear(f_a, self._w(i, f"{a}.f_b_proj.weight"))
         o, records = ops.kda_verify(
-            proj("q_proj").view(B, T, W), proj("k_proj").view(B, T, W), proj("v_proj").view(B, T, W),
-            f.view(B, T, W), proj("b_proj").view(B, T, cfg.kda_num_heads), proj("g_proj").view(B, T, W),
+            q.reshape(B, T, W), k.reshape(B, T, W), v.reshape(B, T, W), f.view(B, T, W),
+            beta.reshape(B, T, cfg.kda_num_heads), g.reshape(B, T, W),
             self.conv_weights[i], conv_state, self._w(i, f"{a}.A_log")[: cfg.kda_num_heads],
             self._w(i, f"{a}.dt_bias"), self._w(i, f"{a}.o_norm.weight"), state, lengths,
             lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps,
@@ -185,11 +175,11 @@ class K3Model:
         cfg, a = self.cfg, "self_attn"
         H, R, P, nope = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
         eps = cfg.rms_norm_eps
-        fused, sizes = self.mla_inputs[i]
+        fused, sizes = self.fused_inputs[i]
         q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
-        c_q = rms_norm(q_a, self._w(i, f"{a}.q_a_layernorm.weight"), eps)
+        c_q = ops.rms_norm(q_a, self._w(i, f"{a}.q_a_layernorm.weight"), eps)
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
-        c_kv = rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
+        c_kv = ops.rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
         rows = torch.cat([c_kv, kv[:, R:]], dim=-1).view(B, T, R + P)
         self._write_rows(cache, rows, slots, cache_lens, lengths)
         w_uk_t, w_uv = self.mla_absorbed[i]
@@ -200,7 +190,7 @@ class K3Model:
             cfg.qk_head_dim**-0.5,
         ).view(B * T, H, R)
         o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
-        o = sigmoid_gate(o, gate)
+        o = ops.sigmoid_gate(o, gate)
         return ops.linear(o, self._w(i, f"{a}.o_proj.weight"))
 
     @staticmethod
@@ -218,8 +208,9 @@ class K3Model:
     def _ffn(self, i, y):
         cfg = self.cfg
         if cfg.ffn_type(i) == "dense":
-            act = situ(ops.linear(y, self._w(i, "mlp.gate_proj.weight")), ops.linear(y, self._w(i, "mlp.up_proj.weight")),
-                       cfg.situ_beta, cfg.situ_linear_beta)
+            fused, sizes = self.ffn_inputs[i]
+            gate, up = ops.linear(y, fused).split(sizes, dim=-1)  # DENSE_FFN_INPUT_PROJECTIONS order
+            act = ops.situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
             return ops.linear(act, self._w(i, "mlp.down_proj.weight"))
         return ops.latent_moe(y, self.moe[i], cfg)
 
@@ -237,19 +228,28 @@ class K3Model:
         if -1 in tap_layers:
             taps[-1] = hidden.view(B, T, -1)
         records = []
-        checkpoints: list[torch.Tensor] = []
-        prefix = hidden  # running sum of the current block (spec §7)
+        # Sealed checkpoints stacked [n, B*T, d] (filled as blocks seal), so a mix reads them as one tensor.
+        checkpoints = hidden.new_empty(self.max_checkpoints, B * T, hidden.shape[-1])
+        sealed = 0
+        prefix = hidden  # running sum of the current block (docs/kimi-k3.md §7)
         eps = cfg.rms_norm_eps
+
+        def mix_norm(current, num_checkpoints, mix_norm_weight, mix_proj_weight, norm_weight):
+            """RMSNorm of the AttnRes mix of {checkpoints, current} (of current alone before any seal)."""
+            if num_checkpoints == 0:
+                return ops.rms_norm(current, norm_weight, eps)
+            return ops.attn_res_mix_norm(current, checkpoints[:num_checkpoints], mix_norm_weight, mix_proj_weight,
+                                         norm_weight, eps)
+
         for i in range(cfg.num_layers):
-            x = prefix if not checkpoints else self._mix(
-                prefix, checkpoints, self._w(i, "self_attention_res_norm.weight"), self._w(i, "self_attention_res_proj.weight")
-            )
-            before_prefix, before_checkpoints = prefix, list(checkpoints)
+            h = mix_norm(prefix, sealed, self._w(i, "self_attention_res_norm.weight"),
+                         self._w(i, "self_attention_res_proj.weight"), self._w(i, "input_layernorm.weight"))
+            before_prefix, before_sealed = prefix, sealed
             block_prefix = prefix
             if i % cfg.attn_res_block_size == 0:  # seal: the block so far becomes a checkpoint
-                checkpoints.append(prefix)
+                checkpoints[sealed] = prefix
+                sealed += 1
                 block_prefix = None
-            h = rms_norm(x, self._w(i, "input_layernorm.weight"), eps)
             if cfg.layer_type(i) == "kda":
                 k = self.kda_index[i]
                 attn, rec = self._kda(i, h, B, T, lengths, *state.kda[k])
@@ -257,14 +257,16 @@ class K3Model:
             else:
                 attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens)
             prefix = attn if block_prefix is None else block_prefix + attn
-            mix_norm, mix_proj = self._w(i, "mlp_res_norm.weight"), self._w(i, "mlp_res_proj.weight")
+            ffn_mix = (self._w(i, "mlp_res_norm.weight"), self._w(i, "mlp_res_proj.weight"),
+                       self._w(i, "post_attention_layernorm.weight"))
             if FFN_MIX_INCLUDES_LAYER_ATTENTION:
-                y = self._mix(prefix, checkpoints, mix_norm, mix_proj)
+                y = mix_norm(prefix, sealed, *ffn_mix)
             else:
-                y = before_prefix if not before_checkpoints else self._mix(before_prefix, before_checkpoints, mix_norm, mix_proj)
-            prefix = prefix + self._ffn(i, rms_norm(y, self._w(i, "post_attention_layernorm.weight"), eps))
+                y = mix_norm(before_prefix, before_sealed, *ffn_mix)
+            prefix = prefix + self._ffn(i, y)
             if i in tap_layers:
                 taps[i] = prefix.view(B, T, -1)
-        final = self._mix(prefix, checkpoints, self.tensors[layout.OUTPUT_RES_NORM], self.tensors[layout.OUTPUT_RES_PROJ])
-        logits = ops.linear(rms_norm(final, self.tensors[layout.FINAL_NORM], eps), self.tensors[layout.LM_HEAD]).float()
+        final = mix_norm(prefix, sealed, self.tensors[layout.OUTPUT_RES_NORM], self.tensors[layout.OUTPUT_RES_PROJ],
+                         self.tensors[layout.FINAL_NORM])
+        logits = ops.linear(final, self.tensors[layout.LM_HEAD]).float()
         return logits.view(B, T, -1), taps, records

@@ -54,6 +54,10 @@ def _host_ints(values) -> list[int] | None:
 
 
 class K3Target:
+    # verify and commit take a device tensor of slots and never read device values on the host,
+    # so an engine may capture them in a CUDA graph (dspark/graph_step.py)
+    supports_cuda_graphs = True
+
     def __init__(self, model: K3Model, max_slots: int, max_seq_len: int):
         cfg = model.cfg
         if max_slots < 1:
@@ -134,9 +138,18 @@ class K3Target:
                                  f"{have} tokens and {n} more were fed")
 
     # ------------------------------------------------------------------------ protocol
-    def verify(self, slots, tokens: torch.Tensor, lengths, tap_layers=()) -> TargetOutput:
+    def _batch(self, slots) -> tuple[list[int] | torch.Tensor, torch.Tensor]:
+        """(slots as given after checks, their device index). A device tensor of slots (a CUDA
+        graph's static buffer) is taken as the index unread; host slots are checked."""
+        if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
+            if slots.dim() != 1 or slots.dtype != torch.long:
+                raise ValueError(f"slots: a device tensor of slots must be 1-D long, got {tuple(slots.shape)} {slots.dtype}")
+            return slots, slots
         slots = self._check_slots(slots)
-        index = self._slot_index(slots)
+        return slots, self._slot_index(slots)
+
+    def verify(self, slots, tokens: torch.Tensor, lengths, tap_layers=()) -> TargetOutput:
+        slots, index = self._batch(slots)
         if tokens.dim() != 2 or tokens.shape[0] != len(slots):
             raise ValueError(f"tokens: expected [{len(slots)}, T], got {tuple(tokens.shape)}")
         T = tokens.shape[1]
@@ -178,10 +191,15 @@ class K3Target:
         """Keep num_tokens[r] tokens of slots[r]; slots must be among the last verify's (the
         engine commits only the requests that go on; the others keep nothing). num_tokens may
         stay on the device: then it is not read on the host."""
-        slots = self._check_slots(slots)
         if self._pending is None:
             raise ValueError("slots: commit without a preceding verify")
         verified, kda, conv, records, lengths, width = self._pending
+        if isinstance(verified, torch.Tensor):
+            if slots is not verified:
+                raise ValueError("slots: after a verify of device slots, commit takes that same tensor")
+            self._commit_batch(verified, kda, conv, records, num_tokens.to(torch.long))
+            return
+        slots = self._check_slots(slots)
         for slot in slots:
             if slot not in verified:
                 raise ValueError(f"slots: {slot} was not in the last verify (slots {verified})")
@@ -199,12 +217,15 @@ class K3Target:
         if slots != verified:  # counts over the whole verified batch: 0 (unchanged) for the others
             rows = self._to_device([verified.index(s) for s in slots])
             counts_t = torch.zeros(len(verified), dtype=torch.long, device=self.device).index_copy_(0, rows, counts_t)
+        self._commit_batch(self._slot_index(verified), kda, conv, records, counts_t)
+
+    def _commit_batch(self, index, kda, conv, records, counts: torch.Tensor) -> None:
+        """Advance the verified batch (device index) by counts [B] on the device, in place."""
         for k, rec in enumerate(records):
-            ops.kda_commit(kda[k], conv[k], rec, counts_t)
-        index = self._slot_index(verified)
+            ops.kda_commit(kda[k], conv[k], rec, counts)
         self.kda_state.index_copy_(0, index, kda.transpose(0, 1))
         self.conv_state.index_copy_(0, index, conv.transpose(0, 1))
-        self.lengths.index_add_(0, index, counts_t)
+        self.lengths.index_add_(0, index, counts)
         self._pending = None
 
     def prefill(self, slots, prompts: list[torch.Tensor], tap_layers=()) -> TargetOutput:
@@ -234,7 +255,8 @@ class K3Target:
         self.kda_state.index_fill_(0, index, 0)
         self.conv_state.index_fill_(0, index, 0)
         self.lengths.index_fill_(0, index, 0)
-        if self._pending is not None and set(self._pending[0]) & set(slots):
+        if self._pending is not None and (isinstance(self._pending[0], torch.Tensor)
+                                          or set(self._pending[0]) & set(slots)):
             self._pending = None
 
 

@@ -1,0 +1,191 @@
+"""The target's part of an engine step as CUDA graphs: verify + acceptance + commit, replayed.
+
+One graph per (batch bucket, T, sampling flavour), captured the first time that shape is needed
+and replayed every step after. Inputs go into static buffers (one host-to-device copy of the
+slots, anchors and row flags from pinned memory, plus device-to-device copies of the drafts);
+the accepted counts, next tokens and drafts come back in one asynchronous copy into pinned
+memory, the one host read of the step (docs/architecture.md, "The step on the GPU").
+
+Capture is side-effect free, so it can happen mid-run on live slots: the commit inside the
+graph keeps `(num_accepted + 1) * enabled` tokens, and `enabled` is 0 while warming up and
+capturing (a verify is output-only; the MLA rows it writes lie past the committed length).
+Padding rows of a bucket (batch 3 runs in the bucket of 4) take free slots, verify 0 tokens
+and commit 0: they change nothing.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .cuda_graphs import StepGraph
+from .kernels import ops
+from .sampling import SamplingTensors
+
+BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass
+class GraphStepResult:
+    """The host's view of one replayed step (lists over the real rows) and device views that the
+    drafter's commit reads (rows of the bucket's static buffers, valid until the next replay)."""
+
+    num_accepted: list[int]
+    next_token: list[int]
+    num_drafts: list[int]
+    drafts: list[list[int]]
+    num_accepted_device: torch.Tensor  # [B]
+    tokens_device: torch.Tensor  # [B, T]: anchor and drafts as verified
+    taps: dict[int, torch.Tensor]  # {layer: [B, T, d]}
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # the bucket
+    tokens: int  # T = 1 + drafts verified
+    all_greedy: bool  # SamplingTensors' host flags choose the acceptance kernels' variant
+    filters: bool
+    has_probs: bool  # dense draft probabilities (probabilistic drafting)
+    synthetic: bool  # forced acceptance (synthetic_sample) instead of rejection sampling
+
+
+class _StaticStep:
+    """The buffers of one graph and the step it runs on them."""
+
+    def __init__(self, owner: "GraphedStep", key: GraphKey):
+        target, dev, B, T = owner.target, owner.target.device, key.batch, key.tokens
+        V = target.vocab_size
+        self.owner, self.key = owner, key
+        self.rows = torch.zeros(3, B, dtype=torch.long, device=dev)  # slots, anchors, valid (1 = real row)
+        self.drafts = torch.zeros(B, T - 1, dtype=torch.long, device=dev)
+        self.num_drafts = torch.zeros(B, dtype=torch.long, device=dev)
+        self.uniforms = torch.zeros(B, max(T - 1, 1), device=dev)
+        self.noise = torch.ones(B, V, device=dev)
+        self.probs = torch.ones(B, T - 1, V, device=dev) if key.has_probs else None
+        self.cond_rates = torch.ones(max(T - 1, 1), device=dev) if key.synthetic else None
+        self.rates_source = None
+        self.sampling = SamplingTensors(torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
+                                        torch.ones(B, device=dev), key.all_greedy, key.filters)
+        self.sampling_source = None
+        self.host_out = torch.empty(B, T + 2, dtype=torch.long, pin_memory=True)
+        self.done = torch.cuda.Event()
+
+    def __call__(self):
+        owner, key = self.owner, self.key
+        slots, anchors, valid = self.rows
+        num_drafts = self.num_drafts * valid
+        self.tokens = torch.cat([anchors[:, None], self.drafts], dim=1)  # an output: the drafter commits it
+        out = owner.target.verify(slots, self.tokens, (1 + num_drafts) * valid, owner.tap_layers)
+        uniforms = self.uniforms[:, : key.tokens - 1]
+        if key.synthetic:
+            num_accepted, next_token = ops.synthetic_sample(
+                out.logits, self.drafts, num_drafts, self.cond_rates, self.sampling, uniforms, self.noise)
+        else:
+            num_accepted, next_token = ops.rejection_sample(
+                out.logits, self.drafts, num_drafts, self.probs, self.sampling, uniforms, self.noise)
+        owner.target.commit(slots, (num_accepted + 1) * valid * owner.enabled)
+        packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], self.drafts], dim=1)
+        return packed, num_accepted, out.taps
+
+
+class GraphedStep:
+    """Graphs of one engine's target step, keyed by GraphKey; `run` replays (capturing first when
+    the key is new) and returns the host's view of the step."""
+
+    def __init__(self, target, tap_layers=(), buckets=BUCKETS):
+        if target.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True: the target is on {target.device}; CUDA graphs need a CUDA target")
+        for name in ("verify", "commit"):
+            if not callable(getattr(target, name, None)):
+                raise ValueError(f"cuda_graphs=True: the target has no {name}()")
+        self.target = target
+        self.tap_layers = tuple(tap_layers)
+        self.buckets = tuple(b for b in sorted(buckets) if b <= target.max_slots)
+        self.enabled = torch.ones((), dtype=torch.long, device=target.device)
+        self._steps: dict[GraphKey, tuple[StepGraph, _StaticStep]] = {}
+        self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
+        self._pool = None
+        self._host_rows: dict[int, torch.Tensor] = {}
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest bucket that holds `batch` requests (None: larger than every bucket)."""
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def capture(self, batch: int, tokens: int, *, all_greedy: bool = True, filters: bool = False,
+                has_probs: bool = False, synthetic: bool = False) -> None:
+        """Capture one graph ahead of use (an engine does its common shapes at start). The
+        buffers start zeroed: every row verifies 0 tokens, so this touches no state."""
+        key = GraphKey(batch, tokens, all_greedy, filters, has_probs, synthetic)
+        if key not in self._steps:
+            step = _StaticStep(self, key)
+            self._steps[key] = (self._capture(key, step), step)
+
+    def _capture(self, key: GraphKey, step: _StaticStep) -> StepGraph:
+        self.enabled.fill_(0)
+        try:
+            graph = StepGraph(step, f"engine step (batch bucket {key.batch}, T={key.tokens})", pool=self._pool)
+        finally:
+            self.enabled.fill_(1)
+        self._pool = graph.pool
+        return graph
+
+    def run(self, slots: list[int], free_slots: list[int], anchors: list[int], drafts: torch.Tensor,
+            num_drafts: torch.Tensor, probs: torch.Tensor | None, sampling: SamplingTensors,
+            uniforms: torch.Tensor | None, noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None):
+        """One step for requests in `slots` (padding rows take `free_slots`). drafts [B, T - 1],
+        num_drafts [B], probs [B, T - 1, V] or None, uniforms [B, >= T - 1] and noise [B, V] or
+        None (all-greedy standard acceptance reads neither), cond_rates [T - 1] for synthetic
+        acceptance (None: rejection sampling) are device tensors. Returns a GraphStepResult."""
+        B, T = len(slots), drafts.shape[1] + 1
+        Bk = self.bucket(B)
+        if Bk is None:
+            raise ValueError(f"batch of {B}: larger than every CUDA-graph bucket {self.buckets}")
+        if len(free_slots) < Bk - B:
+            raise ValueError(f"batch of {B} in bucket {Bk}: needs {Bk - B} free slots for padding, have {len(free_slots)}")
+        key = GraphKey(Bk, T, bool(sampling.all_greedy), bool(sampling.filters), probs is not None,
+                       cond_rates is not None)
+        inputs = (slots, free_slots, anchors, drafts, num_drafts, probs, sampling, uniforms, noise, cond_rates)
+        if key not in self._steps:
+            step = _StaticStep(self, key)
+            self._fill(step, *inputs)
+            self._steps[key] = (self._capture(key, step), step)
+        graph, step = self._steps[key]
+        self._fill(step, *inputs)
+        packed, num_accepted, taps = graph.replay()
+        self.replays[key] += 1
+        step.host_out.copy_(packed, non_blocking=True)
+        step.done.record()
+        step.done.synchronize()
+        rows = step.host_out[:B].tolist()
+        return GraphStepResult(
+            num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows], num_drafts=[r[2] for r in rows],
+            drafts=[r[3:] for r in rows], num_accepted_device=num_accepted[:B], tokens_device=step.tokens[:B],
+            taps={layer: t[:B] for layer, t in taps.items()})
+
+    def _fill(self, step: _StaticStep, slots, free_slots, anchors, drafts, num_drafts, probs, sampling,
+              uniforms, noise, cond_rates) -> None:
+        B, Bk = len(slots), step.key.batch
+        host = self._host_rows.get(Bk)
+        if host is None:
+            host = self._host_rows[Bk] = torch.zeros(3, Bk, dtype=torch.long, pin_memory=True)
+        host[0, :B] = torch.tensor(slots)
+        host[0, B:] = torch.tensor(free_slots[: Bk - B], dtype=torch.long)
+        host[1, :B] = torch.tensor(anchors)
+        host[2, :B], host[2, B:] = 1, 0
+        step.rows.copy_(host, non_blocking=True)
+        step.drafts[:B].copy_(drafts)
+        step.num_drafts[:B].copy_(num_drafts)
+        if step.sampling_source is not sampling:  # parameters change only when the batch does
+            for name in ("temperature", "top_k", "top_p"):
+                getattr(step.sampling, name)[:B].copy_(getattr(sampling, name))
+            step.sampling_source = sampling
+        if probs is not None:
+            step.probs[:B].copy_(probs)
+        if uniforms is not None and step.key.tokens > 1:
+            step.uniforms[:B, : step.key.tokens - 1].copy_(uniforms[:, : step.key.tokens - 1])
+        if noise is not None:
+            step.noise[:B].copy_(noise)
+        if cond_rates is not None and step.rates_source is not cond_rates:
+            step.cond_rates[: cond_rates.shape[0]].copy_(cond_rates)
+            step.rates_source = cond_rates

@@ -1,0 +1,19 @@
+"""SiTU-GLU and the sigmoid output gate as ops: the definitions (docs/kimi-k3.md §1.2, §2, §3),
+per row on the CPU (kernels/numerics.py)."""
+from __future__ import annotations
+
+import torch
+
+from ..numerics import sigmoid_gate as _sigmoid_gate
+from ..numerics import situ
+from ..registry import register
+
+
+@register("situ_glu", "reference", priority=0)
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    return situ(gate, up, beta, linear_beta)
+
+
+@register("sigmoid_gate", "reference", priority=0)
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return _sigmoid_gate(x, gate)

@@ -1,0 +1,32 @@
+"""Triton kernels of K3's fused activations (imported on first use)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): exact limits at both ends (exp overflows to inf -> 1, underflows -> -1)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def situ_glu_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, beta, linear_beta,
+                    BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
+    tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_g, out_ptr, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (x * tl.sigmoid(g)).to(dtype), mask=mask)

@@ -1,0 +1,43 @@
+"""RMSNorm and Block AttnRes's mix as ops: the definitions (docs/kimi-k3.md §1.2, §7).
+
+Per row on the CPU (kernels/numerics.py), so a token's value does not depend on its batch.
+attn_res_mix_norm is the mix followed by the RMSNorm that always comes after it in K3 (the
+layer's input norm, the FFN's norm, the final norm): one op, so a GPU kernel does both in one
+pass over the candidates.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..numerics import per_row, rms_normalise
+from ..numerics import rms_norm as _rms_norm
+from ..ops import linear
+from ..registry import register
+
+
+@register("rms_norm", "reference", priority=0)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps)
+
+
+def attn_res_mix(current: torch.Tensor, checkpoints: list[torch.Tensor], norm_weight: torch.Tensor,
+                 proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Candidates {checkpoints..., current} in that order, score = RMSNorm(v) . (norm_weight *
+    proj) in fp32, softmax over the candidates, weighted sum of the raw candidates in fp32,
+    result in current's dtype."""
+    candidates = checkpoints + [current]
+    score_weight = (norm_weight.float() * proj_weight.float().view(-1)).view(1, -1)
+    scores = torch.cat([linear(rms_normalise(v, eps), score_weight) for v in candidates], dim=-1)
+    weights = per_row(lambda row: torch.softmax(row, dim=-1), scores)
+    out = weights[..., :1] * candidates[0].float()
+    for j in range(1, len(candidates)):
+        out = out + weights[..., j : j + 1] * candidates[j].float()
+    return out.to(current.dtype)
+
+
+@register("attn_res_mix_norm", "reference", priority=0)
+def attn_res_mix_norm(current: torch.Tensor, checkpoints: torch.Tensor, mix_norm: torch.Tensor,
+                      mix_proj: torch.Tensor, out_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(attn_res_mix(current, checkpoints), out_norm); checkpoints [C, M, d] (C >= 0)."""
+    mixed = attn_res_mix(current, list(checkpoints.unbind(0)), mix_norm, mix_proj, eps)
+    return _rms_norm(mixed, out_norm, eps)

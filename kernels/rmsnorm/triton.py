@@ -1,0 +1,87 @@
+"""RMSNorm and the AttnRes mix + RMSNorm as one Triton launch each (contracts: reference.py).
+
+Why: in a batch-1 step each of these was a chain of small torch kernels (casts, a mean, an
+rsqrt, products; the mix adds a score GEMV per candidate, a softmax and a weighted sum), about
+forty launches per mix, each a few microseconds on a handful of rows (docs/kernels.md §5).
+"""
+import functools
+import importlib.util
+
+import torch
+
+from ..registry import register
+
+MAX_WIDTH = 16384  # the row lives in registers: 16384 fp32 over 16 warps is 32 per thread
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernels():
+    from . import triton_kernels  # imports triton: only on first use
+
+    return triton_kernels
+
+
+def _launch_shape(width: int) -> tuple[int, int]:
+    block = triton_block(width)
+    return block, min(16, max(1, block // 512))
+
+
+def triton_block(width: int) -> int:
+    return 1 << (width - 1).bit_length()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out: an optional contiguous buffer of x's shape and dtype (tests poison it first)."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if out is None else out.view(rows.shape)
+    block, warps = _launch_shape(rows.shape[1])
+    if rows.shape[0]:
+        _kernels().rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1],
+                                                     float(eps), BLOCK=block, num_warps=warps)
+    return out.view(x.shape)
+
+
+def attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_norm, eps: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    M, d = current.shape
+    out = torch.empty(current.shape, dtype=current.dtype, device=current.device) if out is None else out
+    block, warps = _launch_shape(d)
+    candidates = triton_block(checkpoints.shape[0] + 1)
+    if M:
+        _kernels().attn_res_mix_norm_kernel[(M,)](
+            checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0),
+            mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
+            BLOCK=block, CANDIDATES=candidates, num_warps=warps)
+    return out
+
+
+def _row_major(x: torch.Tensor) -> bool:
+    return x.dtype in _DTYPES and x.shape[-1] <= MAX_WIDTH and x.stride(-1) == 1
+
+
+def supports_rms_norm(x, weight) -> bool:
+    """Rows may be strided (a column slice of a fused GEMM's output) when x is 2-D."""
+    return (_row_major(x) and (x.dim() == 2 or x.is_contiguous()) and weight.is_contiguous()
+            and weight.shape == x.shape[-1:])
+
+
+def supports_attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_norm) -> bool:
+    d = current.shape[-1]
+    return (current.dim() == 2 and _row_major(current) and checkpoints.dim() == 3 and checkpoints.stride(-1) == 1
+            and checkpoints.shape[1:] == current.shape and checkpoints.dtype == current.dtype
+            and all(w.is_contiguous() and w.numel() == d for w in (mix_norm, mix_proj, out_norm)))
+
+
+register("rms_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_rms_norm)(rms_norm)
+register("attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_attn_res_mix_norm)(attn_res_mix_norm)

@@ -1,0 +1,53 @@
+"""Triton kernels of the K3 norms (imported on first use: importing triton is slow and CI's
+CPU machines may not have it). One program per row; the whole row sits in registers (K3's
+hidden size 7168 -> a block of 8192), so every statistic is one in-register reduction.
+rsqrt(sum(x^2) / d + eps) is written out where used: Triton's CPU interpreter, which CI runs
+these kernels under, cannot call tl.sum inside a nested @triton.jit helper."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < d
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # the reference rounds twice: the normalised row to x's dtype, then weight * row
+    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype), mask=mask)
+
+
+@triton.jit
+def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, mix_norm_ptr,
+                             mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps, NUM_CKPT: tl.constexpr,
+                             BLOCK: tl.constexpr, CANDIDATES: tl.constexpr):
+    """AttnRes mix over {checkpoints[0..NUM_CKPT), current} followed by RMSNorm, per row. The
+    checkpoint count is a compile-time constant (a model has a handful: one build each), so the
+    candidate loops unroll."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < d
+    which = tl.arange(0, CANDIDATES)
+    score_w = (tl.load(mix_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+               * tl.load(mix_proj_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    scores = tl.full([CANDIDATES], float("-inf"), tl.float32)
+    for c in tl.static_range(0, NUM_CKPT):
+        x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+        scores = tl.where(which == c, tl.sum(x * score_w, axis=0) * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps), scores)
+    current = tl.load(cur_ptr + row * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
+    scores = tl.where(which == NUM_CKPT, tl.sum(current * score_w, axis=0) * tl.rsqrt(tl.sum(current * current, axis=0) / d + eps), scores)
+    p = tl.exp(scores - tl.max(scores, axis=0))
+    p = p / tl.sum(p, axis=0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c in tl.static_range(0, NUM_CKPT):
+        x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(which == c, p, 0.0), axis=0) * x
+    acc += tl.sum(tl.where(which == NUM_CKPT, p, 0.0), axis=0) * current
+    dtype = out_ptr.dtype.element_ty
+    mixed = acc.to(dtype).to(tl.float32)  # the mix's output is a tensor of current's dtype
+    y = (mixed * tl.rsqrt(tl.sum(mixed * mixed, axis=0) / d + eps)).to(dtype).to(tl.float32)
+    w = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype), mask=mask)

@@ -1,0 +1,57 @@
+"""Run by tests/test_fused_glue_triton.py in a fresh process with TRITON_INTERPRET=1 (the
+interpreter must be chosen before triton is first imported): the fused glue kernels on the CPU
+in float32 against their references in float64. Exits non-zero with the failing check's name.
+
+Tolerance: float32 arithmetic on O(1) values, max abs error 1e-4 against float64."""
+import sys
+
+import torch
+
+from dspark.kernels.activation import reference as act_ref
+from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.rmsnorm import reference as norm_ref
+from dspark.kernels.rmsnorm import triton as norm_triton
+
+ATOL = 1e-4
+
+
+def close(got, want, what):
+    if got.shape != want.shape or not torch.isfinite(got).all():
+        sys.exit(f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)} or non-finite output")
+    err = (got.double() - want).abs().max().item()
+    if not err < ATOL:
+        sys.exit(f"{what}: max abs error {err:.2e} >= {ATOL}")
+
+
+def main(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for width in (64, 100, 7168):
+        fused = torch.randn(5, width + 24, generator=gen) * 2 + 0.5
+        x = fused[:, 8 : 8 + width]  # a column slice of a wider GEMM output: strided rows
+        weight = torch.rand(width, generator=gen) + 0.5
+        out = torch.full((5, width), float("nan"))
+        got = norm_triton.rms_norm(x, weight, 1e-6, out=out)
+        close(got, norm_ref.rms_norm(x.double(), weight.double(), 1e-6), f"rms_norm width {width}")
+    M, d = 4, 96
+    for num_checkpoints in (0, 1, 3):
+        current = torch.randn(M, d, generator=gen) * 3
+        ckpts = torch.randn(num_checkpoints, M, d, generator=gen) * 2
+        mix_norm, mix_proj, out_norm = (torch.rand(d, generator=gen) + 0.5 for _ in range(3))
+        want = norm_ref.attn_res_mix_norm(current.double(), ckpts.double(), mix_norm.double(), mix_proj.double(),
+                                          out_norm.double(), 1e-6)
+        got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6,
+                                            out=torch.full((M, d), float("nan")))
+        close(got, want, f"attn_res_mix_norm with {num_checkpoints} checkpoints")
+    rows, n = 3, 1500  # two column blocks, the second partial
+    gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
+    gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre
+    close(act_triton.situ_glu(gate, up, 3.0, 5.0, out=torch.full((rows, n), float("nan"))),
+          act_ref.situ_glu(gate.double(), up.double(), 3.0, 5.0), "situ_glu")
+    x = torch.randn(rows, n, generator=gen)
+    close(act_triton.sigmoid_gate(x, gate, out=torch.full((rows, n), float("nan"))),
+          act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
+    print("fused glue kernels: all checks passed")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

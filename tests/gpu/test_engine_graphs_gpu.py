@@ -1,0 +1,121 @@
+"""The engine on the GPU with CUDA graphs (k3-slice: real dimensions, every op on its kernel).
+
+- Graph replay against the same engine run eagerly (cuda_graphs=False): the same kernels at the
+  same shapes, so outputs and acceptance are identical token for token, greedy and seeded
+  sampling, with requests of different lengths leaving mid-run (the batch moves from bucket 4
+  to bucket 2 to bucket 1).
+- Greedy speculative decoding against plain decoding: the GPU kernels are equal to a tolerance
+  across T (a verify of 8 tokens and a decode of 1 use different GEMM splits), so the outputs
+  must agree until a position where plain decoding's top-2 logit margin is within that
+  tolerance (0.05 on logits of unit scale; bf16 GEMMs differ by about 1e-2 there).
+"""
+import pytest
+import torch
+
+from dspark.config import SamplingParams, SpecConfig
+from dspark.drafters.uniform import UniformDrafter
+from dspark.engine import Engine
+from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MARGIN = 0.05
+
+
+@pytest.fixture(scope="module")
+def model():
+    return K3Model.random(K3_SLICE, seed=int(torch.randint(0, 2**31 - 1, ())), dtype=torch.bfloat16, device="cuda")
+
+
+def _prompts(gen, lengths):
+    return [torch.randint(0, K3_SLICE.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_graph_engine_equals_eager_engine(model, temperature):
+    """Batch 1 (the bucket of 1: the same shapes as eager); batches with padding rows are checked
+    bitwise at the graph level (tests/gpu/test_graph_step_gpu.py)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompts = _prompts(gen, (5, 9))
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=11 + n) for n in (30, 12)]
+    spec = SpecConfig(num_speculative_tokens=5, rejection_sample_method="synthetic", synthetic_acceptance_length=3.5)
+    outs = []
+    for graphs in (True, False):
+        target = K3Target(model, max_slots=4, max_seq_len=128)
+        engine = Engine(target, UniformDrafter(K3_SLICE.vocab_size), spec, cuda_graphs=graphs)
+        assert (engine._graphs is not None) == graphs
+        outs.append([(o.token_ids, o.num_accepted_drafts) for p, q in zip(prompts, params)
+                     for o in engine.generate([p], q)])
+    assert outs[0] == outs[1]
+    assert [len(t) for t, _ in outs[0]] == [30, 12]
+
+
+def test_a_batch_leaving_mid_run_replays_smaller_buckets(model):
+    """Four requests of different lengths: buckets 4, 2 and 1 in turn, padding rows on free slots;
+    every request gets its tokens and the engine ends with every slot free."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    target = K3Target(model, max_slots=4, max_seq_len=128)
+    spec = SpecConfig(num_speculative_tokens=3, rejection_sample_method="synthetic", synthetic_acceptance_length=2.5)
+    engine = Engine(target, UniformDrafter(K3_SLICE.vocab_size), spec)
+    lengths = (25, 4, 17, 9)
+    outs = engine.generate(_prompts(gen, (6, 4, 8, 3)),
+                           [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+    assert [len(o.token_ids) for o in outs] == list(lengths)
+    assert all(0 <= t < K3_SLICE.vocab_size for o in outs for t in o.token_ids)
+    assert sorted(engine._free_slots) == [0, 1, 2, 3] and not engine.has_unfinished()
+    assert {key.batch for key in engine._graphs.replays} == {1, 2, 4}
+
+
+def _plain_top2_margin(model, prompt, emitted, position):
+    """Plain decoding's top-2 logit margin for the token at `position` of the output."""
+    target = K3Target(model, max_slots=1, max_seq_len=256)
+    tokens = torch.tensor(prompt + emitted[:position])
+    logits = target.prefill([0], [tokens]).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+class OracleDrafter:
+    """Drafts plain decoding's own continuation with every fourth draft wrong, so steps accept
+    several drafts and also reject: both paths of the acceptance run."""
+
+    tap_layers = ()
+
+    def __init__(self, continuation: list[int], vocab_size: int):
+        self.continuation, self.vocab_size, self.position = continuation, vocab_size, 0
+
+    def start(self, slot, prompt, taps):
+        self.position = 0  # the anchor is continuation[0]
+
+    def propose(self, slots, anchors, k, sampling, generators):
+        from dspark.protocols import Proposal
+
+        ahead = self.continuation[self.position + 1 : self.position + 1 + k]
+        ahead = ahead + [0] * (k - len(ahead))
+        drafts = [(t + 1) % self.vocab_size if j % 4 == 3 else t for j, t in enumerate(ahead)]
+        device = anchors.device
+        return Proposal(torch.tensor([drafts], device=device), torch.tensor([k], device=device))
+
+    def commit(self, slots, tokens, num_tokens, taps):
+        self.position += int(num_tokens[0])
+
+    def release(self, slots):
+        pass
+
+
+def test_greedy_speculative_output_matches_plain_decoding(model):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompt = _prompts(gen, (12,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = Engine(K3Target(model, max_slots=1, max_seq_len=256)).generate([prompt], params)[0].token_ids
+    engine = Engine(K3Target(model, max_slots=1, max_seq_len=256), OracleDrafter(plain, K3_SLICE.vocab_size),
+                    SpecConfig(num_speculative_tokens=7))
+    assert engine._graphs is not None
+    speculative = engine.generate([prompt], params)[0].token_ids
+    for j, (a, b) in enumerate(zip(speculative, plain)):
+        if a != b:
+            margin = _plain_top2_margin(model, prompt, plain, j)
+            assert margin < MARGIN, f"first difference at token {j} with a top-2 margin of {margin:.3f}"
+            return
+    assert len(speculative) == len(plain)
+    assert engine.metrics.num_steps < len(speculative) // 2, "the oracle's drafts were not accepted"

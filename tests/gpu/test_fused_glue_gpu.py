@@ -1,0 +1,63 @@
+"""The fused glue kernels on the GPU at K3's widths and dtypes against their references
+(kernels/rmsnorm, kernels/activation), with the output poisoned (NaN) before each run.
+
+Tolerance: bf16 outputs of O(1) values: the kernels round exactly where the references do, but
+their fp32 reductions run in another order, which can move a value across a bf16 rounding
+boundary: at most 2 bf16 ulps (|err| <= 2^-6 * |ref| + 1e-3) and a mean error under 1e-3.
+"""
+import pytest
+import torch
+
+from dspark.kernels import registry
+from dspark.kernels.activation import reference as act_ref
+from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.rmsnorm import reference as norm_ref
+from dspark.kernels.rmsnorm import triton as norm_triton
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+def _poisoned(like):
+    return torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _close(got, want, what):
+    assert torch.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite output"
+    err = (got.float() - want.float()).abs()
+    bound = 2.0**-6 * want.float().abs() + 1e-3
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e}"
+    assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_rms_norm_and_mix_norm_match_references(gen, rows):
+    d = 7168
+    x = (torch.randn(rows, d + 512, device="cuda", generator=gen) * 2).bfloat16()[:, 256 : 256 + d]
+    weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16()
+    out = _poisoned(torch.empty(rows, d, dtype=torch.bfloat16, device="cuda"))
+    _close(norm_triton.rms_norm(x, weight, 1e-6, out=out), norm_ref.rms_norm(x, weight, 1e-6), "rms_norm")
+    assert registry.select("rms_norm", x, weight).name == "triton"
+    current = (torch.randn(rows, d, device="cuda", generator=gen) * 3).bfloat16()
+    for num_checkpoints in (1, 4, 9):
+        ckpts = (torch.randn(num_checkpoints, rows, d, device="cuda", generator=gen) * 2).bfloat16()
+        mix_norm, mix_proj, out_norm = ((torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(3))
+        out = _poisoned(current)
+        got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=out)
+        want = norm_ref.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
+        _close(got, want, f"attn_res_mix_norm, {num_checkpoints} checkpoints")
+
+
+def test_situ_glu_and_sigmoid_gate_match_references(gen):
+    rows, n = 8, 18432
+    fused = (torch.randn(rows, 2 * n, device="cuda", generator=gen) * 3).bfloat16()
+    gate, up = fused.split(n, dim=-1)  # strided column slices, as from the fused gate|up GEMM
+    out = _poisoned(torch.empty(rows, n, dtype=torch.bfloat16, device="cuda"))
+    _close(act_triton.situ_glu(gate, up, 3.0, 5.0, out=out), act_ref.situ_glu(gate, up, 3.0, 5.0), "situ_glu")
+    x = (torch.randn(rows, n, device="cuda", generator=gen)).bfloat16()
+    out = _poisoned(x)
+    _close(act_triton.sigmoid_gate(x, gate, out=out), act_ref.sigmoid_gate(x, gate), "sigmoid_gate")

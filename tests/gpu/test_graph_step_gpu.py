@@ -1,0 +1,121 @@
+"""The target step as a CUDA-graph replay (dspark.graph_step) against the same step run eagerly.
+
+Same weights, same prompts, same drafts: the replay runs exactly the kernels of the eager step,
+so accepted counts, next tokens, logits-derived decisions and every piece of committed state
+must be bitwise equal, including a batch padded into a larger bucket and a request that leaves
+mid-run. A steady-state replay raises nothing under torch's sync-debug mode "error".
+"""
+import pytest
+import torch
+
+from dspark.config import SamplingParams
+from dspark.graph_step import GraphedStep
+from dspark.kernels import ops
+from dspark.sampling import SamplingTensors
+from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+K = 5
+SLOTS = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    """k3-slice: real dimensions, so every op runs on its GPU kernel (the references of KDA and
+    MLA loop over lengths on the host and cannot be captured)."""
+    return K3Model.random(K3_SLICE, seed=int(torch.randint(0, 2**31 - 1, ())), dtype=torch.bfloat16, device="cuda")
+
+
+def _targets(model):
+    """Two targets over one (stateless) model: one stepped eagerly, one by graph replay."""
+    return [K3Target(model, max_slots=SLOTS, max_seq_len=96) for _ in range(2)]
+
+
+def _state(target, slots):
+    rows = []
+    for s in slots:
+        n = int(target.lengths[s])
+        rows.append(target.mla_cache[s, :, :n].clone())
+    return (target.kda_state[slots].clone(), target.conv_state[slots].clone(), target.lengths[slots].clone(), rows)
+
+
+def _assert_same_state(a, b, what):
+    for x, y, name in zip(a[:3], b[:3], ("kda_state", "conv_state", "lengths")):
+        assert torch.equal(x, y), f"{what}: {name} differs"
+    for r, (x, y) in enumerate(zip(a[3], b[3])):
+        assert torch.equal(x, y), f"{what}: MLA rows of request {r} differ"
+
+
+def _pad(x, rows, value=0):
+    """x with zero rows appended up to `rows` (the graph's bucket)."""
+    extra = x.new_full((rows - x.shape[0], *x.shape[1:]), value)
+    return torch.cat([x, extra])
+
+
+def _eager_step(target, slots, pad_slots, anchors, drafts, num_drafts, sampling, uniforms, noise):
+    """The graph's step run eagerly on the same padded batch (the same kernels at the same
+    shapes): padding rows verify 0 tokens and commit 0."""
+    B, rows = len(slots), len(slots) + len(pad_slots)
+    valid = _pad(torch.ones(B, dtype=torch.long, device="cuda"), rows)
+    drafts, num_drafts = _pad(drafts, rows), _pad(num_drafts, rows)
+    tokens = torch.cat([_pad(torch.tensor(anchors, device="cuda"), rows)[:, None], drafts], dim=1)
+    sampling = SamplingTensors(_pad(sampling.temperature, rows), _pad(sampling.top_k, rows),
+                               _pad(sampling.top_p, rows, 1.0), sampling.all_greedy, sampling.filters)
+    out = target.verify(slots + pad_slots, tokens, (1 + num_drafts) * valid)
+    num_acc, nxt = ops.rejection_sample(out.logits, drafts, num_drafts, None, sampling, _pad(uniforms, rows),
+                                        _pad(noise, rows, 1.0))
+    target.commit(slots + pad_slots, (num_acc + 1) * valid)
+    return num_acc[:B].tolist(), nxt[:B].tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_replay_equals_eager_step_with_padding_and_a_leaving_request(model, temperature):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    eager, graphed = _targets(model)
+    slots = [4, 0, 2]  # three requests: bucket 4, one padding row on a free slot
+    prompts = [torch.randint(0, K3_SLICE.vocab_size, (n,), generator=gen) for n in (7, 3, 11)]
+    for t in (eager, graphed):
+        t.prefill(slots, prompts)
+    runner = GraphedStep(graphed)
+    anchors = torch.randint(0, K3_SLICE.vocab_size, (3,), generator=gen).tolist()
+    params = [SamplingParams(temperature=temperature)] * 3
+    for step in range(6):
+        if step == 3:  # a request finishes: the batch of 2 replays the bucket-2 graph
+            for t in (eager, graphed):
+                t.release([0])
+            slots, anchors, params = [4, 2], [anchors[0], anchors[2]], params[:2]
+        B = len(slots)
+        free = [s for s in range(SLOTS) if s not in slots]
+        pad = free[: runner.bucket(B) - B]
+        before_pad = _state(graphed, pad)
+        sampling = SamplingTensors.from_params(params, "cuda")
+        drafts = torch.randint(0, K3_SLICE.vocab_size, (B, K), generator=gen).cuda()
+        num_drafts = torch.randint(0, K + 1, (B,), generator=gen).cuda()
+        uniforms = torch.rand(B, K, generator=gen).cuda()
+        noise = torch.empty(B, K3_SLICE.vocab_size).exponential_(generator=gen).cuda()
+        want = _eager_step(eager, slots, pad, anchors, drafts, num_drafts, sampling, uniforms, noise)
+        got = runner.run(slots, free, anchors, drafts, num_drafts, None, sampling, uniforms, noise)
+        assert (got.num_accepted, got.next_token) == want, f"step {step}: accepted/next differ"
+        assert got.drafts == drafts.tolist() and got.num_drafts == num_drafts.tolist()
+        _assert_same_state(_state(graphed, slots), _state(eager, slots), f"step {step}")
+        _assert_same_state(_state(graphed, pad), before_pad, f"step {step}: a padding slot changed")
+        anchors = got.next_token
+
+
+def test_steady_state_replay_does_not_synchronise(model):
+    _, target = _targets(model)
+    target.prefill([1], [torch.randint(0, K3_SLICE.vocab_size, (9,))])
+    runner = GraphedStep(target)
+    sampling = SamplingTensors.from_params([SamplingParams(temperature=0.0)], "cuda")
+    drafts = torch.randint(0, K3_SLICE.vocab_size, (1, K), device="cuda")
+    num = torch.full((1,), K, device="cuda")
+    free = [s for s in range(SLOTS) if s != 1]
+    runner.run([1], free, [3], drafts, num, None, sampling, None, None)  # captures
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            got = runner.run([1], free, [3], drafts, num, None, sampling, None, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0 <= got.num_accepted[0] <= K and 0 <= got.next_token[0] < K3_SLICE.vocab_size
