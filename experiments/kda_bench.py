@@ -1,5 +1,5 @@
 """KDA verify + commit per layer on the GPU at Kimi K3 dims (H=96, D=128), batch 1, T=8 by default:
-the CuTe DSL kernels (kernels/kda/cute_common.py) vs fla's Triton fused_recurrent_kda vs the torch
+the CuTe DSL kernels (kernels/kda/cute_kernel.py) vs fla's Triton fused_recurrent_kda vs the torch
 reference (kernels/kda/reference.py) run on the GPU.
 
 Method (METHOD.md): random inputs; `layers` independent layers (states, inputs, records) rotate so
@@ -24,7 +24,7 @@ import torch
 from benchlib import module_version, provenance, read_ceiling, time_calls, write_json
 
 from dspark.kernels import cute_common
-from dspark.kernels.kda import cute_common as kda_cute
+from dspark.kernels.kda import cute_host as kda_cute
 from dspark.kernels.kda import reference
 
 HEADS, HEAD_DIM = 96, 128
@@ -108,11 +108,13 @@ def verify_calls(layers, arch, variant, probes=None):
     calls = []
     records = []
     for i, x in enumerate(layers):
-        _, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, **variant)
+        _, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, experimental_variant=True,
+                                 **variant)
         out = torch.empty_like(x["q_in"])
         probe = None if probes is None else probes[i]
         calls.append(lambda x=x, r=rec, o=out, p=probe: kda_cute.verify(
-            *x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, records=r, out=o, probe=p, **variant))
+            *x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, records=r, out=o, probe=p,
+            experimental_variant=True, **variant))
         records.append(rec)
     return calls, records
 
@@ -120,7 +122,8 @@ def verify_calls(layers, arch, variant, probes=None):
 def check_against_reference(x, arch, variant) -> dict:
     """Relative errors of one layer's verify vs the float64 reference (a variant that is fast but
     wrong must show here, beside its time)."""
-    out, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, **variant)
+    out, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, experimental_variant=True,
+                               **variant)
     ref_in = {k: (v.double() if v.is_floating_point() and k != "state" else v) for k, v in x.items()}
     ref_out, ref_rec = reference.kda_verify(*ref_in.values(), lower_bound=LOWER_BOUND, eps=EPS)
 

@@ -20,7 +20,7 @@ elif CAPABILITY in ((10, 0), (10, 3)):
     from dspark.kernels.mla import cute_sm100 as kernel
 else:
     kernel = None
-from dspark.kernels.mla import cute_common as mla_common
+from dspark.kernels.mla import cute_host as mla_common
 from dspark.kernels.mla import cute_sm90
 
 pytestmark = [
