@@ -1,12 +1,68 @@
-"""The split-K reductions of the skinny GEMM kernels (sm_90a and sm_100a/sm_103a), as CuTe DSL
-device code: the fused serial fix-up run inside the GEMM kernel, and the two-pass reduction, a
-second small kernel launched after it (docs/kernels.md §7 row 1, split-K)."""
+"""Device code shared by the skinny GEMM kernels (sm_90a and sm_100a/sm_103a): the TMA prologue of
+their pipelines and the split-K reductions, the fused serial fix-up run inside the GEMM kernel and
+the two-pass reduction, a second small kernel launched after it (docs/kernels.md §7 row 1)."""
 # No `from __future__ import annotations`: CuTe DSL evaluates the device functions' annotations.
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 
 REDUCE_THREADS = 256
+
+
+@cute.jit
+def load_tile(mainloop, state, tma: cute.CopyAtom, gmem: cute.Tensor, smem: cute.Tensor, k_begin: cutlass.Int32):
+    """TMA of k-tile k_begin + state.count of one operand into stage state.index, completing on
+    that stage's barrier."""
+    cute.copy(
+        tma,
+        gmem[(None, k_begin + state.count)],
+        smem[(None, state.index)],
+        tma_bar_ptr=mainloop.producer_get_barrier(state),
+    )
+
+
+@cute.jit
+def prefetch_weights(mainloop, producer, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
+                     k_begin: cutlass.Int32, prefetch: cutlass.Int32, warp_idx: cutlass.Int32):
+    """First half of the prologue, issued before the PDL wait: warp 0 loads the first `prefetch`
+    weight tiles of the split (weights never depend on the previous kernel, so the loads overlap
+    its tail). Returns the advanced producer state."""
+    if warp_idx == 0:
+        for _ in cutlass.range(prefetch, unroll=1):
+            mainloop.producer_acquire(producer)
+            load_tile(mainloop, producer, tma_a, tAgA, tAsA, k_begin)
+            producer.advance()
+    return producer
+
+
+@cute.jit
+def load_tokens(mainloop, tma_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, k_begin: cutlass.Int32,
+                prefetch: cutlass.Int32, stages: cutlass.Constexpr, commit: cutlass.Constexpr):
+    """Second half of the prologue, after the PDL wait (the tokens are the previous kernel's
+    output): the token tiles of the stages prefetch_weights filled, on the same barriers. `commit`:
+    the pipeline's producer arrives on them too (PipelineTmaAsync; the UMMA pipeline needs none)."""
+    token_loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    for _ in cutlass.range(prefetch, unroll=1):
+        load_tile(mainloop, token_loads, tma_b, tBgB, tBsB, k_begin)
+        if cutlass.const_expr(commit):
+            mainloop.producer_commit(token_loads)
+        token_loads.advance()
+
+
+@cute.jit
+def refill_stage(mainloop, producer, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
+                 tma_b: cute.CopyAtom, tBgB: cute.Tensor, tBsB: cute.Tensor, k_begin: cutlass.Int32,
+                 commit: cutlass.Constexpr):
+    """Main loop: once the stage `producer` points at is free, load the next k-tile of weights and
+    tokens into it (`commit` as in load_tokens). Returns the advanced producer state."""
+    mainloop.producer_acquire(producer)
+    load_tile(mainloop, producer, tma_a, tAgA, tAsA, k_begin)
+    load_tile(mainloop, producer, tma_b, tBgB, tBsB, k_begin)
+    if cutlass.const_expr(commit):
+        mainloop.producer_commit(producer)
+    producer.advance()
+    return producer
 
 
 @cute.jit

@@ -208,27 +208,10 @@ class SkinnyGemmSm100:
         # Prologue: weight tiles before the PDL wait, token tiles after it (see cute_sm90).
         prefetch = cutlass.min(self.stages, k_count)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if warp_idx == 0:
-            for _ in cutlass.range(prefetch, unroll=1):
-                mainloop.producer_acquire(producer)
-                cute.copy(
-                    tma_a,
-                    tAgA[(None, k_begin + producer.count)],
-                    tAsA[(None, producer.index)],
-                    tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                )
-                producer.advance()
+        producer = cute_parts.prefetch_weights(mainloop, producer, tma_a, tAgA, tAsA, k_begin, prefetch, warp_idx)
         cute.arch.griddepcontrol_wait()
         if warp_idx == 0:
-            token_loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            for _ in cutlass.range(prefetch, unroll=1):
-                cute.copy(
-                    tma_b,
-                    tBgB[(None, k_begin + token_loads.count)],
-                    tBsB[(None, token_loads.index)],
-                    tma_bar_ptr=mainloop.producer_get_barrier(token_loads),
-                )
-                token_loads.advance()
+            cute_parts.load_tokens(mainloop, tma_b, tBgB, tBsB, k_begin, prefetch, self.stages, commit=False)
 
             # Main loop: UMMAs on a full stage; the release is a tcgen05 commit, so the stage
             # frees when those UMMAs complete, and the refill waits for exactly that.
@@ -244,20 +227,8 @@ class SkinnyGemmSm100:
                 mainloop.consumer_release(consumer)
                 consumer.advance()
                 if producer.count < k_count:
-                    mainloop.producer_acquire(producer)
-                    cute.copy(
-                        tma_a,
-                        tAgA[(None, k_begin + producer.count)],
-                        tAsA[(None, producer.index)],
-                        tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                    )
-                    cute.copy(
-                        tma_b,
-                        tBgB[(None, k_begin + producer.count)],
-                        tBsB[(None, producer.index)],
-                        tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                    )
-                    producer.advance()
+                    producer = cute_parts.refill_stage(mainloop, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin,
+                                                       commit=False)
             acc_pipeline.producer_commit(
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             )

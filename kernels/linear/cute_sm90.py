@@ -198,28 +198,10 @@ class SkinnyGemmSm90:
         # depend on it. Token tiles (the previous kernel's output) only after the wait.
         prefetch = cutlass.min(self.stages, k_count)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if warp_idx == 0:
-            for _ in cutlass.range(prefetch, unroll=1):
-                mainloop.producer_acquire(producer)
-                cute.copy(
-                    tma_a,
-                    tAgA[(None, k_begin + producer.count)],
-                    tAsA[(None, producer.index)],
-                    tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                )
-                producer.advance()
+        producer = cute_parts.prefetch_weights(mainloop, producer, tma_a, tAgA, tAsA, k_begin, prefetch, warp_idx)
         cute.arch.griddepcontrol_wait()
         if warp_idx == 0:
-            token_loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            for _ in cutlass.range(prefetch, unroll=1):
-                cute.copy(
-                    tma_b,
-                    tBgB[(None, k_begin + token_loads.count)],
-                    tBsB[(None, token_loads.index)],
-                    tma_bar_ptr=mainloop.producer_get_barrier(token_loads),
-                )
-                mainloop.producer_commit(token_loads)
-                token_loads.advance()
+            cute_parts.load_tokens(mainloop, tma_b, tBgB, tBsB, k_begin, prefetch, self.stages, commit=True)
 
         # Main loop: wait for a stage, issue its WGMMAs, release the stage consumed one
         # iteration earlier (its WGMMAs are then known complete) and refill that stage.
@@ -244,21 +226,8 @@ class SkinnyGemmSm90:
             # Refill only after a release: in iteration 0 no stage is free yet, and warp 0
             # blocking there would stall the warpgroup-wide WGMMAs of the next iteration.
             if k_iter > 0 and warp_idx == 0 and producer.count < k_count:
-                mainloop.producer_acquire(producer)
-                cute.copy(
-                    tma_a,
-                    tAgA[(None, k_begin + producer.count)],
-                    tAsA[(None, producer.index)],
-                    tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                )
-                cute.copy(
-                    tma_b,
-                    tBgB[(None, k_begin + producer.count)],
-                    tBsB[(None, producer.index)],
-                    tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                )
-                mainloop.producer_commit(producer)
-                producer.advance()
+                producer = cute_parts.refill_stage(mainloop, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin,
+                                                   commit=True)
         warpgroup.wait_group(0)
         # Every load is issued: let the next kernel start its own weight prefetch.
         cute.arch.griddepcontrol_launch_dependents()
