@@ -17,7 +17,7 @@ MIN_K_TILES_TO_SPLIT = 9
 H200_SMS = 132
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
-# Kimi K3 trunk GEMMs (weight N x K; spec: kernels.md §0 shapes, §7 row 1): what the split-K
+# Kimi K3 trunk GEMMs (weight N x K; docs/kernels.md §0 shapes, §7 row 1): what the split-K
 # heuristic is tuned for and what the GPU test and the bench cover. Shapes that occur twice
 # (MLA o = KDA o_proj, shared gate+up = MLA g) are listed once, under both names.
 K3_TRUNK_SHAPES = {

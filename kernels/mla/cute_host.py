@@ -25,7 +25,7 @@ HEAD_DIM = LATENT + ROPE  # one cache row
 ROWS_PER_TILE = 64  # query rows (head x token) per CTA: one m64 MMA tile
 KV_TILE = 64  # cache rows per pipeline stage
 MAX_TOKENS = 16  # verify width T supported (k <= 15 drafts)
-# Split heuristic, from the round-1 split sweep on the H200 (experiments/notes/mla.md): 2 KV tiles
+# Split heuristic, from the split sweep on the H200 (experiments/notes/mla.md): 2 KV tiles
 # per split still paid at 1k keys for T <= 4, and T = 1 at 32k was faster with 32 splits than 64.
 SPLITS_CAP = 32
 MIN_TILES_PER_SPLIT = 2

@@ -12,7 +12,7 @@ measurements: experiments/notes/mla.md):
   coordinate, so rows past max_len are zero-filled (and masked).
 - V is the c_kv part of the same tile: a 64-dim block of 64 rows x 128 bytes (128B swizzle) is
   both the K-major K of Q.K^T and the MN-major V of P.V, so each tile is loaded once.
-- Default (`qk_one_warpgroup`, the fastest in round 1): warpgroup 0 computes S = Q.K^T
+- Default (`qk_one_warpgroup`, the fastest measured on the H200): warpgroup 0 computes S = Q.K^T
   (m64n64k16 over 576) and the online softmax (fp32, log2 domain), writes P (bf16) and the per-row
   rescale factors to smem and signals warpgroup 1 (bar.arrive / bar.sync); both then do
   O_half += P.V_half (m64n256k16). Warpgroup 0 lets its P.V run into the next Q.K^T (one wait
@@ -61,7 +61,7 @@ PRODUCER_WARP = 4 * MATH_WARPGROUPS  # warp index of the TMA producer
 # setmaxnreg can move registers to the math warpgroups (whose O accumulators alone take 128).
 PRODUCER_REGS, MATH_REGS = 24, 240
 DEFAULT_PRODUCER_WARPGROUP = False
-DEFAULT_QK_ONE_WARPGROUP = True  # round 1 on the H200: fastest variant at every shape
+DEFAULT_QK_ONE_WARPGROUP = True  # the fastest variant at every shape on the H200 (experiments/notes/mla.md)
 DEFAULT_L2_PREFETCH = False
 DEFAULT_CLUSTER_PAIRS = False
 # split-KV partial outputs O/l: bf16 halves the partials' write + combine read traffic
@@ -112,7 +112,7 @@ class MlaVerifySm90:
         self.l2_prefetch = l2_prefetch
         # cluster_pairs: two CTAs (adjacent row tiles, same KV split) form a cluster and each
         # loads half of every cache tile with TMA multicast into both: half the L2->SM
-        # traffic (at ~5 TB/s in the steady state of the unpaired kernel, round 1).
+        # traffic (~5 TB/s in the steady state of the unpaired kernel on the H200).
         self.cluster = 2 if cluster_pairs else 1
         self.threads = 128 * MATH_WARPGROUPS + (128 if self.producer_warpgroup else 32)
 

@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed"),
 ]
 
-HEADS, HEAD_DIM = 96, 128  # Kimi K3 (kimi-k3.md §1.2)
+HEADS, HEAD_DIM = 96, 128  # Kimi K3 (docs/kimi-k3.md §1.2)
 LOWER_BOUND, EPS = -5.0, 1e-5
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 STATE_TOL, OUT_TOL = 1e-4, 1e-2

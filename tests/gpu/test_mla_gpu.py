@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed"),
 ]
 
-HEADS = 96  # Kimi K3 MLA heads (kimi-k3.md §3)
+HEADS = 96  # Kimi K3 MLA heads (docs/kimi-k3.md §3)
 SCALE = 192**-0.5  # qk_head_dim^-1/2
 REL_TOL = 1e-2
 
