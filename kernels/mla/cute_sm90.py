@@ -424,6 +424,48 @@ class MlaVerifySm90:
             ops.rV_copy = thr_copy_v.retile(ops.rV)
         return ops
 
+    # ---------------------------------------------------------------- online softmax (log2 domain)
+    # The m64 accumulators (S and O) give a thread two rows: element i is in row-half (i // 2) % 2.
+    @cute.jit
+    def thread_row_max(self, acc_s):
+        """Max of S over this thread's elements of each of its two rows."""
+        tile_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            tile_max[r] = NEG_INF
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            r = (i // 2) % 2
+            tile_max[r] = cute.arch.fmax(tile_max[r], acc_s[i])
+        return tile_max
+
+    def quad_max(self, m):
+        """Max over the 4 lanes that share a row."""
+        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+        return cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+
+    @cute.jit
+    def rebase_row(self, r, new_max, row_max, row_sum, base, rescale):
+        """Row r's new running max, the base exp2 subtracts and the factor its sum and O are
+        rescaled by. A row that has seen no key yet keeps max -inf: subtract 0 instead, so
+        exp2(-inf - base) = 0 and no NaN appears."""
+        b_r = new_max
+        if new_max == NEG_INF:
+            b_r = cutlass.Float32(0.0)
+        base[r] = b_r
+        rescale[r] = cute.arch.exp2(row_max[r] - b_r)
+        row_max[r] = new_max
+        row_sum[r] = row_sum[r] * rescale[r]
+
+    @cute.jit
+    def exponentiate(self, acc_s, acc_o, base, rescale, row_sum):
+        """S -> P = exp2(S - base) (summed into the rows), and O rescaled to the new maxima."""
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            r = (i // 2) % 2
+            p = cute.arch.exp2(acc_s[i] - base[r])
+            row_sum[r] = row_sum[r] + p
+            acc_s[i] = p
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+
     @cute.jit
     def row_limits(self, coords, row0, cache_len, num_tokens, row_in_tile, key_limit):
         """The thread's two rows of an m64 accumulator (row-half r holds coords[2 r]) and the keys
@@ -553,16 +595,9 @@ class MlaVerifySm90:
                         acc_s[i] = NEG_INF
 
             # ---- row max: thread, quad (4 lanes share a row), then both warpgroups
-            tile_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+            tile_max = self.thread_row_max(acc_s)
             for r in cutlass.range_constexpr(2):
-                tile_max[r] = NEG_INF
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                r = (i // 2) % 2
-                tile_max[r] = cute.arch.fmax(tile_max[r], acc_s[i])
-            for r in cutlass.range_constexpr(2):
-                m = tile_max[r]
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+                m = self.quad_max(tile_max[r])
                 tile_max[r] = m
                 if lane % 4 == 0:
                     row_max_xchg[row_in_tile[r], wg] = m
@@ -572,22 +607,8 @@ class MlaVerifySm90:
             for r in cutlass.range_constexpr(2):
                 other = row_max_xchg[row_in_tile[r], 1 - wg]
                 new_max = cute.arch.fmax(row_max[r], cute.arch.fmax(tile_max[r], other))
-                # a row that has seen no key yet keeps max -inf: subtract 0 instead,
-                # so exp2(-inf - base) = 0 and no NaN appears
-                b_r = new_max
-                if new_max == NEG_INF:
-                    b_r = cutlass.Float32(0.0)
-                base[r] = b_r
-                rescale[r] = cute.arch.exp2(row_max[r] - b_r)
-                row_max[r] = new_max
-                row_sum[r] = row_sum[r] * rescale[r]
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                r = (i // 2) % 2
-                p = cute.arch.exp2(acc_s[i] - base[r])
-                row_sum[r] = row_sum[r] + p
-                acc_s[i] = p
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+                self.rebase_row(r, new_max, row_max, row_sum, base, rescale)
+            self.exponentiate(acc_s, acc_o, base, rescale, row_sum)
 
             # ---- P -> shared memory, visible to the async proxy (WGMMA) of both warpgroups
             p_bf16.store(acc_s.load().to(BF16))
@@ -691,29 +712,11 @@ class MlaVerifySm90:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         if tile * KV_TILE + cS[i][1] >= key_limit[(i // 2) % 2]:
                             acc_s[i] = NEG_INF
-                tile_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+                tile_max = self.thread_row_max(acc_s)
                 for r in cutlass.range_constexpr(2):
-                    tile_max[r] = NEG_INF
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    tile_max[(i // 2) % 2] = cute.arch.fmax(tile_max[(i // 2) % 2], acc_s[i])
-                for r in cutlass.range_constexpr(2):
-                    m = tile_max[r]
-                    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
-                    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-                    new_max = cute.arch.fmax(row_max[r], m)
-                    b_r = new_max
-                    if new_max == NEG_INF:  # no key seen yet: keep exp2 away from -inf - -inf
-                        b_r = cutlass.Float32(0.0)
-                    base[r] = b_r
-                    rescale[r] = cute.arch.exp2(row_max[r] - b_r)
-                    row_max[r] = new_max
-                    row_sum[r] = row_sum[r] * rescale[r]
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    p = cute.arch.exp2(acc_s[i] - base[(i // 2) % 2])
-                    row_sum[(i // 2) % 2] = row_sum[(i // 2) % 2] + p
-                    acc_s[i] = p
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+                    new_max = cute.arch.fmax(row_max[r], self.quad_max(tile_max[r]))
+                    self.rebase_row(r, new_max, row_max, row_sum, base, rescale)
+                self.exponentiate(acc_s, acc_o, base, rescale, row_sum)
 
                 if t > 0:  # warpgroup 1 has finished with the previous P and factors
                     cute.arch.barrier(barrier_id=BAR_P_FREE, number_of_threads=threads)
