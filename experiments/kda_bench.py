@@ -209,6 +209,62 @@ def bench_commit(layers, records, accepted, arch, variant) -> dict:
             "committed": (fresh, fresh_conv)}
 
 
+def fla_baseline(layers, B, T) -> dict:
+    """fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)."""
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+
+        fla_inputs = []
+        for x in layers:
+            split = lambda t: t.reshape(B, T, HEADS, HEAD_DIM).contiguous()  # noqa: E731
+            fla_inputs.append(dict(q=split(x["q_in"]), k=split(x["k_in"]), v=split(x["v_in"]), g=split(x["f"]),
+                                   beta=x["beta_in"], A_log=x["A_log"][:HEADS].contiguous(), dt_bias=x["dt_bias"],
+                                   initial_state=x["state"].clone()))
+
+        def fla_call(y, final_state):
+            return fused_recurrent_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
+                                       initial_state=y["initial_state"], output_final_state=final_state,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
+
+        return {
+            "output_only": time_per_call([lambda y=y: fla_call(y, False) for y in fla_inputs]),
+            "with_final_state": time_per_call([lambda y=y: fla_call(y, True) for y in fla_inputs]),
+        }
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def print_summary(rows: dict, B: int, T: int) -> None:
+    """One line per measured row, after the JSON."""
+    c = rows["ceilings"]
+    print(f"\nK3 KDA layer, B={B} T={T}: state read {c['state_read_us']:.1f} us, copy {c['state_copy_us']:.1f} us "
+          f"(read ceiling {c['read_ceiling_GBps']:.0f} GB/s). Per layer, us (graph / eager):")
+    for name, row in rows.items():
+        if not isinstance(row, dict):
+            continue
+        if "error" in row:
+            print(f"{name:28s} {row['error']}")
+        elif name.startswith("verify_"):
+            t, e = row["time_us"], row["rel_error_vs_float64"]
+            print(f"{name:28s} {t['graph_us'] or float('nan'):6.1f} / {t['eager_us']:6.1f}   "
+                  f"err out {e['out']:.1e} u {e['updates']:.1e}")
+        elif name.startswith("probe_"):
+            print(f"{name:28s} " + " ".join(f"{p} {row[p + '_cycles']:.0f}" for p in PHASES)
+                  + f" cyc; {row['sm_clock_mhz_in_kernel']:.0f} MHz, CTA {row['cta_total_ns']:.0f} ns, "
+                  f"span {row['kernel_span_ns']:.0f} ns, gap {row['gap_between_layers_ns']:.0f} ns")
+        elif name.startswith("commit_"):
+            m, a = row["commit"], row["commit_all_layers_one_launch"]
+            same = [v for k, v in row.items() if k.startswith("bitwise_equal")]
+            print(f"{name:28s} per layer {m['graph_us'] or float('nan'):6.1f}   all layers in 1 launch "
+                  f"{a['graph_us'] or float('nan'):6.1f}   same bits {same}")
+        elif name.startswith("pair_"):
+            print(f"{name:28s} verify+commit per layer {row['verify_plus_commit_per_layer_graph_us']:6.1f} "
+                  f"(graph of verify, commit pairs; SM clock {row.get('sm_clock_mhz_during_median')} MHz)")
+    print("fla", json.dumps(rows["fla_fused_recurrent_kda"]))
+    print("torch reference", json.dumps(rows["torch_reference"]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8)
@@ -304,31 +360,10 @@ def main():
             rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         save(key)
 
-    # fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)
-    try:
-        if args.no_baselines:
-            raise RuntimeError("skipped (--no-baselines)")
-        from fla.ops.kda import fused_recurrent_kda
-
-        fla_inputs = []
-        for x in layers:
-            split = lambda t: t.reshape(B, T, HEADS, HEAD_DIM).contiguous()  # noqa: E731
-            fla_inputs.append(dict(q=split(x["q_in"]), k=split(x["k_in"]), v=split(x["v_in"]), g=split(x["f"]),
-                                   beta=x["beta_in"], A_log=x["A_log"][:HEADS].contiguous(), dt_bias=x["dt_bias"],
-                                   initial_state=x["state"].clone()))
-
-        def fla_call(y, final_state):
-            return fused_recurrent_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
-                                       initial_state=y["initial_state"], output_final_state=final_state,
-                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                       use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
-
-        rows["fla_fused_recurrent_kda"] = {
-            "output_only": time_per_call([lambda y=y: fla_call(y, False) for y in fla_inputs]),
-            "with_final_state": time_per_call([lambda y=y: fla_call(y, True) for y in fla_inputs]),
-        }
-    except Exception as exc:
-        rows["fla_fused_recurrent_kda"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    if args.no_baselines:
+        rows["fla_fused_recurrent_kda"] = {"error": "RuntimeError: skipped (--no-baselines)"}
+    else:
+        rows["fla_fused_recurrent_kda"] = fla_baseline(layers, B, T)
     save("fla_fused_recurrent_kda")
 
     # where verify's time goes (diagnostic builds, after the numbers that are reported)
@@ -339,7 +374,6 @@ def main():
         except Exception as exc:
             rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         save(key)
-
 
     # the torch reference on the GPU (fp32 state, eager: it is many small kernels)
     try:
@@ -354,33 +388,7 @@ def main():
         rows["torch_reference"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     save("torch_reference")
 
-    c = rows["ceilings"]
-    print(f"\nK3 KDA layer, B={B} T={T}: state read {c['state_read_us']:.1f} us, copy {c['state_copy_us']:.1f} us "
-          f"(read ceiling {c['read_ceiling_GBps']:.0f} GB/s). Per layer, us (graph / eager):")
-    for name, row in rows.items():
-        if not isinstance(row, dict):
-            continue
-        if "error" in row:
-            print(f"{name:28s} {row['error']}")
-        elif name.startswith("verify_"):
-            t, e = row["time_us"], row["rel_error_vs_float64"]
-            print(f"{name:28s} {t['graph_us'] or float('nan'):6.1f} / {t['eager_us']:6.1f}   "
-                  f"err out {e['out']:.1e} u {e['updates']:.1e}")
-        elif name.startswith("probe_"):
-            print(f"{name:28s} " + " ".join(f"{p} {row[p + '_cycles']:.0f}" for p in PHASES)
-                  + f" cyc; {row['sm_clock_mhz_in_kernel']:.0f} MHz, CTA {row['cta_total_ns']:.0f} ns, "
-                  f"span {row['kernel_span_ns']:.0f} ns, gap {row['gap_between_layers_ns']:.0f} ns")
-        elif name.startswith("commit_"):
-            m, a = row["commit"], row["commit_all_layers_one_launch"]
-            same = [v for k, v in row.items() if k.startswith("bitwise_equal")]
-            print(f"{name:28s} per layer {m['graph_us'] or float('nan'):6.1f}   all layers in 1 launch "
-                  f"{a['graph_us'] or float('nan'):6.1f}   same bits {same}")
-        elif name.startswith("pair_"):
-            print(f"{name:28s} verify+commit per layer {row['verify_plus_commit_per_layer_graph_us']:6.1f} "
-                  f"(graph of verify, commit pairs; SM clock {row.get('sm_clock_mhz_during_median')} MHz)")
-    print("fla", json.dumps(rows["fla_fused_recurrent_kda"]))
-    print("torch reference", json.dumps(rows["torch_reference"]))
-
+    print_summary(rows, B, T)
 
 if __name__ == "__main__":
     main()
