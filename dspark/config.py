@@ -179,6 +179,16 @@ class SpecConfig:
                       f"entry {gate!r} has k outside [0, num_speculative_tokens={self.num_speculative_tokens}]")
             prev_end = end
 
+    def k_for_batch(self, batch_size: int) -> int:
+        """k for a step of this many requests: the batch-1 profile at batch 1 when one is set,
+        else the batch-size gate covering the batch (vLLM's (start, end, k) triples), else k."""
+        if batch_size == 1 and self.batch1_profile is not None:
+            return self.batch1_profile.num_speculative_tokens
+        for start, end, gate_k in self.num_speculative_tokens_per_batch_size or ():
+            if start <= batch_size <= end:
+                return gate_k
+        return self.num_speculative_tokens
+
     @property
     def max_k(self) -> int:
         """The largest number of drafts any step may verify (sizes the buffers)."""
