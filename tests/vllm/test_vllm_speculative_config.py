@@ -32,8 +32,8 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.targets.toy import MarkovTarget
 from dspark.vllm import (
-    FIELD_SINCE,
-    VALUE_SINCE,
+    FIELDS,
+    VALUES,
     check_vllm_version,
     configure_parser,
     convert,
@@ -244,8 +244,11 @@ def test_auto_detection_and_why_we_always_emit_the_method(drafters):
 def test_version_table_agrees_with_the_installed_vllm():
     fields = set(SpeculativeConfig.__dataclass_fields__)
     have = parse_version(INSTALLED)
-    for name, since in FIELD_SINCE.items():
-        assert (name in fields) == (since <= have), (name, since, INSTALLED)
+    def present(span):
+        return span.since <= have and (span.until is None or have <= span.until)
+
+    for name, span in FIELDS.items():
+        assert (name in fields) == present(span), (name, span, INSTALLED)
     literals = {
         "method": vllm_speculative.SpeculativeMethod,
         "rejection_sample_method": vllm_speculative.RejectionSampleMethod,
@@ -258,8 +261,8 @@ def test_version_table_agrees_with_the_installed_vllm():
             out |= values(arg) if typing.get_args(arg) else {arg}
         return out
 
-    for (name, value), since in VALUE_SINCE.items():
-        assert (value in values(literals[name])) == (since <= have), (name, value, INSTALLED)
+    for (name, value), span in VALUES.items():
+        assert (value in values(literals[name])) == present(span), (name, value, INSTALLED)
     check_vllm_version({"method": "dspark", "rejection_sample_method": "block"}, INSTALLED)
 
 

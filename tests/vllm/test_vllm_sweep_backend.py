@@ -20,15 +20,8 @@ except Exception as exc:
 
 from dspark.cli import main as cli_main
 from dspark.config import SpecConfig
-from dspark.vllm import (
-    acceptance_summary,
-    convert,
-    count_difference,
-    spec_decode_counts,
-    sweep_points,
-    validate_with_vllm,
-    write_tiny_target,
-)
+from dspark.vllm import convert, validate_with_vllm, write_tiny_target
+from dspark.vllm.sweep import acceptance_summary, count_difference, spec_decode_counts, sweep_points
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU stop")
