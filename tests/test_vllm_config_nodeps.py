@@ -246,7 +246,7 @@ def test_cli_prints_the_json_and_reports(capsys, tmp_path):
     assert "warning: num_speculative_tokens_per_batch_size=[[1, 8, 5], [9, 64, 2]] goes to vLLM as given" in err
     assert "batch 65: dspark k=5, vLLM k=2" in err
     assert "needs vLLM >= 0.28.0" in err and "--seed 3" in err
-    assert "not carried over to vLLM: max_speculative_seq_len=9000" in err and "not validated (--no-validate)" in err
+    assert "not carried over to vLLM: max_speculative_seq_len=9000" in err and "not validated: --no-validate" in err
 
     code, out, err = _run_cli(["-k", "4", "--rejection-sample-method", "synthetic", "--synthetic-acceptance-rates",
                                "1,1,0.5,0.25", "--no-validate"], capsys)

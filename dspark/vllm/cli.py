@@ -12,7 +12,7 @@ import sys
 
 from dspark.commands.spec_args import add_spec_arguments, spec_from_args
 
-from .convert import convert
+from .convert import convert, drafter_config_file, is_hub_id
 from .validate import validate_with_vllm, vllm_importable
 from .versions import format_version, minimum_vllm_version
 
@@ -48,6 +48,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _why_not_validated(args: argparse.Namespace, config: dict) -> str | None:
+    if args.no_validate:
+        return "--no-validate"
+    if not vllm_importable():
+        return "vllm is not importable in this environment"
+    model = config.get("model")
+    if model is not None and is_hub_id(model):
+        try:
+            drafter_config_file(model)  # vLLM needs the drafter's config.json to check it
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     """Print the speculative_config JSON on stdout; notes and validation status on stderr.
     Exit status 0 when valid, 2 when the config is rejected (by us or by vLLM)."""
@@ -66,9 +80,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"warning: {note}", file=sys.stderr)
     for name in result.passed_through:
         print(f"passed through to vLLM unchecked by dspark: {name}={json.dumps(result.config[name])}", file=sys.stderr)
-    if args.no_validate or not vllm_importable():
-        print("not validated (--no-validate)" if args.no_validate
-              else "not validated: vllm is not importable in this environment", file=sys.stderr)
+    why_not = _why_not_validated(args, result.config)
+    if why_not:
+        print(f"not validated: {why_not}", file=sys.stderr)
         print(json.dumps(result.config))
         return 0
     try:

@@ -141,7 +141,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--backend vllm: a DSpark drafter for the target (vLLM method dspark); "
                              "default: vLLM's n-gram drafter on repetitive prompts")
     parser.add_argument("--engine-args", default="",
-                        help="--backend vllm: vLLM engine flags, parsed by vLLM's own EngineArgs parser, e.g. "
+                        help="--backend vllm: vLLM engine flags, parsed by vLLM's own EngineArgs parser, e.g. --engine-args="
                              "'--tensor-parallel-size 8 --trust-remote-code --kv-cache-dtype fp8 "
                              "--gpu-memory-utilization 0.9' (the sweep sets the model, speculative config and seed)")
     parser.add_argument("--speculative-config", default=None,
