@@ -198,7 +198,8 @@ def engine_kwargs(target: str, flags: str) -> dict:
         parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", target, *argv]))
     except SystemExit:
         raise ValueError(f"--engine-args {flags!r}: vLLM's EngineArgs parser rejects it (message above)") from None
-    default = EngineArgs(model=target)
+    # the parser's own defaults, which differ from the dataclass's for a few fields
+    default = EngineArgs.from_cli_args(parser.parse_args(["--model", target]))
     return {f.name: getattr(parsed, f.name) for f in dataclasses.fields(EngineArgs)
             if f.name != "model" and getattr(parsed, f.name) != getattr(default, f.name)}
 

@@ -1,0 +1,81 @@
+"""The release table (dspark/vllm/versions.py) against a vLLM release's own source, without
+importing it: SpeculativeConfig's fields and the method / rejection / draft-sample Literals are read
+with `ast` from vllm/config/speculative.py. 0.33 and later pull a CUDA torch, so CI checks them this
+way; point DSPARK_VLLM_SOURCE at an unpacked wheel (`unzip vllm-0.34.0-*.whl 'vllm/config/*'
+'vllm/_version.py'`). Without it, the installed vllm's source is used when there is one."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from dspark.vllm.versions import FIELDS, VALUES, parse_version
+
+
+def _source_root() -> Path | None:
+    if os.environ.get("DSPARK_VLLM_SOURCE"):
+        return Path(os.environ["DSPARK_VLLM_SOURCE"])
+    spec = importlib.util.find_spec("vllm")
+    return Path(spec.origin).parent.parent if spec is not None and spec.origin else None
+
+
+ROOT = _source_root()
+pytestmark = pytest.mark.skipif(ROOT is None or not (ROOT / "vllm/config/speculative.py").is_file(),
+                                reason="no vLLM source: set DSPARK_VLLM_SOURCE to an unpacked vLLM wheel")
+
+
+def _literal_values(tree: ast.Module) -> dict[str, set[str]]:
+    """Module-level `Name = Literal[...]` definitions, nested Literal names expanded."""
+    raw: dict[str, list] = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Subscript) and getattr(node.value.value, "id", None) == "Literal"):
+            items = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+            raw[node.targets[0].id] = items
+
+    def expand(name: str) -> set[str]:
+        out = set()
+        for item in raw[name]:
+            if isinstance(item, ast.Constant):
+                out.add(item.value)
+            elif isinstance(item, ast.Name) and item.id in raw:
+                out |= expand(item.id)
+        return out
+
+    return {name: expand(name) for name in raw}
+
+
+def _init_fields(tree: ast.Module) -> set[str]:
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig"]
+    fields = set()
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            # field(init=False) is set by vLLM itself, not a config key
+            if isinstance(node.value, ast.Call) and any(k.arg == "init" for k in node.value.keywords):
+                continue
+            fields.add(node.target.id)
+    return fields
+
+
+def test_release_table_matches_the_release_source():
+    version_text = (ROOT / "vllm/_version.py").read_text()
+    found = re.search(r"^__version__ = version = ['\"]([^'\"]+)", version_text, re.MULTILINE)
+    assert found, version_text
+    installed = parse_version(found.group(1))
+    tree = ast.parse((ROOT / "vllm/config/speculative.py").read_text())
+    fields = _init_fields(tree)
+    literals = _literal_values(tree)
+
+    def present(span):
+        return span.since <= installed and (span.until is None or installed <= span.until)
+
+    for name, span in FIELDS.items():
+        assert (name in fields) == present(span), (name, span, installed)
+    by_field = {"method": literals["SpeculativeMethod"], "rejection_sample_method": literals["RejectionSampleMethod"],
+                "draft_sample_method": literals["DraftSampleMethod"]}
+    for (name, value), span in VALUES.items():
+        assert (value in by_field[name]) == present(span), (name, value, span, installed)
