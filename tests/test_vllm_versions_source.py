@@ -1,11 +1,20 @@
-"""The release table (dspark/vllm/versions.py) against a vLLM release's own source, without
-importing it: SpeculativeConfig's fields and the method / rejection / draft-sample Literals are read
-with `ast` from vllm/config/speculative.py. 0.33 and later pull a CUDA torch, so CI checks them this
-way; point DSPARK_VLLM_SOURCE at an unpacked wheel (`unzip vllm-0.34.0-*.whl 'vllm/config/*'
-'vllm/_version.py'`). Without it, the installed vllm's source is used when there is one."""
+"""dspark against a vLLM release without importing it (0.33 and later pull a CUDA torch):
+
+* the release table (dspark/vllm/versions.py) against the release's source: SpeculativeConfig's
+  fields and the method / rejection / draft-sample Literals, read with `ast` from
+  vllm/config/speculative.py;
+* dspark's dependencies against the release's exact pins (its wheel METADATA): every `==` pin of
+  vLLM on a package dspark also requires (nvidia-cutlass-dsl above all) must be inside dspark's
+  range, or `pip install "dspark[gpu,vllm]"` cannot resolve.
+
+scripts/test points DSPARK_VLLM_SOURCE at the newest supported release's wheel, unpacked
+(vllm/_version.py, vllm/config/speculative.py, vllm-*.dist-info/METADATA). Without it, the installed
+vllm is used when there is one."""
 from __future__ import annotations
 
 import ast
+import email.parser
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -79,3 +88,34 @@ def test_release_table_matches_the_release_source():
                 "draft_sample_method": literals["DraftSampleMethod"]}
     for (name, value), span in VALUES.items():
         assert (value in by_field[name]) == present(span), (name, value, span, installed)
+
+
+def _vllm_requirements() -> list[str]:
+    found = sorted(ROOT.glob("vllm-*.dist-info/METADATA"))
+    if found:
+        return email.parser.Parser().parsestr(found[-1].read_text()).get_all("Requires-Dist") or []
+    return importlib.metadata.distribution("vllm").requires or []
+
+
+def _dspark_requirements() -> list[str]:
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    return re.findall(r'"([A-Za-z][^"]*)"', text[text.index("dependencies = ["):text.index("[project.scripts]")])
+
+
+def test_dspark_gpu_extra_admits_vllms_pins():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    ours = {}
+    for text in _dspark_requirements():
+        req = Requirement(text)
+        if req.name != "vllm":
+            ours[canonicalize_name(req.name)] = req
+    pins = [Requirement(text) for text in _vllm_requirements()]
+    pins = [req for req in pins if req.marker is None and canonicalize_name(req.name) in ours
+            and any(spec.operator == "==" for spec in req.specifier)]
+    assert any(canonicalize_name(req.name) == "nvidia-cutlass-dsl" for req in pins), "vLLM no longer pins cutlass-dsl?"
+    for req in pins:
+        (pinned,) = [spec.version for spec in req.specifier if spec.operator == "=="]
+        mine = ours[canonicalize_name(req.name)]
+        assert pinned in mine.specifier, f"vLLM pins {req}, dspark requires {mine}: dspark[gpu,vllm] cannot resolve"
