@@ -244,3 +244,13 @@ def test_readme_serve_recipe_fails_loudly():
                          env=env, timeout=300)
     assert bad.returncode == 2 and "SERVED" not in bad.stdout
     assert "dspark vllm-config: error: SpecConfig.num_speculative_tokens=5" in bad.stderr
+
+
+def test_missing_drafter_directory_names_the_flag(capsys):
+    code, out, err = _run_cli(["-k", "7", "--drafter", "dspark", "--drafter-path", "/ckpt/k3-dspark", "--no-validate"],
+                              capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "drafter_path='/ckpt/k3-dspark': neither a local directory" in err and "pass --block-size" in err
+    code, out, err = _run_cli(["-k", "7", "--drafter", "dspark", "--drafter-path", "/ckpt/k3-dspark", "--block-size", "7",
+                               "--no-validate"], capsys)
+    assert code == 0 and json.loads(out)["model"] == "/ckpt/k3-dspark"
