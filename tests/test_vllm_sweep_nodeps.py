@@ -86,6 +86,7 @@ def test_vllm_sweep_reports_decode_only_speed_and_vllm_bench_keys(fake_vllm, tmp
     data = json.loads((tmp_path / "sweep-vllm.json").read_text())
     assert (tmp_path / "sweep.png").stat().st_size > 0 and (tmp_path / "sweep-vllm.csv").exists()
     assert len(fake_vllm.made) == 1 + len(als)  # plain decoding, then one engine per AL
+    assert data["meta"]["engine_args"] == "--tensor-parallel-size 2" and data["meta"]["backend"] == "vllm"
     assert all(made["tensor_parallel_size"] == 2 for made in fake_vllm.made)
     for made, al in zip(fake_vllm.made[1:], als):
         assert made["speculative_config"]["rejection_sample_method"] == "synthetic"

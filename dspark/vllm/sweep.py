@@ -260,7 +260,7 @@ def main(args) -> int:
     import vllm
 
     meta = run_meta("cuda", target=args.target, backend="vllm", vllm=vllm.__version__, context=context,
-                    max_tokens=max_tokens, drafter_path=args.drafter_path, engine_args=engine)
+                    max_tokens=max_tokens, drafter_path=args.drafter_path, engine_args=args.engine_args)
     points: list[dict] = []
 
     def record(point: dict) -> None:  # saved after every point, so an interruption loses little
