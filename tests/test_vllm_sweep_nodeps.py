@@ -115,3 +115,19 @@ def test_vllm_sweep_refuses_before_loading(fake_vllm, tmp_path, capsys):
     assert cli_main(base + ["--speculative-config", config]) == 2
     assert "not used by dspark sweep: synthetic_acceptance_rates" in capsys.readouterr().err
     assert fake_vllm.made == [] and not (tmp_path / "sweep-vllm.json").exists()
+
+
+def test_vllm_sweep_keeps_the_settings_of_a_speculative_config(fake_vllm, tmp_path, capsys):
+    config = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3, '
+              '"draft_sample_method": "probabilistic", "rejection_sample_method": "synthetic", '
+              '"synthetic_acceptance_length": 2.5}')
+    args = ["sweep", "--target", "org/model", "--batch", "1", "--max-tokens", "12", "--out", str(tmp_path),
+            "--speculative-config", config]
+    assert cli_main(args + ["--backend", "vllm"]) == 0
+    (made,) = [m["speculative_config"] for m in fake_vllm.made if m["speculative_config"]]
+    assert made == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
+                    "draft_sample_method": "probabilistic", "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_length": 2.5}
+    # the dspark backend has no drafter to give these settings to
+    assert cli_main(args + ["--target", "toy"]) == 2
+    assert "['draft_sample_method', 'prompt_lookup_max', 'prompt_lookup_min']" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -150,12 +151,23 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                              "policy, its model the drafter (instead of --k/--al/--policy/--drafter-path)")
 
 
+# What the dspark backend takes from a --speculative-config: it drafts zero-cost uniform drafts,
+# so drafter settings have nothing to act on there.
+_DSPARK_BACKEND_READS = ("method", "num_speculative_tokens", "rejection_sample_method", "synthetic_acceptance_length",
+                         "enable_adaptive_verification")
+
+
 def apply_speculative_config(args: argparse.Namespace, defaults: dict) -> None:
     """Fold `--speculative-config` into the sweep's own flags (k, AL, policy, drafter path); refuses
-    a flag given both ways and settings the sweep does not use."""
+    a flag given both ways and settings the chosen backend does not use."""
     if args.speculative_config is None:
         return
     spec, block = from_vllm_config(args.speculative_config)
+    if args.backend == "dspark":
+        unread = sorted(set(json.loads(args.speculative_config)) - set(_DSPARK_BACKEND_READS))
+        if unread:
+            raise ValueError(f"--speculative-config fields {unread}: the dspark backend measures with zero-cost "
+                             "uniform drafts, so drafter settings do not apply there; use --backend vllm")
     if block:
         raise ValueError("--speculative-config rejection_sample_method='block': the sweep forces acceptance "
                          "(synthetic), so there is nothing for block verification to verify")
@@ -180,8 +192,6 @@ def apply_speculative_config(args: argparse.Namespace, defaults: dict) -> None:
 def engine_kwargs(target: str, flags: str) -> dict:
     """The EngineArgs fields that `flags` (vLLM CLI syntax) set away from vLLM's defaults, parsed
     by vLLM's own parser (so every engine flag of the installed vLLM works and bad ones fail there)."""
-    import dataclasses
-
     from vllm.engine.arg_utils import EngineArgs
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -221,19 +231,19 @@ def _check_ready(args) -> str | None:
 
 
 def _point_configs(args, ks: list[int], als: list[float]) -> dict:
-    """Every speculative config of the grid, checked by our own rules before the first model loads."""
-    base = json.loads(args.speculative_config) if args.speculative_config else {}
+    """Every speculative config of the grid, checked by our own rules before the first model loads.
+    The settings of a --speculative-config that the grid does not vary (draft_sample_method, the
+    n-gram window, ...) are kept."""
+    base = from_vllm_config(args.speculative_config)[0] if args.speculative_config else SpecConfig()
     configs = {}
     for k, al in sweep_points(ks, als):
         if k == 0:
             continue
-        spec = SpecConfig(num_speculative_tokens=k, drafter="dspark" if args.drafter_path else "ngram",
-                          drafter_path=args.drafter_path, rejection_sample_method="synthetic",
-                          synthetic_acceptance_length=al, verify_policy=args.policy or "fixed", seed=args.seed)
-        config = convert(spec).config
-        # settings of the user's --speculative-config the grid does not vary (draft_sample_method, ...)
-        configs[(k, al)] = {**{name: value for name, value in base.items() if name not in config
-                               and name != "synthetic_acceptance_rates"}, **config}
+        spec = dataclasses.replace(base, num_speculative_tokens=k, drafter="dspark" if args.drafter_path else "ngram",
+                                   drafter_path=args.drafter_path, rejection_sample_method="synthetic",
+                                   synthetic_acceptance_length=al, synthetic_acceptance_rates=None,
+                                   verify_policy=args.policy or "fixed", seed=args.seed)
+        configs[(k, al)] = convert(spec).config
     return configs
 
 
