@@ -9,12 +9,12 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dspark.commands.generate", "generate tokens with (or without) speculation; prints AL and tokens/s"),
-    "sweep": ("dspark.sweep", "acceptance-length sweep: tokens/s, TPOT, step split vs AL, k, batch, policy"),
+    "sweep": ("dspark.commands.sweep", "acceptance-length sweep: tokens/s, TPOT, step split vs AL, k, batch, policy"),
     "roofline": ("dspark.roofline", "bytes, FLOPs and time floors of decode and verify steps"),
     "train-drafter": ("dspark.drafters.dspark.train", "train a DSpark drafter on a target's hidden states"),
     "calibrate": ("dspark.drafters.dspark.calibrate", "fit per-position confidence temperatures (STS)"),
-    "vllm-config": ("dspark.vllm", "print a validated vLLM --speculative-config JSON"),
-    "export-drafter": ("dspark.vllm_export", "write a DSpark drafter in a layout vLLM's DSpark loader reads"),
+    "vllm-config": ("dspark.vllm.cli", "print a validated vLLM --speculative-config JSON"),
+    "export-drafter": ("dspark.vllm.export", "write a DSpark drafter in a layout vLLM's DSpark loader reads"),
 }
 
 
@@ -24,6 +24,16 @@ def _usage() -> str:
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "dspark <command> --help shows a command's options."]
     return "\n".join(lines)
+
+
+def _both_k_spellings(parser: argparse.ArgumentParser) -> None:
+    """Every command that takes k accepts `-k` and `--k` alike: a command that declares one
+    spelling gets the other as an alias of the same option."""
+    options = parser._option_string_actions  # argparse has no public lookup of an option by its flag
+    for have, alias in (("--k", "-k"), ("-k", "--k")):
+        if have in options and alias not in options:
+            options[have].option_strings.append(alias)
+            options[alias] = options[have]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"dspark {name}", description=text)
     module.configure_parser(parser)
+    _both_k_spellings(parser)
     args = parser.parse_args(rest)
     try:
         return int(module.main(args) or 0)

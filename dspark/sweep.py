@@ -257,16 +257,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "fixed); the default measures all ALs of a (batch, k) on one prefilled context, "
                         "in phases of --warmup-steps + --phase-steps steps")
     p.add_argument("--phase-steps", type=int, default=6)
-    from .vllm import add_sweep_arguments
-
-    add_sweep_arguments(p)  # --backend {dspark,vllm}, --drafter-path
 
 
 def main(args) -> int:
-    if args.backend == "vllm":
-        from .vllm import vllm_sweep_main
-
-        return vllm_sweep_main(args)
     device = args.device or default_device()
     on_cuda = torch.device(device).type == "cuda"
     if not on_cuda:

@@ -3,7 +3,7 @@
 # Usage: scripts/vllm_env.sh VENV_PATH
 # Then: VENV_PATH/bin/python -m pytest tests/vllm   (about 2 minutes to build from scratch here)
 #
-# Why these steps (../shared/spec/vllm-integration.md §5):
+# Why these steps (docs/vllm-integration.md §5):
 #  - torch 2.13.0 first, so pip takes the local CPU wheel and vLLM's `torch==2.13.0` pin is met by it;
 #  - vllm 0.32.0: 0.30-0.32 pin torch 2.13.0 and install beside the CPU torch; 0.33 pulls a CUDA torch;
 #  - torchvision/torchaudio/torchcodec come as CUDA builds and break `from vllm.config import ...`

@@ -67,3 +67,60 @@ def test_policy_sweep_with_calibrated_synthetic_confidences(tmp_path):
     assert len(points["b2-k4-scheduler-al2.5"]["per_position_acceptance"]) <= 2
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
     assert rows and all(r["git_commit"] and r["torch"] and r["command"] for r in rows)
+
+
+def test_k_is_spelled_both_ways_on_every_command_that_takes_it():
+    """-k and --k on generate, sweep, roofline and vllm-config, parsed to the same value."""
+    import argparse
+    import importlib
+
+    from dspark import cli
+
+    dests = {"generate": "num_speculative_tokens", "vllm-config": "num_speculative_tokens", "sweep": "k", "roofline": "k"}
+    for name, dest in dests.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(cli.COMMANDS[name][0]).configure_parser(parser)
+        cli._both_k_spellings(parser)
+        for spelling in ("-k", "--k"):
+            assert str(getattr(parser.parse_args([spelling, "5"]), dest)) == "5", (name, spelling)
+
+
+def test_k_flags_through_the_command_line(tmp_path, capsys):
+    assert main(["vllm-config", "--k", "4", "--no-validate"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_speculative_tokens"] == 4
+    args = ["sweep", "--target", "toy", "--batch", "1", "--al", "1,3", "--context", "8", "--phase-steps", "2",
+            "--out", str(tmp_path)]
+    assert main(args + ["-k", "2"]) == 0
+    assert {p["k"] for p in json.loads((tmp_path / "sweep.json").read_text())["points"]} == {0, 2}
+
+
+def test_generate_takes_a_vllm_speculative_config(capsys):
+    base = ["generate", "--target", "k3-tiny", "--prompt-ids", "5,9,5,9,5,9", "--max-tokens", "8", "--max-seq-len", "64",
+            "--json"]
+    assert main(base + ["-k", "3", "--prompt-lookup-min", "1", "--prompt-lookup-max", "4"]) == 0
+    by_flags = json.loads(capsys.readouterr().out)
+    vllm_json = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
+    assert main(base + ["--speculative-config", vllm_json]) == 0
+    by_config = json.loads(capsys.readouterr().out)
+    assert by_config["outputs"][0]["token_ids"] == by_flags["outputs"][0]["token_ids"]
+    assert by_config["metrics"]["steps"] == by_flags["metrics"]["steps"]
+    assert main(base + ["-k", "3", "--speculative-config", vllm_json]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative-config and --num-speculative-tokens: give the settings one way" in err
+    assert main(base + ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}']) == 2
+    assert "method='eagle3'" in capsys.readouterr().err
+    assert main(base + ["-k", "3", "--rejection-sample-method", "block"]) == 2
+    assert "block verification is vLLM-only" in capsys.readouterr().err
+
+
+def test_sweep_takes_a_vllm_speculative_config(tmp_path, capsys):
+    args = ["sweep", "--target", "toy", "--batch", "1", "--context", "8", "--phase-steps", "2", "--out", str(tmp_path)]
+    config = ('{"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic", '
+              '"synthetic_acceptance_length": 2.5}')
+    assert main(args + ["--speculative-config", config]) == 0
+    points = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    assert sorted((p["k"], p["al_target"]) for p in points if p["k"]) == [(3, 2.5)]
+    assert main(args + ["--k", "4", "--speculative-config", config]) == 2
+    assert "--k 4 and --speculative-config (which sets it to 3)" in capsys.readouterr().err
+    assert main(args + ["--drafter-path", "/some/drafter"]) == 2
+    assert "only --backend vllm uses it" in capsys.readouterr().err

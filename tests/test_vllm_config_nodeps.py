@@ -18,7 +18,7 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.targets.toy import MarkovTarget
 from dspark.vllm import (
-    FIELD_SINCE,
+    FIELDS,
     NotCarriedOverWarning,
     check_vllm_version,
     configure_parser,
@@ -115,20 +115,19 @@ def test_dspark_config_reads_the_block_size_and_refuses_other_k(tmp_path, rng):
         convert(SpecConfig(num_speculative_tokens=block - 1, drafter="dspark", drafter_path=path))
     with pytest.raises(ValueError, match=rf"num_speculative_tokens={block + 1}.*above"):
         convert(SpecConfig(num_speculative_tokens=block + 1, drafter="dspark"), drafter_path=path)
-    # block_size given explicitly, no checkpoint at hand
+    # block_size given explicitly, no checkpoint at hand (the target ships its drafter)
     with pytest.raises(ValueError, match="below the drafter's trained block size"):
-        convert(SpecConfig(num_speculative_tokens=block - 1, drafter="dspark"), block_size=block)
+        convert(SpecConfig(num_speculative_tokens=block - 1, drafter="dspark"), block_size=block, drafter_in_target=True)
     # synthetic acceptance ignores draft quality: a k sweep over one drafter is allowed
     synth = SpecConfig(num_speculative_tokens=block - 1, drafter="dspark", drafter_path=path,
                        rejection_sample_method="synthetic", synthetic_acceptance_length=1.5)
     assert convert(synth).config["num_speculative_tokens"] == block - 1
-    # a hub id cannot be read here: ask for the block size instead of skipping the check
-    with pytest.raises(ValueError, match="drafter_path='org/remote-drafter'.*block_size"):
-        convert(SpecConfig(num_speculative_tokens=7, drafter="dspark", drafter_path="org/remote-drafter"))
+    # a hub id whose config.json cannot be had: ask for the block size instead of skipping the check
+    # (tests/test_vllm_hub_and_warnings.py covers the hub look-up itself)
     assert convert(SpecConfig(num_speculative_tokens=7, drafter="dspark", drafter_path="org/remote-drafter"),
                    block_size=7).config["model"] == "org/remote-drafter"
-    # no drafter path: vLLM drafts from the target checkpoint (DeepSeek-V4 style), no model key
-    assert "model" not in convert(SpecConfig(num_speculative_tokens=5, drafter="dspark")).config
+    # no drafter path: only for a target that ships its drafter (vLLM then drafts from the target), no model key
+    assert "model" not in convert(SpecConfig(num_speculative_tokens=5, drafter="dspark"), drafter_in_target=True).config
 
 
 def test_bad_inputs_name_our_field(tmp_path):
@@ -165,28 +164,41 @@ def test_features_vllm_lacks_are_reported_not_dropped():
     assert "speculate=False" in sampling_params_not_carried(SamplingParams(speculate=False))[0]
 
 
-@pytest.mark.parametrize("trial", range(6))
+@pytest.mark.parametrize("trial", range(12))
 def test_batch_size_schedule_matches_the_engine(rng, trial):
     k = rng.randint(1, 8)
     gates = _random_gates(rng, k) if trial % 3 else None
     profile = Profile(num_speculative_tokens=rng.randint(0, k - 1)) if trial % 2 else None  # k - 1: it must show
     spec = SpecConfig(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=gates, batch1_profile=profile)
-    schedule = convert(spec).config.get("num_speculative_tokens_per_batch_size")
+    result = convert(spec)
+    schedule = result.config.get("num_speculative_tokens_per_batch_size")
     engine = Engine(MarkovTarget(8), NgramDrafter(), spec)
     max_batch = 80
     expected = {b: engine.step_k(b) for b in range(1, max_batch + 1)}
+    assert expected == {b: spec.k_for_batch(b) for b in expected}  # one rule for k
     if schedule is None:
         assert set(expected.values()) == {k}, (SEED, spec)
-    else:
-        assert vllm_lookup(schedule, max_batch, k) == expected, (SEED, spec, schedule)
-        assert all(isinstance(x, int) for entry in schedule for x in entry)
+        return
+    assert all(isinstance(x, int) for entry in schedule for x in entry)
+    got = vllm_lookup(schedule, max_batch, k)
+    if gates and schedule == [list(g) for g in gates]:  # the user's schedule, as given
+        differ = [b for b in expected if got[b] != expected[b]]
+        if differ:  # vLLM reads it differently: the first batch size where it does is named
+            assert len(result.warnings) == 1, (SEED, spec)
+            assert f"batch {differ[0]}: dspark k={expected[differ[0]]}, vLLM k={got[differ[0]]}" in result.warnings[0]
+        else:
+            assert result.warnings == (), (SEED, spec)
+    else:  # written out in full: vLLM's reading equals the engine's
+        assert got == expected, (SEED, spec, schedule)
+        assert result.warnings == ()
 
 
 def test_version_table_names_field_and_release():
     ngram = convert(SpecConfig(num_speculative_tokens=3)).config
     assert minimum_vllm_version(ngram) == (0, 21, 0)  # draft_sample_method / "standard"
     dspark = convert(SpecConfig(num_speculative_tokens=7, drafter="dspark", verify_policy="scheduler",
-                                draft_sample_method="probabilistic"), block_verification=True).config
+                                draft_sample_method="probabilistic"), block_verification=True,
+                     drafter_in_target=True).config
     assert minimum_vllm_version(dspark) == (0, 28, 0)
     check_vllm_version(dspark, "0.32.0")
     check_vllm_version(dspark, "0.28.0rc1.dev12+gabc")
@@ -209,7 +221,7 @@ def test_version_table_names_field_and_release():
     assert parse_version("0.32.0rc1.dev283+g074c83a") == (0, 32, 0) and parse_version("1.2") == (1, 2, 0)
     with pytest.raises(ValueError, match="vllm version='dev'"):
         parse_version("dev")
-    assert all(since >= (0, 9, 0) for since in FIELD_SINCE.values())
+    assert all(span.since >= (0, 9, 0) for span in FIELDS.values())
 
 
 def _run_cli(argv, capsys):
@@ -227,11 +239,14 @@ def test_cli_prints_the_json_and_reports(capsys, tmp_path):
                                "--max-speculative-seq-len", "9000", "--seed", "3", "--no-validate"], capsys)
     assert code == 0, err
     cfg = json.loads(out)
+    # the user's schedule goes to vLLM as given; vLLM carries K=2 past 64 where our engine goes back to k=5
     assert cfg == {"method": "dspark", "model": path, "num_speculative_tokens": 5, "draft_sample_method": "probabilistic",
                    "rejection_sample_method": "block", "enable_adaptive_verification": True,
-                   "num_speculative_tokens_per_batch_size": [[1, 8, 5], [9, 64, 2], [65, 65, 5]]}
+                   "num_speculative_tokens_per_batch_size": [[1, 8, 5], [9, 64, 2]]}
+    assert "warning: num_speculative_tokens_per_batch_size=[[1, 8, 5], [9, 64, 2]] goes to vLLM as given" in err
+    assert "batch 65: dspark k=5, vLLM k=2" in err
     assert "needs vLLM >= 0.28.0" in err and "--seed 3" in err
-    assert "not carried over to vLLM: max_speculative_seq_len=9000" in err and "not validated (--no-validate)" in err
+    assert "not carried over to vLLM: max_speculative_seq_len=9000" in err and "not validated: --no-validate" in err
 
     code, out, err = _run_cli(["-k", "4", "--rejection-sample-method", "synthetic", "--synthetic-acceptance-rates",
                                "1,1,0.5,0.25", "--no-validate"], capsys)

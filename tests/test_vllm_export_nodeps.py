@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.drafters.dspark import K3_TINY_DSPARK, DSparkModel, save_checkpoint
-from dspark.vllm_export import export_drafter, import_drafter
+from dspark.vllm.export import export_drafter, import_drafter
 
 GQA_TINY = dataclasses.replace(K3_TINY_DSPARK, name="qwen3-tiny_dspark", attention_type="gqa", num_kv_heads=2,
                                head_dim=16, rope_interleaved=False, rope_scaling=None)
@@ -128,7 +128,7 @@ def test_import_of_a_published_k3_layout_without_our_extra_keys(tmp_path):
 def test_export_command_from_our_gqa_checkpoint_and_from_a_deepspec_one(tmp_path, capsys):
     import argparse
 
-    from dspark.vllm_export import configure_parser, main
+    from dspark.vllm.export import configure_parser, main
 
     model = random_drafter(GQA_TINY, seed=6)
     save_checkpoint(model, tmp_path / "ours")  # our own format: architectures DSparkDraftModel

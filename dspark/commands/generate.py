@@ -5,27 +5,8 @@ import argparse
 import json
 
 from ..build import build_engine, build_target
-from ..config import SamplingParams, SpecConfig
-
-
-def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=7, help="drafts per step; 0 = plain decoding")
-    p.add_argument("--drafter", default="ngram", choices=["ngram", "dspark"])
-    p.add_argument("--drafter-path", default=None, help="DSpark drafter checkpoint directory")
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
-    p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--draft-sample-method", default="greedy", choices=["greedy", "probabilistic"])
-
-
-def spec_from_args(args) -> SpecConfig:
-    return SpecConfig(
-        num_speculative_tokens=args.num_speculative_tokens,
-        drafter=args.drafter,
-        drafter_path=args.drafter_path,
-        prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max,
-        draft_sample_method=args.draft_sample_method,
-    ).validate()
+from ..config import SamplingParams
+from .spec_args import add_spec_arguments, spec_from_args
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -64,7 +45,10 @@ def main(args) -> int:
         prompts = [[1, 5, 9, 5, 9, 5]]
     if tokenizer is None:
         target = build_target(args.target, max_slots=len(prompts), max_seq_len=args.max_seq_len, device=args.device)
-    spec = spec_from_args(args)
+    spec, block = spec_from_args(args, seed=args.seed if args.seed is not None else 0)
+    if block:
+        raise ValueError("--rejection-sample-method block: block verification is vLLM-only; dspark's engine "
+                         "verifies with 'standard' or 'synthetic'")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens)
     engine = build_engine(spec, target)

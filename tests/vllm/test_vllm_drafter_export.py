@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from dspark.drafters.dspark import K3_TINY_DSPARK, DSparkModel
 from dspark.vllm import write_tiny_target
-from dspark.vllm_export import export_drafter, import_drafter
+from dspark.vllm.export import export_drafter, import_drafter
 
 GQA_TINY = dataclasses.replace(K3_TINY_DSPARK, name="qwen3-tiny_dspark", attention_type="gqa", num_kv_heads=2,
                                head_dim=16, rope_interleaved=False, rope_scaling=None)

@@ -32,8 +32,8 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.targets.toy import MarkovTarget
 from dspark.vllm import (
-    FIELD_SINCE,
-    VALUE_SINCE,
+    FIELDS,
+    VALUES,
     check_vllm_version,
     configure_parser,
     convert,
@@ -244,8 +244,11 @@ def test_auto_detection_and_why_we_always_emit_the_method(drafters):
 def test_version_table_agrees_with_the_installed_vllm():
     fields = set(SpeculativeConfig.__dataclass_fields__)
     have = parse_version(INSTALLED)
-    for name, since in FIELD_SINCE.items():
-        assert (name in fields) == (since <= have), (name, since, INSTALLED)
+    def present(span):
+        return span.since <= have and (span.until is None or have <= span.until)
+
+    for name, span in FIELDS.items():
+        assert (name in fields) == present(span), (name, span, INSTALLED)
     literals = {
         "method": vllm_speculative.SpeculativeMethod,
         "rejection_sample_method": vllm_speculative.RejectionSampleMethod,
@@ -258,8 +261,8 @@ def test_version_table_agrees_with_the_installed_vllm():
             out |= values(arg) if typing.get_args(arg) else {arg}
         return out
 
-    for (name, value), since in VALUE_SINCE.items():
-        assert (value in values(literals[name])) == (since <= have), (name, value, INSTALLED)
+    for (name, value), span in VALUES.items():
+        assert (value in values(literals[name])) == present(span), (name, value, INSTALLED)
     check_vllm_version({"method": "dspark", "rejection_sample_method": "block"}, INSTALLED)
 
 
@@ -279,3 +282,28 @@ def test_cli_validates_with_the_installed_vllm(drafters, capsys):
                           "--drafter-path", drafters["plain-qwen3"], "--rejection-sample-method", "synthetic",
                           "--synthetic-acceptance-length", "2"])
     assert code == 2 and "SpecConfig.drafter_path" in err
+
+
+def _run_cli(argv, capsys):
+    code = main(configure_parser(argparse.ArgumentParser()).parse_args(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_extra_fields_are_validated_by_vllm(capsys):
+    result = convert(SpecConfig(num_speculative_tokens=3), extra={"draft_tensor_parallel_size": 1, "max_model_len": 512,
+                                                                  "enforce_eager": True})
+    checked = validate_with_vllm(result.config, passed_through=result.passed_through)
+    assert checked.num_speculative_tokens == 3
+    bad = convert(SpecConfig(num_speculative_tokens=3), extra={"draft_tensor_parallel_size": 0})
+    with pytest.raises(ValueError, match=r"--extra draft_tensor_parallel_size \(vLLM draft_tensor_parallel_size=0\): "
+                                         r"vLLM .* rejects it in SpeculativeConfig"):
+        validate_with_vllm(bad.config, passed_through=bad.passed_through)
+    code, out, err = _run_cli(["-k", "3", "--extra", '{"no_such_field": 1}'], capsys)
+    assert code == 2 and out == "" and "no_such_field" in err and "rejects it" in err
+
+
+def test_dspark_in_target_prints_the_architecture_vllm_resolved(capsys):
+    code, out, err = _run_cli(["-k", "3", "--drafter", "dspark", "--drafter-in-target"], capsys)
+    assert code == 0, err
+    assert "vLLM resolved the draft model's architecture to ['DSparkDraftModel']" in err, err

@@ -20,15 +20,8 @@ except Exception as exc:
 
 from dspark.cli import main as cli_main
 from dspark.config import SpecConfig
-from dspark.vllm import (
-    acceptance_summary,
-    convert,
-    count_difference,
-    spec_decode_counts,
-    sweep_points,
-    validate_with_vllm,
-    write_tiny_target,
-)
+from dspark.vllm import convert, validate_with_vllm, write_tiny_target
+from dspark.vllm.sweep import acceptance_summary, count_difference, engine_kwargs, spec_decode_counts, sweep_points
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU stop")
@@ -91,3 +84,16 @@ def test_metric_records_give_acceptance_and_per_position_counts():
     # the per-position rates add up to the accepted tokens per draft
     assert sum(summary["per_position_acceptance"]) == pytest.approx(summary["al_measured"] - 1, rel=1e-12)
     json.dumps(summary)  # goes into sweep-vllm.json
+
+
+def test_engine_args_go_through_vllms_own_parser(tmp_path):
+    target = write_tiny_target(tmp_path / "target")
+    got = engine_kwargs(target, "--tensor-parallel-size 2 --trust-remote-code --kv-cache-dtype fp8 "
+                                "--gpu-memory-utilization 0.8")
+    assert got == {"tensor_parallel_size": 2, "trust_remote_code": True, "kv_cache_dtype": "fp8",
+                   "gpu_memory_utilization": 0.8}
+    assert engine_kwargs(target, "") == {}
+    with pytest.raises(ValueError, match="set by the sweep itself"):
+        engine_kwargs(target, "--seed 3")
+    with pytest.raises(ValueError, match="vLLM's EngineArgs parser rejects it"):
+        engine_kwargs(target, "--no-such-engine-flag 1")

@@ -1,7 +1,7 @@
 """DSpark drafter checkpoints in the layouts vLLM's DSpark loader reads, and back.
 
-Two layouts (read from vLLM 0.32.0's own loader code; ../shared/spec/vllm-integration.md §2.2,
-dspark-algorithm.md §2.7 and §8, kimi-k3.md §4):
+Two layouts (read from vLLM 0.32.0's own loader code; docs/vllm-integration.md §2.2,
+docs/dspark-algorithm.md §2.7 and §8, docs/kimi-k3.md §4):
 
 * "k3": the Inferact/Kimi-K3-DSpark layout. config.json `architectures: ["K3DSparkModel"]`,
   `model_type: "k3_dspark"` (vLLM's K3DSparkConfig, a DeepseekV3Config: MLA dims, q_lora_rank,
