@@ -144,12 +144,12 @@ def test_bad_inputs_name_our_field(tmp_path):
 
 def test_features_vllm_lacks_are_reported_not_dropped():
     spec = SpecConfig(num_speculative_tokens=4, verify_policy="threshold", confidence_threshold=0.35,
-                      max_speculative_seq_len=4096, batch1_profile=Profile(num_speculative_tokens=6, cuda_graphs=True))
+                      max_speculative_seq_len=4096, batch1_profile=Profile(num_speculative_tokens=6, cuda_graphs=False))
     result = convert(spec)
     text = " | ".join(result.not_carried)
     assert "verify_policy='threshold'" in text and "0.35" in text
     assert "max_speculative_seq_len=4096" in text
-    assert "batch1_profile.num_speculative_tokens=6" in text and "cuda_graphs=True" in text
+    assert "batch1_profile.num_speculative_tokens=6" in text and "cuda_graphs=False" in text
     assert "enable_adaptive_verification" not in result.config
     with pytest.warns(NotCarriedOverWarning) as caught:
         speculative_config(spec)
