@@ -1,5 +1,5 @@
 """K3 latent-MoE block on the GPU: the torch reference, the CuTe DSL MXFP4 expert kernels
-(kernels/moe/cute_sm90.py) and the byte floor, per T in {1, 2, 4, 8, 16} (spec kernels.md §4, §6).
+(kernels/moe/cute_sm90.py) and the byte floor, per T in {1, 2, 4, 8, 16} (docs/kernels.md §4, §6).
 
 Method (experiments/benchlib.py): a full-size bank of 896 random MXFP4 experts (15.7 GB) so every
 call streams its experts from HBM; several routings (different random experts) rotate; CUDA
@@ -17,7 +17,7 @@ import torch
 
 from benchlib import provenance, read_ceiling, time_calls, write_json
 from dspark.kernels import registry
-from dspark.kernels.moe import cute_common as moe_common
+from dspark.kernels.moe import expert_layout
 from dspark.kernels.moe import cute_sm90, reference
 from dspark.targets.kimi_k3.config import K3
 
@@ -78,7 +78,7 @@ def main():
     for tokens in args.tokens:
         t0 = time.time()
         row = {"T": tokens}
-        # Random routing: distinct experts per token, independent across tokens (kernels.md §4.1).
+        # Random routing: distinct experts per token, independent across tokens (docs/kernels.md §4.1).
         ids_sets = [torch.stack([torch.randperm(cfg.num_experts, device="cuda", generator=gen)[: cfg.num_experts_per_token]
                                  for _ in range(tokens)]) for _ in range(ROUTINGS)]
         latents = [torch.randn(tokens, cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ROUTINGS)]
@@ -158,7 +158,7 @@ def measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, dis
 def measure_passes(weights, cfg, tokens, ids_sets, latents, reps, rate, distinct) -> dict:
     out = {}
     tile = cute_sm90.token_tile(tokens)
-    lists = [moe_common.build_expert_lists(ids, cfg.num_experts, tile) for ids in ids_sets]
+    lists = [expert_layout.build_expert_lists(ids, cfg.num_experts, tile) for ids in ids_sets]
     xbs = [cute_sm90.tokens_for_kernel(h, lst) for h, lst in zip(latents, lists)]
     acts = [torch.empty((lst.slot_expert.shape[0], tile, cfg.moe_intermediate_size), dtype=torch.bfloat16,
                         device="cuda") for lst in lists]

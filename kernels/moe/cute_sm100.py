@@ -5,7 +5,7 @@ sm_103a in CI (tests/test_moe_cute_compile.py checks the PTX for tcgen05) and is
 for any device; tests/gpu/test_moe_gpu.py::test_blackwell_expert_kernels_match_float64_per_pair
 must pass on a B200/GB300 before it is wired into `latent_moe`.
 
-Why software dequantisation and not the native block-scaled MMA (spec kernels.md §4.3 GB300
+Why software dequantisation and not the native block-scaled MMA (docs/kernels.md §4.3 GB300
 path, §7 row 2): tcgen05's MXFP4 kinds (mxf8f6f4, mxf4) need the tokens in an 8-bit or 4-bit MX
 format too; FP8 E4M3 tokens carry ~3.6 % rms rounding per element, which alone breaks the op's
 1e-2 contract. So the weights are dequantised to bf16 as on Hopper (cute_sm90.py: the same
@@ -13,14 +13,14 @@ exact bit trick, scale 2^(s-64), tokens times 2^63) and the MMA is kind::f16 wit
 The native path (MXF8 tokens x MXF4 weights, scales via tcgen05.cp into TMEM) is the next step
 where the accuracy budget allows it.
 
-Design (same grid and contract as cute_sm90.expert_pass; kernels.md §4.3):
+Design (same grid and contract as cute_sm90.expert_pass; docs/kernels.md §4.3):
 - grid = (row tiles, slots); 128 weight rows per CTA (pass 1: 64 w1 + the same 64 w3 rows) as
   the UMMA M side, the slot's tokens as N = 16 (the smallest N of an M = 128 UMMA).
 - Each of the 128 threads owns one weight row: per 64-element K stage it loads the row's 32 code
   bytes (two 16-byte loads, prefetched two stages ahead in registers) and 2 scale bytes,
   dequantises them into 32 bf16 pairs and writes them into the stage's swizzled shared-memory A
   tile (one 16-byte vector per packed word; the K order inside each octet is
-  cute_common.octet_permutation, applied to the tokens as well), fences the async proxy and
+  expert_layout.octet_permutation, applied to the tokens as well), fences the async proxy and
   arrives on the stage's full barrier (PipelineAsyncUmma, 128 producers).
 - The tokens (B) arrive by TMA (PipelineTmaUmma). Warp 0 waits for both halves of a stage,
   issues the UMMAs into the TMEM accumulator and releases the stage with a tcgen05 commit.
@@ -34,7 +34,7 @@ import functools
 import torch
 
 from .. import cute_common
-from . import cute_common as moe_common
+from . import expert_layout
 
 ROW_TILE = 128
 GLU_ROWS = ROW_TILE // 2
@@ -307,11 +307,11 @@ def _build_kernel_class():
 
         @cute.jit
         def store_act(self, exchange: cute.Tensor, out: cute.Tensor, slot, tile_idx, tidx):
-            """Threads 0..63: SiTU-GLU (kimi-k3.md §1.2) of gate row t and up row t + 64."""
+            """Threads 0..63: SiTU-GLU (docs/kimi-k3.md §1.2) of gate row t and up row t + 64."""
             beta, linear_beta = self.situ_beta, self.situ_linear_beta
             if tidx < GLU_ROWS:
                 r = tile_idx * GLU_ROWS + tidx
-                # octet order (cute_common.octet_permutation): element p of an octet sits at 2 (p % 4) + p // 4
+                # octet order (expert_layout.octet_permutation): element p of an octet sits at 2 (p % 4) + p // 4
                 within = r % 8
                 position = r - within + 2 * (within % 4) + within // 4
                 for token in cutlass.range_constexpr(TOKENS):
@@ -319,7 +319,7 @@ def _build_kernel_class():
                     up = exchange[tidx + GLU_ROWS, token]
                     sigmoid = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate))
                     act = (beta * cute.math.tanh(gate / beta) * sigmoid) * (linear_beta * cute.math.tanh(up / linear_beta))
-                    act = act * Float32(2.0**moe_common.B_SCALE_LOG2)
+                    act = act * Float32(2.0**expert_layout.B_SCALE_LOG2)
                     out[slot, token, position] = act.to(cutlass.BFloat16)
 
     return MxFp4ExpertGemmSm100
@@ -370,13 +370,13 @@ def compile_expert_gemm(
     return _cache.get(key, build)
 
 
-def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.Tensor:
+def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torch.Tensor:
     """x [T, K] bf16 -> B operand [S, 16, K]: gathered per slot, octet-permuted, times 2^63."""
-    prepared = moe_common.permute_k(x, "sm100") * 2.0**moe_common.B_SCALE_LOG2
+    prepared = expert_layout.permute_k(x, "sm100") * 2.0**expert_layout.B_SCALE_LOG2
     return prepared[lists.slot_tokens]
 
 
-def expert_pass(packed_a, scale_a, packed_b, scale_b, lists: moe_common.ExpertLists, xb: torch.Tensor,
+def expert_pass(packed_a, scale_a, packed_b, scale_b, lists: expert_layout.ExpertLists, xb: torch.Tensor,
                 out: torch.Tensor, glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
     """One pass into `out` [S, 16, rows] (pass 1: bf16 act, octet K order, times 2^63; pass 2:
     fp32); lists built with tile_tokens = 16 and xb = tokens_for_kernel(...). Never run."""

@@ -1,14 +1,13 @@
-"""Routed MXFP4 experts of K3's latent MoE on Hopper (sm_90a) in CuTe DSL, and the `latent_moe`
-implementation built on them.
+"""Routed MXFP4 experts of K3's latent MoE on Hopper (sm_90a) in CuTe DSL: the `moe_experts` op.
 
-Expert kernel (spec: kernels.md §4.3, §7 row 2): a grouped skinny GEMM over the slots of
-cute_common.build_expert_lists, grid = (row tiles of the expert's output, slots). Every touched
+Expert kernel (docs/kernels.md §4.3, §7 row 2): a grouped skinny GEMM over the slots of
+expert_layout.build_expert_lists, grid = (row tiles of the expert's output, slots). Every touched
 expert's weights are streamed from HBM exactly once per call, however many tokens chose it.
 - Swap-AB: 128 dequantised weight rows are the WGMMA A operand (two m64 atoms of one warpgroup),
   the slot's tokens (N = 8 or 16, padded) are B, read from shared memory.
 - A comes from registers (WGMMA RS): each thread takes, per 128-element K chunk, one contiguous
   16-byte run of packed E2M1 codes per row it owns (4 rows) and the one E8M0 scale of that run
-  (the K permutation of cute_common.chunk_permutation makes the run exactly one MX group), turns
+  (the K permutation of expert_layout.chunk_permutation makes the run exactly one MX group), turns
   each 32-bit word into four bf16x2 fragment registers with shifts and masks, and applies the
   scale with one bf16x2 multiply.
 - Two loaders (DEFAULT_LOADER): "tma" (default) brings the codes by TMA into a 6-stage
@@ -32,12 +31,13 @@ import functools
 
 import torch
 
-from .. import cute_common, ops
-from . import cute_common as moe_common
+from .. import cute_common
+from . import expert_layout
+from . import reference
 
 ROW_TILE = 128  # weight rows per CTA: two m64 WGMMA atoms
 GLU_ROWS = ROW_TILE // 2  # pass 1: 64 w1 rows + the same 64 w3 rows
-K_CHUNK = moe_common.K_CHUNK
+K_CHUNK = expert_layout.K_CHUNK
 B_STAGES = 4
 MAX_TOKENS = 16
 THREADS = 128  # one warpgroup
@@ -195,7 +195,7 @@ def _build_kernel_class():
 
         @cute.jit
         def dequantise(self, raw: cute.Tensor, scales: cute.Tensor, frag32: cute.Tensor):
-            """raw codes -> the bf16x2 A fragment (see cute_common.chunk_permutation).
+            """raw codes -> the bf16x2 A fragment (see expert_layout.chunk_permutation).
 
             frag32 is the A fragment viewed as 32-bit words, indexed (v1 + 2*v2, m-atom, ki)."""
             for r in cutlass.range_constexpr(4):
@@ -512,7 +512,7 @@ def _build_kernel_class():
 
         @cute.jit
         def store_act(self, accumulators: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, slot, tile_idx):
-            """SiTU-GLU (kimi-k3.md §1.2 hidden_act) of (w1 row, w3 row) = (m-atom 0, m-atom 1)
+            """SiTU-GLU (docs/kimi-k3.md §1.2 hidden_act) of (w1 row, w3 row) = (m-atom 0, m-atom 1)
             values of the same register position; stored K-permuted and times 2^63 for pass 2."""
             beta, linear_beta = self.situ_beta, self.situ_linear_beta
             per_atom = cute.size(accumulators, mode=[0])
@@ -522,7 +522,7 @@ def _build_kernel_class():
                 row, token = coords[i, 0, 0]
                 sigmoid = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate))
                 act = (beta * cute.math.tanh(gate / beta) * sigmoid) * (linear_beta * cute.math.tanh(up / linear_beta))
-                act = act * Float32(2.0**moe_common.B_SCALE_LOG2)
+                act = act * Float32(2.0**expert_layout.B_SCALE_LOG2)
                 # position of intermediate index r in the K-permuted layout (inverse of chunk_permutation)
                 r = tile_idx * GLU_ROWS + row
                 within = r % K_CHUNK
@@ -600,7 +600,7 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
 
 
 def expert_pass(
-    packed_a, scale_a, packed_b, scale_b, lists: moe_common.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
+    packed_a, scale_a, packed_b, scale_b, lists: expert_layout.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
     glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0, depth: int = PREFETCH_DEPTH,
     loader: str | None = None,
 ):
@@ -616,10 +616,10 @@ def expert_pass(
     return out
 
 
-def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.Tensor:
+def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torch.Tensor:
     """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted, times 2^63."""
     # permute and scale the T rows first (tiny), then one gather writes the [S, tokens, K] operand
-    prepared = moe_common.permute_k(x) * 2.0**moe_common.B_SCALE_LOG2
+    prepared = expert_layout.permute_k(x) * 2.0**expert_layout.B_SCALE_LOG2
     return prepared[lists.slot_tokens]
 
 
@@ -627,13 +627,13 @@ LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
 
 
 def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
-    """One CTA that builds cute_common.ExpertLists (same contents as build_expert_lists, one launch
+    """One CTA that builds expert_layout.ExpertLists (same contents as build_expert_lists, one launch
     instead of ~16 torch kernels). Thread p owns pair p = t * k + j: its rank among the pairs of
     the same expert is the number of earlier pairs with that expert (earlier = smaller token), it
     opens a slot if its rank is 0, and its slot is the number of slot-opening pairs with a smaller
     expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory.
 
-    With num_experts > 0 the kernel routes first (the reference router, kimi-k3.md §1.2): warp w
+    With num_experts > 0 the kernel routes first (the reference router, docs/kimi-k3.md §1.2): warp w
     takes tokens w, w + 8, ...; each lane holds sigmoid(logit) + bias of experts lane, lane + 32,
     ...; k rounds of a warp arg-max (ties to the smaller expert id) pick the top-k in descending
     order; weights = the chosen raw sigmoid scores / their sum * scaling."""
@@ -810,7 +810,7 @@ def route_and_lists_device(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     pair_position = torch.empty(pairs, dtype=torch.long, device=device)
     compiled = compile_route_kernel(tile_tokens, top_k, num_experts, cute_common.target_arch(device))
     compiled(logits.contiguous(), bias.contiguous(), scaling, ids, route_weights, slot_expert, slot_tokens, pair_position)
-    lists = moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+    lists = expert_layout.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
     return ids, route_weights, lists
 
 
@@ -836,8 +836,8 @@ def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options:
     return _cache.get(key, build)
 
 
-def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> moe_common.ExpertLists:
-    """cute_common.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
+def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> expert_layout.ExpertLists:
+    """expert_layout.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
     if ids.dim() != 2 or ids.dtype != torch.long:
         raise ValueError(f"ids: expected a [T, k] int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
     tokens, top_k = ids.shape
@@ -850,115 +850,64 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
     pair_position = torch.empty(pairs, dtype=torch.long, device=ids.device)
     compiled = compile_lists_kernel(tile_tokens, top_k, cute_common.target_arch(ids.device))
     compiled(ids.contiguous().view(-1), slot_expert, slot_tokens, pair_position)
-    return moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+    return expert_layout.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
 
 
-# How the routing prologue runs: "torch" = ops.moe_route + cute_common.build_expert_lists (~26
-# small kernels), "device" = ops.moe_route + the one-launch list kernel above, "fused" = the fp32
-# router GEMV + one kernel for top-k selection, weights and lists. The two kernels are not yet
-# verified on a GPU (round 2's test of "fused" ran out of its time slot), so "torch" stays.
+# How moe_experts builds its expert lists: "torch" = expert_layout.build_expert_lists (~16 small
+# kernels), "device" = the one-launch list kernel above. The list kernel is not yet verified on a
+# GPU, so "torch" stays the default. (route_and_lists_device, router and lists in one kernel,
+# does not fit the moe_route / moe_experts split; it is timed by experiments/moe_bench.py only.)
 DEFAULT_LISTS = "torch"
-# latent_moe: run the shared experts on a side stream, concurrently with the routed path
-# (H200 round 2: block -36 us at T = 8, -34 us at T = 1; bit-identical outputs).
-OVERLAP_SHARED = True
 
 
-def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float,
-                   lists: moe_common.ExpertLists | None = None):
-    """The routed half of the block on the latent: [T, latent] bf16 -> expert outputs [T, k, latent]
-    fp32 (unweighted, in top-k order). `lists` are built from `ids` unless given."""
-    num_experts, inter, _ = weights.w1_packed.shape
+def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ_beta: float, situ_linear_beta: float,
+                   lists: expert_layout.ExpertLists | None = None):
+    """The expert passes on the latent: [T, latent] bf16 -> expert outputs [T, k, latent] fp32
+    (unweighted, in top-k order). `experts` = (w1_packed, w1_scale, w3_packed, w3_scale,
+    w2_packed, w2_scale); `lists` are built from `ids` unless given."""
+    w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = experts
+    num_experts, inter, _ = w1_packed.shape
     tokens = token_tile(latent.shape[0])
-    if lists is None and DEFAULT_LISTS in ("device", "fused"):
+    if lists is None and DEFAULT_LISTS == "device":
         lists = build_expert_lists_device(ids, num_experts, tokens)
     elif lists is None:
-        lists = moe_common.build_expert_lists(ids, num_experts, tokens)
+        lists = expert_layout.build_expert_lists(ids, num_experts, tokens)
     slots = lists.slot_expert.shape[0]
     xb = tokens_for_kernel(latent, lists)
     act = torch.empty((slots, tokens, inter), dtype=torch.bfloat16, device=latent.device)
-    expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale, lists, xb, act,
-                True, situ_beta, situ_linear_beta)
-    latent_dim = weights.w2_packed.shape[1]
+    expert_pass(w1_packed, w1_scale, w3_packed, w3_scale, lists, xb, act, True, situ_beta, situ_linear_beta)
+    latent_dim = w2_packed.shape[1]
     y = torch.empty((slots, tokens, latent_dim), dtype=torch.float32, device=latent.device)
-    expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
+    expert_pass(w2_packed, w2_scale, w2_packed, w2_scale, lists, act, y, False)
     return y.view(slots * tokens, latent_dim)[lists.pair_position]
 
 
-def weights_supported(weights) -> bool:
+def experts_supported(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale) -> bool:
     """Expert shapes the kernel tiles: I a multiple of 64 (pass 1) and latent of 128 (pass 2),
     both K multiples of PREFETCH_DEPTH x 128 (chunks per main-loop step), contiguous packed codes."""
-    num_experts, inter, half_latent = weights.w1_packed.shape
+    num_experts, inter, half_latent = w1_packed.shape
     latent = half_latent * 2
     return (
         inter % GLU_ROWS == 0
         and latent % ROW_TILE == 0
         and latent % (PREFETCH_DEPTH * K_CHUNK) == 0
         and inter % (PREFETCH_DEPTH * K_CHUNK) == 0
-        and all(t.is_contiguous() for t in (weights.w1_packed, weights.w3_packed, weights.w2_packed,
-                                             weights.w1_scale, weights.w3_scale, weights.w2_scale))
+        and all(t.is_contiguous() for t in (w1_packed, w3_packed, w2_packed, w1_scale, w3_scale, w2_scale))
     )
 
 
-def supports(x: torch.Tensor, weights) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_TOKENS
-            and weights_supported(weights))
+def supports(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, *experts: torch.Tensor) -> bool:
+    return (latent.is_cuda and latent.dim() == 2 and latent.dtype == torch.bfloat16
+            and 1 <= latent.shape[0] <= MAX_TOKENS and experts_supported(*experts))
 
 
-@cute_common.register_cute("latent_moe", "cute_sm90", supports)
-def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
-    """The K3 latent MoE block (kernels/moe/reference.py is the contract) with the routed experts
-    on the MXFP4 expert kernel; dense projections go through ops.linear (the CuTe skinny GEMM)."""
-    from dspark.targets.kimi_k3.numerics import rms_norm
-
-    if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
-        raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
-    lists = None
-    if DEFAULT_LISTS == "fused":
-        # fp32 logits as the reference router computes them; selection, weights and lists in one kernel
-        logits = ops.linear(x.float(), weights.gate.float())
-        ids, route_weights, lists = route_and_lists_device(
-            logits, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor, token_tile(x.shape[0])
-        )
-    else:
-        ids, route_weights = ops.moe_route(
-            x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
-        )
-    main = torch.cuda.current_stream(x.device)
-    if OVERLAP_SHARED:
-        # The shared experts need only x: run them on a side stream, so that their weight reads
-        # overlap the latency-bound routing kernels of the routed path (and the reverse).
-        side = _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shared = shared_experts(x, weights, cfg)
-    latent = ops.linear(x, weights.latent_down)
-    expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta, lists)  # [T, k, latent]
+@cute_common.register_cute("moe_experts", "cute_sm90", supports)
+def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """ops.moe_experts (kernels/moe/reference.py is the contract) on the MXFP4 expert kernel."""
+    experts = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    reference.check_experts(latent, ids, route_weights, *experts)
+    expert_out = routed_experts(latent, ids, experts, situ_beta, situ_linear_beta)  # [T, k, latent]
     # weighted sum over the k experts in fp32 (one reduction kernel instead of the reference's
     # k multiply-adds; equal up to fp32 summation order)
-    routed = (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)
-    routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
-    if OVERLAP_SHARED:
-        # Join. `shared` was allocated on the side stream and is read here on the main one; its
-        # memory can only be reused by later side-stream work, which always starts by waiting
-        # for the main stream (above), so no record_stream is needed.
-        main.wait_stream(side)
-    else:
-        shared = shared_experts(x, weights, cfg)
-    return ops.linear(routed, weights.latent_up) + shared
-
-
-def shared_experts(x: torch.Tensor, weights, cfg) -> torch.Tensor:
-    from dspark.targets.kimi_k3.numerics import situ
-
-    act = situ(ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta)
-    return ops.linear(act, weights.shared_down)
-
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
+    return (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)

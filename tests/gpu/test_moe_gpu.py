@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dspark.kernels import cute_common, registry
-from dspark.kernels.moe import cute_common as moe_common
+from dspark.kernels.moe import expert_layout
 from dspark.kernels.moe import cute_sm90, cute_sm100, reference
 from dspark.targets.kimi_k3.config import K3
-from dspark.targets.kimi_k3.mxfp4 import dequantise
+from dspark.kernels.mxfp4 import dequantise
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 pytestmark = [
@@ -110,7 +110,7 @@ def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
         ids = routing_ids(kind, tokens, gen)
         latent = latent_all[:tokens]
         tile = cute_sm90.token_tile(tokens)
-        lists = moe_common.build_expert_lists(ids, cfg.num_experts, tile)
+        lists = expert_layout.build_expert_lists(ids, cfg.num_experts, tile)
         slots = lists.slot_expert.shape[0]
         xb = cute_sm90.tokens_for_kernel(latent, lists)
         act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -155,7 +155,7 @@ def test_expert_lists_match_a_host_loop_on_the_gpu():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     for tokens in TOKEN_COUNTS:
         ids = routing_ids("repeated", tokens, gen)
-        lists = moe_common.build_expert_lists(ids, K3.num_experts, cute_sm90.token_tile(tokens))
+        lists = expert_layout.build_expert_lists(ids, K3.num_experts, cute_sm90.token_tile(tokens))
         tile = lists.slot_tokens.shape[1]
         for t in range(tokens):
             for j in range(ids.shape[1]):
@@ -171,7 +171,7 @@ def test_device_list_kernel_equals_the_torch_lists(kind):
     for tokens in TOKEN_COUNTS:
         ids = routing_ids(kind, tokens, gen)
         tile = cute_sm90.token_tile(tokens)
-        expected = moe_common.build_expert_lists(ids, K3.num_experts, tile)
+        expected = expert_layout.build_expert_lists(ids, K3.num_experts, tile)
         got = cute_sm90.build_expert_lists_device(ids, K3.num_experts, tile)
         torch.cuda.synchronize()
         assert torch.equal(got.slot_expert, expected.slot_expert), f"{kind} T={tokens}"
@@ -200,7 +200,7 @@ def test_fused_routing_kernel_equals_the_reference_router_and_lists(kind):
         ref_weights = chosen / chosen.sum(-1, keepdim=True) * 2.5
         assert torch.equal(ids, ref_ids), f"{kind} T={tokens}"
         torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
-        expected = moe_common.build_expert_lists(ref_ids, E, tile)
+        expected = expert_layout.build_expert_lists(ref_ids, E, tile)
         assert torch.equal(lists.slot_expert, expected.slot_expert), f"{kind} T={tokens}"
         assert torch.equal(lists.slot_tokens, expected.slot_tokens), f"{kind} T={tokens}"
         assert torch.equal(lists.pair_position, expected.pair_position), f"{kind} T={tokens}"
@@ -216,7 +216,7 @@ def test_blackwell_expert_kernels_match_float64_per_pair(weights, kind):
     for tokens in TOKEN_COUNTS:
         ids = routing_ids(kind, tokens, gen)
         latent = latent_all[:tokens]
-        lists = moe_common.build_expert_lists(ids, cfg.num_experts, cute_sm100.TOKENS)
+        lists = expert_layout.build_expert_lists(ids, cfg.num_experts, cute_sm100.TOKENS)
         slots = lists.slot_expert.shape[0]
         xb = cute_sm100.tokens_for_kernel(latent, lists)
         act = torch.full((slots, cute_sm100.TOKENS, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -1,10 +1,10 @@
 """Host-side pieces of the CuTe DSL MXFP4 expert kernels shared by the Hopper and Blackwell builds:
 the expert-major pair lists built on the device (no host sync) and the K permutation that lets
-every thread dequantise one contiguous 16-byte run of packed codes (spec: kernels.md §4.3).
+every thread dequantise one contiguous 16-byte run of packed codes (docs/kernels.md §4.3).
 
 Plain torch, so it runs (and is tested) on the CPU as well.
 
-Expert lists (kernels.md §4.3 "routing prologue"): the T*k (token, expert) pairs of a step are
+Expert lists (docs/kernels.md §4.3 "routing prologue"): the T*k (token, expert) pairs of a step are
 sorted by expert; each distinct expert gets a "slot" (its position in sorted order) holding up to
 `tile_tokens` token rows, padded. Slots are a fixed number, S = min(E, T*k), so every shape is
 static (CUDA-graph friendly): slots past the number of touched experts have expert id -1 and the
