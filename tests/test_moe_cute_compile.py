@@ -3,7 +3,8 @@
 Compile-only (no GPU here): the Hopper kernel must lower to wgmma with A from registers (the
 dequantised weights) and B from shared memory, fed by TMA, with no local-memory spills; the
 Blackwell build must lower to tcgen05. Plus the host-side pieces that run on any device: the K
-permutation and the expert lists, against direct loops.
+permutation and the expert lists, against direct loops; and the registration: both builds are
+registered for `moe_experts` by module path, on their own GPU families only.
 """
 import pytest
 import torch
@@ -56,6 +57,20 @@ def test_blackwell_expert_kernel_compiles_to_tcgen05(arch, glu):
     assert "st.shared.v4" in ptx  # dequantised octets written as 16-byte vectors
     assert "fence.proxy.async.shared::cta" in ptx  # generic-proxy writes made visible to the UMMA
     assert ".local" not in ptx
+
+
+def test_expert_kernels_register_lazily_for_their_own_families():
+    import subprocess
+    import sys
+
+    # a fresh interpreter: the registry loads every op package, yet no kernel module (nor cutlass)
+    probe = ("import sys; from dspark.kernels import registry; "
+             "impls = registry.implementations('moe_experts'); "
+             "print(sorted((n, i.min_capability, i.max_capability) for n, i in impls.items())); "
+             "print(sorted(m for m in sys.modules if m.startswith(('cutlass', 'dspark.kernels.moe.cute'))))")
+    lines = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == [str([("cute_sm100", (10, 0), (10, 3)), ("cute_sm90", (9, 0), (9, 0)), ("reference", None, None)]),
+                     "[]"]
 
 
 def test_octet_permutation_matches_the_blackwell_dequantiser():
@@ -124,6 +139,7 @@ def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated)
             assert int(lists.pair_position[t, j]) == slot * tile + rank
 
 
+@needs_cutlass
 def test_kernel_token_operand_is_the_gathered_permuted_scaled_rows():
     from dspark.kernels.moe import cute_sm90, cute_sm100
 
@@ -166,6 +182,7 @@ def test_dequantisation_bit_trick_is_exact_for_every_code_and_scale():
         assert torch.equal(ours, ref.flatten()), f"scale byte {scale}"
 
 
+@needs_cutlass
 def test_untileable_expert_shapes_go_to_the_reference():
     from dspark.kernels.moe import cute_sm90
     from dspark.kernels.mxfp4 import pack
