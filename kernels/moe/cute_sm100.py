@@ -171,36 +171,7 @@ class MxFp4ExpertGemmSm100:
             self.load_stage(wa, sa, wb, sb, expert, row, use_b, 1, raw1, scales1)
 
             storage = SmemAllocator().allocate(self.shared_storage)
-            a_pipe = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=storage.a_barriers.data_ptr(),
-                num_stages=STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
-            )
-            b_pipe = pipeline.PipelineTmaUmma.create(
-                barrier_storage=storage.b_barriers.data_ptr(),
-                num_stages=STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                tx_count=self.b_bytes,
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
-            )
-            acc_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=storage.acc_barriers.data_ptr(),
-                num_stages=1,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
-            )
-            tmem = TmemAllocator(
-                storage.tmem_holding_buf.ptr,
-                barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=THREADS),
-            )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+            a_pipe, b_pipe, acc_pipe, tmem = self.make_pipelines(storage, cluster_layout_vmnk)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -228,9 +199,7 @@ class MxFp4ExpertGemmSm100:
             b_producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
             if warp_idx == 0:
                 for _ in cutlass.range(cutlass.min(STAGES, self.stages_total), unroll=1):
-                    b_pipe.producer_acquire(b_producer)
-                    cute.copy(tma_b, tBgB[(None, b_producer.count)], tBsB[(None, b_producer.index)],
-                              tma_bar_ptr=b_pipe.producer_get_barrier(b_producer))
+                    self.issue_tokens(b_pipe, b_producer, tma_b, tBgB, tBsB)
                     b_producer.advance()
 
             a_producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -262,44 +231,91 @@ class MxFp4ExpertGemmSm100:
                         b_pipe.consumer_release(consumer)
                         consumer.advance()
                         if b_producer.count < self.stages_total:
-                            b_pipe.producer_acquire(b_producer)
-                            cute.copy(tma_b, tBgB[(None, b_producer.count)], tBsB[(None, b_producer.index)],
-                                      tma_bar_ptr=b_pipe.producer_get_barrier(b_producer))
+                            self.issue_tokens(b_pipe, b_producer, tma_b, tBgB, tBsB)
                             b_producer.advance()
             if warp_idx == 0:
                 acc_pipe.producer_commit(pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1))
 
-            # Epilogue: TMEM -> registers (thread t holds tile row t's tokens).
             tmem.relinquish_alloc_permit()
             acc_pipe.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            tile_mn = self.mma_tiler[:2]
-            t2r_atom = sm100_utils.get_tmem_load_op(
-                (*tile_mn, K_STAGE), tensor_utils.LayoutEnum.COL_MAJOR, Float32, Float32, tile_mn, False
-            )
-            acc_tile = cute.flat_divide(tCtAcc[((None, None), 0, 0)], tile_mn)
-            t2r = tcgen05.make_tmem_copy(t2r_atom, acc_tile[(None, None, 0, 0)])
-            thr_t2r = t2r.get_slice(tidx)
-            tTR_tAcc = thr_t2r.partition_S(acc_tile)[(None, None, None, 0, 0)]
-            coords = thr_t2r.partition_D(cute.flat_divide(cute.make_identity_tensor(tile_mn), tile_mn))[
-                (None, None, None, 0, 0)
-            ]
-            acc = cute.make_rmem_tensor(coords.shape, Float32)
-            cute.copy(t2r, tTR_tAcc, acc)
-            if cutlass.const_expr(self.glu):
-                exchange = storage.exchange.get_tensor(cute.make_layout((ROW_TILE, TOKENS), stride=(TOKENS, 1)))
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    tile_row, token = coords[i]
-                    exchange[tile_row, token] = acc[i]
-                pipeline.sync(barrier_id=2)
-                self.store_act(exchange, out, slot, tile_idx, tidx)
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    tile_row, token = coords[i]
-                    out[slot, token, tile_idx * ROW_TILE + tile_row] = acc[i]
+            self.store_tile(tCtAcc, storage, out, slot, tile_idx, tidx)
             pipeline.sync(barrier_id=3)
             tmem.free(tCtAcc.iterator)
             if warp_idx == 0:
                 b_pipe.producer_tail(b_producer)
+
+    @cute.jit
+    def make_pipelines(self, storage, cluster_layout_vmnk):
+        """A: the 128 dequantising threads produce, the MMA consumes; B: TMA produces; the
+        accumulator: the MMA's commit produces, the epilogue's 128 threads consume; and the
+        TMEM allocator."""
+        a_pipe = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.a_barriers.data_ptr(),
+            num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        b_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.b_barriers.data_ptr(),
+            num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.b_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_barriers.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=THREADS),
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        return a_pipe, b_pipe, acc_pipe, tmem
+
+    @cute.jit
+    def issue_tokens(self, b_pipe, b_producer, tma_b, tBgB, tBsB):
+        """Warp 0: TMA the tokens of K stage b_producer.count."""
+        b_pipe.producer_acquire(b_producer)
+        cute.copy(tma_b, tBgB[(None, b_producer.count)], tBsB[(None, b_producer.index)],
+                  tma_bar_ptr=b_pipe.producer_get_barrier(b_producer))
+
+    @cute.jit
+    def store_tile(self, tCtAcc, storage, out, slot, tile_idx, tidx):
+        """Epilogue: TMEM -> registers (thread t holds tile row t's tokens); pass 1 the SiTU-GLU
+        activations (store_act, through shared memory), pass 2 the fp32 outputs."""
+        tile_mn = self.mma_tiler[:2]
+        t2r_atom = sm100_utils.get_tmem_load_op(
+            (*tile_mn, K_STAGE), tensor_utils.LayoutEnum.COL_MAJOR, Float32, Float32, tile_mn, False
+        )
+        acc_tile = cute.flat_divide(tCtAcc[((None, None), 0, 0)], tile_mn)
+        t2r = tcgen05.make_tmem_copy(t2r_atom, acc_tile[(None, None, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        tTR_tAcc = thr_t2r.partition_S(acc_tile)[(None, None, None, 0, 0)]
+        coords = thr_t2r.partition_D(cute.flat_divide(cute.make_identity_tensor(tile_mn), tile_mn))[
+            (None, None, None, 0, 0)
+        ]
+        acc = cute.make_rmem_tensor(coords.shape, Float32)
+        cute.copy(t2r, tTR_tAcc, acc)
+        if cutlass.const_expr(self.glu):
+            exchange = storage.exchange.get_tensor(cute.make_layout((ROW_TILE, TOKENS), stride=(TOKENS, 1)))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                tile_row, token = coords[i]
+                exchange[tile_row, token] = acc[i]
+            pipeline.sync(barrier_id=2)
+            self.store_act(exchange, out, slot, tile_idx, tidx)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                tile_row, token = coords[i]
+                out[slot, token, tile_idx * ROW_TILE + tile_row] = acc[i]
 
     @cute.jit
     def store_act(self, exchange: cute.Tensor, out: cute.Tensor, slot, tile_idx, tidx):
