@@ -83,18 +83,12 @@ def test_octet_permutation_matches_the_blackwell_dequantiser():
 
 @needs_cutlass
 @pytest.mark.usefixtures("_ptx_dump_dir")
-def test_list_and_routing_kernels_compile():
+def test_list_kernel_compiles():
     from dspark.kernels.moe import cute_sm90
 
     for tile in (8, 16):
         ptx = cute_sm90.compile_lists_kernel(tile, K3.num_experts_per_token, "sm_90a", extra_options=("--keep-ptx",)).__ptx__
         assert ptx.count("bar.sync") == 2 and ".local" not in ptx
-    # routing + lists: k rounds of a 5-step warp arg-max (value and expert id shuffled)
-    ptx = cute_sm90.compile_route_kernel(16, K3.num_experts_per_token, K3.num_experts, "sm_90a",
-                                         extra_options=("--keep-ptx",)).__ptx__
-    assert ptx.count("shfl.sync.bfly") >= 2 * 5 * K3.num_experts_per_token and ".local" not in ptx
-    with pytest.raises(ValueError, match="num_experts"):
-        cute_sm90.compile_route_kernel(16, 16, 900, "sm_90a")
 
 
 def test_chunk_permutation_is_the_register_fragment_order():

@@ -591,59 +591,12 @@ def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torc
 LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
 
 
-def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
+def _build_lists_kernel(tile_tokens: int, top_k: int):
     """One CTA that builds expert_layout.ExpertLists (same contents as build_expert_lists, one launch
     instead of ~16 torch kernels). Thread p owns pair p = t * k + j: its rank among the pairs of
     the same expert is the number of earlier pairs with that expert (earlier = smaller token), it
     opens a slot if its rank is 0, and its slot is the number of slot-opening pairs with a smaller
-    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory.
-
-    With num_experts > 0 the kernel routes first (the reference router, docs/kimi-k3.md §1.2): warp w
-    takes tokens w, w + 8, ...; each lane holds sigmoid(logit) + bias of experts lane, lane + 32,
-    ...; k rounds of a warp arg-max (ties to the smaller expert id) pick the top-k in descending
-    order; weights = the chosen raw sigmoid scores / their sum * scaling."""
-    per_lane = num_experts // 32
-    warps = LIST_THREADS // 32
-    taken = Float32(-3.0e38)
-
-    @cute.jit
-    def route(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
-              weights_out: cute.Tensor, ids_s: cute.Tensor, tidx):
-        warp, lane = tidx // 32, tidx % 32
-        tokens = logits.shape[0]
-        values = cute.make_rmem_tensor((per_lane,), Float32)
-        chosen = cute.make_rmem_tensor((top_k,), Float32)
-        for t in cutlass.range(warp, tokens, warps, unroll=1):
-            for i in cutlass.range_constexpr(per_lane):
-                e = i * 32 + lane
-                score = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, e]))
-                values[i] = score + bias[e]
-            total = Float32(0.0)
-            for r in cutlass.range_constexpr(top_k):
-                best = taken
-                best_e = Int32(num_experts)
-                for i in cutlass.range_constexpr(per_lane):
-                    if values[i] > best:
-                        best = values[i]
-                        best_e = Int32(i * 32) + lane
-                for step in cutlass.range_constexpr(5):
-                    other = cute.arch.shuffle_sync_bfly(best, offset=1 << step)
-                    other_e = cute.arch.shuffle_sync_bfly(best_e, offset=1 << step)
-                    if other > best or (other == best and other_e < best_e):
-                        best = other
-                        best_e = other_e
-                for i in cutlass.range_constexpr(per_lane):
-                    if Int32(i * 32) + lane == best_e:
-                        values[i] = taken
-                score = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, best_e]))
-                chosen[r] = score
-                total += score
-                if lane == 0:
-                    ids_s[t * top_k + r] = best_e
-                    ids_out[t, r] = best_e.to(Int64)
-            if lane == 0:
-                for r in cutlass.range_constexpr(top_k):
-                    weights_out[t, r] = chosen[r] / total * scaling
+    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory."""
 
     @cute.jit
     def build(ids_s: cute.Tensor, pairs, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
@@ -689,31 +642,6 @@ def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
         cute.arch.sync_threads()
         build(ids_s, pairs, slot_expert, slot_tokens, pair_position, tidx)
 
-    @cute.kernel
-    def route_kernel(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
-                     weights_out: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
-                     pair_position: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        pairs = logits.shape[0] * top_k
-        ids_s = SmemAllocator().allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
-        clear(slot_expert, slot_tokens, tidx)
-        ids_s[tidx] = Int32(-1)
-        cute.arch.sync_threads()
-        route(logits, bias, scaling, ids_out, weights_out, ids_s, tidx)
-        cute.arch.sync_threads()
-        build(ids_s, pairs, slot_expert, slot_tokens, pair_position, tidx)
-
-    if num_experts:
-        @cute.jit
-        def launch_route(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
-                         weights_out: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
-                         pair_position: cute.Tensor, stream):
-            route_kernel(logits, bias, scaling, ids_out, weights_out, slot_expert, slot_tokens, pair_position).launch(
-                grid=(1, 1, 1), block=[LIST_THREADS, 1, 1], stream=stream
-            )
-
-        return launch_route
-
     @cute.jit
     def launch(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor, stream):
         lists_kernel(ids, slot_expert, slot_tokens, pair_position).launch(
@@ -721,53 +649,6 @@ def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
         )
 
     return launch
-
-
-def compile_route_kernel(tile_tokens: int, top_k: int, num_experts: int, arch: str, extra_options: tuple = ()):
-    if num_experts % 32:
-        raise ValueError(f"num_experts={num_experts}: the routing kernel needs a multiple of 32")
-    key = ("moe_route_lists", tile_tokens, top_k, num_experts, arch, tuple(extra_options))
-
-    def build():
-        tokens, slots, padded, pairs = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-        logits = make_fake_compact_tensor(cutlass.Float32, (tokens, num_experts), stride_order=(1, 0), assumed_align=16)
-        bias = make_fake_compact_tensor(cutlass.Float32, (num_experts,), assumed_align=16)
-        ids = make_fake_compact_tensor(cutlass.Int64, (tokens, top_k), stride_order=(1, 0), assumed_align=8)
-        route_weights = make_fake_compact_tensor(cutlass.Float32, (tokens, top_k), stride_order=(1, 0), assumed_align=4)
-        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
-        slot_tokens = make_fake_compact_tensor(cutlass.Int64, (padded,), assumed_align=8)
-        pair_position = make_fake_compact_tensor(cutlass.Int64, (pairs,), assumed_align=8)
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            _build_lists_kernel(tile_tokens, top_k, num_experts), logits, bias, cutlass.Float32(1.0), ids,
-            route_weights, slot_expert, slot_tokens, pair_position, stream,
-            options=cute_common.compile_options(arch, *extra_options),
-        )
-
-    return _cache.get(key, build)
-
-
-def route_and_lists_device(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, tile_tokens: int):
-    """The reference router (moe_route) on fp32 logits [T, E] and the expert lists, one launch ->
-    (ids [T, k] int64, weights [T, k] fp32, ExpertLists)."""
-    tokens, num_experts = logits.shape
-    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or tuple(bias.shape) != (num_experts,):
-        raise ValueError(f"logits/bias: expected fp32 [T, E] and [E], got {logits.dtype} {tuple(logits.shape)}, "
-                         f"{bias.dtype} {tuple(bias.shape)}")
-    if not 1 <= tokens <= tile_tokens or tokens * top_k > LIST_THREADS or not 1 <= top_k <= num_experts:
-        raise ValueError(f"logits: {tokens} tokens x top_k={top_k} exceeds the routing kernel ({LIST_THREADS} pairs)")
-    device = logits.device
-    pairs = tokens * top_k
-    slots = min(num_experts, pairs)
-    ids = torch.empty((tokens, top_k), dtype=torch.long, device=device)
-    route_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
-    slot_expert = torch.empty(slots, dtype=torch.int32, device=device)
-    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=device)
-    pair_position = torch.empty(pairs, dtype=torch.long, device=device)
-    compiled = compile_route_kernel(tile_tokens, top_k, num_experts, cute_common.target_arch(device))
-    compiled(logits.contiguous(), bias.contiguous(), scaling, ids, route_weights, slot_expert, slot_tokens, pair_position)
-    lists = expert_layout.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
-    return ids, route_weights, lists
 
 
 def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options: tuple = ()):
@@ -807,8 +688,7 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 
 # How moe_experts builds its expert lists: "torch" = expert_layout.build_expert_lists (~16 small
 # kernels), "device" = the one-launch list kernel above. The list kernel is not yet verified on a
-# GPU, so "torch" stays the default. (route_and_lists_device, router and lists in one kernel,
-# does not fit the moe_route / moe_experts split; it is timed by experiments/moe_bench.py only.)
+# GPU, so "torch" stays the default; experiments/moe_bench.py times both.
 DEFAULT_LISTS = "torch"
 
 
