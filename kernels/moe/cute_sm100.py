@@ -39,11 +39,10 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import torch
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from .. import cute_common
-from . import expert_layout, reference
+from . import cute_sm90, expert_layout, reference
 
 ROW_TILE = 128
 GLU_ROWS = ROW_TILE // 2
@@ -360,19 +359,8 @@ def compile_expert_gemm(
     key = ("moe_sm100", experts, rows, k, glu, situ_beta, situ_linear_beta, arch, tuple(extra_options))
 
     def build():
-        slots = cute.sym_int()
-        packed = make_fake_compact_tensor(cutlass.Int32, (experts, rows, k // 8), stride_order=(2, 1, 0), assumed_align=16)
-        scale = make_fake_compact_tensor(cutlass.Uint8, (experts, rows, k // 32), stride_order=(2, 1, 0), assumed_align=16)
-        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
-        xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, TOKENS, k), stride_order=(2, 1, 0), assumed_align=16)
-        out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
-        out = make_fake_compact_tensor(out_dtype, (slots, TOKENS, rows), stride_order=(2, 1, 0), assumed_align=16)
         gemm = MxFp4ExpertGemmSm100(experts, rows, k, glu, situ_beta, situ_linear_beta)
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
-            options=cute_common.compile_options(arch, *extra_options),
-        )
+        return cute_sm90.compile_expert_kernel(gemm, experts, rows, k, TOKENS, glu, arch, extra_options)
 
     return _cache.get(key, build)
 

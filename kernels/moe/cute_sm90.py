@@ -543,21 +543,25 @@ def compile_expert_gemm(
     key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader, arch, tuple(extra_options))
 
     def build():
-        slots = cute.sym_int()
-        packed = make_fake_compact_tensor(cutlass.Int32, (experts, rows, k // 8), stride_order=(2, 1, 0), assumed_align=16)
-        scale = make_fake_compact_tensor(cutlass.Uint8, (experts, rows, k // 32), stride_order=(2, 1, 0), assumed_align=16)
-        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
-        xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
-        out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
-        out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
         gemm = MxFp4ExpertGemmSm90(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader)
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
-            options=cute_common.compile_options(arch, *extra_options),
-        )
+        return compile_expert_kernel(gemm, experts, rows, k, tokens, glu, arch, extra_options)
 
     return _cache.get(key, build)
+
+
+def compile_expert_kernel(gemm, experts: int, rows: int, k: int, tokens: int, glu: bool, arch: str, extra_options: tuple):
+    """cute.compile of an expert kernel object (the Hopper or the Blackwell class) for weights
+    [experts, rows, k] and slots of `tokens` rows; the slot count stays symbolic."""
+    slots = cute.sym_int()
+    packed = make_fake_compact_tensor(cutlass.Int32, (experts, rows, k // 8), stride_order=(2, 1, 0), assumed_align=16)
+    scale = make_fake_compact_tensor(cutlass.Uint8, (experts, rows, k // 32), stride_order=(2, 1, 0), assumed_align=16)
+    slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
+    xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
+    out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
+    out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
+                        options=cute_common.compile_options(arch, *extra_options))
 
 
 def _as_words(packed: torch.Tensor) -> torch.Tensor:
