@@ -38,7 +38,7 @@ def kda_inputs(gen, B, T):
 
 
 def kda_naive(inp, b, n):
-    """Float64 token-by-token recurrence of spec kimi-k3.md §2.1 for request b -> (o [n, W], S, window)."""
+    """Float64 token-by-token recurrence of docs/kimi-k3.md §2.1 for request b -> (o [n, W], S, window)."""
     d = {k: v.double() for k, v in inp.items()}
     seq = torch.cat([d["conv_state"][b], torch.stack([d["q_in"][b], d["k_in"][b], d["v_in"][b]]).transpose(1, 2)], -1)
     S = d["state"][b].clone()

@@ -9,7 +9,7 @@ Split-row structure (docs/kernels.md §7 row 9, "tiny reduce + acceptance kernel
      filtered logits, the raw-logit (max, first argmax) for greedy rows, and the exponential-race
      (max key, its index) over the chunk, the position's own draft token left out.
   2. `accept`: one program per request combines the partials of all its positions at once,
-     decides the acceptance chain (vllm-integration.md §6.1) and writes num_accepted and the
+     decides the acceptance chain (docs/vllm-integration.md §6.1) and writes num_accepted and the
      next token.
   3. Only with dense draft probabilities q: `residual_partials` races max(p - q, 0) over the row
      where a sampled request rejected, and `residual_pick` combines it.
