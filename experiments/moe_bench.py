@@ -1,5 +1,5 @@
-"""K3 latent-MoE block on the GPU: the torch reference, the CuTe DSL MXFP4 expert kernels
-(kernels/moe/cute_sm90.py) and the byte floor, per T in {1, 2, 4, 8, 16} (spec kernels.md §4, §6).
+"""K3 latent-MoE block (dspark/targets/kimi_k3/moe.py) on the GPU: the torch reference ops, the CuTe DSL
+MXFP4 expert kernels (kernels/moe/cute_sm90.py) and the byte floor, per T in {1, 2, 4, 8, 16} (docs/kernels.md §4, §6).
 
 Method (experiments/benchlib.py): a full-size bank of 896 random MXFP4 experts (15.7 GB) so every
 call streams its experts from HBM; several routings (different random experts) rotate; CUDA
@@ -17,8 +17,9 @@ import torch
 
 from benchlib import provenance, read_ceiling, time_calls, write_json
 from dspark.kernels import registry
-from dspark.kernels.moe import cute_common as moe_common
+from dspark.kernels.moe import expert_layout
 from dspark.kernels.moe import cute_sm90, reference
+from dspark.targets.kimi_k3 import moe as k3_moe
 from dspark.targets.kimi_k3.config import K3
 
 ROUTINGS = 6  # distinct routings rotated per measurement
@@ -38,7 +39,7 @@ def make_weights(cfg, gen):
     w1, s1 = codes(I, L)
     w3, s3 = codes(I, L)
     w2, s2 = codes(L, I)
-    return reference.LatentMoEWeights(
+    return k3_moe.LatentMoEWeights(
         gate=dense(E, D), score_bias=torch.zeros(E, device="cuda"), latent_down=dense(L, D),
         latent_norm=torch.ones(L, dtype=torch.bfloat16, device="cuda"), latent_up=dense(D, L),
         shared_gate=dense(S, D), shared_up=dense(S, D), shared_down=dense(D, S),
@@ -61,8 +62,8 @@ def main():
     parser.add_argument("--out", default="experiments/results/h200/moe_bench.json")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference block")
-    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+fused", "tma+fused+overlap"],
-                        help="loader+lists[+overlap] (cute_sm90.DEFAULT_LOADER, DEFAULT_LISTS, OVERLAP_SHARED); "
+    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+device", "tma+torch+overlap"],
+                        help="loader+lists[+overlap] (cute_sm90.DEFAULT_LOADER, DEFAULT_LISTS, k3_moe.OVERLAP_SHARED); "
                         "the first is the reference for the cross-check")
     args = parser.parse_args()
     cfg = K3
@@ -78,7 +79,7 @@ def main():
     for tokens in args.tokens:
         t0 = time.time()
         row = {"T": tokens}
-        # Random routing: distinct experts per token, independent across tokens (kernels.md §4.1).
+        # Random routing: distinct experts per token, independent across tokens (docs/kernels.md §4.1).
         ids_sets = [torch.stack([torch.randperm(cfg.num_experts, device="cuda", generator=gen)[: cfg.num_experts_per_token]
                                  for _ in range(tokens)]) for _ in range(ROUTINGS)]
         latents = [torch.randn(tokens, cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ROUTINGS)]
@@ -96,14 +97,14 @@ def main():
         outputs = {}
         for variant in args.variants:
             loader, lists, *overlap = variant.split("+")
-            # what routed_experts / latent_moe use
+            # what routed_experts / the block use
             cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = loader, lists
-            cute_sm90.OVERLAP_SHARED = overlap == ["overlap"]
+            k3_moe.OVERLAP_SHARED = overlap == ["overlap"]
             passes_done = any(v.split("+")[0] == loader for v in row.get("variants_done", []))
             try:
                 timings = measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, distinct,
                                           passes=not passes_done)
-                outputs[variant] = cute_sm90.latent_moe(xs[0], weights, cfg).double()
+                outputs[variant] = k3_moe.latent_moe(xs[0], weights, cfg).double()
             except Exception as exc:  # keep the other variants' numbers
                 row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 continue
@@ -117,13 +118,13 @@ def main():
         first = outputs[next(iter(outputs))]
         row["variants_rel_diff"] = {v: ((out - first).norm() / first.norm()).item() for v, out in outputs.items()}
         cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = args.variants[0].split("+")[:2]
-        cute_sm90.OVERLAP_SHARED = args.variants[0].endswith("+overlap")
+        k3_moe.OVERLAP_SHARED = args.variants[0].endswith("+overlap")
         if not args.no_reference:
-            with registry.scoped((("linear", "reference"), ("latent_moe", "reference"))):
+            with registry.scoped((("linear", "reference"), ("moe_route", "reference"), ("moe_experts", "reference"))):
                 # eager only (it syncs to the host per expert), 3 routings x 2 repeats after warm-up
-                ref_calls = [lambda x=x: reference.latent_moe(x, weights, cfg) for x in xs[:3]]
+                ref_calls = [lambda x=x: k3_moe.latent_moe(x, weights, cfg) for x in xs[:3]]
                 timing = time_calls(ref_calls, 3, repeats=2, graph=False)
-                reference_out = reference.latent_moe(xs[0], weights, cfg).double()
+                reference_out = k3_moe.latent_moe(xs[0], weights, cfg).double()
             row["block_reference_torch"] = timing
             row["block_reference_pct_floor"] = 100 * block_floor_us / timing["eager_us"]
             row["ours_vs_reference_rel_diff"] = {
@@ -147,10 +148,10 @@ def measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, dis
     out = {}
     if passes:
         out.update(measure_passes(weights, cfg, tokens, ids_sets, latents, reps, rate, distinct))
-    routed = [lambda h=h, ids=ids: cute_sm90.routed_experts(h, ids, weights, cfg.situ_beta, cfg.situ_linear_beta)
+    routed = [lambda h=h, ids=ids: cute_sm90.routed_experts(h, ids, weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
               for h, ids in zip(latents, ids_sets)]
     out["routed"] = time_calls(routed, reps, repeats=3)
-    block = [lambda x=x: cute_sm90.latent_moe(x, weights, cfg) for x in xs]
+    block = [lambda x=x: k3_moe.latent_moe(x, weights, cfg) for x in xs]
     out["block"] = time_calls(block, reps, repeats=3)
     return out
 
@@ -158,7 +159,7 @@ def measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, dis
 def measure_passes(weights, cfg, tokens, ids_sets, latents, reps, rate, distinct) -> dict:
     out = {}
     tile = cute_sm90.token_tile(tokens)
-    lists = [moe_common.build_expert_lists(ids, cfg.num_experts, tile) for ids in ids_sets]
+    lists = [expert_layout.build_expert_lists(ids, cfg.num_experts, tile) for ids in ids_sets]
     xbs = [cute_sm90.tokens_for_kernel(h, lst) for h, lst in zip(latents, lists)]
     acts = [torch.empty((lst.slot_expert.shape[0], tile, cfg.moe_intermediate_size), dtype=torch.bfloat16,
                         device="cuda") for lst in lists]

@@ -42,15 +42,20 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)
 
 
-def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
-    """The whole K3 latent-MoE FFN: x [M, D] -> [M, D]. Implementations' `supports` see x and the
-    weights (an expert kernel tiles only some expert shapes)."""
-    return select("latent_moe", x, weights).fn(x, weights, cfg)
+def moe_experts(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, w1_packed, w1_scale,
+                w3_packed, w3_scale, w2_packed, w2_scale, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """The routed MXFP4 experts, combined: latent [M, L], ids / route_weights [M, k] ->
+    sum_j route_weights[:, j] * w2_e situ(w1_e h, w3_e h) for e = ids[:, j], fp32 [M, L].
+    Experts are stacked MXFP4 (w1/w3 [E, I, L/2] + scales [E, I, L/32], w2 [E, L, I/2] +
+    scales [E, L, I/32]); implementations' `supports` see every tensor (a kernel tiles only
+    some expert shapes)."""
+    tensors = (latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    return select("moe_experts", *tensors).fn(*tensors, situ_beta, situ_linear_beta)
 
 
 def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise):
     """Lossless acceptance of one verified block -> (num_accepted [B], next_token [B]) on the
-    logits' device; contract: dspark.sampling.rejection_sample. Dispatch sees the tensors only
+    logits' device; contract: kernels/acceptance/reference.py. Dispatch sees the tensors only
     (draft_probs when there are some): the registry's `supports` and messages take tensors."""
     tensors = (target_logits, draft_tokens, num_drafts, uniforms, race_noise)
     tensors += () if draft_probs is None else (draft_probs,)
@@ -59,7 +64,7 @@ def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampl
 
 
 def synthetic_sample(target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise):
-    """LOSSY forced-acceptance sampler (speed measurement); contract: dspark.sampling.synthetic_sample."""
+    """LOSSY forced-acceptance sampler (speed measurement); contract: kernels/acceptance/reference.py."""
     tensors = (target_logits, draft_tokens, num_drafts, uniforms, race_noise, cond_rates)
     return select("synthetic_sample", *tensors).fn(
         target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise)

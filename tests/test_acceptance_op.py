@@ -1,7 +1,8 @@
-"""The acceptance ops on the CPU: the reference implementations are dspark.sampling's samplers,
-ops.* dispatches to them on CPU tensors, and the pieces of the Triton implementation that run
-without a GPU (argument checks, the registry predicate, the split, and the top-k / top-p
-threshold that must reproduce the sampler's filtered set exactly). The kernels themselves run in
+"""The acceptance ops on the CPU: the reference implementations are the samplers of
+kernels/acceptance/reference.py (re-exported by dspark.sampling), ops.* dispatches to them on
+CPU tensors, and the pieces of the Triton implementation that run without a GPU (argument
+checks, the registry predicate, the split, and the top-k / top-p threshold that must reproduce
+the sampler's filtered set exactly). The kernels themselves run in
 tests/gpu/test_acceptance_gpu.py (CI has no triton and no GPU)."""
 import pytest
 import torch

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dspark.targets.kimi_k3 import K3_TINY, K3Model, load_target, save_checkpoint
-from dspark.targets.kimi_k3.mxfp4 import dequantise, pack
+from dspark.kernels.mxfp4 import dequantise, pack
 
 
 @pytest.fixture(scope="module", autouse=True)

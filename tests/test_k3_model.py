@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dspark.targets.kimi_k3 import K3_TINY, K3Model, K3Target
-from dspark.targets.kimi_k3 import numerics
-from dspark.targets.kimi_k3.mxfp4 import dequantise
+from dspark.kernels import numerics
+from dspark.kernels.mxfp4 import dequantise
 
 
 @pytest.fixture(scope="module")

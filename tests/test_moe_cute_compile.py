@@ -1,15 +1,16 @@
-"""CPU checks of the CuTe DSL MXFP4 expert kernels (spec: kernels.md §1.4 tier (b), §4.3).
+"""CPU checks of the CuTe DSL MXFP4 expert kernels (docs/kernels.md §1.4 tier (b), §4.3).
 
 Compile-only (no GPU here): the Hopper kernel must lower to wgmma with A from registers (the
 dequantised weights) and B from shared memory, fed by TMA, with no local-memory spills; the
 Blackwell build must lower to tcgen05. Plus the host-side pieces that run on any device: the K
-permutation and the expert lists, against direct loops.
+permutation and the expert lists, against direct loops; and the registration: both builds are
+registered for `moe_experts` by module path, on their own GPU families only.
 """
 import pytest
 import torch
 
 from dspark.kernels import cute_common
-from dspark.kernels.moe import cute_common as moe_common
+from dspark.kernels.moe import expert_layout
 from dspark.targets.kimi_k3.config import K3
 
 needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
@@ -58,51 +59,59 @@ def test_blackwell_expert_kernel_compiles_to_tcgen05(arch, glu):
     assert ".local" not in ptx
 
 
+def test_expert_kernels_register_lazily_for_their_own_families():
+    import subprocess
+    import sys
+
+    # a fresh interpreter: the registry loads every op package, yet no kernel module (nor cutlass)
+    probe = ("import sys; from dspark.kernels import registry; "
+             "impls = registry.implementations('moe_experts'); "
+             "print(sorted((n, i.min_capability, i.max_capability) for n, i in impls.items())); "
+             "print(sorted(m for m in sys.modules if m.startswith(('cutlass', 'dspark.kernels.moe.cute'))))")
+    lines = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == [str([("cute_sm100", (10, 0), (10, 3)), ("cute_sm90", (9, 0), (9, 0)), ("reference", None, None)]),
+                     "[]"]
+
+
 def test_octet_permutation_matches_the_blackwell_dequantiser():
-    perm = moe_common.octet_permutation()
+    perm = expert_layout.octet_permutation()
     # position 2i holds nibble i of the word, position 2i + 1 nibble i + 4
     assert perm.tolist() == [i + 4 * half for i in range(4) for half in (0, 1)]
     x = torch.randn(2, 16)
-    assert torch.equal(moe_common.permute_k(x, "sm100")[:, 8:], x[:, 8:][:, perm])
+    assert torch.equal(expert_layout.permute_k(x, "sm100")[:, 8:], x[:, 8:][:, perm])
 
 
 @needs_cutlass
 @pytest.mark.usefixtures("_ptx_dump_dir")
-def test_list_and_routing_kernels_compile():
+def test_list_kernel_compiles():
     from dspark.kernels.moe import cute_sm90
 
     for tile in (8, 16):
         ptx = cute_sm90.compile_lists_kernel(tile, K3.num_experts_per_token, "sm_90a", extra_options=("--keep-ptx",)).__ptx__
         assert ptx.count("bar.sync") == 2 and ".local" not in ptx
-    # routing + lists: k rounds of a 5-step warp arg-max (value and expert id shuffled)
-    ptx = cute_sm90.compile_route_kernel(16, K3.num_experts_per_token, K3.num_experts, "sm_90a",
-                                         extra_options=("--keep-ptx",)).__ptx__
-    assert ptx.count("shfl.sync.bfly") >= 2 * 5 * K3.num_experts_per_token and ".local" not in ptx
-    with pytest.raises(ValueError, match="num_experts"):
-        cute_sm90.compile_route_kernel(16, 16, 900, "sm_90a")
 
 
 def test_chunk_permutation_is_the_register_fragment_order():
-    perm = moe_common.chunk_permutation()
-    assert sorted(perm.tolist()) == list(range(moe_common.K_CHUNK))
+    perm = expert_layout.chunk_permutation()
+    assert sorted(perm.tolist()) == list(range(expert_layout.K_CHUNK))
     # Thread c (lane % 4) of a quad owns, for each k16 block ki, logical columns 2c + v0 + 8 v2
     # (PTX wgmma A register fragment); they must be its contiguous 32-element MX group.
     for c in range(4):
         owned = {int(perm[16 * ki + 2 * c + v0 + 8 * v2]) for ki in range(8) for v0 in (0, 1) for v2 in (0, 1)}
         assert owned == set(range(32 * c, 32 * c + 32))
     # the bf16 pair of one register (v0 = 0, 1) is nibbles i and i + 4 of one 32-bit word
-    for logical in range(0, moe_common.K_CHUNK, 2):
+    for logical in range(0, expert_layout.K_CHUNK, 2):
         low, high = int(perm[logical]), int(perm[logical + 1])
         assert high == low + 4 and low // 8 == high // 8 and low % 8 < 4
 
 
 def test_permute_k_permutes_each_chunk():
-    x = torch.randn(3, 2 * moe_common.K_CHUNK)
-    perm = moe_common.chunk_permutation()
-    y = moe_common.permute_k(x)
+    x = torch.randn(3, 2 * expert_layout.K_CHUNK)
+    perm = expert_layout.chunk_permutation()
+    y = expert_layout.permute_k(x)
     assert torch.equal(y[:, :128], x[:, perm]) and torch.equal(y[:, 128:], x[:, 128 + perm])
     with pytest.raises(ValueError, match="multiple of 128"):
-        moe_common.permute_k(torch.randn(2, 100))
+        expert_layout.permute_k(torch.randn(2, 100))
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, repeated", [(1, 16, 896, False), (5, 4, 10, True), (16, 16, 896, True)])
@@ -111,7 +120,7 @@ def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated)
     pool = experts if not repeated else max(top_k + 2, experts // 40)  # few experts: many repeats
     ids = torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)])
     tile = 8 if tokens <= 8 else 16
-    lists = moe_common.build_expert_lists(ids, experts, tile)
+    lists = expert_layout.build_expert_lists(ids, experts, tile)
     touched = sorted(set(ids.flatten().tolist()))
     slots = min(experts, tokens * top_k)
     assert lists.slot_expert.tolist() == touched + [-1] * (slots - len(touched))
@@ -124,15 +133,16 @@ def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated)
             assert int(lists.pair_position[t, j]) == slot * tile + rank
 
 
+@needs_cutlass
 def test_kernel_token_operand_is_the_gathered_permuted_scaled_rows():
     from dspark.kernels.moe import cute_sm90, cute_sm100
 
     x = torch.randn(5, 256).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(20)[:4] for _ in range(5)])
-    lists = moe_common.build_expert_lists(ids, 20, 8)
+    lists = expert_layout.build_expert_lists(ids, 20, 8)
     for module, order in ((cute_sm90, "sm90"), (cute_sm100, "sm100")):
         operand = module.tokens_for_kernel(x, lists)
-        perm = moe_common.chunk_permutation() if order == "sm90" else moe_common.octet_permutation()
+        perm = expert_layout.chunk_permutation() if order == "sm90" else expert_layout.octet_permutation()
         for slot in range(lists.slot_tokens.shape[0]):
             for row in range(8):
                 token = int(lists.slot_tokens[slot, row])
@@ -142,15 +152,15 @@ def test_kernel_token_operand_is_the_gathered_permuted_scaled_rows():
 
 def test_expert_lists_reject_bad_input():
     with pytest.raises(ValueError, match="ids"):
-        moe_common.build_expert_lists(torch.zeros(17, 4, dtype=torch.long), 896, 16)
+        expert_layout.build_expert_lists(torch.zeros(17, 4, dtype=torch.long), 896, 16)
     with pytest.raises(ValueError, match="ids"):
-        moe_common.build_expert_lists(torch.zeros(4, dtype=torch.long), 896, 16)
+        expert_layout.build_expert_lists(torch.zeros(4, dtype=torch.long), 896, 16)
 
 
 def test_dequantisation_bit_trick_is_exact_for_every_code_and_scale():
     # cute_sm90's dequantiser: code s|e1 e0|m -> bf16 bits (s << 15) | (e1 e0 m << 6), times the
     # bf16 2^(scale - 64); the tokens carry 2^63. Emulated here with torch's bf16 bit view.
-    from dspark.targets.kimi_k3.mxfp4 import dequantise
+    from dspark.kernels.mxfp4 import dequantise
 
     codes = torch.arange(256, dtype=torch.int32)  # every byte: two nibbles
     scales = torch.tensor([64, 100, 119, 120, 127, 150, 191], dtype=torch.int32)
@@ -166,21 +176,19 @@ def test_dequantisation_bit_trick_is_exact_for_every_code_and_scale():
         assert torch.equal(ours, ref.flatten()), f"scale byte {scale}"
 
 
-def test_weights_with_untileable_expert_shapes_go_to_the_reference():
+@needs_cutlass
+def test_untileable_expert_shapes_go_to_the_reference():
     from dspark.kernels.moe import cute_sm90
-    from dspark.kernels.moe.reference import LatentMoEWeights
-    from dspark.targets.kimi_k3.mxfp4 import pack
+    from dspark.kernels.mxfp4 import pack
 
-    def weights(inter, latent, hidden=64, shared=64, experts=2):
-        (w1, s1), (w3, s3), (w2, s2) = (pack(torch.randn(experts, inter, latent)), pack(torch.randn(experts, inter, latent)),
-                                        pack(torch.randn(experts, latent, inter)))
-        return LatentMoEWeights(
-            gate=torch.randn(experts, hidden), score_bias=torch.zeros(experts), latent_down=torch.randn(latent, hidden),
-            latent_norm=torch.ones(latent), latent_up=torch.randn(hidden, latent), shared_gate=torch.randn(shared, hidden),
-            shared_up=torch.randn(shared, hidden), shared_down=torch.randn(hidden, shared),
-            w1_packed=w1, w1_scale=s1, w3_packed=w3, w3_scale=s3, w2_packed=w2, w2_scale=s2,
-        )
+    def experts(inter, latent, count=2):
+        (w1, s1), (w3, s3), (w2, s2) = (pack(torch.randn(count, inter, latent)), pack(torch.randn(count, inter, latent)),
+                                        pack(torch.randn(count, latent, inter)))
+        return w1, s1, w3, s3, w2, s2
 
-    assert cute_sm90.weights_supported(weights(256, 256))
-    assert not cute_sm90.weights_supported(weights(32, 32))  # the tiny test config
-    assert not cute_sm90.weights_supported(weights(256, 384))  # latent not a multiple of 256
+    assert cute_sm90.experts_supported(*experts(256, 256))
+    assert not cute_sm90.experts_supported(*experts(32, 32))  # the tiny test config
+    assert not cute_sm90.experts_supported(*experts(256, 384))  # latent not a multiple of 256
+    # supports() also asks for a CUDA bf16 latent of 1..16 tokens: a CPU call is never taken
+    latent, ids, weights = torch.randn(4, 256).bfloat16(), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
+    assert not cute_sm90.supports(latent, ids, weights, *experts(256, 256))

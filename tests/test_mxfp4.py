@@ -1,8 +1,8 @@
-"""MXFP4 (compressed-tensors mxfp4-pack-quantized) codec of dspark/targets/kimi_k3/mxfp4.py."""
+"""MXFP4 (compressed-tensors mxfp4-pack-quantized) codec of kernels/mxfp4.py."""
 import pytest
 import torch
 
-from dspark.targets.kimi_k3.mxfp4 import E2M1_MAGNITUDES, dequantise, pack
+from dspark.kernels.mxfp4 import E2M1_MAGNITUDES, dequantise, pack
 
 
 def test_hand_packed_bytes_dequantise_to_the_expected_values():

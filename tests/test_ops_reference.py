@@ -1,14 +1,15 @@
-"""The K3 op references (kernels/kda, kernels/mla, kernels/moe) against straightforward float64
-computations, and their token invariance (a token's bits do not depend on its batch)."""
+"""The K3 op references (kernels/kda, kernels/mla, kernels/moe) and the latent-MoE block built on
+them (dspark/targets/kimi_k3/moe.py) against straightforward float64 computations, and their
+token invariance (a token's bits do not depend on its batch)."""
 import math
 
 import pytest
 import torch
 
 from dspark.kernels import ops
-from dspark.kernels.moe.reference import LatentMoEWeights
+from dspark.kernels.mxfp4 import dequantise, pack
 from dspark.targets.kimi_k3.config import K3_TINY
-from dspark.targets.kimi_k3.mxfp4 import dequantise, pack
+from dspark.targets.kimi_k3.moe import LatentMoEWeights, latent_moe
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ def kda_inputs(gen, B, T):
 
 
 def kda_naive(inp, b, n):
-    """Float64 token-by-token recurrence of spec kimi-k3.md §2.1 for request b -> (o [n, W], S, window)."""
+    """Float64 token-by-token recurrence of docs/kimi-k3.md §2.1 for request b -> (o [n, W], S, window)."""
     d = {k: v.double() for k, v in inp.items()}
     seq = torch.cat([d["conv_state"][b], torch.stack([d["q_in"][b], d["k_in"][b], d["v_in"][b]]).transpose(1, 2)], -1)
     S = d["state"][b].clone()
@@ -171,7 +172,7 @@ def test_latent_moe_matches_dense_float64_loop_and_is_token_invariant(gen):
     cfg = K3_TINY
     wts = moe_weights(gen, cfg)
     x = randn(gen, 5, cfg.hidden_size)
-    out = ops.latent_moe(x, wts, cfg)
+    out = latent_moe(x, wts, cfg)
     ids, weights = ops.moe_route(x, wts.gate, wts.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor)
     torch.testing.assert_close(weights.sum(-1), torch.full((5,), cfg.routed_scaling_factor))
 
@@ -195,7 +196,7 @@ def test_latent_moe_matches_dense_float64_loop_and_is_token_invariant(gen):
         routed = routed / torch.sqrt((routed**2).mean() + cfg.rms_norm_eps) * d["latent_norm"]
         expected = d["latent_up"] @ routed + d["shared_down"] @ situ(d["shared_gate"] @ xm, d["shared_up"] @ xm)
         torch.testing.assert_close(out[m].double(), expected, rtol=1e-4, atol=1e-5)
-        assert torch.equal(ops.latent_moe(x[m : m + 1], wts, cfg)[0], out[m]), f"token {m} not invariant"
+        assert torch.equal(latent_moe(x[m : m + 1], wts, cfg)[0], out[m]), f"token {m} not invariant"
 
 
 # ---------------------------------------------------------------- per-head linear (MLA absorption)
@@ -214,3 +215,29 @@ def test_linear_heads_matches_float64_and_is_token_invariant(gen, dtype, tol):
 def test_linear_heads_rejects_mismatched_heads(gen):
     with pytest.raises(ValueError, match="x/weight"):
         ops.linear_heads(randn(gen, 2, 3, 4), randn(gen, 2, 5, 4))
+
+
+def test_moe_experts_matches_a_float64_loop_and_is_token_invariant(gen):
+    E, L, I, M, k = 6, 64, 32, 5, 3
+    (p1, s1), (p3, s3), (p2, s2) = (pack(randn(gen, E, I, L, scale=L**-0.5)), pack(randn(gen, E, I, L, scale=L**-0.5)),
+                                    pack(randn(gen, E, L, I, scale=I**-0.5)))
+    experts = (p1, s1, p3, s3, p2, s2)
+    latent = randn(gen, M, L)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)])
+    route_weights = torch.rand(M, k, generator=gen) + 0.1
+    beta, linear_beta = 4.0, 25.0
+    out = ops.moe_experts(latent, ids, route_weights, *experts, beta, linear_beta)
+    assert out.dtype == torch.float32 and out.shape == (M, L)
+    w1, w3, w2 = (dequantise(p, s, torch.float64) for p, s in ((p1, s1), (p3, s3), (p2, s2)))
+    for m in range(M):
+        h = latent[m].double()
+        expected = torch.zeros(L, dtype=torch.float64)
+        for e, we in zip(ids[m].tolist(), route_weights[m].double()):
+            g, u = w1[e] @ h, w3[e] @ h
+            act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)
+            expected += we * (w2[e] @ act)
+        torch.testing.assert_close(out[m].double(), expected, rtol=1e-4, atol=1e-5)
+        single = ops.moe_experts(latent[m : m + 1], ids[m : m + 1], route_weights[m : m + 1], *experts, beta, linear_beta)
+        assert torch.equal(single[0], out[m]), f"token {m} not invariant"
+    with pytest.raises(ValueError, match="w2_packed"):
+        ops.moe_experts(latent, ids, route_weights, p1, s1, p3, s3, p1, s1, beta, linear_beta)

@@ -1,16 +1,16 @@
-"""On-device acceptance with Triton: rejection_sample and synthetic_sample of dspark.sampling,
+"""On-device acceptance with Triton: rejection_sample and synthetic_sample of reference.py,
 decision for decision, with no host synchronisation (no .item(), no data-dependent Python
 branches: num_accepted and the next token stay on the GPU).
 
 Why Triton and not CuTe DSL: the work is a split-row reduction (max / sum-exp / argmax /
 race-argmax partials, then a tiny combine), SIMT only, where neither TMA nor WGMMA helps; Triton
 expresses it in a few hundred lines, its CPU interpreter (TRITON_INTERPRET=1) ran the kernels
-against dspark.sampling before they met the GPU, and it compiles them for sm_90 without a GPU
+against reference.py before they met the GPU, and it compiles them for sm_90 without a GPU
 (tests/test_acceptance_op.py, where triton is installed). The cost: CI has no triton, so the
 kernels run in GPU tests only (tests/gpu/test_acceptance_gpu.py); experiments/notes/acceptance.md
 has the H200 numbers.
 
-Top-k / top-p: the filtered set comes from the sampler's own sort (dspark.sampling._top_k_top_p
+Top-k / top-p: the filtered set comes from the sampler's own sort (reference.top_k_top_p
 on the GPU, no host sync), reduced to a per-row threshold (value, last kept index among ties) that
 the kernels apply while they stream the row. That sort dominates the filtered case's time; the
 no-filter path (greedy, temperature) never sorts. A sort-free threshold search is the next step.
@@ -21,6 +21,7 @@ import importlib.util
 import torch
 
 from ..registry import register
+from . import reference
 
 BLOCK = 1024  # vocabulary entries per program per loop step (num_warps=4: 8 per thread)
 TARGET_PROGRAMS = 1024  # row_partials programs to aim for: ~8 per SM of an H200 (132 SMs)
@@ -79,20 +80,18 @@ def filter_threshold(target_logits: torch.Tensor, positions: int, sampling) -> t
     """Per (request, position) the top-k / top-p filter as (value, index) thresholds [B, positions]:
     a token survives iff s > value or (s == value and its index <= index), s = logits / temperature.
 
-    The surviving set is the sampler's own (dspark.sampling._top_k_top_p, sort-based, no host
+    The surviving set is the sampler's own (reference.top_k_top_p, sort-based, no host
     sync), reduced to value = the smallest surviving s. Tokens tied at that value are the one
     place where the sampler's set depends on its sort's unspecified order of equal keys (CPU and
     GPU sorts differ there): the threshold keeps as many of them as the sampler does, lowest
     indices first. Without ties (fp32 logits, in practice) the set is exactly the sampler's.
     A kept token whose probability underflows to 0 counts as filtered: its p is 0 either way.
     """
-    from dspark.sampling import SamplingTensors, _top_k_top_p
-
     B, _, V = target_logits.shape
     temperature = torch.where(sampling.temperature == 0, torch.ones_like(sampling.temperature), sampling.temperature)
     scaled = target_logits[:, :positions].float() / temperature[:, None, None]
-    rows = SamplingTensors(sampling.temperature, sampling.top_k, sampling.top_p).expand(positions)
-    kept = _top_k_top_p(scaled.reshape(B * positions, V), rows).view(B, positions, V) > 0
+    rows = reference.SamplingTensors(sampling.temperature, sampling.top_k, sampling.top_p).expand(positions)
+    kept = reference.top_k_top_p(scaled.reshape(B * positions, V), rows).view(B, positions, V) > 0
     value = torch.where(kept, scaled, torch.inf).amin(dim=-1)
     tied = scaled == value[..., None]
     kept_tied = (kept & tied).sum(dim=-1, keepdim=True)
@@ -168,7 +167,7 @@ def _launch(target_logits, draft_tokens, num_drafts, draft_probs, rates, samplin
 
 def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise,
                      **options):
-    """dspark.sampling.rejection_sample on the GPU (same arguments, same outputs).
+    """reference.rejection_sample on the GPU (same arguments, same outputs).
 
     options: out=(num_accepted, next_token) preallocated [B] int64 (CUDA graphs, tests that poison
     them); block / target_programs tune the split (chunk_size); pdl=True launches the kernels
@@ -186,7 +185,7 @@ def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampl
 
 
 def synthetic_sample(target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise, **options):
-    """dspark.sampling.synthetic_sample on the GPU (LOSSY by design, speed measurement only)."""
+    """reference.synthetic_sample on the GPU (LOSSY by design, speed measurement only)."""
     _check(target_logits, draft_tokens, num_drafts, uniforms, race_noise, sampling)
     k = draft_tokens.shape[1]
     _require(cond_rates.dim() == 1 and cond_rates.shape[0] >= k, "cond_rates.shape", tuple(cond_rates.shape),

@@ -3,13 +3,13 @@
 Imported only when triton is installed (the registry imports kernels/acceptance on CPU-only CI
 machines too, where triton is absent).
 
-Split-row structure (spec: kernels.md §7 row 9, "tiny reduce + acceptance kernel"):
+Split-row structure (docs/kernels.md §7 row 9, "tiny reduce + acceptance kernel"):
   1. `row_partials`: grid (split, position, request). Each program reads one chunk of one logits
      row once and writes its partials: the online-softmax (max, sum of exp) of the scaled,
      filtered logits, the raw-logit (max, first argmax) for greedy rows, and the exponential-race
      (max key, its index) over the chunk, the position's own draft token left out.
   2. `accept`: one program per request combines the partials of all its positions at once,
-     decides the acceptance chain (vllm-integration.md §6.1) and writes num_accepted and the
+     decides the acceptance chain (docs/vllm-integration.md §6.1) and writes num_accepted and the
      next token.
   3. Only with dense draft probabilities q: `residual_partials` races max(p - q, 0) over the row
      where a sampled request rejected, and `residual_pick` combines it.
@@ -17,7 +17,7 @@ With programmatic dependent launch (the wrapper's pdl option) each kernel after 
 launched while its predecessor runs; it waits in griddepcontrol.wait before its first load, so
 only the launch latency overlaps, never the data. Without the option no griddepcontrol is emitted.
 
-The race argmax_v p(v) / E_v of dspark.sampling.race is computed in the log domain,
+The race argmax_v p(v) / E_v of reference.race is computed in the log domain,
 argmax_v s(v) - log E_v with s the scaled logit (same argmax; p is exp(s - max) / sum). With a
 one-hot draft x, the residual max(p - onehot(x), 0) is p without x, so its race is the race over
 the row with x left out: that is why every position's partial leaves its own draft token out and
@@ -142,7 +142,7 @@ def accept(
     POSITIONS: tl.constexpr, POSITIONS_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
     FILTERED: tl.constexpr, HAS_Q: tl.constexpr, SYNTHETIC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Acceptance chain of one request (dspark.sampling.rejection_sample / synthetic_sample).
+    """Acceptance chain of one request (reference.rejection_sample / synthetic_sample).
 
     Every position is decided at once, as vectors over positions: one [positions, splits] tile
     of partials and one reduction per statistic, instead of a serial chain of reductions; the

@@ -1,14 +1,13 @@
-"""Routed MXFP4 experts of K3's latent MoE on Hopper (sm_90a) in CuTe DSL, and the `latent_moe`
-implementation built on them.
+"""Routed MXFP4 experts of K3's latent MoE on Hopper (sm_90a) in CuTe DSL: the `moe_experts` op.
 
-Expert kernel (spec: kernels.md §4.3, §7 row 2): a grouped skinny GEMM over the slots of
-cute_common.build_expert_lists, grid = (row tiles of the expert's output, slots). Every touched
+Expert kernel (docs/kernels.md §4.3, §7 row 2): a grouped skinny GEMM over the slots of
+expert_layout.build_expert_lists, grid = (row tiles of the expert's output, slots). Every touched
 expert's weights are streamed from HBM exactly once per call, however many tokens chose it.
 - Swap-AB: 128 dequantised weight rows are the WGMMA A operand (two m64 atoms of one warpgroup),
   the slot's tokens (N = 8 or 16, padded) are B, read from shared memory.
 - A comes from registers (WGMMA RS): each thread takes, per 128-element K chunk, one contiguous
   16-byte run of packed E2M1 codes per row it owns (4 rows) and the one E8M0 scale of that run
-  (the K permutation of cute_common.chunk_permutation makes the run exactly one MX group), turns
+  (the K permutation of expert_layout.chunk_permutation makes the run exactly one MX group), turns
   each 32-bit word into four bf16x2 fragment registers with shifts and masks, and applies the
   scale with one bf16x2 multiply.
 - Two loaders (DEFAULT_LOADER): "tma" (default) brings the codes by TMA into a 6-stage
@@ -28,16 +27,25 @@ expert's weights are streamed from HBM exactly once per call, however many token
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
 
-import functools
-
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.tensor_utils as tensor_utils
+import cutlass.utils.hopper_helpers as sm90_utils
 import torch
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.memory import SmemAllocator
 
-from .. import cute_common, ops
-from . import cute_common as moe_common
+from .. import cute_common
+from . import expert_layout
+from . import reference
 
 ROW_TILE = 128  # weight rows per CTA: two m64 WGMMA atoms
 GLU_ROWS = ROW_TILE // 2  # pass 1: 64 w1 rows + the same 64 w3 rows
-K_CHUNK = moe_common.K_CHUNK
+K_CHUNK = expert_layout.K_CHUNK
 B_STAGES = 4
 MAX_TOKENS = 16
 THREADS = 128  # one warpgroup
@@ -56,486 +64,447 @@ def token_tile(tokens: int) -> int:
     return 8 if tokens <= 8 else 16
 
 
-def _build_kernel_class():
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.memory
-    import cutlass.pipeline as pipeline
-    import cutlass.tensor_utils as tensor_utils
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import Float32, Int32, Uint32
-    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-    MAG_MASK = 0x01C001C0  # e1 e0 m of both halves at bf16 bits 8..6
-    SIGN_MASK = 0x80008000
+class MxFp4ExpertGemmSm90:
+    """One compiled instance per (experts, rows, K, tokens, glu); the slot count is a runtime value."""
 
-    class MxFp4ExpertGemmSm90:
-        """One compiled instance per (experts, rows, K, tokens, glu); the slot count is a runtime value."""
+    def __init__(self, experts: int, rows: int, k: int, tokens: int, glu: bool, situ_beta: float,
+                 situ_linear_beta: float, depth: int, loader: str):
+        self.experts, self.rows, self.k, self.tokens, self.glu, self.depth = experts, rows, k, tokens, glu, depth
+        self.loader = loader
+        self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
+        self.chunks = k // K_CHUNK
+        self.tile_mnk = (ROW_TILE, tokens, K_CHUNK)
+        self.row_tiles = rows // (GLU_ROWS if glu else ROW_TILE)
 
-        def __init__(self, experts: int, rows: int, k: int, tokens: int, glu: bool, situ_beta: float,
-                     situ_linear_beta: float, depth: int, loader: str):
-            self.experts, self.rows, self.k, self.tokens, self.glu, self.depth = experts, rows, k, tokens, glu, depth
-            self.loader = loader
-            self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
-            self.chunks = k // K_CHUNK
-            self.tile_mnk = (ROW_TILE, tokens, K_CHUNK)
-            self.row_tiles = rows // (GLU_ROWS if glu else ROW_TILE)
+    @cute.jit
+    def __call__(
+        self,
+        wa: cute.Tensor,
+        sa: cute.Tensor,
+        wb: cute.Tensor,
+        sb: cute.Tensor,
+        slot_expert: cute.Tensor,
+        xb: cute.Tensor,
+        out: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """wa/wb: packed codes viewed as int32 [E, rows, K/8]; sa/sb: E8M0 scales uint8
+        [E, rows, K/32] (wb/sb: w3 in pass 1, unused in pass 2); slot_expert int32 [S];
+        xb: tokens bf16 [S, tokens, K] (K-permuted, times 2^63); out: pass 1 bf16 [S, tokens,
+        rows] (K-permuted act times 2^63), pass 2 fp32 [S, tokens, rows]."""
+        slots = slot_expert.shape[0]
+        k = self.k
+        mB = cute.make_tensor(
+            xb.iterator, cute.make_layout((self.tokens, k, slots), stride=(k, 1, self.tokens * k))
+        )
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            tiler_mn=(64, self.tokens),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        b_smem_staged = sm90_utils.make_smem_layout_b(
+            tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, cutlass.BFloat16, B_STAGES
+        )
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tokens, K_CHUNK)
+        )
 
-        @cute.jit
-        def __call__(
-            self,
-            wa: cute.Tensor,
-            sa: cute.Tensor,
-            wb: cute.Tensor,
-            sb: cute.Tensor,
-            slot_expert: cute.Tensor,
-            xb: cute.Tensor,
-            out: cute.Tensor,
-            stream: cuda.CUstream,
-        ):
-            """wa/wb: packed codes viewed as int32 [E, rows, K/8]; sa/sb: E8M0 scales uint8
-            [E, rows, K/32] (wb/sb: w3 in pass 1, unused in pass 2); slot_expert int32 [S];
-            xb: tokens bf16 [S, tokens, K] (K-permuted, times 2^63); out: pass 1 bf16 [S, tokens,
-            rows] (K-permuted act times 2^63), pass 2 fp32 [S, tokens, rows]."""
-            slots = slot_expert.shape[0]
-            k = self.k
-            mB = cute.make_tensor(
-                xb.iterator, cute.make_layout((self.tokens, k, slots), stride=(k, 1, self.tokens * k))
-            )
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                cutlass.BFloat16,
-                cutlass.BFloat16,
-                OperandMajorMode.K,
-                OperandMajorMode.K,
-                Float32,
-                (1, 1, 1),
-                tiler_mn=(64, self.tokens),
-                a_source=warpgroup.OperandSource.RMEM,
-            )
-            b_smem_staged = sm90_utils.make_smem_layout_b(
-                tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, cutlass.BFloat16, B_STAGES
-            )
-            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tokens, K_CHUNK)
-            )
-
-            if cutlass.const_expr(self.loader == "tma"):
-                self.launch_tma(wa, sa, wb, sb, slot_expert, mB, out, tiled_mma, stream)
-            else:
-                @cute.struct
-                class SharedStorage:
-                    barriers: cute.struct.MemRange[cutlass.Int64, B_STAGES * 2]
-                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem_staged)], 1024]
-
-                self.shared_storage = SharedStorage
-                self.expert_kernel(wa, sa, wb, sb, slot_expert, tma_b, tma_tensor_b, out, tiled_mma, b_smem_staged).launch(
-                    grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream
-                )
-
-        @cute.jit
-        def launch_tma(self, wa, sa, wb, sb, slot_expert, mB, out, tiled_mma, stream):
-            """The TMA-loader variant: packed codes and tokens share one TMA_STAGES-deep pipeline."""
-            slots = slot_expert.shape[0]
-            words = self.k // 8  # int32 words of codes per row
-            # codes as (rows, K words, experts); a stage holds two 64-row halves x 16 words (128 K)
-            mWa = cute.make_tensor(wa.iterator, cute.make_layout((self.rows, words, self.experts), stride=(words, 1, self.rows * words)))
-            mWb = cute.make_tensor(wb.iterator, cute.make_layout((self.rows, words, self.experts), stride=(words, 1, self.rows * words)))
-            half_staged = cute.make_layout((GLU_ROWS, K_CHUNK // 8, TMA_STAGES), stride=(K_CHUNK // 8, 1, GLU_ROWS * K_CHUNK // 8))
-            half_smem = cute.slice_(half_staged, (None, None, 0))
-            tma_lo, tma_tensor_lo = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mWa, half_smem, (GLU_ROWS, K_CHUNK // 8)
-            )
-            tma_hi, tma_tensor_hi = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mWb, half_smem, (GLU_ROWS, K_CHUNK // 8)
-            )
-            b_smem_staged = sm90_utils.make_smem_layout_b(
-                tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, cutlass.BFloat16, TMA_STAGES
-            )
-            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (self.tokens, K_CHUNK)
-            )
-
+        if cutlass.const_expr(self.loader == "tma"):
+            self.launch_tma(wa, sa, wb, sb, slot_expert, mB, out, tiled_mma, stream)
+        else:
             @cute.struct
-            class SharedStorageTma:
-                barriers: cute.struct.MemRange[cutlass.Int64, TMA_STAGES * 2]
-                sLo: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(half_staged)], 1024]
-                sHi: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(half_staged)], 1024]
+            class SharedStorage:
+                barriers: cute.struct.MemRange[cutlass.Int64, B_STAGES * 2]
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem_staged)], 1024]
 
-            self.shared_storage_tma = SharedStorageTma
-            self.expert_kernel_tma(
-                sa, sb, slot_expert, tma_lo, tma_tensor_lo, tma_hi, tma_tensor_hi, tma_b, tma_tensor_b, out,
-                tiled_mma, half_staged, b_smem_staged,
-            ).launch(grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream)
+            self.shared_storage = SharedStorage
+            self.expert_kernel(wa, sa, wb, sb, slot_expert, tma_b, tma_tensor_b, out, tiled_mma, b_smem_staged).launch(
+                grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream
+            )
 
-        # ------------------------------------------------------------------ device helpers
-        @cute.jit
-        def load_raw(self, w: cute.Tensor, s: cute.Tensor, expert, rows_of, chunk, c, raw: cute.Tensor, scales: cute.Tensor):
-            """Thread c's 16 code bytes (4 int32) and its scale byte for each of its 4 rows."""
-            for r in cutlass.range_constexpr(4):
-                row = rows_of[r]
-                src = cute.local_tile(w[expert, row, None], (4,), (chunk * 4 + c,))
-                dst = cute.local_tile(raw, (4,), (r,))
-                cute.autovec_copy(src, dst)
-                scales[r] = s[expert, row, chunk * 4 + c].to(Int32)
+    @cute.jit
+    def launch_tma(self, wa, sa, wb, sb, slot_expert, mB, out, tiled_mma, stream):
+        """The TMA-loader variant: packed codes and tokens share one TMA_STAGES-deep pipeline."""
+        slots = slot_expert.shape[0]
+        words = self.k // 8  # int32 words of codes per row
+        # codes as (rows, K words, experts); a stage holds two 64-row halves x 16 words (128 K)
+        mWa = cute.make_tensor(wa.iterator, cute.make_layout((self.rows, words, self.experts), stride=(words, 1, self.rows * words)))
+        mWb = cute.make_tensor(wb.iterator, cute.make_layout((self.rows, words, self.experts), stride=(words, 1, self.rows * words)))
+        half_staged = cute.make_layout((GLU_ROWS, K_CHUNK // 8, TMA_STAGES), stride=(K_CHUNK // 8, 1, GLU_ROWS * K_CHUNK // 8))
+        half_smem = cute.slice_(half_staged, (None, None, 0))
+        tma_lo, tma_tensor_lo = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mWa, half_smem, (GLU_ROWS, K_CHUNK // 8)
+        )
+        tma_hi, tma_tensor_hi = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mWb, half_smem, (GLU_ROWS, K_CHUNK // 8)
+        )
+        b_smem_staged = sm90_utils.make_smem_layout_b(
+            tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, cutlass.BFloat16, TMA_STAGES
+        )
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem_staged, (None, None, 0)), (self.tokens, K_CHUNK)
+        )
 
-        @cute.jit
-        def load_raw_glu(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
-            """Pass 1: rows 0, 1 (m-atom 0) come from w1, rows 2, 3 (m-atom 1) from w3."""
-            for r in cutlass.range_constexpr(4):
-                row = rows_of[r]
-                w = wa if r < 2 else wb
-                s = sa if r < 2 else sb
-                src = cute.local_tile(w[expert, row, None], (4,), (chunk * 4 + c,))
-                dst = cute.local_tile(raw, (4,), (r,))
-                cute.autovec_copy(src, dst)
-                scales[r] = s[expert, row, chunk * 4 + c].to(Int32)
+        @cute.struct
+        class SharedStorageTma:
+            barriers: cute.struct.MemRange[cutlass.Int64, TMA_STAGES * 2]
+            sLo: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(half_staged)], 1024]
+            sHi: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(half_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(b_smem_staged)], 1024]
 
-        @cute.jit
-        def dequantise(self, raw: cute.Tensor, scales: cute.Tensor, frag32: cute.Tensor):
-            """raw codes -> the bf16x2 A fragment (see cute_common.chunk_permutation).
+        self.shared_storage_tma = SharedStorageTma
+        self.expert_kernel_tma(
+            sa, sb, slot_expert, tma_lo, tma_tensor_lo, tma_hi, tma_tensor_hi, tma_b, tma_tensor_b, out,
+            tiled_mma, half_staged, b_smem_staged,
+        ).launch(grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream)
 
-            frag32 is the A fragment viewed as 32-bit words, indexed (v1 + 2*v2, m-atom, ki)."""
+    # ------------------------------------------------------------------ device helpers
+    @cute.jit
+    def load_raw(self, w: cute.Tensor, s: cute.Tensor, expert, rows_of, chunk, c, raw: cute.Tensor, scales: cute.Tensor):
+        """Thread c's 16 code bytes (4 int32) and its scale byte for each of its 4 rows."""
+        for r in cutlass.range_constexpr(4):
+            row = rows_of[r]
+            src = cute.local_tile(w[expert, row, None], (4,), (chunk * 4 + c,))
+            dst = cute.local_tile(raw, (4,), (r,))
+            cute.autovec_copy(src, dst)
+            scales[r] = s[expert, row, chunk * 4 + c].to(Int32)
+
+    @cute.jit
+    def load_raw_glu(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
+        """Pass 1: rows 0, 1 (m-atom 0) come from w1, rows 2, 3 (m-atom 1) from w3."""
+        for r in cutlass.range_constexpr(4):
+            row = rows_of[r]
+            w = wa if r < 2 else wb
+            s = sa if r < 2 else sb
+            src = cute.local_tile(w[expert, row, None], (4,), (chunk * 4 + c,))
+            dst = cute.local_tile(raw, (4,), (r,))
+            cute.autovec_copy(src, dst)
+            scales[r] = s[expert, row, chunk * 4 + c].to(Int32)
+
+    @cute.jit
+    def dequantise(self, raw: cute.Tensor, scales: cute.Tensor, frag32: cute.Tensor):
+        """raw codes -> the bf16x2 A fragment (see expert_layout.chunk_permutation).
+
+        frag32 is the A fragment viewed as 32-bit words, indexed (v1 + 2*v2, m-atom, ki)."""
+        for r in cutlass.range_constexpr(4):
+            mi, v1 = r // 2, r % 2
+            exponent = (scales[r] + (127 - 64)).to(Uint32)  # bf16 2^(scale - 64)
+            scale2 = Int32(exponent << 7 | exponent << 23)
+            for q in cutlass.range_constexpr(4):
+                word = raw[r * 4 + q].to(Uint32)
+                for i in cutlass.range_constexpr(4):
+                    x = word >> (4 * i)
+                    bits = ((x << 6) & expert_layout.MAGNITUDE_BITS) | ((x << 12) & expert_layout.SIGN_BITS)
+                    rho = 4 * q + i
+                    ki, v2 = rho // 2, rho % 2
+                    frag32[v1 + 2 * v2, mi, ki] = cute.arch.fma_packed_bf16x2(
+                        Int32(bits), scale2, Int32(0)
+                    )
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def expert_kernel(
+        self,
+        wa: cute.Tensor,
+        sa: cute.Tensor,
+        wb: cute.Tensor,
+        sb: cute.Tensor,
+        slot_expert: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        out: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        b_smem_staged: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_idx, slot, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        expert = slot_expert[slot]
+        if expert >= 0:
+            lane = tidx % 32
+            g, c = lane // 4, lane % 4
+            # Weight rows of this thread: (m-atom mi, half v1) -> r = 2*mi + v1.
+            rows_of = cute.make_rmem_tensor((4,), Int32)
             for r in cutlass.range_constexpr(4):
                 mi, v1 = r // 2, r % 2
-                exponent = (scales[r] + (127 - 64)).to(Uint32)  # bf16 2^(scale - 64)
-                scale2 = Int32(exponent << 7 | exponent << 23)
-                for q in cutlass.range_constexpr(4):
-                    word = raw[r * 4 + q].to(Uint32)
-                    for i in cutlass.range_constexpr(4):
-                        x = word >> (4 * i)
-                        bits = ((x << 6) & MAG_MASK) | ((x << 12) & SIGN_MASK)
-                        rho = 4 * q + i
-                        ki, v2 = rho // 2, rho % 2
-                        frag32[v1 + 2 * v2, mi, ki] = cute.arch.fma_packed_bf16x2(
-                            Int32(bits), scale2, Int32(0)
-                        )
+                in_atom = warp_idx * 16 + v1 * 8 + g
+                if cutlass.const_expr(self.glu):
+                    rows_of[r] = tile_idx * GLU_ROWS + in_atom
+                else:
+                    rows_of[r] = tile_idx * ROW_TILE + mi * 64 + in_atom
 
-        # ------------------------------------------------------------------ kernel
-        @cute.kernel
-        def expert_kernel(
-            self,
-            wa: cute.Tensor,
-            sa: cute.Tensor,
-            wb: cute.Tensor,
-            sb: cute.Tensor,
-            slot_expert: cute.Tensor,
-            tma_b: cute.CopyAtom,
-            mB: cute.Tensor,
-            out: cute.Tensor,
-            tiled_mma: cute.TiledMma,
-            b_smem_staged: cute.ComposedLayout,
-        ):
-            tidx, _, _ = cute.arch.thread_idx()
-            tile_idx, slot, _ = cute.arch.block_idx()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            expert = slot_expert[slot]
-            if expert >= 0:
-                lane = tidx % 32
-                g, c = lane // 4, lane % 4
-                # Weight rows of this thread: (m-atom mi, half v1) -> r = 2*mi + v1.
-                rows_of = cute.make_rmem_tensor((4,), Int32)
-                for r in cutlass.range_constexpr(4):
-                    mi, v1 = r // 2, r % 2
-                    in_atom = warp_idx * 16 + v1 * 8 + g
-                    if cutlass.const_expr(self.glu):
-                        rows_of[r] = tile_idx * GLU_ROWS + in_atom
-                    else:
-                        rows_of[r] = tile_idx * ROW_TILE + mi * 64 + in_atom
+            # `depth` register buffers of raw codes: chunk i + depth is loaded while chunk i
+            # is dequantised (the loads in flight per CTA are depth x 8 KB)
+            raws = [cute.make_rmem_tensor((16,), Int32) for _ in range(self.depth)]
+            scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(self.depth)]
+            for j in cutlass.range_constexpr(self.depth):
+                self.load_chunk(wa, sa, wb, sb, expert, rows_of, j, c, raws[j], scale_bufs[j])
 
-                # `depth` register buffers of raw codes: chunk i + depth is loaded while chunk i
-                # is dequantised (the loads in flight per CTA are depth x 8 KB)
-                raws = [cute.make_rmem_tensor((16,), Int32) for _ in range(self.depth)]
-                scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(self.depth)]
+            storage = SmemAllocator().allocate(self.shared_storage)
+            b_stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem_staged, (None, None, 0)))
+            mainloop = self.make_mainloop(storage, B_STAGES, b_stage_bytes)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            gB = cute.local_tile(mB, self.tile_mnk, (0, 0, None, slot), proj=(None, 1, 1))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            thr_mma, tCrB, frag, frag32, accumulators = self.make_fragments(tiled_mma, tidx, sB)
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            prefetch = cutlass.min(B_STAGES, self.chunks)
+            producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, B_STAGES)
+            if warp_idx == 0:
+                for _ in cutlass.range(prefetch, unroll=1):
+                    self.issue_tokens(mainloop, producer, tma_b, tBgB, tBsB)
+                    producer.advance()
+
+            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
+            for group in cutlass.range(self.chunks // self.depth, unroll=1):
                 for j in cutlass.range_constexpr(self.depth):
-                    self.load_chunk(wa, sa, wb, sb, expert, rows_of, j, c, raws[j], scale_bufs[j])
+                    chunk = group * self.depth + j
+                    raw, scales = raws[j], scale_bufs[j]
+                    # The previous chunk's WGMMAs read `frag` and a B stage: wait for them,
+                    # free that stage and refill it.
+                    warpgroup.wait_group(0)
+                    if chunk > 0:
+                        mainloop.consumer_release(release)
+                        release.advance()
+                        if warp_idx == 0 and producer.count < self.chunks:
+                            self.issue_tokens(mainloop, producer, tma_b, tBgB, tBsB)
+                            producer.advance()
+                    self.dequantise(raw, scales, frag32)
+                    # Prefetch `depth` chunks ahead into the buffer just consumed (the last
+                    # chunk is re-read past the end: an L2 hit, simpler than predicates).
+                    ahead = cutlass.min(chunk + self.depth, self.chunks - 1)
+                    self.load_chunk(wa, sa, wb, sb, expert, rows_of, ahead, c, raw, scales)
+                    mainloop.consumer_wait(consumer)
+                    self.multiply_chunk(tiled_mma, accumulators, frag, tCrB, consumer.index)
+                    consumer.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
 
-                smem = cutlass.memory.SmemAllocator()
-                storage = smem.allocate(self.shared_storage)
-                b_stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem_staged, (None, None, 0)))
-                mainloop = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=storage.barriers.data_ptr(),
-                    num_stages=B_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-                    tx_count=b_stage_bytes,
-                    cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                    defer_sync=True,
-                )
-                pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-                sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-                gB = cute.local_tile(mB, self.tile_mnk, (0, 0, None, slot), proj=(None, 1, 1))
-                tBsB, tBgB = cpasync.tma_partition(
-                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-                )
-                thr_mma = tiled_mma.get_slice(tidx)
-                tCsB = thr_mma.partition_B(sB)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
-                a_shape = thr_mma.partition_A(cute.make_identity_tensor((ROW_TILE, K_CHUNK))).shape
-                frag = cute.make_rmem_tensor(a_shape, cutlass.BFloat16)
-                frag32 = cute.recast_tensor(frag, Uint32)
-                acc_shape = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens))).shape
-                accumulators = cute.make_rmem_tensor(acc_shape, Float32)
-                accumulators.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            self.store_tile(thr_mma, accumulators, out, slot, tile_idx)
 
-                pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-                prefetch = cutlass.min(B_STAGES, self.chunks)
-                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, B_STAGES)
-                if warp_idx == 0:
-                    for _ in cutlass.range(prefetch, unroll=1):
-                        mainloop.producer_acquire(producer)
-                        cute.copy(
-                            tma_b,
-                            tBgB[(None, producer.count)],
-                            tBsB[(None, producer.index)],
-                            tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                        )
-                        mainloop.producer_commit(producer)
-                        producer.advance()
+    @cute.jit
+    def load_scales(self, sa, sb, expert, scale_rows, chunk, c, scales: cute.Tensor):
+        """The E8M0 byte of thread c's MX group in each of its 4 rows (rows 0, 1: sa; 2, 3: sb)."""
+        for r in cutlass.range_constexpr(4):
+            s = sa if r < 2 else sb
+            scales[r] = s[expert, scale_rows[r], chunk * 4 + c].to(Int32)
 
-                consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
-                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, B_STAGES)
-                num_k_blocks = cute.size(frag, mode=[2])
-                for group in cutlass.range(self.chunks // self.depth, unroll=1):
-                    for j in cutlass.range_constexpr(self.depth):
-                        chunk = group * self.depth + j
-                        raw, scales = raws[j], scale_bufs[j]
-                        # The previous chunk's WGMMAs read `frag` and a B stage: wait for them,
-                        # free that stage and refill it.
-                        warpgroup.wait_group(0)
-                        if chunk > 0:
-                            mainloop.consumer_release(release)
-                            release.advance()
-                            if warp_idx == 0 and producer.count < self.chunks:
-                                mainloop.producer_acquire(producer)
-                                cute.copy(
-                                    tma_b,
-                                    tBgB[(None, producer.count)],
-                                    tBsB[(None, producer.index)],
-                                    tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                                )
-                                mainloop.producer_commit(producer)
-                                producer.advance()
-                        self.dequantise(raw, scales, frag32)
-                        # Prefetch `depth` chunks ahead into the buffer just consumed (the last
-                        # chunk is re-read past the end: an L2 hit, simpler than predicates).
-                        ahead = cutlass.min(chunk + self.depth, self.chunks - 1)
-                        self.load_chunk(wa, sa, wb, sb, expert, rows_of, ahead, c, raw, scales)
-                        mainloop.consumer_wait(consumer)
-                        warpgroup.fence()
-                        for k_block in cutlass.range(num_k_blocks, unroll_full=True):
-                            cute.gemm(
-                                tiled_mma,
-                                accumulators,
-                                frag[(None, None, k_block)],
-                                tCrB[(None, None, k_block, consumer.index)],
-                                accumulators,
-                            )
-                        warpgroup.commit_group()
-                        consumer.advance()
-                warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-
-                coords = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens)))
-                if cutlass.const_expr(self.glu):
-                    self.store_act(accumulators, coords, out, slot, tile_idx)
-                else:
-                    for i in cutlass.range_constexpr(cute.size(accumulators)):
-                        row, token = coords[i]
-                        out[slot, token, tile_idx * ROW_TILE + row] = accumulators[i]
-
-        @cute.jit
-        def load_scales(self, sa, sb, expert, scale_rows, chunk, c, scales: cute.Tensor):
-            """The E8M0 byte of thread c's MX group in each of its 4 rows (rows 0, 1: sa; 2, 3: sb)."""
+    @cute.kernel
+    def expert_kernel_tma(
+        self,
+        sa: cute.Tensor,
+        sb: cute.Tensor,
+        slot_expert: cute.Tensor,
+        tma_lo: cute.CopyAtom,
+        mLo: cute.Tensor,
+        tma_hi: cute.CopyAtom,
+        mHi: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        out: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        half_staged: cute.Layout,
+        b_smem_staged: cute.ComposedLayout,
+    ):
+        """Same math as expert_kernel; the codes arrive by TMA into a TMA_STAGES-deep shared-
+        memory pipeline (with the tokens), so the bytes in flight do not cost registers."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_idx, slot, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        expert = slot_expert[slot]
+        if expert >= 0:
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_lo)
+                cpasync.prefetch_descriptor(tma_hi)
+            lane = tidx % 32
+            g, c = lane // 4, lane % 4
+            # Row of each (m-atom mi, half v1) inside its 64-row half tile, and in the scales.
+            half_rows = cute.make_rmem_tensor((4,), Int32)
+            scale_rows = cute.make_rmem_tensor((4,), Int32)
             for r in cutlass.range_constexpr(4):
-                s = sa if r < 2 else sb
-                scales[r] = s[expert, scale_rows[r], chunk * 4 + c].to(Int32)
-
-        @cute.kernel
-        def expert_kernel_tma(
-            self,
-            sa: cute.Tensor,
-            sb: cute.Tensor,
-            slot_expert: cute.Tensor,
-            tma_lo: cute.CopyAtom,
-            mLo: cute.Tensor,
-            tma_hi: cute.CopyAtom,
-            mHi: cute.Tensor,
-            tma_b: cute.CopyAtom,
-            mB: cute.Tensor,
-            out: cute.Tensor,
-            tiled_mma: cute.TiledMma,
-            half_staged: cute.Layout,
-            b_smem_staged: cute.ComposedLayout,
-        ):
-            """Same math as expert_kernel; the codes arrive by TMA into a TMA_STAGES-deep shared-
-            memory pipeline (with the tokens), so the bytes in flight do not cost registers."""
-            tidx, _, _ = cute.arch.thread_idx()
-            tile_idx, slot, _ = cute.arch.block_idx()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            expert = slot_expert[slot]
-            if expert >= 0:
-                if warp_idx == 0:
-                    cpasync.prefetch_descriptor(tma_lo)
-                    cpasync.prefetch_descriptor(tma_hi)
-                lane = tidx % 32
-                g, c = lane // 4, lane % 4
-                # Row of each (m-atom mi, half v1) inside its 64-row half tile, and in the scales.
-                half_rows = cute.make_rmem_tensor((4,), Int32)
-                scale_rows = cute.make_rmem_tensor((4,), Int32)
-                for r in cutlass.range_constexpr(4):
-                    mi, v1 = r // 2, r % 2
-                    half_rows[r] = warp_idx * 16 + v1 * 8 + g
-                    if cutlass.const_expr(self.glu):
-                        scale_rows[r] = tile_idx * GLU_ROWS + half_rows[r]
-                    else:
-                        scale_rows[r] = tile_idx * ROW_TILE + mi * GLU_ROWS + half_rows[r]
-                # half tiles: pass 1 = (w1 rows, w3 rows) of tile t; pass 2 = w2 row halves 2t, 2t+1
-                lo_tile, hi_tile = tile_idx, tile_idx
-                if cutlass.const_expr(not self.glu):
-                    lo_tile, hi_tile = 2 * tile_idx, 2 * tile_idx + 1
-
-                scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(2)]
-                self.load_scales(sa, sb, expert, scale_rows, 0, c, scale_bufs[0])
-                self.load_scales(sa, sb, expert, scale_rows, 1, c, scale_bufs[1])
-
-                smem = cutlass.memory.SmemAllocator()
-                storage = smem.allocate(self.shared_storage_tma)
-                lo_bytes = cute.size_in_bytes(Int32, cute.slice_(half_staged, (None, None, 0)))
-                b_stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem_staged, (None, None, 0)))
-                mainloop = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=storage.barriers.data_ptr(),
-                    num_stages=TMA_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-                    tx_count=2 * lo_bytes + b_stage_bytes,
-                    cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                    defer_sync=True,
-                )
-                pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-                sLo = storage.sLo.get_tensor(half_staged)
-                sHi = storage.sHi.get_tensor(half_staged)
-                sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-                half_tiler = (GLU_ROWS, K_CHUNK // 8)
-                gLo = cute.local_tile(mLo, half_tiler, (lo_tile, None, expert))
-                gHi = cute.local_tile(mHi, half_tiler, (hi_tile, None, expert))
-                tLs, tLg = cpasync.tma_partition(tma_lo, 0, cute.make_layout(1), cute.group_modes(sLo, 0, 2), cute.group_modes(gLo, 0, 2))
-                tHs, tHg = cpasync.tma_partition(tma_hi, 0, cute.make_layout(1), cute.group_modes(sHi, 0, 2), cute.group_modes(gHi, 0, 2))
-                gB = cute.local_tile(mB, self.tile_mnk, (0, 0, None, slot), proj=(None, 1, 1))
-                tBsB, tBgB = cpasync.tma_partition(
-                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-                )
-                thr_mma = tiled_mma.get_slice(tidx)
-                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-                a_shape = thr_mma.partition_A(cute.make_identity_tensor((ROW_TILE, K_CHUNK))).shape
-                frag = cute.make_rmem_tensor(a_shape, cutlass.BFloat16)
-                frag32 = cute.recast_tensor(frag, Uint32)
-                acc_shape = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens))).shape
-                accumulators = cute.make_rmem_tensor(acc_shape, Float32)
-                accumulators.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                raw = cute.make_rmem_tensor((16,), Int32)
-
-                pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-                producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TMA_STAGES)
-                if warp_idx == 0:
-                    for _ in cutlass.range(cutlass.min(TMA_STAGES, self.chunks), unroll=1):
-                        self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
-                        producer.advance()
-
-                consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
-                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
-                num_k_blocks = cute.size(frag, mode=[2])
-                for pair in cutlass.range(self.chunks // 2, unroll=1):
-                    for j in cutlass.range_constexpr(2):
-                        chunk = pair * 2 + j
-                        scales = scale_bufs[j]
-                        mainloop.consumer_wait(consumer)
-                        # this thread's 16 code bytes of each of its 4 rows (LDS.128; a quad reads
-                        # 64 contiguous bytes, two rows per 8 lanes: no bank conflicts)
-                        for r in cutlass.range_constexpr(4):
-                            source = sLo if r < 2 else sHi
-                            row_words = source[(half_rows[r], None, consumer.index)]
-                            cute.autovec_copy(cute.local_tile(row_words, (4,), (c,)), cute.local_tile(raw, (4,), (r,)))
-                        # the previous chunk's WGMMAs still read `frag` and their stage: wait, free it
-                        warpgroup.wait_group(0)
-                        if chunk > 0:
-                            mainloop.consumer_release(release)
-                            release.advance()
-                            if warp_idx == 0 and producer.count < self.chunks:
-                                self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
-                                producer.advance()
-                        self.dequantise(raw, scales, frag32)
-                        ahead = cutlass.min(chunk + 2, self.chunks - 1)
-                        self.load_scales(sa, sb, expert, scale_rows, ahead, c, scales)
-                        warpgroup.fence()
-                        for k_block in cutlass.range(num_k_blocks, unroll_full=True):
-                            cute.gemm(
-                                tiled_mma,
-                                accumulators,
-                                frag[(None, None, k_block)],
-                                tCrB[(None, None, k_block, consumer.index)],
-                                accumulators,
-                            )
-                        warpgroup.commit_group()
-                        consumer.advance()
-                warpgroup.wait_group(0)
-                mainloop.consumer_release(release)
-
-                coords = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens)))
+                mi, v1 = r // 2, r % 2
+                half_rows[r] = warp_idx * 16 + v1 * 8 + g
                 if cutlass.const_expr(self.glu):
-                    self.store_act(accumulators, coords, out, slot, tile_idx)
+                    scale_rows[r] = tile_idx * GLU_ROWS + half_rows[r]
                 else:
-                    for i in cutlass.range_constexpr(cute.size(accumulators)):
-                        row, token = coords[i]
-                        out[slot, token, tile_idx * ROW_TILE + row] = accumulators[i]
+                    scale_rows[r] = tile_idx * ROW_TILE + mi * GLU_ROWS + half_rows[r]
+            # half tiles: pass 1 = (w1 rows, w3 rows) of tile t; pass 2 = w2 row halves 2t, 2t+1
+            lo_tile, hi_tile = tile_idx, tile_idx
+            if cutlass.const_expr(not self.glu):
+                lo_tile, hi_tile = 2 * tile_idx, 2 * tile_idx + 1
 
-        @cute.jit
-        def issue_stage(self, mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB):
-            """Warp 0: TMA the two code halves and the tokens of K chunk producer.count."""
-            mainloop.producer_acquire(producer)
-            barrier = mainloop.producer_get_barrier(producer)
-            cute.copy(tma_lo, tLg[(None, producer.count)], tLs[(None, producer.index)], tma_bar_ptr=barrier)
-            cute.copy(tma_hi, tHg[(None, producer.count)], tHs[(None, producer.index)], tma_bar_ptr=barrier)
-            cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=barrier)
-            mainloop.producer_commit(producer)
+            scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(2)]
+            self.load_scales(sa, sb, expert, scale_rows, 0, c, scale_bufs[0])
+            self.load_scales(sa, sb, expert, scale_rows, 1, c, scale_bufs[1])
 
-        @cute.jit
-        def load_chunk(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
-            if cutlass.const_expr(self.glu):
-                self.load_raw_glu(wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales)
-            else:
-                self.load_raw(wa, sa, expert, rows_of, chunk, c, raw, scales)
+            storage = SmemAllocator().allocate(self.shared_storage_tma)
+            lo_bytes = cute.size_in_bytes(Int32, cute.slice_(half_staged, (None, None, 0)))
+            b_stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem_staged, (None, None, 0)))
+            mainloop = self.make_mainloop(storage, TMA_STAGES, 2 * lo_bytes + b_stage_bytes)
+            sLo = storage.sLo.get_tensor(half_staged)
+            sHi = storage.sHi.get_tensor(half_staged)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            half_tiler = (GLU_ROWS, K_CHUNK // 8)
+            gLo = cute.local_tile(mLo, half_tiler, (lo_tile, None, expert))
+            gHi = cute.local_tile(mHi, half_tiler, (hi_tile, None, expert))
+            tLs, tLg = cpasync.tma_partition(tma_lo, 0, cute.make_layout(1), cute.group_modes(sLo, 0, 2), cute.group_modes(gLo, 0, 2))
+            tHs, tHg = cpasync.tma_partition(tma_hi, 0, cute.make_layout(1), cute.group_modes(sHi, 0, 2), cute.group_modes(gHi, 0, 2))
+            gB = cute.local_tile(mB, self.tile_mnk, (0, 0, None, slot), proj=(None, 1, 1))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            thr_mma, tCrB, frag, frag32, accumulators = self.make_fragments(tiled_mma, tidx, sB)
+            raw = cute.make_rmem_tensor((16,), Int32)
 
-        @cute.jit
-        def store_act(self, accumulators: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, slot, tile_idx):
-            """SiTU-GLU (kimi-k3.md §1.2 hidden_act) of (w1 row, w3 row) = (m-atom 0, m-atom 1)
-            values of the same register position; stored K-permuted and times 2^63 for pass 2."""
-            beta, linear_beta = self.situ_beta, self.situ_linear_beta
-            per_atom = cute.size(accumulators, mode=[0])
-            for i in cutlass.range_constexpr(per_atom):
-                gate = accumulators[i, 0, 0]
-                up = accumulators[i, 1, 0]
-                row, token = coords[i, 0, 0]
-                sigmoid = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate))
-                act = (beta * cute.math.tanh(gate / beta) * sigmoid) * (linear_beta * cute.math.tanh(up / linear_beta))
-                act = act * Float32(2.0**moe_common.B_SCALE_LOG2)
-                # position of intermediate index r in the K-permuted layout (inverse of chunk_permutation)
-                r = tile_idx * GLU_ROWS + row
-                within = r % K_CHUNK
-                c, q, v0, i4 = within // 32, (within % 32) // 8, (within % 8) // 4, within % 4
-                rho = 4 * q + i4
-                logical = 16 * (rho // 2) + 2 * c + v0 + 8 * (rho % 2)
-                out[slot, token, r - within + logical] = act.to(cutlass.BFloat16)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TMA_STAGES)
+            if warp_idx == 0:
+                for _ in cutlass.range(cutlass.min(TMA_STAGES, self.chunks), unroll=1):
+                    self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
+                    producer.advance()
 
-    return MxFp4ExpertGemmSm90
+            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
+            for pair in cutlass.range(self.chunks // 2, unroll=1):
+                for j in cutlass.range_constexpr(2):
+                    chunk = pair * 2 + j
+                    scales = scale_bufs[j]
+                    mainloop.consumer_wait(consumer)
+                    # this thread's 16 code bytes of each of its 4 rows (LDS.128; a quad reads
+                    # 64 contiguous bytes, two rows per 8 lanes: no bank conflicts)
+                    for r in cutlass.range_constexpr(4):
+                        source = sLo if r < 2 else sHi
+                        row_words = source[(half_rows[r], None, consumer.index)]
+                        cute.autovec_copy(cute.local_tile(row_words, (4,), (c,)), cute.local_tile(raw, (4,), (r,)))
+                    # the previous chunk's WGMMAs still read `frag` and their stage: wait, free it
+                    warpgroup.wait_group(0)
+                    if chunk > 0:
+                        mainloop.consumer_release(release)
+                        release.advance()
+                        if warp_idx == 0 and producer.count < self.chunks:
+                            self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
+                            producer.advance()
+                    self.dequantise(raw, scales, frag32)
+                    ahead = cutlass.min(chunk + 2, self.chunks - 1)
+                    self.load_scales(sa, sb, expert, scale_rows, ahead, c, scales)
+                    self.multiply_chunk(tiled_mma, accumulators, frag, tCrB, consumer.index)
+                    consumer.advance()
+            warpgroup.wait_group(0)
+            mainloop.consumer_release(release)
+
+            self.store_tile(thr_mma, accumulators, out, slot, tile_idx)
+
+    @cute.jit
+    def issue_stage(self, mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB):
+        """Warp 0: TMA the two code halves and the tokens of K chunk producer.count."""
+        mainloop.producer_acquire(producer)
+        barrier = mainloop.producer_get_barrier(producer)
+        cute.copy(tma_lo, tLg[(None, producer.count)], tLs[(None, producer.index)], tma_bar_ptr=barrier)
+        cute.copy(tma_hi, tHg[(None, producer.count)], tHs[(None, producer.index)], tma_bar_ptr=barrier)
+        cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=barrier)
+        mainloop.producer_commit(producer)
+
+    @cute.jit
+    def load_chunk(self, wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales):
+        if cutlass.const_expr(self.glu):
+            self.load_raw_glu(wa, sa, wb, sb, expert, rows_of, chunk, c, raw, scales)
+        else:
+            self.load_raw(wa, sa, expert, rows_of, chunk, c, raw, scales)
+
+    # ------------------------------------------------------------------ pieces both loaders share
+    @cute.jit
+    def make_mainloop(self, storage, stages, tx_count):
+        """The TMA pipeline of one CTA: warp 0's TMA produces, the 4 warps consume."""
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=tx_count,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        return mainloop
+
+    @cute.jit
+    def make_fragments(self, tiled_mma, tidx, sB):
+        """(thread MMA slice, B fragments over the stages, the A fragment and its 32-bit view,
+        zeroed fp32 accumulators)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        a_shape = thr_mma.partition_A(cute.make_identity_tensor((ROW_TILE, K_CHUNK))).shape
+        frag = cute.make_rmem_tensor(a_shape, cutlass.BFloat16)
+        frag32 = cute.recast_tensor(frag, Uint32)
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens))).shape
+        accumulators = cute.make_rmem_tensor(acc_shape, Float32)
+        accumulators.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        return thr_mma, tCrB, frag, frag32, accumulators
+
+    @cute.jit
+    def multiply_chunk(self, tiled_mma, accumulators, frag, tCrB, stage):
+        """The WGMMAs of one K chunk: the dequantised A fragment times B stage `stage`."""
+        warpgroup.fence()
+        for k_block in cutlass.range(cute.size(frag, mode=[2]), unroll_full=True):
+            cute.gemm(tiled_mma, accumulators, frag[(None, None, k_block)], tCrB[(None, None, k_block, stage)], accumulators)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_tokens(self, mainloop, producer, tma_b, tBgB, tBsB):
+        """Warp 0 ("registers" loader): TMA the tokens of K chunk producer.count."""
+        mainloop.producer_acquire(producer)
+        cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)],
+                  tma_bar_ptr=mainloop.producer_get_barrier(producer))
+        mainloop.producer_commit(producer)
+
+    @cute.jit
+    def store_tile(self, thr_mma, accumulators, out, slot, tile_idx):
+        """Epilogue: pass 1 the SiTU-GLU activations (store_act), pass 2 the fp32 outputs."""
+        coords = thr_mma.partition_C(cute.make_identity_tensor((ROW_TILE, self.tokens)))
+        if cutlass.const_expr(self.glu):
+            self.store_act(accumulators, coords, out, slot, tile_idx)
+        else:
+            for i in cutlass.range_constexpr(cute.size(accumulators)):
+                row, token = coords[i]
+                out[slot, token, tile_idx * ROW_TILE + row] = accumulators[i]
+
+    @cute.jit
+    def store_act(self, accumulators: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, slot, tile_idx):
+        """SiTU-GLU (docs/kimi-k3.md §1.2 hidden_act) of (w1 row, w3 row) = (m-atom 0, m-atom 1)
+        values of the same register position; stored K-permuted and times 2^63 for pass 2."""
+        beta, linear_beta = self.situ_beta, self.situ_linear_beta
+        per_atom = cute.size(accumulators, mode=[0])
+        for i in cutlass.range_constexpr(per_atom):
+            gate = accumulators[i, 0, 0]
+            up = accumulators[i, 1, 0]
+            row, token = coords[i, 0, 0]
+            sigmoid = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate))
+            act = (beta * cute.math.tanh(gate / beta) * sigmoid) * (linear_beta * cute.math.tanh(up / linear_beta))
+            act = act * Float32(2.0**expert_layout.B_SCALE_LOG2)
+            # position of intermediate index r in the K-permuted layout (inverse of chunk_permutation)
+            r = tile_idx * GLU_ROWS + row
+            within = r % K_CHUNK
+            c, q, v0, i4 = within // 32, (within % 32) // 8, (within % 8) // 4, within % 4
+            rho = 4 * q + i4
+            logical = 16 * (rho // 2) + 2 * c + v0 + 8 * (rho % 2)
+            out[slot, token, r - within + logical] = act.to(cutlass.BFloat16)
+
+
 
 
 _cache = cute_common.CompileCache()
-kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def check_expert_shape(experts: int, rows: int, k: int, glu: bool) -> None:
@@ -574,25 +543,25 @@ def compile_expert_gemm(
     key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader, arch, tuple(extra_options))
 
     def build():
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-        slots = cute.sym_int()
-        packed = make_fake_compact_tensor(cutlass.Int32, (experts, rows, k // 8), stride_order=(2, 1, 0), assumed_align=16)
-        scale = make_fake_compact_tensor(cutlass.Uint8, (experts, rows, k // 32), stride_order=(2, 1, 0), assumed_align=16)
-        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
-        xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
-        out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
-        out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
-        gemm = kernel_class()(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader)
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
-            options=cute_common.compile_options(arch, *extra_options),
-        )
+        gemm = MxFp4ExpertGemmSm90(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader)
+        return compile_expert_kernel(gemm, experts, rows, k, tokens, glu, arch, extra_options)
 
     return _cache.get(key, build)
+
+
+def compile_expert_kernel(gemm, experts: int, rows: int, k: int, tokens: int, glu: bool, arch: str, extra_options: tuple):
+    """cute.compile of an expert kernel object (the Hopper or the Blackwell class) for weights
+    [experts, rows, k] and slots of `tokens` rows; the slot count stays symbolic."""
+    slots = cute.sym_int()
+    packed = make_fake_compact_tensor(cutlass.Int32, (experts, rows, k // 8), stride_order=(2, 1, 0), assumed_align=16)
+    scale = make_fake_compact_tensor(cutlass.Uint8, (experts, rows, k // 32), stride_order=(2, 1, 0), assumed_align=16)
+    slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
+    xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
+    out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
+    out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
+                        options=cute_common.compile_options(arch, *extra_options))
 
 
 def _as_words(packed: torch.Tensor) -> torch.Tensor:
@@ -600,7 +569,7 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
 
 
 def expert_pass(
-    packed_a, scale_a, packed_b, scale_b, lists: moe_common.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
+    packed_a, scale_a, packed_b, scale_b, lists: expert_layout.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
     glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0, depth: int = PREFETCH_DEPTH,
     loader: str | None = None,
 ):
@@ -616,74 +585,22 @@ def expert_pass(
     return out
 
 
-def tokens_for_kernel(x: torch.Tensor, lists: moe_common.ExpertLists) -> torch.Tensor:
+def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torch.Tensor:
     """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted, times 2^63."""
     # permute and scale the T rows first (tiny), then one gather writes the [S, tokens, K] operand
-    prepared = moe_common.permute_k(x) * 2.0**moe_common.B_SCALE_LOG2
+    prepared = expert_layout.permute_k(x) * 2.0**expert_layout.B_SCALE_LOG2
     return prepared[lists.slot_tokens]
 
 
 LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
 
 
-def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
-    """One CTA that builds cute_common.ExpertLists (same contents as build_expert_lists, one launch
+def _build_lists_kernel(tile_tokens: int, top_k: int):
+    """One CTA that builds expert_layout.ExpertLists (same contents as build_expert_lists, one launch
     instead of ~16 torch kernels). Thread p owns pair p = t * k + j: its rank among the pairs of
     the same expert is the number of earlier pairs with that expert (earlier = smaller token), it
     opens a slot if its rank is 0, and its slot is the number of slot-opening pairs with a smaller
-    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory.
-
-    With num_experts > 0 the kernel routes first (the reference router, kimi-k3.md §1.2): warp w
-    takes tokens w, w + 8, ...; each lane holds sigmoid(logit) + bias of experts lane, lane + 32,
-    ...; k rounds of a warp arg-max (ties to the smaller expert id) pick the top-k in descending
-    order; weights = the chosen raw sigmoid scores / their sum * scaling."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.memory import SmemAllocator
-
-    per_lane = num_experts // 32
-    warps = LIST_THREADS // 32
-    taken = Float32(-3.0e38)
-
-    @cute.jit
-    def route(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
-              weights_out: cute.Tensor, ids_s: cute.Tensor, tidx):
-        warp, lane = tidx // 32, tidx % 32
-        tokens = logits.shape[0]
-        values = cute.make_rmem_tensor((per_lane,), Float32)
-        chosen = cute.make_rmem_tensor((top_k,), Float32)
-        for t in cutlass.range(warp, tokens, warps, unroll=1):
-            for i in cutlass.range_constexpr(per_lane):
-                e = i * 32 + lane
-                score = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, e]))
-                values[i] = score + bias[e]
-            total = Float32(0.0)
-            for r in cutlass.range_constexpr(top_k):
-                best = taken
-                best_e = Int32(num_experts)
-                for i in cutlass.range_constexpr(per_lane):
-                    if values[i] > best:
-                        best = values[i]
-                        best_e = Int32(i * 32) + lane
-                for step in cutlass.range_constexpr(5):
-                    other = cute.arch.shuffle_sync_bfly(best, offset=1 << step)
-                    other_e = cute.arch.shuffle_sync_bfly(best_e, offset=1 << step)
-                    if other > best or (other == best and other_e < best_e):
-                        best = other
-                        best_e = other_e
-                for i in cutlass.range_constexpr(per_lane):
-                    if Int32(i * 32) + lane == best_e:
-                        values[i] = taken
-                score = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, best_e]))
-                chosen[r] = score
-                total += score
-                if lane == 0:
-                    ids_s[t * top_k + r] = best_e
-                    ids_out[t, r] = best_e.to(Int64)
-            if lane == 0:
-                for r in cutlass.range_constexpr(top_k):
-                    weights_out[t, r] = chosen[r] / total * scaling
+    expert id (slots in ascending expert order). O(P) per thread over the ids in shared memory."""
 
     @cute.jit
     def build(ids_s: cute.Tensor, pairs, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
@@ -729,31 +646,6 @@ def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
         cute.arch.sync_threads()
         build(ids_s, pairs, slot_expert, slot_tokens, pair_position, tidx)
 
-    @cute.kernel
-    def route_kernel(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
-                     weights_out: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
-                     pair_position: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        pairs = logits.shape[0] * top_k
-        ids_s = SmemAllocator().allocate_tensor(Int32, cute.make_layout(LIST_THREADS), 16)
-        clear(slot_expert, slot_tokens, tidx)
-        ids_s[tidx] = Int32(-1)
-        cute.arch.sync_threads()
-        route(logits, bias, scaling, ids_out, weights_out, ids_s, tidx)
-        cute.arch.sync_threads()
-        build(ids_s, pairs, slot_expert, slot_tokens, pair_position, tidx)
-
-    if num_experts:
-        @cute.jit
-        def launch_route(logits: cute.Tensor, bias: cute.Tensor, scaling: Float32, ids_out: cute.Tensor,
-                         weights_out: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor,
-                         pair_position: cute.Tensor, stream):
-            route_kernel(logits, bias, scaling, ids_out, weights_out, slot_expert, slot_tokens, pair_position).launch(
-                grid=(1, 1, 1), block=[LIST_THREADS, 1, 1], stream=stream
-            )
-
-        return launch_route
-
     @cute.jit
     def launch(ids: cute.Tensor, slot_expert: cute.Tensor, slot_tokens: cute.Tensor, pair_position: cute.Tensor, stream):
         lists_kernel(ids, slot_expert, slot_tokens, pair_position).launch(
@@ -763,65 +655,10 @@ def _build_lists_kernel(tile_tokens: int, top_k: int, num_experts: int = 0):
     return launch
 
 
-def compile_route_kernel(tile_tokens: int, top_k: int, num_experts: int, arch: str, extra_options: tuple = ()):
-    if num_experts % 32:
-        raise ValueError(f"num_experts={num_experts}: the routing kernel needs a multiple of 32")
-    key = ("moe_route_lists", tile_tokens, top_k, num_experts, arch, tuple(extra_options))
-
-    def build():
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-        tokens, slots, padded, pairs = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-        logits = make_fake_compact_tensor(cutlass.Float32, (tokens, num_experts), stride_order=(1, 0), assumed_align=16)
-        bias = make_fake_compact_tensor(cutlass.Float32, (num_experts,), assumed_align=16)
-        ids = make_fake_compact_tensor(cutlass.Int64, (tokens, top_k), stride_order=(1, 0), assumed_align=8)
-        route_weights = make_fake_compact_tensor(cutlass.Float32, (tokens, top_k), stride_order=(1, 0), assumed_align=4)
-        slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
-        slot_tokens = make_fake_compact_tensor(cutlass.Int64, (padded,), assumed_align=8)
-        pair_position = make_fake_compact_tensor(cutlass.Int64, (pairs,), assumed_align=8)
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            _build_lists_kernel(tile_tokens, top_k, num_experts), logits, bias, cutlass.Float32(1.0), ids,
-            route_weights, slot_expert, slot_tokens, pair_position, stream,
-            options=cute_common.compile_options(arch, *extra_options),
-        )
-
-    return _cache.get(key, build)
-
-
-def route_and_lists_device(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, tile_tokens: int):
-    """The reference router (moe_route) on fp32 logits [T, E] and the expert lists, one launch ->
-    (ids [T, k] int64, weights [T, k] fp32, ExpertLists)."""
-    tokens, num_experts = logits.shape
-    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or tuple(bias.shape) != (num_experts,):
-        raise ValueError(f"logits/bias: expected fp32 [T, E] and [E], got {logits.dtype} {tuple(logits.shape)}, "
-                         f"{bias.dtype} {tuple(bias.shape)}")
-    if not 1 <= tokens <= tile_tokens or tokens * top_k > LIST_THREADS or not 1 <= top_k <= num_experts:
-        raise ValueError(f"logits: {tokens} tokens x top_k={top_k} exceeds the routing kernel ({LIST_THREADS} pairs)")
-    device = logits.device
-    pairs = tokens * top_k
-    slots = min(num_experts, pairs)
-    ids = torch.empty((tokens, top_k), dtype=torch.long, device=device)
-    route_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
-    slot_expert = torch.empty(slots, dtype=torch.int32, device=device)
-    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=device)
-    pair_position = torch.empty(pairs, dtype=torch.long, device=device)
-    compiled = compile_route_kernel(tile_tokens, top_k, num_experts, cute_common.target_arch(device))
-    compiled(logits.contiguous(), bias.contiguous(), scaling, ids, route_weights, slot_expert, slot_tokens, pair_position)
-    lists = moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
-    return ids, route_weights, lists
-
-
 def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options: tuple = ()):
     key = ("moe_lists", tile_tokens, top_k, arch, tuple(extra_options))
 
     def build():
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
         pairs, slots, padded = cute.sym_int(), cute.sym_int(), cute.sym_int()
         ids = make_fake_compact_tensor(cutlass.Int64, (pairs,), assumed_align=8)
         slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
@@ -836,8 +673,8 @@ def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options:
     return _cache.get(key, build)
 
 
-def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> moe_common.ExpertLists:
-    """cute_common.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
+def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> expert_layout.ExpertLists:
+    """expert_layout.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
     if ids.dim() != 2 or ids.dtype != torch.long:
         raise ValueError(f"ids: expected a [T, k] int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
     tokens, top_k = ids.shape
@@ -850,115 +687,53 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
     pair_position = torch.empty(pairs, dtype=torch.long, device=ids.device)
     compiled = compile_lists_kernel(tile_tokens, top_k, cute_common.target_arch(ids.device))
     compiled(ids.contiguous().view(-1), slot_expert, slot_tokens, pair_position)
-    return moe_common.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+    return expert_layout.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
 
 
-# How the routing prologue runs: "torch" = ops.moe_route + cute_common.build_expert_lists (~26
-# small kernels), "device" = ops.moe_route + the one-launch list kernel above, "fused" = the fp32
-# router GEMV + one kernel for top-k selection, weights and lists. The two kernels are not yet
-# verified on a GPU (round 2's test of "fused" ran out of its time slot), so "torch" stays.
+# How moe_experts builds its expert lists: "torch" = expert_layout.build_expert_lists (~16 small
+# kernels), "device" = the one-launch list kernel above. The list kernel is not yet verified on a
+# GPU, so "torch" stays the default; experiments/moe_bench.py times both.
 DEFAULT_LISTS = "torch"
-# latent_moe: run the shared experts on a side stream, concurrently with the routed path
-# (H200 round 2: block -36 us at T = 8, -34 us at T = 1; bit-identical outputs).
-OVERLAP_SHARED = True
 
 
-def routed_experts(latent: torch.Tensor, ids: torch.Tensor, weights, situ_beta: float, situ_linear_beta: float,
-                   lists: moe_common.ExpertLists | None = None):
-    """The routed half of the block on the latent: [T, latent] bf16 -> expert outputs [T, k, latent]
-    fp32 (unweighted, in top-k order). `lists` are built from `ids` unless given."""
-    num_experts, inter, _ = weights.w1_packed.shape
+def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ_beta: float, situ_linear_beta: float,
+                   lists: expert_layout.ExpertLists | None = None):
+    """The expert passes on the latent: [T, latent] bf16 -> expert outputs [T, k, latent] fp32
+    (unweighted, in top-k order). `experts` = (w1_packed, w1_scale, w3_packed, w3_scale,
+    w2_packed, w2_scale); `lists` are built from `ids` unless given."""
+    num_experts = experts[0].shape[0]
     tokens = token_tile(latent.shape[0])
-    if lists is None and DEFAULT_LISTS in ("device", "fused"):
+    if lists is None and DEFAULT_LISTS == "device":
         lists = build_expert_lists_device(ids, num_experts, tokens)
     elif lists is None:
-        lists = moe_common.build_expert_lists(ids, num_experts, tokens)
-    slots = lists.slot_expert.shape[0]
-    xb = tokens_for_kernel(latent, lists)
-    act = torch.empty((slots, tokens, inter), dtype=torch.bfloat16, device=latent.device)
-    expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale, lists, xb, act,
-                True, situ_beta, situ_linear_beta)
-    latent_dim = weights.w2_packed.shape[1]
-    y = torch.empty((slots, tokens, latent_dim), dtype=torch.float32, device=latent.device)
-    expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
-    return y.view(slots * tokens, latent_dim)[lists.pair_position]
+        lists = expert_layout.build_expert_lists(ids, num_experts, tokens)
+    return expert_layout.run_expert_passes(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
+                                           situ_linear_beta)
 
 
-def weights_supported(weights) -> bool:
+def experts_supported(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale) -> bool:
     """Expert shapes the kernel tiles: I a multiple of 64 (pass 1) and latent of 128 (pass 2),
     both K multiples of PREFETCH_DEPTH x 128 (chunks per main-loop step), contiguous packed codes."""
-    num_experts, inter, half_latent = weights.w1_packed.shape
+    num_experts, inter, half_latent = w1_packed.shape
     latent = half_latent * 2
     return (
         inter % GLU_ROWS == 0
         and latent % ROW_TILE == 0
         and latent % (PREFETCH_DEPTH * K_CHUNK) == 0
         and inter % (PREFETCH_DEPTH * K_CHUNK) == 0
-        and all(t.is_contiguous() for t in (weights.w1_packed, weights.w3_packed, weights.w2_packed,
-                                             weights.w1_scale, weights.w3_scale, weights.w2_scale))
+        and expert_layout.experts_contiguous((w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale))
     )
 
 
-def supports(x: torch.Tensor, weights) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_TOKENS
-            and weights_supported(weights))
+def supports(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, *experts: torch.Tensor) -> bool:
+    return (latent.is_cuda and latent.dim() == 2 and latent.dtype == torch.bfloat16
+            and 1 <= latent.shape[0] <= MAX_TOKENS and experts_supported(*experts))
 
 
-@cute_common.register_cute("latent_moe", "cute_sm90", supports)
-def latent_moe(x: torch.Tensor, weights, cfg) -> torch.Tensor:
-    """The K3 latent MoE block (kernels/moe/reference.py is the contract) with the routed experts
-    on the MXFP4 expert kernel; dense projections go through ops.linear (the CuTe skinny GEMM)."""
-    from dspark.targets.kimi_k3.numerics import rms_norm
-
-    if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
-        raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
-    lists = None
-    if DEFAULT_LISTS == "fused":
-        # fp32 logits as the reference router computes them; selection, weights and lists in one kernel
-        logits = ops.linear(x.float(), weights.gate.float())
-        ids, route_weights, lists = route_and_lists_device(
-            logits, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor, token_tile(x.shape[0])
-        )
-    else:
-        ids, route_weights = ops.moe_route(
-            x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
-        )
-    main = torch.cuda.current_stream(x.device)
-    if OVERLAP_SHARED:
-        # The shared experts need only x: run them on a side stream, so that their weight reads
-        # overlap the latency-bound routing kernels of the routed path (and the reverse).
-        side = _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shared = shared_experts(x, weights, cfg)
-    latent = ops.linear(x, weights.latent_down)
-    expert_out = routed_experts(latent, ids, weights, cfg.situ_beta, cfg.situ_linear_beta, lists)  # [T, k, latent]
-    # weighted sum over the k experts in fp32 (one reduction kernel instead of the reference's
-    # k multiply-adds; equal up to fp32 summation order)
-    routed = (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)
-    routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
-    if OVERLAP_SHARED:
-        # Join. `shared` was allocated on the side stream and is read here on the main one; its
-        # memory can only be reused by later side-stream work, which always starts by waiting
-        # for the main stream (above), so no record_stream is needed.
-        main.wait_stream(side)
-    else:
-        shared = shared_experts(x, weights, cfg)
-    return ops.linear(routed, weights.latent_up) + shared
-
-
-def shared_experts(x: torch.Tensor, weights, cfg) -> torch.Tensor:
-    from dspark.targets.kimi_k3.numerics import situ
-
-    act = situ(ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta)
-    return ops.linear(act, weights.shared_down)
-
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
+def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """ops.moe_experts (kernels/moe/reference.py is the contract) on the MXFP4 expert kernel;
+    registered by kernels/moe/__init__.py."""
+    experts = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    reference.check_experts(latent, ids, route_weights, *experts)
+    return expert_layout.weighted_sum(route_weights, routed_experts(latent, ids, experts, situ_beta, situ_linear_beta))

@@ -1,4 +1,5 @@
-"""The Triton acceptance kernels (kernels/acceptance/triton.py) against dspark.sampling on the GPU.
+"""The Triton acceptance kernels (kernels/acceptance/triton.py) against the reference samplers
+(kernels/acceptance/reference.py, re-exported by dspark.sampling) on the GPU.
 
 Decisions: for many random verified blocks, with the same uniforms and race noise, num_accepted
 and every next token must equal the sampler's (run on the same GPU tensors): greedy, standard

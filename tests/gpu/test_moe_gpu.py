@@ -1,28 +1,33 @@
-"""GPU numerics of the CuTe DSL MXFP4 latent-MoE block (kernels/moe/cute_sm90.py, run on the H200;
-the Blackwell expert kernel of cute_sm100.py has its own test here that has never run) at full K3
-MoE shapes (E 896, top-16, latent 3584, I 3072, shared 6144, D 7168) for T in {1, 2, 4, 8, 16}.
+"""GPU numerics of the MXFP4 expert op `moe_experts` (kernels/moe/cute_sm90.py, run on the H200;
+the Blackwell build of cute_sm100.py has its own tests here that have never run) and of the K3
+latent-MoE block built on it (dspark/targets/kimi_k3/moe.py) at full K3 MoE shapes (E 896,
+top-16, latent 3584, I 3072, shared 6144, D 7168) for T in {1, 2, 4, 8, 16}.
 
 Random MXFP4 codes are drawn directly as uint8 on the GPU with E8M0 scales around 2^-7.5, so
 gate/up and the expert outputs are O(1). Two routings: one where every token's experts are
 distinct from every other token's ("disjoint") and one where all tokens share 12 of their 16
 experts ("repeated", exercising slots with up to T tokens). Outputs are poisoned with NaN; the
-comparison is against float64 math on the dequantised weights (expert kernel) and against the
-reference `latent_moe` (whole block), relative Frobenius error <= 1e-2, no NaN.
+comparison is against float64 math on the dequantised weights (expert passes and the op) and,
+for the whole block on CUDA, against the same block on the CPU with the reference ops (fewer
+experts there, so the CPU copy stays small), relative Frobenius error <= 1e-2, no NaN.
 """
+import dataclasses
+
 import pytest
 import torch
 
-from dspark.kernels import cute_common, registry
-from dspark.kernels.moe import cute_common as moe_common
-from dspark.kernels.moe import cute_sm90, cute_sm100, reference
+from dspark.kernels import cute_common, ops, registry
+from dspark.kernels.moe import expert_layout
+from dspark.kernels.mxfp4 import dequantise
 from dspark.targets.kimi_k3.config import K3
-from dspark.targets.kimi_k3.mxfp4 import dequantise
+from dspark.targets.kimi_k3.moe import LatentMoEWeights, latent_moe
+
+if not cute_common.cutlass_available():  # the kernel modules import cutlass at their top
+    pytest.skip("nvidia-cutlass-dsl / tvm-ffi not installed", allow_module_level=True)
+from dspark.kernels.moe import cute_sm90, cute_sm100  # noqa: E402
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 hopper = pytest.mark.skipif(CAPABILITY != (9, 0), reason="the sm_90a kernels (cute_sm90.py)")
 blackwell = pytest.mark.skipif(
     CAPABILITY not in ((10, 0), (10, 3)), reason="the sm_100a/sm_103a kernel (cute_sm100.py; never run so far)"
@@ -44,10 +49,7 @@ def random_mxfp4(gen, experts, rows, k):
     return packed, scale
 
 
-@pytest.fixture(scope="module")
-def weights():
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    cfg = K3
+def make_weights(cfg, gen) -> LatentMoEWeights:
     E, D, L, I, S = cfg.num_experts, cfg.hidden_size, cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
 
     def dense(n, k):
@@ -56,7 +58,7 @@ def weights():
     w1, s1 = random_mxfp4(gen, E, I, L)
     w3, s3 = random_mxfp4(gen, E, I, L)
     w2, s2 = random_mxfp4(gen, E, L, I)
-    return reference.LatentMoEWeights(
+    return LatentMoEWeights(
         gate=dense(E, D),
         score_bias=torch.zeros(E, device="cuda"),
         latent_down=dense(L, D),
@@ -67,6 +69,11 @@ def weights():
         shared_down=dense(D, S),
         w1_packed=w1, w1_scale=s1, w3_packed=w3, w3_scale=s3, w2_packed=w2, w2_scale=s2,
     )
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights(K3, torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31))
 
 
 def routing_ids(kind: str, tokens: int, gen) -> torch.Tensor:
@@ -110,7 +117,7 @@ def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
         ids = routing_ids(kind, tokens, gen)
         latent = latent_all[:tokens]
         tile = cute_sm90.token_tile(tokens)
-        lists = moe_common.build_expert_lists(ids, cfg.num_experts, tile)
+        lists = expert_layout.build_expert_lists(ids, cfg.num_experts, tile)
         slots = lists.slot_expert.shape[0]
         xb = cute_sm90.tokens_for_kernel(latent, lists)
         act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -128,26 +135,56 @@ def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
             assert int((lists.slot_expert >= 0).sum()) == SHARED_EXPERTS + tokens * (cfg.num_experts_per_token - SHARED_EXPERTS)
 
 
-@hopper
-@pytest.mark.parametrize("kind", ["random", "repeated"])
-def test_block_matches_reference(weights, kind):
+def weighted_sum_reference(weights, latent, ids, route_weights, cfg):
+    """float64 ops.moe_experts: the per-pair outputs weighted and summed over the top-k."""
+    return (route_weights.double().unsqueeze(-1) * expert_reference(weights, latent, ids, cfg)).sum(dim=1)
+
+
+@pytest.mark.skipif(CAPABILITY not in ((9, 0), (10, 0), (10, 3)), reason="no CuTe DSL expert kernel for this GPU")
+@pytest.mark.parametrize("kind", ["disjoint", "repeated"])
+def test_moe_experts_op_matches_float64(weights, kind):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = K3
+    latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
+    expected_impl = "cute_sm90" if CAPABILITY == (9, 0) else "cute_sm100"
+    for tokens in TOKEN_COUNTS:
+        ids = routing_ids(kind, tokens, gen)
+        route_weights = torch.rand(tokens, cfg.num_experts_per_token, device="cuda", generator=gen) + 0.1
+        latent = latent_all[:tokens]
+        args = (latent, ids, route_weights, *weights.experts)
+        assert registry.select("moe_experts", *args).name == expected_impl
+        out = ops.moe_experts(*args, cfg.situ_beta, cfg.situ_linear_beta)
+        torch.cuda.synchronize()
+        assert out.dtype == torch.float32 and out.shape == (tokens, cfg.latent_size)
+        assert not out.isnan().any(), f"{kind} T={tokens}"
+        err = relative_error(out, weighted_sum_reference(weights, latent, ids, route_weights, cfg))
+        assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
+
+
+@pytest.mark.skipif(CAPABILITY not in ((9, 0), (10, 0), (10, 3)), reason="no CuTe DSL expert kernel for this GPU")
+@pytest.mark.parametrize("kind", ["random", "repeated"])
+def test_block_on_cuda_matches_the_cpu_reference(kind):
+    """kimi_k3/moe.py with the default CUDA kernels (and the shared experts on a side stream)
+    against the same block on the CPU, where every op is its reference. 32 experts keep the CPU
+    copy small; every other shape is K3's."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cfg = dataclasses.replace(K3, num_experts=32)
+    weights = make_weights(cfg, gen)
     if kind == "repeated":  # a few experts win every token's top-16 (the bias chooses, never weighs)
         weights.score_bias[torch.randperm(cfg.num_experts, device="cuda", generator=gen)[:SHARED_EXPERTS]] = 10.0
-    try:
-        x_all = torch.randn(max(TOKEN_COUNTS), cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
-        for tokens in TOKEN_COUNTS:
-            x = x_all[:tokens]
-            assert registry.select("latent_moe", x, weights).name == "cute_sm90"
-            ours = cute_sm90.latent_moe(x, weights, cfg)
-            ref = reference.latent_moe(x, weights, cfg)
-            torch.cuda.synchronize()
-            assert not ours.isnan().any()
-            err = relative_error(ours, ref)
-            assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
-    finally:
-        weights.score_bias.zero_()
+    on_cpu = LatentMoEWeights(**{f.name: getattr(weights, f.name).cpu() for f in dataclasses.fields(weights)})
+    x_all = torch.randn(max(TOKEN_COUNTS), cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    for tokens in (1, 4, 16):
+        x = x_all[:tokens]
+        latent = torch.empty(tokens, cfg.latent_size, dtype=torch.bfloat16, device="cuda")
+        ids = torch.zeros(tokens, cfg.num_experts_per_token, dtype=torch.long, device="cuda")
+        assert registry.select("moe_experts", latent, ids, ids.float(), *weights.experts).name != "reference"
+        ours = latent_moe(x, weights, cfg)
+        torch.cuda.synchronize()
+        assert not ours.isnan().any(), f"{kind} T={tokens}"
+        ref = latent_moe(x.cpu(), on_cpu, cfg)
+        err = relative_error(ours.cpu(), ref)
+        assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
 
 
 @hopper
@@ -155,7 +192,7 @@ def test_expert_lists_match_a_host_loop_on_the_gpu():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     for tokens in TOKEN_COUNTS:
         ids = routing_ids("repeated", tokens, gen)
-        lists = moe_common.build_expert_lists(ids, K3.num_experts, cute_sm90.token_tile(tokens))
+        lists = expert_layout.build_expert_lists(ids, K3.num_experts, cute_sm90.token_tile(tokens))
         tile = lists.slot_tokens.shape[1]
         for t in range(tokens):
             for j in range(ids.shape[1]):
@@ -171,39 +208,12 @@ def test_device_list_kernel_equals_the_torch_lists(kind):
     for tokens in TOKEN_COUNTS:
         ids = routing_ids(kind, tokens, gen)
         tile = cute_sm90.token_tile(tokens)
-        expected = moe_common.build_expert_lists(ids, K3.num_experts, tile)
+        expected = expert_layout.build_expert_lists(ids, K3.num_experts, tile)
         got = cute_sm90.build_expert_lists_device(ids, K3.num_experts, tile)
         torch.cuda.synchronize()
         assert torch.equal(got.slot_expert, expected.slot_expert), f"{kind} T={tokens}"
         assert torch.equal(got.slot_tokens, expected.slot_tokens), f"{kind} T={tokens}"
         assert torch.equal(got.pair_position, expected.pair_position), f"{kind} T={tokens}"
-
-
-@hopper
-@pytest.mark.parametrize("kind", ["random", "repeated"])
-def test_fused_routing_kernel_equals_the_reference_router_and_lists(kind):
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    cfg = K3
-    E, k = cfg.num_experts, cfg.num_experts_per_token
-    bias = 0.1 * torch.randn(E, device="cuda", generator=gen)
-    if kind == "repeated":
-        bias[torch.randperm(E, device="cuda", generator=gen)[:SHARED_EXPERTS]] = 10.0
-    for tokens in TOKEN_COUNTS:
-        logits = torch.randn(tokens, E, device="cuda", generator=gen)
-        tile = cute_sm90.token_tile(tokens)
-        ids, weights, lists = cute_sm90.route_and_lists_device(logits, bias, k, 2.5, tile)
-        torch.cuda.synchronize()
-        # the reference router on the same logits (moe_route computes them from x and the gate)
-        scores = torch.sigmoid(logits)
-        ref_ids = torch.topk(scores + bias, k, dim=-1).indices
-        chosen = scores.gather(-1, ref_ids)
-        ref_weights = chosen / chosen.sum(-1, keepdim=True) * 2.5
-        assert torch.equal(ids, ref_ids), f"{kind} T={tokens}"
-        torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
-        expected = moe_common.build_expert_lists(ref_ids, E, tile)
-        assert torch.equal(lists.slot_expert, expected.slot_expert), f"{kind} T={tokens}"
-        assert torch.equal(lists.slot_tokens, expected.slot_tokens), f"{kind} T={tokens}"
-        assert torch.equal(lists.pair_position, expected.pair_position), f"{kind} T={tokens}"
 
 
 @blackwell
@@ -216,7 +226,7 @@ def test_blackwell_expert_kernels_match_float64_per_pair(weights, kind):
     for tokens in TOKEN_COUNTS:
         ids = routing_ids(kind, tokens, gen)
         latent = latent_all[:tokens]
-        lists = moe_common.build_expert_lists(ids, cfg.num_experts, cute_sm100.TOKENS)
+        lists = expert_layout.build_expert_lists(ids, cfg.num_experts, cute_sm100.TOKENS)
         slots = lists.slot_expert.shape[0]
         xb = cute_sm100.tokens_for_kernel(latent, lists)
         act = torch.full((slots, cute_sm100.TOKENS, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")

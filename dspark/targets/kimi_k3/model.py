@@ -4,8 +4,8 @@ Per layer i (spec kimi-k3.md §7, Block AttnRes): attention is KDA or gated MLA 
 cfg.layer_type(i) (§2, §3), the FFN is the dense SiTU-GLU MLP for i < first_k_dense, else the
 latent MoE (§1.2); after the last layer one more AttnRes mix, the final norm and lm_head.
 Projections go through `ops.linear`, KDA through `ops.kda_verify`, MLA attention through
-`ops.mla_verify_attention`, the MoE through `ops.latent_moe`; the elementwise parts are per row
-(numerics.py), so on the CPU a token's logits do not depend on its batch, bit for bit.
+`ops.mla_verify_attention`, the MoE through moe.py; the elementwise parts are per row
+(kernels/numerics.py), so on the CPU a token's logits do not depend on its batch, bit for bit.
 
 `forward` runs B requests of T tokens from their committed decode state without changing it,
 except that MLA rows of the new tokens are written past each slot's committed length (they are
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
-from dspark.kernels.moe.reference import LatentMoEWeights
 
 from . import weights as layout
 from .config import K3Config
+from .moe import LatentMoEWeights, latent_moe
 
 # Spec §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
 # output (one JAX re-implementation feeds attention and FFN from the same value set instead).
@@ -212,7 +212,7 @@ class K3Model:
             gate, up = ops.linear(y, fused).split(sizes, dim=-1)  # DENSE_FFN_INPUT_PROJECTIONS order
             act = ops.situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
             return ops.linear(act, self._w(i, "mlp.down_proj.weight"))
-        return ops.latent_moe(y, self.moe[i], cfg)
+        return latent_moe(y, self.moe[i], cfg)
 
     # ------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, state: DecodeState, tap_layers=()):

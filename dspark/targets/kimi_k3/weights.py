@@ -22,7 +22,7 @@ import torch
 
 from dspark.checkpoint_files import CheckpointError, iter_safetensors, read_json, require_directory
 from .config import K3Config
-from .mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP_SIZE
+from dspark.kernels.mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP_SIZE
 
 PREFIX = "language_model.model"
 LM_HEAD = "language_model.lm_head.weight"

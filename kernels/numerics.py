@@ -1,4 +1,4 @@
-"""Token-invariant elementwise helpers shared by the K3 model and its op references.
+"""Token-invariant elementwise helpers shared by the op references and the models built on them.
 
 Why per row: on the CPU, torch's elementwise kernels run a vectorised loop and finish the tail
 with a scalar loop, and transcendental functions (exp, sigmoid, tanh) differ by an ulp between
@@ -35,13 +35,13 @@ def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """K3's RMSNorm (spec §1.2; the Kimi norm of modeling_kimi_linear.py): normalise in fp32,
+    """K3's RMSNorm (docs/kimi-k3.md §1.2; the Kimi norm of modeling_kimi_linear.py): normalise in fp32,
     cast back to x.dtype, then scale by the weight."""
     return weight.to(x.dtype) * rms_normalise(x, eps).to(x.dtype)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU-GLU (spec kimi-k3.md §1.2 hidden_act): b1*tanh(g/b1)*sigmoid(g) * b2*tanh(u/b2), fp32
+    """SiTU-GLU (docs/kimi-k3.md §1.2 hidden_act): b1*tanh(g/b1)*sigmoid(g) * b2*tanh(u/b2), fp32
     math, result in gate.dtype."""
     width = gate.shape[-1]
 

@@ -1,10 +1,10 @@
 """Host-side pieces of the CuTe DSL MXFP4 expert kernels shared by the Hopper and Blackwell builds:
 the expert-major pair lists built on the device (no host sync) and the K permutation that lets
-every thread dequantise one contiguous 16-byte run of packed codes (spec: kernels.md §4.3).
+every thread dequantise one contiguous 16-byte run of packed codes (docs/kernels.md §4.3).
 
 Plain torch, so it runs (and is tested) on the CPU as well.
 
-Expert lists (kernels.md §4.3 "routing prologue"): the T*k (token, expert) pairs of a step are
+Expert lists (docs/kernels.md §4.3 "routing prologue"): the T*k (token, expert) pairs of a step are
 sorted by expert; each distinct expert gets a "slot" (its position in sorted order) holding up to
 `tile_tokens` token rows, padded. Slots are a fixed number, S = min(E, T*k), so every shape is
 static (CUDA-graph friendly): slots past the number of touched experts have expert id -1 and the
@@ -21,6 +21,10 @@ K_CHUNK = 128  # K elements one thread-quad covers per main-loop step: 4 threads
 # The WGMMA fragment scale trick (cute_sm90.py): A is dequantised to W * 2^-B_SCALE_LOG2 and B is
 # multiplied by 2^B_SCALE_LOG2, so each E8M0 scale is applied with one bf16x2 multiply.
 B_SCALE_LOG2 = 63
+# The dequantisers place a packed word's codes s|e1 e0|m as bf16 bits (s << 15) | (e1 e0 m << 6)
+# of both halves of a bf16x2 pair (cute_sm90.py docstring): these masks keep those bits.
+MAGNITUDE_BITS = 0x01C001C0  # e1 e0 m at bf16 bits 8..6
+SIGN_BITS = 0x80008000
 
 
 def chunk_permutation() -> torch.Tensor:
@@ -105,3 +109,29 @@ def build_expert_lists(ids: torch.Tensor, num_experts: int, tile_tokens: int) ->
     pair_position = torch.empty(pairs, dtype=torch.long, device=device)
     pair_position.scatter_(0, order, flat_position)
     return ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+
+
+def run_expert_passes(latent: torch.Tensor, lists: ExpertLists, experts: tuple, tokens_for_kernel, expert_pass,
+                      situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """The two passes of an expert kernel over `lists` -> per-pair outputs [T, k, latent] fp32
+    (unweighted, in top-k order). `experts` = (w1_packed, w1_scale, w3_packed, w3_scale,
+    w2_packed, w2_scale); tokens_for_kernel / expert_pass are the kernel module's."""
+    w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = experts
+    slots, tile = lists.slot_tokens.shape
+    xb = tokens_for_kernel(latent, lists)
+    act = torch.empty((slots, tile, w1_packed.shape[1]), dtype=torch.bfloat16, device=latent.device)
+    expert_pass(w1_packed, w1_scale, w3_packed, w3_scale, lists, xb, act, True, situ_beta, situ_linear_beta)
+    latent_dim = w2_packed.shape[1]
+    y = torch.empty((slots, tile, latent_dim), dtype=torch.float32, device=latent.device)
+    expert_pass(w2_packed, w2_scale, w2_packed, w2_scale, lists, act, y, False)
+    return y.view(slots * tile, latent_dim)[lists.pair_position]
+
+
+def weighted_sum(route_weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
+    """sum_j route_weights[:, j] * expert_out[:, j] in fp32: one reduction kernel instead of the
+    reference's k multiply-adds (equal up to fp32 summation order)."""
+    return (route_weights.unsqueeze(-1) * expert_out).sum(dim=1)
+
+
+def experts_contiguous(experts: tuple) -> bool:
+    return all(t.is_contiguous() for t in experts)
