@@ -1,5 +1,5 @@
 """KDA verify + commit per layer on the GPU at Kimi K3 dims (H=96, D=128), batch 1, T=8 by default:
-the CuTe DSL kernels (kernels/kda/cute_common.py) vs fla's Triton fused_recurrent_kda vs the torch
+the CuTe DSL kernels (kernels/kda/cute_kernel.py) vs fla's Triton fused_recurrent_kda vs the torch
 reference (kernels/kda/reference.py) run on the GPU.
 
 Method (METHOD.md): random inputs; `layers` independent layers (states, inputs, records) rotate so
@@ -24,7 +24,7 @@ import torch
 from benchlib import module_version, provenance, read_ceiling, time_calls, write_json
 
 from dspark.kernels import cute_common
-from dspark.kernels.kda import cute_common as kda_cute
+from dspark.kernels.kda import cute_host as kda_cute
 from dspark.kernels.kda import reference
 
 HEADS, HEAD_DIM = 96, 128
@@ -108,11 +108,13 @@ def verify_calls(layers, arch, variant, probes=None):
     calls = []
     records = []
     for i, x in enumerate(layers):
-        _, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, **variant)
+        _, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, experimental_variant=True,
+                                 **variant)
         out = torch.empty_like(x["q_in"])
         probe = None if probes is None else probes[i]
         calls.append(lambda x=x, r=rec, o=out, p=probe: kda_cute.verify(
-            *x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, records=r, out=o, probe=p, **variant))
+            *x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, records=r, out=o, probe=p,
+            experimental_variant=True, **variant))
         records.append(rec)
     return calls, records
 
@@ -120,7 +122,8 @@ def verify_calls(layers, arch, variant, probes=None):
 def check_against_reference(x, arch, variant) -> dict:
     """Relative errors of one layer's verify vs the float64 reference (a variant that is fast but
     wrong must show here, beside its time)."""
-    out, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, **variant)
+    out, rec = kda_cute.verify(*x.values(), lower_bound=LOWER_BOUND, eps=EPS, arch=arch, experimental_variant=True,
+                               **variant)
     ref_in = {k: (v.double() if v.is_floating_point() and k != "state" else v) for k, v in x.items()}
     ref_out, ref_rec = reference.kda_verify(*ref_in.values(), lower_bound=LOWER_BOUND, eps=EPS)
 
@@ -204,6 +207,62 @@ def bench_commit(layers, records, accepted, arch, variant) -> dict:
     return {"commit": time_per_call(per_layer),
             "commit_all_layers_one_launch": {k: (v / L if v is not None else v) for k, v in all_layers.items()},
             "committed": (fresh, fresh_conv)}
+
+
+def fla_baseline(layers, B, T) -> dict:
+    """fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)."""
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+
+        fla_inputs = []
+        for x in layers:
+            split = lambda t: t.reshape(B, T, HEADS, HEAD_DIM).contiguous()  # noqa: E731
+            fla_inputs.append(dict(q=split(x["q_in"]), k=split(x["k_in"]), v=split(x["v_in"]), g=split(x["f"]),
+                                   beta=x["beta_in"], A_log=x["A_log"][:HEADS].contiguous(), dt_bias=x["dt_bias"],
+                                   initial_state=x["state"].clone()))
+
+        def fla_call(y, final_state):
+            return fused_recurrent_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
+                                       initial_state=y["initial_state"], output_final_state=final_state,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
+
+        return {
+            "output_only": time_per_call([lambda y=y: fla_call(y, False) for y in fla_inputs]),
+            "with_final_state": time_per_call([lambda y=y: fla_call(y, True) for y in fla_inputs]),
+        }
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def print_summary(rows: dict, B: int, T: int) -> None:
+    """One line per measured row, after the JSON."""
+    c = rows["ceilings"]
+    print(f"\nK3 KDA layer, B={B} T={T}: state read {c['state_read_us']:.1f} us, copy {c['state_copy_us']:.1f} us "
+          f"(read ceiling {c['read_ceiling_GBps']:.0f} GB/s). Per layer, us (graph / eager):")
+    for name, row in rows.items():
+        if not isinstance(row, dict):
+            continue
+        if "error" in row:
+            print(f"{name:28s} {row['error']}")
+        elif name.startswith("verify_"):
+            t, e = row["time_us"], row["rel_error_vs_float64"]
+            print(f"{name:28s} {t['graph_us'] or float('nan'):6.1f} / {t['eager_us']:6.1f}   "
+                  f"err out {e['out']:.1e} u {e['updates']:.1e}")
+        elif name.startswith("probe_"):
+            print(f"{name:28s} " + " ".join(f"{p} {row[p + '_cycles']:.0f}" for p in PHASES)
+                  + f" cyc; {row['sm_clock_mhz_in_kernel']:.0f} MHz, CTA {row['cta_total_ns']:.0f} ns, "
+                  f"span {row['kernel_span_ns']:.0f} ns, gap {row['gap_between_layers_ns']:.0f} ns")
+        elif name.startswith("commit_"):
+            m, a = row["commit"], row["commit_all_layers_one_launch"]
+            same = [v for k, v in row.items() if k.startswith("bitwise_equal")]
+            print(f"{name:28s} per layer {m['graph_us'] or float('nan'):6.1f}   all layers in 1 launch "
+                  f"{a['graph_us'] or float('nan'):6.1f}   same bits {same}")
+        elif name.startswith("pair_"):
+            print(f"{name:28s} verify+commit per layer {row['verify_plus_commit_per_layer_graph_us']:6.1f} "
+                  f"(graph of verify, commit pairs; SM clock {row.get('sm_clock_mhz_during_median')} MHz)")
+    print("fla", json.dumps(rows["fla_fused_recurrent_kda"]))
+    print("torch reference", json.dumps(rows["torch_reference"]))
 
 
 def main():
@@ -301,31 +360,10 @@ def main():
             rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         save(key)
 
-    # fla's Triton recurrence on already-conv'd q/k/v (less work than ours, see the docstring)
-    try:
-        if args.no_baselines:
-            raise RuntimeError("skipped (--no-baselines)")
-        from fla.ops.kda import fused_recurrent_kda
-
-        fla_inputs = []
-        for x in layers:
-            split = lambda t: t.reshape(B, T, HEADS, HEAD_DIM).contiguous()  # noqa: E731
-            fla_inputs.append(dict(q=split(x["q_in"]), k=split(x["k_in"]), v=split(x["v_in"]), g=split(x["f"]),
-                                   beta=x["beta_in"], A_log=x["A_log"][:HEADS].contiguous(), dt_bias=x["dt_bias"],
-                                   initial_state=x["state"].clone()))
-
-        def fla_call(y, final_state):
-            return fused_recurrent_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
-                                       initial_state=y["initial_state"], output_final_state=final_state,
-                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                       use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
-
-        rows["fla_fused_recurrent_kda"] = {
-            "output_only": time_per_call([lambda y=y: fla_call(y, False) for y in fla_inputs]),
-            "with_final_state": time_per_call([lambda y=y: fla_call(y, True) for y in fla_inputs]),
-        }
-    except Exception as exc:
-        rows["fla_fused_recurrent_kda"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    if args.no_baselines:
+        rows["fla_fused_recurrent_kda"] = {"error": "RuntimeError: skipped (--no-baselines)"}
+    else:
+        rows["fla_fused_recurrent_kda"] = fla_baseline(layers, B, T)
     save("fla_fused_recurrent_kda")
 
     # where verify's time goes (diagnostic builds, after the numbers that are reported)
@@ -336,7 +374,6 @@ def main():
         except Exception as exc:
             rows[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         save(key)
-
 
     # the torch reference on the GPU (fp32 state, eager: it is many small kernels)
     try:
@@ -351,33 +388,7 @@ def main():
         rows["torch_reference"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     save("torch_reference")
 
-    c = rows["ceilings"]
-    print(f"\nK3 KDA layer, B={B} T={T}: state read {c['state_read_us']:.1f} us, copy {c['state_copy_us']:.1f} us "
-          f"(read ceiling {c['read_ceiling_GBps']:.0f} GB/s). Per layer, us (graph / eager):")
-    for name, row in rows.items():
-        if not isinstance(row, dict):
-            continue
-        if "error" in row:
-            print(f"{name:28s} {row['error']}")
-        elif name.startswith("verify_"):
-            t, e = row["time_us"], row["rel_error_vs_float64"]
-            print(f"{name:28s} {t['graph_us'] or float('nan'):6.1f} / {t['eager_us']:6.1f}   "
-                  f"err out {e['out']:.1e} u {e['updates']:.1e}")
-        elif name.startswith("probe_"):
-            print(f"{name:28s} " + " ".join(f"{p} {row[p + '_cycles']:.0f}" for p in PHASES)
-                  + f" cyc; {row['sm_clock_mhz_in_kernel']:.0f} MHz, CTA {row['cta_total_ns']:.0f} ns, "
-                  f"span {row['kernel_span_ns']:.0f} ns, gap {row['gap_between_layers_ns']:.0f} ns")
-        elif name.startswith("commit_"):
-            m, a = row["commit"], row["commit_all_layers_one_launch"]
-            same = [v for k, v in row.items() if k.startswith("bitwise_equal")]
-            print(f"{name:28s} per layer {m['graph_us'] or float('nan'):6.1f}   all layers in 1 launch "
-                  f"{a['graph_us'] or float('nan'):6.1f}   same bits {same}")
-        elif name.startswith("pair_"):
-            print(f"{name:28s} verify+commit per layer {row['verify_plus_commit_per_layer_graph_us']:6.1f} "
-                  f"(graph of verify, commit pairs; SM clock {row.get('sm_clock_mhz_during_median')} MHz)")
-    print("fla", json.dumps(rows["fla_fused_recurrent_kda"]))
-    print("torch reference", json.dumps(rows["torch_reference"]))
-
+    print_summary(rows, B, T)
 
 if __name__ == "__main__":
     main()

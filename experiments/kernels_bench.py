@@ -22,7 +22,7 @@ import torch
 
 from benchlib import provenance, read_ceiling, time_calls, write_json
 from dspark.kernels import cute_common
-from dspark.kernels.linear import cute_sm90
+from dspark.kernels.linear import cute_host, cute_sm90
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16)
 # Kernel variants timed side by side (compile_skinny_gemm options); the first is the default.
@@ -54,10 +54,10 @@ def bench_shape(name, n, k, l2_bytes, arch, ceiling):
         for label, options in VARIANTS.items():
             try:
                 compiled, splits = cute_sm90.compile_skinny_gemm(
-                    n, k, cute_sm90.token_tile(m), torch.bfloat16, arch, **options
+                    n, k, cute_host.token_tile(m), torch.bfloat16, arch, **options
                 )
                 workspace = torch.empty((splits, m, n), dtype=torch.float32, device="cuda")
-                counters = cute_sm90.split_counters(x.device, n)
+                counters = cute_host.split_counters(x.device, n)
                 ours_calls = [
                     lambda w=w, o=o: compiled(x, w, o, workspace, counters) for w, o in zip(weights, outs)
                 ]
@@ -100,7 +100,7 @@ def main():
     started = time.time()
     ceiling = read_ceiling()
     print(json.dumps(ceiling), flush=True)
-    shapes = cute_sm90.K3_TRUNK_SHAPES
+    shapes = cute_host.K3_TRUNK_SHAPES
     if args.shapes:
         shapes = {s: shapes[s] for s in args.shapes.split(",")}
     rows = []

@@ -108,7 +108,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from dspark.kernels import cute_common
-    from dspark.kernels.mla import cute_common as mla_common
+    from dspark.kernels.mla import cute_host as mla_common
 
     capability = torch.cuda.get_device_capability()
     if capability == (9, 0):

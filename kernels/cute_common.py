@@ -1,8 +1,10 @@
-"""Shared plumbing for the CuTe DSL kernels: lazy import of cutlass, target-arch detection and a
-compile cache (spec: kernels.md §1.2, §1.4).
+"""Shared plumbing for the CuTe DSL kernels: registration by module path, target-arch detection and
+a compile cache (docs/kernels.md §1.2, §1.4).
 
-Nothing here imports cutlass at module import time, so the registry can import every op package on
-a machine without the CuTe DSL. Kernels are compiled once per key (shape, dtype, arch, variant) with
+Nothing here imports cutlass at module import time, and neither do the op packages: each CuTe DSL
+implementation is registered by module path (`register_cute_module`), and its module, which
+imports cutlass at the top, is imported on the first call. So the registry imports every op
+package on a machine without the CuTe DSL. Kernels are compiled once per key (shape, dtype, arch, variant) with
 `cute.compile` and kept in a dict: the steady state never re-traces or recompiles. Compiles use the
 TVM-FFI calling convention (`--enable-tvm-ffi`), so a compiled kernel is called with plain torch
 tensors on torch's current stream (about 5 us of host overhead instead of ~50 us via from_dlpack).
@@ -10,6 +12,7 @@ tensors on torch's current stream (about 5 us of host overhead instead of ~50 us
 # No `from __future__ import annotations`: CuTe DSL evaluates the device functions' annotations.
 
 import functools
+import importlib
 import importlib.util
 import os
 import threading
@@ -46,6 +49,24 @@ def register_cute(op: str, family: str, supports: Callable[..., bool]) -> Callab
     low, high = FAMILY_CAPABILITIES[family]
     return register(op, family, devices=("cuda",), min_capability=low, max_capability=high, priority=10,
                     available=cutlass_available, supports=supports)
+
+
+def register_cute_module(op: str, family: str, supports: Callable[..., bool], module: str, fn: str) -> None:
+    """Register function `fn` of `module` as the CuTe DSL implementation `family` of `op` (as
+    `register_cute` does) without importing `module`: the registered trampoline imports it on its
+    first call. `supports` must come from a module that does not import cutlass."""
+    target = None
+
+    def call(*args, **kwargs):
+        nonlocal target
+        if target is None:
+            target = getattr(importlib.import_module(module), fn)
+        return target(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = fn
+    call.__module__ = module
+    call.__doc__ = f"{module}.{fn}, imported on the first call."
+    register_cute(op, family, supports)(call)
 
 
 def arch_of_capability(capability: tuple[int, int]) -> str | None:
@@ -104,100 +125,3 @@ class CompileCache:
 
     def __len__(self) -> int:
         return len(self._compiled)
-
-
-@functools.cache
-def split_k_fixup():
-    """The fused split-K reduction shared by the GEMM kernels, as a @cute.jit device function.
-
-    Serial fixup (the CUDA threadFenceReduction pattern; spec kernels.md §7 row 1, split-K): every
-    split of a weight tile has stored its fp32 partial; a gpu-scope fence publishes it, one thread
-    counts the arrival on the tile's counter, and the last split to arrive sums all partials of the
-    tile in split order (deterministic) and writes y, then re-arms the counter to zero for the next
-    call. Each of the tile's threads owns one weight row (= one y column), so loads are coalesced.
-
-    partials: (N, M, splits) fp32 view; y: (N, M, 1) view of y[M, N]; counters: (tiles,) int32;
-    arrival_ptr: one int32 of shared memory; the CTA has `tile_rows` threads.
-    """
-    import cutlass
-    import cutlass.cute as cute
-
-    @cute.jit
-    def fixup(
-        partials: cute.Tensor,
-        y: cute.Tensor,
-        counters: cute.Tensor,
-        arrival_ptr: cute.Pointer,
-        tile_idx: cutlass.Int32,
-        tidx: cutlass.Int32,
-        tile_rows: cutlass.Constexpr,
-        tokens: cutlass.Constexpr,
-        splits: cutlass.Constexpr,
-    ):
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        arrival = cute.make_tensor(arrival_ptr, cute.make_layout(1))
-        if tidx == 0:
-            arrival[0] = cute.arch.atomic_add(
-                counters.iterator + tile_idx, cutlass.Int32(1), sem="acq_rel", scope="gpu"
-            )
-        cute.arch.sync_threads()
-        if arrival[0] == splits - 1:
-            cute.arch.fence_acq_rel_gpu()
-            row = tile_idx * tile_rows + tidx
-            for token in cutlass.range_constexpr(tokens):
-                if row < y.shape[0] and token < y.shape[1]:
-                    total = cutlass.Float32(0.0)
-                    for split in cutlass.range_constexpr(splits):
-                        total += partials[row, token, split]
-                    y[row, token, 0] = total.to(y.element_type)
-            if tidx == 0:
-                counters[tile_idx] = cutlass.Int32(0)
-
-    return fixup
-
-
-REDUCE_THREADS = 256
-
-
-@functools.cache
-def split_k_reduce():
-    """The two-pass split-K reduction as a @cute.jit launcher: a second small kernel, launched
-    right after the GEMM on the same stream (PDL), sums the fp32 partials workspace[splits, M, N]
-    in split order (deterministic) and writes y[M, N] in y's dtype. One thread per element of y,
-    so loads and stores are coalesced and every split's partial is read once."""
-    import cutlass
-    import cutlass.cute as cute
-
-    @cute.kernel
-    def reduce_kernel(partials: cute.Tensor, y: cute.Tensor, total: cutlass.Int32, splits: cutlass.Constexpr):
-        cute.arch.griddepcontrol_wait()  # the partials come from the previous kernel
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        i = bidx * REDUCE_THREADS + tidx
-        if i < total:
-            acc = cutlass.Float32(0.0)
-            for split in cutlass.range_constexpr(splits):
-                acc += partials[i, split]
-            y[i] = acc.to(y.element_type)
-
-    @cute.jit
-    def launch(
-        workspace: cute.Tensor,
-        y: cute.Tensor,
-        total: cutlass.Int32,
-        splits: cutlass.Constexpr,
-        use_pdl: cutlass.Constexpr,
-        stream,
-    ):
-        """workspace: fp32 [splits, M, N] (compact), y: [M, N] (compact), total = M * N."""
-        partials = cute.make_tensor(workspace.iterator, cute.make_layout((total, splits), stride=(1, total)))
-        y_flat = cute.make_tensor(y.iterator, cute.make_layout(total))
-        reduce_kernel(partials, y_flat, total, splits).launch(
-            grid=(cute.ceil_div(total, REDUCE_THREADS), 1, 1),
-            block=[REDUCE_THREADS, 1, 1],
-            stream=stream,
-            use_pdl=use_pdl,
-        )
-
-    return launch

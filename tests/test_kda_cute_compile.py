@@ -1,4 +1,4 @@
-"""CPU-only compile checks of the CuTe DSL KDA verify/commit kernels (kernels/kda/cute_common.py).
+"""CPU-only compile checks of the CuTe DSL KDA verify/commit kernels (kernels/kda/cute_kernel.py).
 
 Nothing runs here (no GPU): each variant is traced, lowered and assembled by ptxas for Hopper
 (sm_90a) and GB300 (sm_103a) at Kimi K3 dims (H=96 heads are a runtime grid size; D=128 is
@@ -10,16 +10,18 @@ TMA-unit state copy (bulk_state) armed on an mbarrier and waited for; per-block 
 The argument checks of the torch wrappers run on CPU tensors without compiling anything.
 """
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from dspark.kernels import cute_common
-from dspark.kernels.kda import cute_common as kda_cute
+from dspark.kernels.kda import cute_host as kda_cute
 
 needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl / tvm-ffi not installed")
 
-HEAD_DIM = 128  # Kimi K3 KDA head_dim (kimi-k3.md §1.2)
+HEAD_DIM = 128  # Kimi K3 KDA head_dim (docs/kimi-k3.md §1.2)
 
 
 def _ptx_of(compiled, tmp_path) -> str:
@@ -163,3 +165,40 @@ def test_registry_sends_shapes_the_kernels_do_not_take_to_the_reference():
     assert not kda_cute.supports_commit(args["state"], args["conv_state"])
     k3 = _small_inputs(H=1, D=128, T=8)
     assert kda_cute.supports_verify(*k3.values()) and kda_cute.supports_commit(k3["state"], k3["conv_state"])
+
+
+@pytest.mark.parametrize("option, field", [(dict(block_v=32), "block_v=32"), (dict(bulk_state=False), "bulk_state")])
+def test_verify_variants_not_verified_bitwise_are_refused_unless_asked_for(option, field):
+    """V-split verify and register state loads are benchmark-only (experimental_variant=True):
+    the refusal names the option; asked for, they pass on to the argument checks."""
+    args = _small_inputs(D=64)
+    with pytest.raises(ValueError, match=field):
+        kda_cute.verify(*args.values(), lower_bound=-5.0, eps=1e-5, arch="sm_90a", **option)
+    args["lengths"] = torch.ones(1)  # a float tensor: the next check down refuses it
+    with pytest.raises(ValueError, match="lengths"):
+        kda_cute.verify(*args.values(), lower_bound=-5.0, eps=1e-5, arch="sm_90a", experimental_variant=True, **option)
+
+
+def test_kernel_modules_are_imported_by_their_first_call_not_by_the_registry():
+    """Importing dspark.kernels and listing every op's implementations imports no cutlass; a CuTe
+    DSL implementation's module (cutlass at its top) is imported by its first call."""
+    code = """
+import sys
+import torch
+from dspark.kernels import ops, registry
+for op in ("linear", "kda_verify", "kda_commit", "mla_verify_attention"):
+    registry.implementations(op)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")))
+linear = registry.implementations("linear")["cute_sm90"].fn
+assert "dspark.kernels.linear.cute_sm90" not in sys.modules
+if registry.implementations("linear")["cute_sm90"].available():
+    try:
+        linear(torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16))
+    except ValueError as error:  # CPU tensors: the kernel module's own check refuses them
+        print("refused:", error)
+    print("dspark.kernels.linear.cute_sm90" in sys.modules)
+"""
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines[0] == "[]"
+    if cute_common.cutlass_available():
+        assert lines[1].startswith("refused: cute_sm90 linear: unsupported x") and lines[2] == "True"

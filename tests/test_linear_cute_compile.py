@@ -1,4 +1,4 @@
-"""CPU-only compile checks of the CuTe DSL skinny GEMM (spec: kernels.md §1.4 tier (b)).
+"""CPU-only compile checks of the CuTe DSL skinny GEMM (docs/kernels.md §1.4 tier (b)).
 
 Nothing runs here (no GPU): each kernel variant is traced, lowered and assembled for its target
 with the target named explicitly, and the PTX must contain the tensor-core instructions the design
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from dspark.kernels import cute_common
-from dspark.kernels.linear import cute_sm90, cute_sm100
+from dspark.kernels.linear import cute_host
+
+if cute_common.cutlass_available():
+    from dspark.kernels.linear import cute_sm90, cute_sm100
 
 pytestmark = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
 
@@ -26,7 +29,7 @@ def _ptx_dump_dir(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(name):
     n, k = SHAPES[name]
-    for tokens in sorted({cute_sm90.token_tile(m) for m in TOKEN_COUNTS}):
+    for tokens in sorted({cute_host.token_tile(m) for m in TOKEN_COUNTS}):
         compiled, splits = cute_sm90.compile_skinny_gemm(
             n, k, tokens, torch.bfloat16, "sm_90a", extra_options=("--keep-ptx",)
         )
@@ -35,7 +38,7 @@ def test_sm90a_compiles_to_wgmma_with_tma_and_pdl(name):
         assert "cp.async.bulk.tensor" in ptx  # TMA loads
         assert "griddepcontrol.wait" in ptx  # PDL
         assert ".local" not in ptx  # no register spills to local memory
-        assert splits == cute_sm90.choose_splits(n, k)
+        assert splits == cute_host.choose_splits(n, k)
 
 
 @pytest.mark.parametrize("arch", ["sm_103a", "sm_100a"])
@@ -75,36 +78,36 @@ def test_compile_cache_builds_each_key_once():
 def test_defaults_are_the_configurations_measured_best_on_the_h200():
     # bench run 2 (experiments/notes/skinny_gemm.md): K = 512 is not split, unsplit matrices that
     # fit in one wave at three CTAs per SM get 4 stages, everything else 5.
-    table = cute_sm90.K3_TRUNK_SHAPES
-    assert cute_sm90.choose_splits(*table["mla_kv_b"]) == 1
-    assert cute_sm90.choose_splits(*table["kda_qkvg"]) == 1
-    assert cute_sm90.choose_splits(*table["router"]) > 8
-    assert cute_sm90.choose_stages(table["kda_qkvg"][0], 1) == 4
-    assert cute_sm90.choose_stages(table["lm_head"][0], 1) == 5
-    assert cute_sm90.choose_stages(table["kda_o/mla_o"][0], 7) == 5
+    table = cute_host.K3_TRUNK_SHAPES
+    assert cute_host.choose_splits(*table["mla_kv_b"]) == 1
+    assert cute_host.choose_splits(*table["kda_qkvg"]) == 1
+    assert cute_host.choose_splits(*table["router"]) > 8
+    assert cute_host.choose_stages(table["kda_qkvg"][0], 1) == 4
+    assert cute_host.choose_stages(table["lm_head"][0], 1) == 5
+    assert cute_host.choose_stages(table["kda_o/mla_o"][0], 7) == 5
 
 
 def test_split_heuristic_fills_the_gpu_and_never_leaves_a_split_empty():
-    for n, k in cute_sm90.K3_TRUNK_SHAPES.values():
+    for n, k in cute_host.K3_TRUNK_SHAPES.values():
         if k <= 512:
             continue  # small K is deliberately not split (see the test above)
-        splits = cute_sm90.choose_splits(n, k)
-        k_tiles = -(-k // cute_sm90.K_TILE)
+        splits = cute_host.choose_splits(n, k)
+        k_tiles = -(-k // cute_host.K_TILE)
         per_split = -(-k_tiles // splits)
         assert (splits - 1) * per_split < k_tiles  # the last split has work
-        ctas = -(-n // cute_sm90.WEIGHT_TILE) * splits
+        ctas = -(-n // cute_host.WEIGHT_TILE) * splits
         # small matrices are split until they occupy most SMs (at most one partial wave idle)
-        assert ctas >= min(cute_sm90.H200_SMS // 2, -(-n // cute_sm90.WEIGHT_TILE) * k_tiles)
+        assert ctas >= min(cute_host.H200_SMS // 2, -(-n // cute_host.WEIGHT_TILE) * k_tiles)
 
 
 def test_shape_check_accepts_k3_shapes_and_rejects_what_the_kernel_cannot_take():
-    for n, k in cute_sm90.K3_TRUNK_SHAPES.values():
+    for n, k in cute_host.K3_TRUNK_SHAPES.values():
         for m in (1, 16):
-            assert cute_sm90.shape_supported(m, n, k, torch.bfloat16, (k, 1))
-    assert not cute_sm90.shape_supported(17, 1536, 7168, torch.bfloat16, (7168, 1))  # > 16 tokens
-    assert not cute_sm90.shape_supported(0, 1536, 7168, torch.bfloat16, (7168, 1))
-    assert not cute_sm90.shape_supported(4, 1536, 7168, torch.float32, (7168, 1))  # dtype
-    assert not cute_sm90.shape_supported(4, 1536, 7164, torch.bfloat16, (7164, 1))  # K % 8
-    assert not cute_sm90.shape_supported(4, 1536, 7168, torch.bfloat16, (1, 1536))  # transposed weight
+            assert cute_host.shape_supported(m, n, k, torch.bfloat16, (k, 1))
+    assert not cute_host.shape_supported(17, 1536, 7168, torch.bfloat16, (7168, 1))  # > 16 tokens
+    assert not cute_host.shape_supported(0, 1536, 7168, torch.bfloat16, (7168, 1))
+    assert not cute_host.shape_supported(4, 1536, 7168, torch.float32, (7168, 1))  # dtype
+    assert not cute_host.shape_supported(4, 1536, 7164, torch.bfloat16, (7164, 1))  # K % 8
+    assert not cute_host.shape_supported(4, 1536, 7168, torch.bfloat16, (1, 1536))  # transposed weight
     # CPU tensors never go to the CUDA kernel
-    assert not cute_sm90.supports(torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(64, 7168, dtype=torch.bfloat16))
+    assert not cute_host.supports(torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(64, 7168, dtype=torch.bfloat16))

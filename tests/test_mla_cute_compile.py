@@ -1,4 +1,4 @@
-"""CPU-only compile checks of the CuTe DSL MLA verify attention (spec: kernels.md §1.4 tier (b)).
+"""CPU-only compile checks of the CuTe DSL MLA verify attention (docs/kernels.md §1.4 tier (b)).
 
 Nothing runs here (no GPU): each variant is traced, lowered and assembled for its target with the
 target named explicitly, and the PTX must contain the tensor-core instructions the design relies
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from dspark.kernels import cute_common
-from dspark.kernels.mla import cute_common as mla_common
-from dspark.kernels.mla import cute_sm90, cute_sm100
+from dspark.kernels.mla import cute_host as mla_common
+
+if cute_common.cutlass_available():
+    from dspark.kernels.mla import cute_sm90, cute_sm100
 
 needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
 HEADS = 96
@@ -54,7 +56,7 @@ def test_sm90a_producer_warpgroup_variant_moves_registers_with_setmaxnreg():
 
 @needs_cutlass
 def test_sm90a_default_qk_one_warpgroup_uses_full_width_qk():
-    assert cute_sm90.resolve_variant()["qk_one_warpgroup"]  # the default since round 1
+    assert cute_sm90.resolve_variant()["qk_one_warpgroup"]  # the measured-fastest default
     compiled = cute_sm90.compile_mla_verify(HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",))
     ptx = compiled.__ptx__
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # all of S in warpgroup 0
@@ -93,6 +95,7 @@ def test_blackwell_compiles_to_mma_sync_with_tma_and_pdl(arch, split_kv):
     assert ptx.count(".entry") == (2 if split_kv else 1)
 
 
+@needs_cutlass
 def test_each_build_refuses_the_other_architecture():
     with pytest.raises(ValueError, match="arch"):
         cute_sm100.compile_mla_verify(HEADS, True, torch.int64, "sm_90a")
@@ -108,7 +111,7 @@ def test_v_view_reads_the_same_bytes_as_k_view():
     import cutlass
     import cutlass.cute as cute
 
-    layouts = cute_sm90.kernel_class().smem_layouts
+    layouts = cute_sm90.smem_layouts
     found = {}
 
     @cute.jit

@@ -1,6 +1,6 @@
 """KDA verify + commit for Blackwell (sm_100a B200/GB200, sm_103a B300/GB300).
 
-The same kernel body as Hopper (kda/cute_common.py): the recurrence is SIMT work (fp32 FMAs,
+The same kernel body as Hopper (kda/cute_kernel.py): the recurrence is SIMT work (fp32 FMAs,
 shuffles, shared-memory broadcasts, a cluster exchange through distributed shared memory) that
 needs no tcgen05/TMEM, so this build differs from cute_sm90 only in its target. That is an
 honest port, not a Blackwell-tuned kernel: it is compile-checked in CI for sm_103a and has never
@@ -8,8 +8,8 @@ run on a Blackwell GPU here.
 """
 import torch
 
-from ..cute_common import arch_of_capability, register_cute
-from . import cute_common
+from ..cute_common import arch_of_capability
+from . import cute_host
 
 
 def _arch(device: torch.device) -> str:
@@ -19,14 +19,12 @@ def _arch(device: torch.device) -> str:
     return arch
 
 
-@register_cute("kda_verify", "cute_sm100", cute_common.supports_verify)
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
                state, lengths, *, lower_bound, eps):
-    return cute_common.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
-                              o_norm_weight, state, lengths, lower_bound=lower_bound, eps=eps,
-                              arch=_arch(state.device))
+    return cute_host.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
+                            o_norm_weight, state, lengths, lower_bound=lower_bound, eps=eps,
+                            arch=_arch(state.device))
 
 
-@register_cute("kda_commit", "cute_sm100", cute_common.supports_commit)
 def kda_commit(state, conv_state, records, num_tokens):
-    cute_common.commit(state, conv_state, records, num_tokens, arch=_arch(state.device))
+    cute_host.commit(state, conv_state, records, num_tokens, arch=_arch(state.device))

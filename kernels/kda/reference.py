@@ -1,7 +1,7 @@
 """Reference KDA (Kimi Delta Attention) verify and commit, the contract of the `kda_verify` and
 `kda_commit` ops.
 
-Math: spec kimi-k3.md §2.1 (FLA fla/ops/kda naive/fused_recurrent), per request b, head h,
+Math: docs/kimi-k3.md §2.1 (FLA fla/ops/kda naive/fused_recurrent), per request b, head h,
 token t, with the short conv window of the last 3 pre-conv inputs per channel:
     q, k, v = SiLU(causal_conv4([window ; inputs]))          (depthwise, fp32 taps)
     q = q / sqrt(sum q^2 + l2_eps) * D^-0.5 ;  k = k / sqrt(sum k^2 + l2_eps)
@@ -11,7 +11,7 @@ token t, with the short conv window of the last 3 pre-conv inputs per channel:
     out = RMSNorm_head(o; o_norm_weight, eps) * sigmoid(gate_in)
 
 Verify is output-only and records, per position, the normalised key k, the update u and the
-decay exp(g) (spec kernels.md §3.3, design C), plus the pre-conv inputs. Commit replays the
+decay exp(g) (docs/kernels.md §3.3, design C), plus the pre-conv inputs. Commit replays the
 first n records with the same two float operations per step, in the same order, as the step
 inside verify, so the committed state is bitwise the sequentially decoded one.
 

@@ -1,6 +1,6 @@
 """Skinny dense GEMM for Hopper (sm_90a) in CuTe DSL: y[M, N] = x[M, K] @ W[N, K]^T, M <= 16.
 
-Design (spec: kernels.md §7 row 1, §1.1; §5 for PDL):
+Design (docs/kernels.md §7 row 1, §1.1; §5 for PDL):
 - Swap-AB: the weight is the wide WGMMA "A" operand (a 128-row weight tile = two m64 WGMMAs of one
   warpgroup), the <= 16 tokens are the WGMMA "N" side (N = 8 or 16). The accumulator is y^T for
   the tile, 128 x N fp32.
@@ -10,8 +10,8 @@ Design (spec: kernels.md §7 row 1, §1.1; §5 for PDL):
 - Split-K so that small matrices fill the 132 SMs: grid = (weight tiles, 1, splits). With one
   split the epilogue writes bf16 y directly; with several, each split writes an fp32 partial
   y^T slice into a workspace and a second small kernel (same host call, PDL-launched) sums the
-  splits and casts to bf16 (cute_common.split_k_reduce). Option: `fused_reduce`, where the last
-  split of each tile to finish does the sum in the GEMM kernel (cute_common.split_k_fixup).
+  splits and casts to bf16 (cute_parts.reduce). Option: `fused_reduce`, where the last
+  split of each tile to finish does the sum in the GEMM kernel (cute_parts.fixup).
   Splits, pipeline depth and reduction follow the H200 measurements in
   experiments/notes/skinny_gemm.md (bench runs 1 and 2).
 - PDL: the kernel issues its first weight-tile loads before `griddepcontrol.wait` (weights never
@@ -24,361 +24,232 @@ reference at 1e-2 relative error.
 """
 # No `from __future__ import annotations`: CuTe DSL evaluates the kernels' annotations at trace time.
 
-import functools
 import math
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.tensor_utils as tensor_utils
+import cutlass.utils.hopper_helpers as sm90_utils
 import torch
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .. import cute_common
-
-WEIGHT_TILE = 128  # weight rows per CTA (two m64 WGMMAs)
-K_TILE = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row per stage
-MAX_TOKENS = 16
-# Pipeline depth (choose_stages). 4 x 18 KB of tiles per CTA lets three CTAs share an SM, so 396
-# CTAs are resident at once; 5 stages allow two per SM (264 resident) with deeper prefetch each.
-FEW_STAGES, MANY_STAGES = 4, 5
-# K of at most 8 k-tiles (512): split-K lost at every M on MLA kv_b in bench run 2 (the pipeline
-# ramp and the partials' traffic outweigh the extra parallelism), so such matrices are not split.
-MIN_K_TILES_TO_SPLIT = 9
-H200_SMS = 132
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-
-# Kimi K3 trunk GEMMs (weight N x K; spec: kernels.md §0 shapes, §7 row 1): what the split-K
-# heuristic is tuned for and what the GPU test and the bench cover. Shapes that occur twice
-# (MLA o = KDA o_proj, shared gate+up = MLA g) are listed once, under both names.
-K3_TRUNK_SHAPES = {
-    "kda_qkvg": (49152, 7168),
-    "kda_o/mla_o": (7168, 12288),
-    "mla_q_a": (1536, 7168),
-    "mla_in_fused": (14400, 7168),  # q_a | kv_a | g in one GEMM, as the K3 model runs them (K3Model._fuse_rows)
-    "mla_q_b": (18432, 1536),
-    "mla_kv_a": (576, 7168),
-    "mla_kv_b": (24576, 512),
-    "mla_g/shared_gate_up": (12288, 7168),
-    "shared_down": (7168, 6144),
-    "latent_down": (3584, 7168),
-    "latent_up": (7168, 3584),
-    "router": (896, 7168),
-    "lm_head": (163840, 7168),
-}
+from . import cute_parts
+from .cute_host import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports, token_tile
 
 
-def token_tile(m: int) -> int:
-    """WGMMA N for m tokens: 8 when it fits (half the B traffic and MMA work), else 16."""
-    return 8 if m <= 8 else 16
+class SkinnyGemmSm90:
+    """One compiled instance per (N, K, token tile, splits, dtype); M is a runtime value."""
 
+    def __init__(
+        self, n: int, k: int, tokens: int, splits: int, stages: int, fused_reduce: bool, use_pdl: bool
+    ):
+        self.n, self.k, self.tokens, self.splits, self.use_pdl = n, k, tokens, splits, use_pdl
+        self.fused_reduce = fused_reduce
+        self.tile_mnk = (WEIGHT_TILE, tokens, K_TILE)
+        self.k_tiles = math.ceil(k / K_TILE)
+        self.k_tiles_per_split = math.ceil(self.k_tiles / splits)
+        self.stages = min(stages, self.k_tiles_per_split)  # no deeper than a split's work
+        self.threads = 128  # one warpgroup
 
-def choose_splits(n: int, k: int, num_sms: int = H200_SMS) -> int:
-    """Split-K factor that balances weight bytes over the SMs.
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,
+        w: cute.Tensor,
+        y: cute.Tensor,
+        workspace: cute.Tensor,
+        counters: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """x [M, K], w [N, K], y [M, N]; workspace [splits, M, N] fp32 (any contents) and
+        counters [weight tiles] int32, zero between calls (both unused with 1 split).
 
-    Cost per SM = (CTAs it runs) x (k-tiles per CTA + a fixed ramp of ~2 k-tiles for the pipeline
-    fill and the epilogue); the fp32 partials are a few % of the weight bytes and are ignored.
-    Ties go to fewer splits (less workspace traffic).
-    """
-    weight_tiles = math.ceil(n / WEIGHT_TILE)
-    k_tiles = math.ceil(k / K_TILE)
-    if k_tiles < MIN_K_TILES_TO_SPLIT:
-        return 1
-    best, best_cost = 1, None
-    for splits in range(1, min(k_tiles, 32) + 1):
-        per_split = math.ceil(k_tiles / splits)
-        if math.ceil(k_tiles / per_split) != splits:  # would leave an empty split
-            continue
-        cost = math.ceil(weight_tiles * splits / num_sms) * (per_split + 2)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = splits, cost
-    return best
-
-
-def choose_stages(n: int, splits: int, num_sms: int = H200_SMS) -> int:
-    """Pipeline depth, from bench run 2 (experiments/notes/skinny_gemm.md): unsplit matrices whose
-    CTAs all fit at three per SM (KDA q/k/v/g: 384 CTAs, MLA kv_b: 192) run best with 4 stages
-    (no partial second wave); the many-wave LM head (1280 CTAs) and every split matrix were
-    measured best (or only) with 5."""
-    ctas = math.ceil(n / WEIGHT_TILE) * splits
-    return FEW_STAGES if splits == 1 and ctas <= 3 * num_sms else MANY_STAGES
-
-
-def shape_supported(m: int, n: int, k: int, dtype: torch.dtype, weight_stride: tuple[int, int]) -> bool:
-    """The problems this kernel computes: M <= 16 tokens, bf16/fp16, a row-major weight whose rows
-    are 16-byte multiples (TMA needs 16-byte-aligned strides)."""
-    return (
-        1 <= m <= MAX_TOKENS
-        and dtype in SUPPORTED_DTYPES
-        and k % 8 == 0
-        and n % 8 == 0
-        and n >= 1
-        and tuple(weight_stride) == (k, 1)
-    )
-
-
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Registry predicate: anything else must go to another implementation."""
-    return (
-        x.dim() == 2
-        and weight.dim() == 2
-        and x.is_cuda
-        and weight.device == x.device
-        and weight.dtype == x.dtype
-        and x.shape[1] == weight.shape[1]
-        and weight.data_ptr() % 16 == 0
-        and shape_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, weight.stride())
-    )
-
-
-def _build_kernel_class():
-    """Defines the CuTe DSL kernel class on first use (cutlass is imported lazily)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
-    import cutlass.memory
-    import cutlass.tensor_utils as tensor_utils
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-
-    class SkinnyGemmSm90:
-        """One compiled instance per (N, K, token tile, splits, dtype); M is a runtime value."""
-
-        def __init__(
-            self, n: int, k: int, tokens: int, splits: int, stages: int, fused_reduce: bool, use_pdl: bool
-        ):
-            self.n, self.k, self.tokens, self.splits, self.use_pdl = n, k, tokens, splits, use_pdl
-            self.fused_reduce = fused_reduce
-            self.tile_mnk = (WEIGHT_TILE, tokens, K_TILE)
-            self.k_tiles = math.ceil(k / K_TILE)
-            self.k_tiles_per_split = math.ceil(self.k_tiles / splits)
-            self.stages = min(stages, self.k_tiles_per_split)  # no deeper than a split's work
-            self.threads = 128  # one warpgroup
-
-        # ---------------------------------------------------------------- host side
-        @cute.jit
-        def __call__(
-            self,
-            x: cute.Tensor,
-            w: cute.Tensor,
-            y: cute.Tensor,
-            workspace: cute.Tensor,
-            counters: cute.Tensor,
-            stream: cuda.CUstream,
-        ):
-            """x [M, K], w [N, K], y [M, N]; workspace [splits, M, N] fp32 (any contents) and
-            counters [weight tiles] int32, zero between calls (both unused with 1 split).
-
-            `stream` is bound to torch's current stream by TVM-FFI (compiled with an env stream).
-            """
-            ab_dtype = w.element_type
-            self.ab_dtype = ab_dtype
-            m = x.shape[0]
-            n, k = self.n, self.k
-            # GEMM views in (rows, K, batch) form. The accumulator tile is y^T: (weight rows, tokens).
-            mA = cute.make_tensor(w.iterator, cute.make_layout((n, k, 1), stride=(k, 1, n * k)))
-            mB = cute.make_tensor(x.iterator, cute.make_layout((m, k, 1), stride=(k, 1, m * k)))
-            mY = cute.make_tensor(y.iterator, cute.make_layout((n, m, 1), stride=(1, n, m * n)))
-            if cutlass.const_expr(self.splits == 1):
-                mC = mY
-            else:
-                # batch mode = split index: split s writes workspace[s, :, :]^T
-                mC = cute.make_tensor(
-                    workspace.iterator, cute.make_layout((n, m, self.splits), stride=(1, n, m * n))
-                )
-
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                ab_dtype,
-                ab_dtype,
-                OperandMajorMode.K,
-                OperandMajorMode.K,
-                cutlass.Float32,
-                (1, 1, 1),
-                tiler_mn=(64, self.tokens),
-            )
-            a_smem_staged = sm90_utils.make_smem_layout_a(
-                tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, ab_dtype, self.stages
-            )
-            b_smem_staged = sm90_utils.make_smem_layout_b(
-                tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, ab_dtype, self.stages
-            )
-            a_smem = cute.slice_(a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-            tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (WEIGHT_TILE, K_TILE)
-            )
-            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tokens, K_TILE)
+        `stream` is bound to torch's current stream by TVM-FFI (compiled with an env stream).
+        """
+        ab_dtype = w.element_type
+        self.ab_dtype = ab_dtype
+        m = x.shape[0]
+        n, k = self.n, self.k
+        # GEMM views in (rows, K, batch) form. The accumulator tile is y^T: (weight rows, tokens).
+        mA = cute.make_tensor(w.iterator, cute.make_layout((n, k, 1), stride=(k, 1, n * k)))
+        mB = cute.make_tensor(x.iterator, cute.make_layout((m, k, 1), stride=(k, 1, m * k)))
+        mY = cute.make_tensor(y.iterator, cute.make_layout((n, m, 1), stride=(1, n, m * n)))
+        if cutlass.const_expr(self.splits == 1):
+            mC = mY
+        else:
+            # batch mode = split index: split s writes workspace[s, :, :]^T
+            mC = cute.make_tensor(
+                workspace.iterator, cute.make_layout((n, m, self.splits), stride=(1, n, m * n))
             )
 
-            @cute.struct
-            class SharedStorage:
-                barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-                sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_smem_staged)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_smem_staged)], 1024]
-                arrival: cutlass.Int32  # split-K: how many splits of this tile finished before us
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            ab_dtype,
+            ab_dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
+            tiler_mn=(64, self.tokens),
+        )
+        a_smem_staged = sm90_utils.make_smem_layout_a(
+            tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, ab_dtype, self.stages
+        )
+        b_smem_staged = sm90_utils.make_smem_layout_b(
+            tensor_utils.LayoutEnum.ROW_MAJOR, self.tile_mnk, ab_dtype, self.stages
+        )
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (WEIGHT_TILE, K_TILE)
+        )
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tokens, K_TILE)
+        )
 
-            self.shared_storage = SharedStorage
-            grid = (cute.ceil_div(n, WEIGHT_TILE), 1, self.splits)
-            self.gemm_kernel(
-                tma_a, tma_tensor_a, tma_b, tma_tensor_b, mC, mY, counters, tiled_mma, a_smem_staged, b_smem_staged
-            ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=self.use_pdl)
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(b_smem_staged)], 1024]
+            arrival: cutlass.Int32  # split-K: how many splits of this tile finished before us
 
-            if cutlass.const_expr(self.splits > 1 and not self.fused_reduce):
-                cute_common.split_k_reduce()(workspace, y, m * n, self.splits, self.use_pdl, stream)
+        self.shared_storage = SharedStorage
+        grid = (cute.ceil_div(n, WEIGHT_TILE), 1, self.splits)
+        self.gemm_kernel(
+            tma_a, tma_tensor_a, tma_b, tma_tensor_b, mC, mY, counters, tiled_mma, a_smem_staged, b_smem_staged
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=self.use_pdl)
 
-        # ---------------------------------------------------------------- device side
-        @cute.kernel
-        def gemm_kernel(
-            self,
-            tma_a: cute.CopyAtom,
-            mA: cute.Tensor,
-            tma_b: cute.CopyAtom,
-            mB: cute.Tensor,
-            mC: cute.Tensor,
-            mY: cute.Tensor,
-            counters: cute.Tensor,
-            tiled_mma: cute.TiledMma,
-            a_smem_staged: cute.ComposedLayout,
-            b_smem_staged: cute.ComposedLayout,
-        ):
-            ab_dtype = self.ab_dtype
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            tidx, _, _ = cute.arch.thread_idx()
-            tile_idx, _, split_idx = cute.arch.block_idx()
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_a)
-                cpasync.prefetch_descriptor(tma_b)
+        if cutlass.const_expr(self.splits > 1 and not self.fused_reduce):
+            cute_parts.reduce(workspace, y, m * n, self.splits, self.use_pdl, stream)
 
-            # This split's range of k-tiles; choose_splits guarantees it is non-empty.
-            k_begin = split_idx * self.k_tiles_per_split
-            k_count = cutlass.min(self.k_tiles_per_split, self.k_tiles - k_begin)
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def gemm_kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mY: cute.Tensor,
+        counters: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+    ):
+        ab_dtype = self.ab_dtype
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_idx, _, split_idx = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
 
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            a_stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-            b_stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-            mainloop = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.barriers.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-                tx_count=a_stage_bytes + b_stage_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True,
+        # This split's range of k-tiles; choose_splits guarantees it is non-empty.
+        k_begin = split_idx * self.k_tiles_per_split
+        k_count = cutlass.min(self.k_tiles_per_split, self.k_tiles - k_begin)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        a_stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+        b_stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            tx_count=a_stage_bytes + b_stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+        # (tile rows, K_TILE, all k-tiles) views of this CTA's weight rows and of the tokens
+        gA = cute.local_tile(mA, self.tile_mnk, (tile_idx, 0, None, 0), proj=(1, None, 1))
+        gB = cute.local_tile(mB, self.tile_mnk, (tile_idx, 0, None, 0), proj=(None, 1, 1))
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        gC = cute.local_tile(mC, self.tile_mnk, (tile_idx, 0, None, split_idx), proj=(1, 1, None))
+        tCgC = thr_mma.partition_C(gC)
+        accumulators = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        # Prologue. Weight tiles first, before waiting on the previous grid (PDL): they do not
+        # depend on it. Token tiles (the previous kernel's output) only after the wait.
+        prefetch = cutlass.min(self.stages, k_count)
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        producer = cute_parts.prefetch_weights(mainloop, producer, tma_a, tAgA, tAsA, k_begin, prefetch, warp_idx)
+        cute.arch.griddepcontrol_wait()
+        if warp_idx == 0:
+            cute_parts.load_tokens(mainloop, tma_b, tBgB, tBsB, k_begin, prefetch, self.stages, commit=True)
+
+        # Main loop: wait for a stage, issue its WGMMAs, release the stage consumed one
+        # iteration earlier (its WGMMAs are then known complete) and refill that stage.
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        # Zeroed accumulators and ACCUMULATE always on: no first-iteration special case.
+        accumulators.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k_iter in cutlass.range(k_count, unroll=1):
+            mainloop.consumer_wait(consumer)
+            warpgroup.fence()
+            for k_block in cutlass.range(num_k_blocks, unroll_full=True):
+                coord = (None, None, k_block, consumer.index)
+                cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+            warpgroup.commit_group()
+            consumer.advance()
+            if k_iter > 0:
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(release)
+                release.advance()
+            # Refill only after a release: in iteration 0 no stage is free yet, and warp 0
+            # blocking there would stall the warpgroup-wide WGMMAs of the next iteration.
+            if k_iter > 0 and warp_idx == 0 and producer.count < k_count:
+                producer = cute_parts.refill_stage(mainloop, producer, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, k_begin,
+                                                   commit=True)
+        warpgroup.wait_group(0)
+        # Every load is issued: let the next kernel start its own weight prefetch.
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # Epilogue: registers -> global, in-bounds elements only (N % 128 and M < tokens tails).
+        out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)
+        out.store(accumulators.load().to(mC.element_type))
+        coords = cute.make_identity_tensor(mC.shape)
+        tCcC = thr_mma.partition_C(
+            cute.local_tile(coords, self.tile_mnk, (tile_idx, 0, None, split_idx), proj=(1, 1, None))
+        )
+        for i in cutlass.range_constexpr(cute.size(out)):
+            if cute.elem_less(tCcC[i], mC.shape):
+                tCgC[i] = out[i]
+
+        if cutlass.const_expr(self.splits > 1 and self.fused_reduce):
+            cute_parts.fixup(
+                mC, mY, counters, storage.arrival.ptr, tile_idx, tidx, WEIGHT_TILE, self.tokens, self.splits
             )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-
-            # (tile rows, K_TILE, all k-tiles) views of this CTA's weight rows and of the tokens
-            gA = cute.local_tile(mA, self.tile_mnk, (tile_idx, 0, None, 0), proj=(1, None, 1))
-            gB = cute.local_tile(mB, self.tile_mnk, (tile_idx, 0, None, 0), proj=(None, 1, 1))
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-
-            thr_mma = tiled_mma.get_slice(tidx)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            gC = cute.local_tile(mC, self.tile_mnk, (tile_idx, 0, None, split_idx), proj=(1, 1, None))
-            tCgC = thr_mma.partition_C(gC)
-            accumulators = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
-
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-            # Prologue. Weight tiles first, before waiting on the previous grid (PDL): they do not
-            # depend on it. Token tiles (the previous kernel's output) only after the wait.
-            prefetch = cutlass.min(self.stages, k_count)
-            producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            if warp_idx == 0:
-                for _ in cutlass.range(prefetch, unroll=1):
-                    mainloop.producer_acquire(producer)
-                    cute.copy(
-                        tma_a,
-                        tAgA[(None, k_begin + producer.count)],
-                        tAsA[(None, producer.index)],
-                        tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                    )
-                    producer.advance()
-            cute.arch.griddepcontrol_wait()
-            if warp_idx == 0:
-                token_loads = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for _ in cutlass.range(prefetch, unroll=1):
-                    cute.copy(
-                        tma_b,
-                        tBgB[(None, k_begin + token_loads.count)],
-                        tBsB[(None, token_loads.index)],
-                        tma_bar_ptr=mainloop.producer_get_barrier(token_loads),
-                    )
-                    mainloop.producer_commit(token_loads)
-                    token_loads.advance()
-
-            # Main loop: wait for a stage, issue its WGMMAs, release the stage consumed one
-            # iteration earlier (its WGMMAs are then known complete) and refill that stage.
-            consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            num_k_blocks = cute.size(tCrA, mode=[2])
-            # Zeroed accumulators and ACCUMULATE always on: no first-iteration special case.
-            accumulators.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for k_iter in cutlass.range(k_count, unroll=1):
-                mainloop.consumer_wait(consumer)
-                warpgroup.fence()
-                for k_block in cutlass.range(num_k_blocks, unroll_full=True):
-                    coord = (None, None, k_block, consumer.index)
-                    cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
-                warpgroup.commit_group()
-                consumer.advance()
-                if k_iter > 0:
-                    warpgroup.wait_group(1)
-                    mainloop.consumer_release(release)
-                    release.advance()
-                # Refill only after a release: in iteration 0 no stage is free yet, and warp 0
-                # blocking there would stall the warpgroup-wide WGMMAs of the next iteration.
-                if k_iter > 0 and warp_idx == 0 and producer.count < k_count:
-                    mainloop.producer_acquire(producer)
-                    cute.copy(
-                        tma_a,
-                        tAgA[(None, k_begin + producer.count)],
-                        tAsA[(None, producer.index)],
-                        tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                    )
-                    cute.copy(
-                        tma_b,
-                        tBgB[(None, k_begin + producer.count)],
-                        tBsB[(None, producer.index)],
-                        tma_bar_ptr=mainloop.producer_get_barrier(producer),
-                    )
-                    mainloop.producer_commit(producer)
-                    producer.advance()
-            warpgroup.wait_group(0)
-            # Every load is issued: let the next kernel start its own weight prefetch.
-            cute.arch.griddepcontrol_launch_dependents()
-
-            # Epilogue: registers -> global, in-bounds elements only (N % 128 and M < tokens tails).
-            out = cute.make_rmem_tensor(tCgC.shape, mC.element_type)
-            out.store(accumulators.load().to(mC.element_type))
-            coords = cute.make_identity_tensor(mC.shape)
-            tCcC = thr_mma.partition_C(
-                cute.local_tile(coords, self.tile_mnk, (tile_idx, 0, None, split_idx), proj=(1, 1, None))
-            )
-            for i in cutlass.range_constexpr(cute.size(out)):
-                if cute.elem_less(tCcC[i], mC.shape):
-                    tCgC[i] = out[i]
-
-            if cutlass.const_expr(self.splits > 1 and self.fused_reduce):
-                cute_common.split_k_fixup()(
-                    mC, mY, counters, storage.arrival.ptr, tile_idx, tidx, WEIGHT_TILE, self.tokens, self.splits
-                )
-
-    return SkinnyGemmSm90
 
 
 _cache = cute_common.CompileCache()
-kernel_class = functools.cache(_build_kernel_class)  # built once, on the first compile
 
 
 def compile_skinny_gemm(
@@ -418,10 +289,6 @@ def compile_skinny_gemm(
     key = ("linear_sm90", n, k, tokens, splits, stages, fused_reduce, dtype, arch, use_pdl, tuple(extra_options))
 
     def build():
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
         ab = cute_common.torch_to_cutlass_dtype(dtype)
         m = cute.sym_int()
         x = make_fake_compact_tensor(ab, (m, k), stride_order=(1, 0), assumed_align=16)
@@ -431,28 +298,11 @@ def compile_skinny_gemm(
             cutlass.Float32, (splits, m, n), stride_order=(2, 1, 0), assumed_align=16
         )
         counters = make_fake_compact_tensor(cutlass.Int32, (math.ceil(n / WEIGHT_TILE),), assumed_align=16)
-        gemm = kernel_class()(n, k, tokens, splits, stages, fused_reduce, use_pdl)
+        gemm = SkinnyGemmSm90(n, k, tokens, splits, stages, fused_reduce, use_pdl)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(gemm, x, w, y, workspace, counters, stream, options=cute_common.compile_options(arch, *extra_options))
 
     return _cache.get(key, build), splits
-
-
-_counters: dict[tuple, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-tile arrival counters of the fused split-K reduction, zeroed once and re-armed to zero by
-    the kernel itself. One buffer per (device, stream, tile count): calls on one stream run in
-    order, so they never share counters concurrently. (Two CUDA graphs that captured the same
-    stream and are replayed concurrently would; capture them on different streams.)"""
-    stream = torch.cuda.current_stream(device).cuda_stream
-    tiles = math.ceil(n / WEIGHT_TILE)
-    key = (device, stream, tiles)
-    counters = _counters.get(key)
-    if counters is None:
-        counters = _counters[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
-    return counters
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None = None):
@@ -482,7 +332,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
     return out
 
 
-@cute_common.register_cute("linear", "cute_sm90", supports)
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     return skinny_gemm(x, weight, out)

@@ -1,4 +1,11 @@
 """mla: absorbed gated-MLA attention of the T verify queries over the latent cache."""
+from ..cute_common import register_cute_module
 from . import reference  # noqa: F401  (registers the reference implementation)
-from . import cute_sm90  # noqa: F401  (CuTe DSL, Hopper; imports cutlass only when compiling)
-from . import cute_sm100  # noqa: F401  (CuTe DSL, Blackwell; never run, compile-checked in CI)
+from .cute_host import supports
+
+# CuTe DSL kernels, imported (with cutlass) on their first call: Hopper, and Blackwell (never
+# run, compile-checked in CI)
+register_cute_module("mla_verify_attention", "cute_sm90", supports, "dspark.kernels.mla.cute_sm90",
+                     "mla_verify_attention")
+register_cute_module("mla_verify_attention", "cute_sm100", supports, "dspark.kernels.mla.cute_sm100",
+                     "mla_verify_attention")

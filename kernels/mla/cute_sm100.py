@@ -14,8 +14,6 @@ at a fraction of the Blackwell tensor-core rate, not the performance design.
 """
 import torch
 
-from .. import cute_common
-from . import cute_common as mla_common
 from . import cute_sm90
 
 
@@ -33,7 +31,6 @@ def mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale:
                                      splits=splits, partials=partials, warp_mma=True)
 
 
-@cute_common.register_cute("mla_verify_attention", "cute_sm100", mla_common.supports)
 def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:
     out = torch.empty_like(q_latent)
     return mla_verify_into(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale, out)

@@ -1,6 +1,6 @@
 """Reference absorbed-MLA verify attention, the contract of the `mla_verify_attention` op.
 
-Spec kimi-k3.md §3 (absorbed form, NoPE) and kernels.md §2: every cache row is
+docs/kimi-k3.md §3 (absorbed form, NoPE) and docs/kernels.md §2: every cache row is
 [c_kv (R) | k_pe (P)]; query j of request b sees cache positions < cache_lens[b] + j + 1
 (bottom-right causal: the T new rows are already written at cache_lens[b] .. + T - 1) and
     score = (q_latent . c_kv + q_pe . k_pe) * scale,   o_latent = softmax(score) . c_kv

@@ -1,6 +1,7 @@
-"""Host side and split-KV combine shared by the CuTe DSL MLA verify kernels (sm_90a, sm_100a/sm_103a).
+"""Host side shared by the CuTe DSL MLA verify kernels (sm_90a, sm_100a/sm_103a): argument checks,
+the split-KV heuristic and workspace. Imports no cutlass (the registry asks `supports` anywhere).
 
-The op (spec: kernels.md §2, kimi-k3.md §3 "absorbed decode form"; contract: reference.py): the
+The op (docs/kernels.md §2, docs/kimi-k3.md §3 "absorbed decode form"; contract: reference.py): the
 T verify queries of request b, H heads each, attend over the latent cache rows
 [c_kv (512) | k_pe (64)] of slot slots[b]; query j sees rows < cache_lens[b] + j + 1 (bottom-right
 causal); queries j >= lengths[b] are padding and return zeros.
@@ -8,26 +9,23 @@ causal); queries j >= lengths[b] are padding and return zeros.
 Both kernels pack heads x tokens into the MMA M dimension: request b's queries are the
 rows r = j * H + h of q_latent[b] viewed as [T*H, 512] (contiguous in the [B, T, H, 512] layout),
 tiled by 64 rows. The keys are split over `splits` CTAs per row tile (flash-decoding); each
-split writes its normalised partial output and its log2-sum-exp, and `combine` merges them:
+split writes its normalised partial output and its log2-sum-exp, and the combine kernel
+(cute_sm90.py) merges them:
     o = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),   m = max_s lse_s.
 With one split the attention kernel writes the bf16 output itself and no combine runs.
 """
-# No `from __future__ import annotations`: CuTe DSL evaluates the device functions' annotations.
-
-import functools
 import math
 
 import torch
 
-from .. import cute_common
 
-LATENT = 512  # c_kv width = kv_lora_rank (kimi-k3.md §3)
+LATENT = 512  # c_kv width = kv_lora_rank (docs/kimi-k3.md §3)
 ROPE = 64  # k_pe width = qk_rope_head_dim
 HEAD_DIM = LATENT + ROPE  # one cache row
 ROWS_PER_TILE = 64  # query rows (head x token) per CTA: one m64 MMA tile
 KV_TILE = 64  # cache rows per pipeline stage
 MAX_TOKENS = 16  # verify width T supported (k <= 15 drafts)
-# Split heuristic, from the round-1 split sweep on the H200 (experiments/notes/mla.md): 2 KV tiles
+# Split heuristic, from the split sweep on the H200 (experiments/notes/mla.md): 2 KV tiles
 # per split still paid at 1k keys for T <= 4, and T = 1 at 32k was faster with 32 splits than 64.
 SPLITS_CAP = 32
 MIN_TILES_PER_SPLIT = 2
@@ -91,86 +89,6 @@ def supports(q_latent, q_pe, kv_cache, slots, cache_lens, lengths) -> bool:
     except ValueError:
         return False
     return True
-
-
-def index_dtype(dtype: torch.dtype):
-    import cutlass
-
-    return {torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}[dtype]
-
-
-@functools.cache
-def _combine_launcher():
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-
-    @cute.kernel
-    def combine_kernel(o_partial: cute.Tensor, lse_partial: cute.Tensor, lengths: cute.Tensor, out: cute.Tensor,
-                       heads: cutlass.Constexpr):
-        """One CTA per (query row, request); thread t owns output columns 4t .. 4t+3."""
-        cute.arch.griddepcontrol_wait()  # the partials come from the attention kernel
-        tidx, _, _ = cute.arch.thread_idx()
-        row, b, _ = cute.arch.block_idx()
-        splits = o_partial.shape[1]
-        top = cutlass.Float32(-math.inf)
-        for s in cutlass.range(splits, unroll=1):
-            top = cute.arch.fmax(top, lse_partial[b, s, row])
-        acc = cute.make_rmem_tensor((4,), cutlass.Float32)
-        acc.fill(0.0)
-        total = cutlass.Float32(0.0)
-        # a padding query (token >= lengths[b]) or a row that saw no key keeps zeros
-        if row // heads < lengths[b].to(cutlass.Int32) and top != cutlass.Float32(-math.inf):
-            for s in cutlass.range(splits, unroll=1):
-                # an empty split (or one whose keys this row cannot see) has lse = -inf: weight 0
-                weight = cute.arch.exp2(lse_partial[b, s, row] - top)
-                total += weight
-                for c in cutlass.range_constexpr(4):
-                    acc[c] = acc[c] + weight * o_partial[b, s, row, tidx * 4 + c].to(cutlass.Float32)
-            for c in cutlass.range_constexpr(4):
-                acc[c] = acc[c] / total
-        for c in cutlass.range_constexpr(4):
-            out[b, row, tidx * 4 + c] = acc[c].to(out.element_type)
-
-    @cute.jit
-    def launch(o_partial: cute.Tensor, lse_partial: cute.Tensor, lengths: cute.Tensor, out: cute.Tensor,
-               heads: cutlass.Constexpr, stream: cuda.CUstream):
-        """o_partial [B, splits, rows_pad, 512] fp32, lse_partial [B, splits, rows_pad] fp32 (log2
-        units), out [B, T, H, 512] bf16 (written as [B, T*H, 512])."""
-        batch, tokens = out.shape[0], out.shape[1]
-        rows = tokens * heads
-        out_rows = cute.make_tensor(
-            out.iterator, cute.make_layout((batch, rows, LATENT), stride=(rows * LATENT, LATENT, 1))
-        )
-        combine_kernel(o_partial, lse_partial, lengths, out_rows, heads).launch(
-            grid=(rows, batch, 1), block=[COMBINE_THREADS, 1, 1], stream=stream, use_pdl=True
-        )
-
-    return launch
-
-
-def fake_arguments(heads: int, index: torch.dtype, partial_dtype: torch.dtype = torch.float32) -> tuple:
-    """Compile-time stand-ins for (q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out,
-    o_partial, lse): B, T, slots, max_len, splits and padded rows are symbolic."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    batch, tokens, num_slots, max_len, splits, rows_pad = (cute.sym_int() for _ in range(6))
-    bf16 = cutlass.BFloat16
-    q_latent = make_fake_compact_tensor(bf16, (batch, tokens, heads, LATENT), stride_order=(3, 2, 1, 0), assumed_align=16)
-    q_pe = make_fake_compact_tensor(bf16, (batch, tokens, heads, ROPE), stride_order=(3, 2, 1, 0), assumed_align=16)
-    kv_cache = make_fake_compact_tensor(bf16, (num_slots, max_len, HEAD_DIM), stride_order=(2, 1, 0), assumed_align=16)
-    idx = index_dtype(index)
-    align = torch.empty((), dtype=index).element_size()  # a slice like cache_lens[1:] is allowed
-    slots, cache_lens, lengths = (make_fake_compact_tensor(idx, (batch,), assumed_align=align) for _ in range(3))
-    out = make_fake_compact_tensor(bf16, (batch, tokens, heads, LATENT), stride_order=(3, 2, 1, 0), assumed_align=16)
-    o_partial = make_fake_compact_tensor(
-        cute_common.torch_to_cutlass_dtype(partial_dtype), (batch, splits, rows_pad, LATENT), stride_order=(3, 2, 1, 0),
-        assumed_align=16,
-    )
-    lse = make_fake_compact_tensor(cutlass.Float32, (batch, splits, rows_pad), stride_order=(2, 1, 0), assumed_align=16)
-    return q_latent, q_pe, kv_cache, slots, cache_lens, lengths, out, o_partial, lse
 
 
 def workspace(batch: int, tokens: int, heads: int, splits: int, device,
