@@ -95,7 +95,7 @@ def profile_step(step) -> dict:
             continue
         totals[evt.name] += evt.time_range.elapsed_us()
         counts[evt.name] += 1
-    top = [{"name": name[:120], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(15)]
+    top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
     return {"launches": sum(counts.values()), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top}
 
 
