@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
-from dspark.kernels.numerics import rms_norm, situ
 
 from .config import K3Config
 
@@ -67,7 +66,7 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> tor
     )
     latent = ops.linear(x, weights.latent_down)
     routed = ops.moe_experts(latent, ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
-    routed = rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
+    routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
     if overlap:
         # Join. `shared` was allocated on the side stream and is read here on the main one; its
         # memory can only be reused by later side-stream work, which always starts by waiting
@@ -79,7 +78,8 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> tor
 
 
 def shared_experts(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> torch.Tensor:
-    act = situ(ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta, cfg.situ_linear_beta)
+    act = ops.situ_glu(ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta,
+                       cfg.situ_linear_beta)
     return ops.linear(act, weights.shared_down)
 
 
