@@ -52,6 +52,8 @@ class DSparkConfig:
     target_layer_ids: tuple[int, ...] = (2, 23, 47, 71, 89)
     # Block and heads (spec §2.2, §2.5, §2.6)
     block_size: int = 7
+    # The block's mask input (spec §2.2): a row of the target's embedding (K3 reserves 163837),
+    # or vocab_size for a dedicated row past the vocabulary when every id is a real token.
     mask_token_id: int = 163837
     markov_rank: int = 256
     markov_head_type: str = "vanilla"  # or "gated"
@@ -100,8 +102,11 @@ class DSparkConfig:
                      f"layer {layer} outside [-1, target_num_layers - 1) = [-1, {self.target_num_layers - 1})")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             _bad("target_layer_ids", self.target_layer_ids, "has duplicates")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            _bad("mask_token_id", self.mask_token_id, f"outside the vocabulary [0, {self.vocab_size})")
+        # vocab_size itself is the dedicated mask id: one embedding row past the target's
+        # vocabulary, which no lm_head row can emit (DSparkModel.mask_embedding).
+        if not 0 <= self.mask_token_id <= self.vocab_size:
+            _bad("mask_token_id", self.mask_token_id,
+                 f"outside [0, vocab_size={self.vocab_size}] (vocab_size = the dedicated mask row)")
         if self.markov_head_type not in ("vanilla", "gated"):
             _bad("markov_head_type", self.markov_head_type, "must be 'vanilla' or 'gated'")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "yarn":
