@@ -401,6 +401,8 @@ def test_batched_attention_path_matches_the_per_query_reference(model, rng):
         target.commit([0, 2], torch.tensor([2, 3]))
         run.append(target.verify([2, 0], follow, torch.tensor([3, 1]), taps))
         target.commit([2, 0], torch.tensor([3, 1]))
+        short = target.verify([0], drafts[:1], torch.tensor([2]), taps)  # fewer tokens than the row holds
+        assert short.logits.shape[:2] == (1, 5) and short.taps[3].shape[:2] == (1, 5)
         outs.append(run)
         assert target.cache_lengths == [9, 0, 19]
         target.release([0, 2])

@@ -275,7 +275,8 @@ class LlamaTarget:
                 )
             rows.append(self._check_token_ids(f"tokens[{r}]", tokens[r, :n]))
             starts.append(self.cache_lengths[slot])
-        output = self._forward(slots, rows, starts, self._check_taps(tap_layers))
+        # Logits and taps are [B, T, ...] whatever the lengths (dspark.protocols.Target.verify).
+        output = self._forward(slots, rows, starts, self._check_taps(tap_layers), width=tokens.shape[1])
         for slot, n in zip(slots, lengths):
             self.pending[slot] = n
         return output
@@ -304,7 +305,7 @@ class LlamaTarget:
         return self.weights.embedding, self.weights.output
 
     # ---- the model --------------------------------------------------------------------------
-    def _forward(self, slots, rows, starts, tap_layers) -> TargetOutput:
+    def _forward(self, slots, rows, starts, tap_layers, width: int | None = None) -> TargetOutput:
         """Run each request's new tokens `rows[r]` at positions starts[r]... of slot slots[r]:
         write their K/V rows into the cache and return padded logits and taps."""
         c, w = self.config, self.weights
@@ -342,7 +343,9 @@ class LlamaTarget:
             if layer_index in tap_layers:
                 flat_taps[layer_index] = x
         logits = linear(_rms_norm(x, w.output_norm, c.rms_norm_eps), w.output)
-        return TargetOutput(logits=self._pad(logits, counts), taps={l: self._pad(t, counts) for l, t in flat_taps.items()})
+        width = width or max(counts)
+        return TargetOutput(logits=self._pad(logits, counts, width),
+                            taps={l: self._pad(t, counts, width) for l, t in flat_taps.items()})
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
@@ -377,9 +380,9 @@ class LlamaTarget:
             queries.transpose(1, 2), keys, values, attn_mask=causal[:, None], scale=self.scale, enable_gqa=True)
         return out.transpose(1, 2)[request, column].reshape(len(request), c.num_heads * c.head_dim)
 
-    def _pad(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """[sum(counts), X] -> [B, max(counts), X]; padding positions are zero and meaningless."""
-        out = flat.new_zeros(len(counts), max(counts), flat.shape[-1])
+    def _pad(self, flat: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
+        """[sum(counts), X] -> [B, width, X]; padding positions are zero and meaningless."""
+        out = flat.new_zeros(len(counts), width, flat.shape[-1])
         for r, part in enumerate(torch.split(flat, counts)):
             out[r, : counts[r]] = part
         return out
