@@ -63,6 +63,10 @@ class RecipeError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
 
 
+class StoppedEarly(Exception):
+    """--time-limit reached between resumable pieces of work: exit status 3, rerun to continue."""
+
+
 def _ignored_dir(path: Path) -> Path:
     """Create a working folder that git ignores by itself (its own .gitignore of '*')."""
     path.mkdir(parents=True, exist_ok=True)
@@ -194,13 +198,16 @@ def distil_chunk(target, prompts: list[torch.Tensor], temperatures: list[float],
     return [np.concatenate([p.numpy(), np.array(g, dtype=np.int64)]).astype(np.uint16) for p, g in zip(prompts, generated)]
 
 
-def self_distil(args, make_target, prompts: list[torch.Tensor], eos: int, path: Path, results: dict, save) -> tuple:
+def self_distil(args, make_target, prompts: list[torch.Tensor], eos: int, path: Path, results: dict, save,
+                deadline: float) -> tuple:
     done, sequences, prompt_lengths = load_sequences(path)
     todo = [i for i in range(len(prompts)) if i not in set(done)]
     if todo:
         target = make_target(args.gen_batch)
         generator = torch.Generator(device=target.device).manual_seed(args.seed)
         for start in tqdm(range(0, len(todo), args.gen_batch), desc="self-distil"):
+            if time.time() > deadline:
+                raise StoppedEarly(f"self-distillation: {len(done)} of {len(prompts)} prompts answered (--time-limit)")
             chunk = todo[start : start + args.gen_batch]
             # Alternate greedy and T = 1 responses (issue 13: mixed greedy and T = 1).
             temps = [0.0 if i % 2 == 0 else 1.0 for i in chunk]
@@ -278,7 +285,7 @@ def train_variant(args, name: str, target, sequences, masks, held_out, work: Pat
         model.autocast_dtype = torch.bfloat16
     while (step := trained_steps(out_dir)) < cfg.steps:
         if time.time() > deadline:
-            raise TimeoutError(f"train {name}: stopped at step {step} of {cfg.steps} (--time-limit); rerun to resume")
+            raise StoppedEarly(f"train {name}: step {step} of {cfg.steps} (--time-limit)")
         segment = min(args.eval_every, cfg.steps - step)
         history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=out_dir, resume=step > 0,
                         stop_after=segment, progress=True)
@@ -397,6 +404,22 @@ def goals(evals: dict) -> dict:
     return out
 
 
+def vllm_export_check(checkpoint: Path, out: Path) -> dict:
+    """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads."""
+    from safetensors import safe_open
+
+    from dspark.vllm_export import export_drafter
+
+    try:
+        path = export_drafter(checkpoint, out, layout="deepspec_qwen3", dtype=torch.bfloat16)
+    except ValueError as error:
+        return {"exported": False, "error": str(error)}
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        tensors = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    return {"exported": True, "path": str(path), "tensors": len(tensors), "mask_token_id":
+            json.loads((Path(path) / "config.json").read_text()).get("mask_token_id")}
+
+
 # ---- the run --------------------------------------------------------------------------------------
 def git_commit() -> str:
     try:
@@ -444,7 +467,8 @@ def run(args) -> dict:
         return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=attention)
 
     phase_done("load")
-    sequences, prompt_lengths = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save)
+    sequences, prompt_lengths = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save,
+                                            deadline)
     phase_done("self_distil")
     seqs = [torch.from_numpy(s.astype(np.int64)) for s in sequences]
     masks = [torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(len(s) - p, dtype=torch.long)])
@@ -466,6 +490,7 @@ def run(args) -> dict:
                               "after": report(rounds, temps)}
     models["dspark"].config = dataclasses.replace(models["dspark"].config, confidence_temperatures=temps).validate()
     save_checkpoint(models["dspark"], work / "dspark_calibrated")
+    results["vllm_export"] = vllm_export_check(work / "dspark_calibrated", work / "dspark_vllm")
     phase_done("calibrate")
 
     evaluate(args, eval_target, models, sets, eos, temps, results, save)
@@ -524,7 +549,10 @@ def main(argv=None) -> int:
             print(join_gguf(Path(args.keep_dir)))
         else:
             print(json.dumps(run(args).get("goals"), indent=1))
-    except (RecipeError, TimeoutError, ValueError, FileNotFoundError) as error:
+    except StoppedEarly as stop:
+        print(f"smollm2_dspark {args.command}: stopped early at {stop}; rerun the same command to resume", file=sys.stderr)
+        return 3
+    except (RecipeError, ValueError, FileNotFoundError) as error:
         print(f"smollm2_dspark {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -69,6 +69,8 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
             "--eval-batch", "2", "--bootstrap", "20", "--speed-prompts", "1"]
     assert recipe.main(argv) == 0
     result = json.loads(out.read_text())
+    print("phase seconds", result["phase_seconds"])
+    assert result["vllm_export"]["exported"], result["vllm_export"]
     assert result["complete"] and result["self_distillation"]["sequences"] == 4
     for name in recipe.VARIANTS:
         assert [h["step"] for h in result["training"][name]["held_out"]] == [2]

@@ -1,6 +1,6 @@
 """Drafter checkpoints: safetensors weights + config.json, plus the trainer state for resuming.
 
-Tensor names are those of the published Kimi K3 DSpark drafter (spec kimi-k3 §4; 68 tensors for
+Tensor names are those of the published Kimi K3 DSpark drafter (docs/kimi-k3.md §4; 68 tensors for
 5 layers): context_proj, context_norm, layers.{i}.{input_layernorm, post_attention_layernorm,
 self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
 o_proj}, mlp.{gate,up,down}_proj}, final_norm, markov_head.markov_w{1,2},

