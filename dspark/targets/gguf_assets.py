@@ -13,6 +13,7 @@ the chat template is the metadata's jinja template, rendered the way Hugging Fac
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def find_smollm2_gguf() -> Path:
             if path.is_file():
                 return path
     raise MissingAssetError(f"{SMOLLM2_FILE_NAME} is missing from the installed {SMOLLM2_DISTRIBUTION!r}; {hint}")
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex digest of a file, read in 1 MiB blocks (model files are checked against it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _require_gguf():
