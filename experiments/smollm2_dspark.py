@@ -454,8 +454,11 @@ def run(args) -> dict:
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))
-    train_prompts = [p for p in sets["train"] if len(p) <= args.max_prompt_len][: args.train_prompts or None]
-    max_seq = args.max_prompt_len + max(args.gen_tokens, args.eval_tokens) + 2 * BLOCK + 2
+    fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731
+    train_prompts = [p for p in sets["train"] if fits(p)][: args.train_prompts or None]
+    calibration = [p for p in sets["calibration"] if fits(p)][: args.cal_prompts or None]
+    longest = max(len(p) for p in train_prompts + calibration + sets["humaneval"] + sets["mtbench"])
+    max_seq = longest + max(args.gen_tokens, args.eval_tokens) + 2 * BLOCK + 2
 
     def make_target(slots: int, attention: str = args.attention) -> LlamaTarget:
         return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=attention)
@@ -467,7 +470,6 @@ def run(args) -> dict:
     seqs = [torch.from_numpy(s.astype(np.int64)) for s in sequences]
     masks = [torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(len(s) - p, dtype=torch.long)])
              for s, p in zip(seqs, prompt_lengths)]
-    calibration = [p for p in sets["calibration"] if len(p) <= args.max_prompt_len][: args.cal_prompts or None]
     held_out = calibration[: args.held_out_prompts]
 
     target = make_target(args.batch_size)
@@ -519,9 +521,9 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--eval-plan", default="humaneval:greedy,humaneval:t1,mtbench:greedy,mtbench:t1",
                    help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
-    ints = {"train_prompts": 0, "max_prompt_len": 512, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
-            "steps": 3000, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "layers": 5, "markov_rank": 256,
-            "eval_every": 500, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
+    ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
+            "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "layers": 5, "markov_rank": 256,
+            "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
             "eval_tokens": 256, "eval_batch": 64, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
     for name, default in ints.items():
         r.add_argument("--" + name.replace("_", "-"), type=int, default=default)
