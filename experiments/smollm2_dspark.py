@@ -16,19 +16,27 @@ GPU calls; rerun the same command and it continues):
      per-position conditional acceptance, raw and calibrated ECE/AUC per position, batch-1 tokens/s.
 Results go atomically to --out after every phase.
 
-The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves:
-  here:         python experiments/smollm2_dspark.py split           (writes experiments/stage/part1, part2)
-  GPU call 1:   carry experiments/stage/part1 ; python experiments/smollm2_dspark.py keep-part1 --keep-dir /tmp/smollm2
-  GPU call 2:   carry experiments/stage/part2 ; python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 \
-                    && python experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf --device cuda
-(call 1 also carries experiments/stage/manifest.json; keep-part1 keeps it beside part 1). `join` checks the
-sha256 of the joined file against the manifest and fails with one line if part 1 is gone. experiments/stage
-and --work-dir ignore themselves (a .gitignore of '*' inside).
+The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves; write all the
+commands before the first call (the machine keeps /tmp only while it stays warm):
+  here:        python experiments/smollm2_dspark.py split     (experiments/stage/{part1,part2,manifest.json})
+  GPU call 1:  carry [experiments/stage/part1, experiments/stage/manifest.json]
+               python experiments/smollm2_dspark.py keep-part1 --keep-dir /tmp/smollm2
+  GPU call 2:  carry [experiments/stage/part2]
+               python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 && python experiments/smollm2_dspark.py \
+                 run --gguf /tmp/smollm2/smollm2.gguf --time-limit 420 --out $OUT/smollm2_dspark.json; \
+               cp experiments/work/smollm2_dspark/sequences.npz $OUT/
+  later calls: the same `run ... --out $OUT/smollm2_dspark.json` line (it resumes: exit status 3 = stopped at
+               --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
+`join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
+(then repeat call 1). A fresh machine loses --work-dir too; carrying sequences.npz back into
+experiments/work/smollm2_dspark/ lets a later round skip self-distillation. experiments/stage and --work-dir
+ignore themselves (a .gitignore of '*' inside).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -422,19 +430,35 @@ def git_commit() -> str:
         return "unknown"
 
 
+@functools.cache
+def read_gguf(path: str):
+    """(LlamaConfig, CPU weights) of a GGUF, dequantised once per process (resumed calls in one
+    process, the tests, reuse it)."""
+    from dspark.targets.llama import load_llama_gguf
+
+    config, weights, _ = load_llama_gguf(path)
+    return config, weights
+
+
 def run(args) -> dict:
-    from dspark.targets.llama import load_llama_gguf, LlamaTarget, weights_to
+    from dspark.targets.llama import LlamaTarget, weights_to
     from dspark.targets.gguf_assets import find_smollm2_gguf
 
     device = torch.device(args.device)
     deadline = time.time() + args.time_limit if args.time_limit else math.inf
     work = _ignored_dir(Path(args.work_dir))
     out = Path(args.out)
-    results = json.loads(out.read_text()) if out.is_file() and args.resume_results else {}
+    # The work folder keeps the running results, so a resumed call (whose --out may be a fresh folder)
+    # continues them.
+    kept = work / "results.json"
+    results = json.loads(kept.read_text()) if kept.is_file() and args.resume_results else {}
     results.update({"command": " ".join(sys.argv), "settings": vars(args), "git_commit": git_commit(),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
                     "torch": torch.__version__, "complete": False})
-    save = lambda: write_json_atomic(out, results)  # noqa: E731
+    def save() -> None:
+        write_json_atomic(kept, results)
+        write_json_atomic(out, results)
+
     phases = results.setdefault("phase_seconds", {})
     clock = [time.time()]
 
@@ -448,7 +472,7 @@ def run(args) -> dict:
         raise ValueError(f"--eval-plan={args.eval_plan!r}: needs set:mode pairs, sets humaneval/mtbench, modes greedy/t1")
 
     gguf_path = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-    config, cpu_weights, _ = load_llama_gguf(gguf_path)
+    config, cpu_weights = read_gguf(str(gguf_path))
     weights = weights_to(cpu_weights, device)
     results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": file_sha256(gguf_path),
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}

@@ -67,6 +67,10 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
             "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0", "--layers", "1", "--markov-rank", "8",
             "--eval-every", "2", "--held-out-prompts", "1", "--held-out-tokens", "3", "--eval-tokens", "5",
             "--eval-batch", "2", "--bootstrap", "20", "--speed-prompts", "1"]
+    # A call that reaches --time-limit stops cleanly (exit 3) and the next call resumes from the work folder.
+    assert recipe.main(argv + ["--time-limit", "1e-9"]) == 3
+    assert not (tmp_path / "work" / "sequences.npz").exists()
+    assert json.loads((tmp_path / "work" / "results.json").read_text())["complete"] is False
     assert recipe.main(argv) == 0
     result = json.loads(out.read_text())
     print("phase seconds", result["phase_seconds"])
