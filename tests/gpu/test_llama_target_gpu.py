@@ -7,6 +7,9 @@ path measures ~1e-5); taps relative 1e-4. The GPU path is not row-invariant, so 
 is accepted only at a near tie: the two top logits of plain decoding within 2e-3 at the first
 differing token.
 """
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,10 +20,15 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
 from dspark.config import SamplingParams, SpecConfig  # noqa: E402
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel  # noqa: E402
+from dspark.drafters.dspark import DSparkDrafter, DSparkModel  # noqa: E402
 from dspark.engine import Engine  # noqa: E402
 from dspark.targets.gguf_assets import MissingAssetError, find_smollm2_gguf  # noqa: E402
 from dspark.targets.llama import LlamaTarget, load_llama_gguf, weights_to  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("smollm2_dspark", REPO / "experiments" / "smollm2_dspark.py")
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
 
 try:
     CONFIG, WEIGHTS, _ = load_llama_gguf(find_smollm2_gguf())
@@ -48,11 +56,7 @@ def test_batched_cuda_matches_cpu_per_query_reference():
 
 def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target():
     target = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=2, max_seq_len=256, attention="batched")
-    cfg = DSparkConfig(name="gpu_test", vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.hidden_size, num_layers=1,
-                       num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=256, attention_type="gqa",
-                       rope_interleaved=False, max_position_embeddings=2048, target_hidden_size=CONFIG.hidden_size,
-                       target_num_layers=CONFIG.num_layers, target_layer_ids=(1, 14, 27), block_size=7,
-                       mask_token_id=CONFIG.vocab_size, markov_rank=32).validate()
+    cfg = recipe.drafter_config(target, "gpu_test", layers=1, markov_rank=32)  # the recipe's, dedicated mask id
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     drafter = DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()).cuda(), 2, max_seq_len=256)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
