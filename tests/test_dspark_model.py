@@ -226,7 +226,7 @@ def test_k3_dspark_preset_has_the_published_parameter_count():
     assert tuple(owned["context_proj.weight"].shape) == (7168, 5 * 7168)
     assert tuple(owned["confidence_head.proj.weight"].shape) == (1, 7168 + 256)
     with pytest.raises(ValueError, match="mask_token_id"):
-        dataclasses.replace(c, mask_token_id=c.vocab_size).validate()
+        dataclasses.replace(c, mask_token_id=c.vocab_size + 1).validate()
     assert DSparkConfig.from_json_dict(c.to_json_dict()) == c
 
 
@@ -259,3 +259,32 @@ def test_yarn_frequencies_and_scales():
     assert bool((ratio[1:] >= ratio[:-1] * (1 - 1e-6)).all())  # monotone blend between the two (float32 rounding)
     assert rot.attention_scale == pytest.approx((0.1 * math.log(32.0) + 1.0) ** 2)
     assert rot.cos_sin_scale == pytest.approx(1.0)
+
+
+def test_dedicated_mask_id_is_an_extra_embedding_row_that_is_never_drafted():
+    """mask_token_id = vocab_size: block mask slots read one extra frozen row (the mean of the
+    target's rows), no real token's row; the drafts and q cover the real vocabulary only."""
+    target = SyntheticTarget(seed=7)
+    V = target.vocab_size
+    model = make_model(target, "gqa", seed=7, mask_token_id=V)
+    assert "mask_embedding" not in model.state_dict()  # derived from the target, never saved
+    torch.testing.assert_close(model.mask_embedding.double(), target.embedding.double().mean(0), rtol=1e-6, atol=1e-6)
+    anchors = torch.randint(0, V, (2, 3))
+    block = model.block_inputs(anchors)
+    assert bool((block[..., 1:] == V).all()) and torch.equal(block[..., 0], anchors)
+    extended = torch.cat([target.embedding, model.mask_embedding[None]])
+    torch.testing.assert_close(model.embed_block(block), extended[block], rtol=0, atol=0)
+
+    drafter = DSparkDrafter(model, max_slots=2, max_seq_len=64, draft_sample_method="probabilistic")
+    prompt = torch.randint(0, V, (11,))
+    start_request(target, drafter, 0, prompt)
+    # Flat logits at a high temperature: any token is drafted sometime, the mask id never is.
+    sampling = [SamplingParams(temperature=50.0)]
+    seen = torch.cat([drafter.propose([0], torch.randint(0, V, (1,)), 7, sampling,
+                                      [torch.Generator().manual_seed(s)]).tokens for s in range(30)]).flatten()
+    prop = drafter.propose([0], torch.tensor([3]), 7, sampling, [torch.Generator().manual_seed(0)])
+    assert prop.probs.shape[-1] == V and bool((seen < V).all()) and len(set(seen.tolist())) > V // 2
+    # The mask row matters: another extra row gives other drafts' distributions.
+    model.mask_embedding = model.mask_embedding + 1.0
+    other = drafter.propose([0], torch.tensor([3]), 7, sampling, [torch.Generator().manual_seed(0)])
+    assert (other.probs - prop.probs).abs().max() > 1e-4

@@ -41,7 +41,7 @@ def _random_drafter():
                        num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=256, attention_type="gqa",
                        rope_interleaved=False, max_position_embeddings=2048, target_hidden_size=t.hidden_size,
                        target_num_layers=t.num_layers, target_layer_ids=(1, 14, 27), block_size=7,
-                       mask_token_id=t.vocab_size - 1, markov_rank=32).validate()
+                       mask_token_id=t.vocab_size, markov_rank=32).validate()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     return DSparkDrafter(DSparkModel(cfg, *t.embedding_weights()), 2, max_seq_len=128)
 

@@ -369,3 +369,45 @@ def test_bad_input_raises_value_error_naming_the_field(model):
     with pytest.raises(ValueError, match="max_seq_len"):
         LlamaTarget(target.config, target.weights, max_slots=1, max_seq_len=target.config.context_length + 1)
     target.release([0])
+
+
+def test_batched_attention_path_matches_the_per_query_reference(model, rng):
+    """attention="batched" (SDPA over the padded cache, F.linear) against the per-query reference
+    through prefill, a ragged verify, a partial commit and the verify after it, in float32.
+    Both compute the same function in another reduction order: logits (O(10)) measured ~1e-5
+    apart, bound 1e-3; taps relative 1e-5. Stale cache rows are poisoned with NaN."""
+    reference = model[0]
+    batched = LlamaTarget(reference.config, reference.weights, max_slots=3, max_seq_len=MAX_SEQ, attention="batched")
+    vocab, taps = reference.vocab_size, (-1, 3, 28)
+    prompts = [_random_tokens(rng, n, vocab) for n in (13, 6)]
+    drafts = torch.stack([_random_tokens(rng, 5, vocab) for _ in range(2)])
+    follow = torch.stack([_random_tokens(rng, 3, vocab) for _ in range(2)])
+    batched.k_cache.fill_(float("nan"))
+    batched.v_cache.fill_(float("nan"))
+
+    def close(a, b, lengths, what):
+        for r, n in enumerate(lengths):  # rows past a request's length are padding
+            err = (a.logits[r, :n] - b.logits[r, :n]).abs().max().item()
+            assert err < 1e-3, (SEED, what, r, err)
+            for layer in taps:
+                ref = b.taps[layer][r, :n]
+                rel = ((a.taps[layer][r, :n] - ref).norm() / ref.norm()).item()
+                assert rel < 1e-5, (SEED, what, r, layer, rel)
+
+    outs = []
+    for target in (batched, reference):
+        run = [target.prefill([2, 0], prompts, taps)]
+        run.append(target.verify([0, 2], drafts, torch.tensor([5, 3]), taps))
+        target.commit([0, 2], torch.tensor([2, 3]))
+        run.append(target.verify([2, 0], follow, torch.tensor([3, 1]), taps))
+        target.commit([2, 0], torch.tensor([3, 1]))
+        short = target.verify([0], drafts[:1], torch.tensor([2]), taps)  # fewer tokens than the row holds
+        assert short.logits.shape[:2] == (1, 5) and short.taps[3].shape[:2] == (1, 5)
+        outs.append(run)
+        assert target.cache_lengths == [9, 0, 19]
+        target.release([0, 2])
+    for what, lengths, a, b in zip(("prefill", "verify", "verify after commit"), ((13, 6), (5, 3), (3, 1)), *outs):
+        assert bool(torch.isfinite(a.logits).all())
+        close(a, b, lengths, what)
+    with pytest.raises(ValueError, match="attention="):
+        LlamaTarget(reference.config, reference.weights, max_slots=1, max_seq_len=8, attention="flash")

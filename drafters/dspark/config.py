@@ -1,7 +1,7 @@
 """DSpark drafter configuration, its config.json form, and presets.
 
 The config.json keys are those of the published Kimi K3 DSpark drafter (`K3DSparkModel`,
-`model_type` "k3_dspark"; ../shared/spec/kimi-k3.md §4), so a checkpoint written in that layout
+`model_type` "k3_dspark"; docs/kimi-k3.md §4), so a checkpoint written in that layout
 loads here and one written here loads there. Keys this package adds (`block_size`,
 `attention_type`, `head_dim`, `rope_interleaved`, `confidence_temperatures`, ...) are extra keys
 that other loaders ignore.
@@ -52,6 +52,8 @@ class DSparkConfig:
     target_layer_ids: tuple[int, ...] = (2, 23, 47, 71, 89)
     # Block and heads (spec §2.2, §2.5, §2.6)
     block_size: int = 7
+    # The block's mask input (spec §2.2): a row of the target's embedding (K3 reserves 163837),
+    # or vocab_size for a dedicated row past the vocabulary when every id is a real token.
     mask_token_id: int = 163837
     markov_rank: int = 256
     markov_head_type: str = "vanilla"  # or "gated"
@@ -100,8 +102,11 @@ class DSparkConfig:
                      f"layer {layer} outside [-1, target_num_layers - 1) = [-1, {self.target_num_layers - 1})")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             _bad("target_layer_ids", self.target_layer_ids, "has duplicates")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            _bad("mask_token_id", self.mask_token_id, f"outside the vocabulary [0, {self.vocab_size})")
+        # vocab_size itself is the dedicated mask id: one embedding row past the target's
+        # vocabulary, which no lm_head row can emit (DSparkModel.mask_embedding).
+        if not 0 <= self.mask_token_id <= self.vocab_size:
+            _bad("mask_token_id", self.mask_token_id,
+                 f"outside [0, vocab_size={self.vocab_size}] (vocab_size = the dedicated mask row)")
         if self.markov_head_type not in ("vanilla", "gated"):
             _bad("markov_head_type", self.markov_head_type, "must be 'vanilla' or 'gated'")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "yarn":
@@ -227,7 +232,7 @@ class DSparkConfig:
         return cls.from_json_dict(json.loads(Path(directory, "config.json").read_text()))
 
 
-# The published Kimi K3 DSpark drafter (Inferact/Kimi-K3-DSpark; spec kimi-k3 §4): 5 dense MLA
+# The published Kimi K3 DSpark drafter (Inferact/Kimi-K3-DSpark; docs/kimi-k3.md §4): 5 dense MLA
 # layers, 64 heads, hidden 7168, FFN 14336, q/kv LoRA 1536/512, nope/rope/v 128/64/128, block 7,
 # taps [2, 23, 47, 71, 89], vanilla Markov rank 256, mask token 163837, YaRN x32 over 32768.
 K3_DSPARK = DSparkConfig(

@@ -1,6 +1,6 @@
 """DSpark's sequential-stage heads: the Markov head and the confidence head.
 
-Spec: ../shared/spec/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head).
+Spec: docs/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The DSpark drafter network: fused target context, a parallel block backbone, and the heads.
 
-Spec: ../shared/spec/dspark-algorithm.md §2 (architecture), ../shared/spec/kimi-k3.md §4 (the
+Spec: docs/dspark-algorithm.md §2 (architecture), docs/kimi-k3.md §4 (the
 published K3 drafter shape). Shapes: B = sequences/requests, A = blocks per sequence (anchors),
 G = block size (gamma), S = context rows, d = hidden size, V = vocab, W = one cached context row.
 
@@ -252,6 +252,15 @@ class DSparkModel(nn.Module):
                                  f"({c.vocab_size}, {c.hidden_size})")
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        # A dedicated mask id (= vocab_size) extends the embedding by one frozen row, the mean of
+        # the target's rows (how Hugging Face initialises an added token): no lm_head row exists
+        # for it, so it is never drafted, and being derived from the target it is never saved.
+        mask_row = embed_tokens.detach().double().mean(dim=0).to(embed_tokens.dtype) \
+            if c.mask_token_id == c.vocab_size else None
+        self.register_buffer("mask_embedding", mask_row, persistent=False)
+        # Mixed precision for training: the backbone runs under autocast to this dtype; the
+        # logits, the heads and the loss stay float32 (set by the trainer, not saved).
+        self.autocast_dtype: torch.dtype | None = None
         self.context_proj = nn.Linear(c.num_taps * c.target_hidden_size, c.hidden_size, bias=False)
         self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
@@ -279,6 +288,14 @@ class DSparkModel(nn.Module):
         block[..., 0] = anchors
         return block
 
+    def embed_block(self, block_tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings of block input ids [...] -> [..., d], the dedicated mask id included."""
+        if self.mask_embedding is None:
+            return F.embedding(block_tokens, self.embed_tokens)
+        is_mask = block_tokens == self.config.mask_token_id
+        x = F.embedding(block_tokens.masked_fill(is_mask, 0), self.embed_tokens)
+        return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(x.dtype), x)
+
     def backbone(
         self,
         block_tokens: torch.Tensor,  # [B, A, G]
@@ -287,9 +304,11 @@ class DSparkModel(nn.Module):
         context_visible: torch.Tensor,  # [B, A, S]
     ) -> torch.Tensor:
         """One parallel pass over every block; returns the final-normed hidden [B, A, G, d]."""
-        x = F.embedding(block_tokens, self.embed_tokens).to(self.context_proj.weight.dtype)
-        for layer, rows in zip(self.layers, context_rows):
-            x = layer(x, positions, rows, context_visible)
+        x = self.embed_block(block_tokens).to(self.context_proj.weight.dtype)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            for layer, rows in zip(self.layers, context_rows):
+                x = layer(x, positions, rows, context_visible)
         return self.final_norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:

