@@ -69,6 +69,12 @@ def test_calibrate_a_trained_drafter_end_to_end(tmp_path):
     prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(32)]
     train(target, model, generate_sequences(target, prompts, 40, 1.0, g), progress=False,
           config=TrainConfig(steps=30, batch_size=8, num_anchors=32, lr=3e-3))
+    # Real raw heads are over-confident (docs/dspark-algorithm.md §11 item 5); this briefly trained
+    # one is nearly calibrated already, so sharpen its logits 3x to give STS something to undo
+    # that stands out of the sampling noise of ~450 rounds.
+    with torch.no_grad():
+        model.confidence_head.proj.weight.mul_(3.0)
+        model.confidence_head.proj.bias.mul_(3.0)
     drafter = DSparkDrafter(model, max_slots=16, max_seq_len=target.max_seq_len, draft_sample_method="probabilistic")
     fit_prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(16)]
     eval_prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(16)]
@@ -76,7 +82,7 @@ def test_calibrate_a_trained_drafter_end_to_end(tmp_path):
                        sampling=SamplingParams(temperature=1.0), seed=3)
     temps = tuple(result["temperatures"])
     assert len(temps) == 7 and drafter.config.confidence_temperatures == temps
-    assert result["eval"]["after"]["ece"] < result["eval"]["before"]["ece"], result["eval"]
+    assert result["eval"]["after"]["ece"] < 0.6 * result["eval"]["before"]["ece"], result["eval"]
     assert 1.0 < result["eval"]["before"]["acceptance_length"] < 8.0
     # The drafter now reports sigmoid(logit_k / T_k).
     out = target.prefill([0], [eval_prompts[0]], drafter.tap_layers)
