@@ -1,6 +1,6 @@
-"""Calibrating the confidence head: sequential temperature scaling (STS, spec dspark-algorithm §5.2).
+"""Calibrating the confidence head: sequential temperature scaling (STS, docs/dspark-algorithm.md §5.2).
 
-Raw confidence heads are over-confident (ECE 3-8 %, spec §11 item 5). STS scales each block
+Raw confidence heads are over-confident (ECE 3-8 %, docs/dspark-algorithm.md §11 item 5). STS scales each block
 position's logit by its own temperature, c_k = sigmoid(logit_k / T_k), fitting T_1..T_G left to
 right on held-out rounds: T_k minimises the ECE of the cumulative product prod_{i<=k} c_i against
 the observed prefix acceptance (drafts 1..k all accepted), with T_1..T_{k-1} already frozen.
