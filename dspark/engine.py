@@ -72,6 +72,9 @@ class StepRecord:
                   token; cut at a stop condition or max_tokens).
     taps:         {layer: [B, 1 + k, d]} the target's hidden states over [anchor, drafts] for the
                   layers observers asked for in add_observer (empty when none asked).
+
+    Records cover verify steps only: a request's first token, sampled from its prefill, is in its
+    RequestOutput but in no record.
     """
 
     request_ids: list[int]

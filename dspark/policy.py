@@ -8,6 +8,10 @@ anchor plus that many drafts to the target.
 - ConfidenceThreshold: DeepSpec's static rule (docs/dspark-algorithm.md §5.5).
 - ConfidenceScheduler: the paper's hardware-aware prefix scheduler, Algorithm 1 (§5.3), with its
   early stop, over an SPSTable of measured steps/s vs verified tokens.
+
+The policies read Proposal.confidence as it comes: already calibrated. Calibration temperatures
+are applied in one place, `calibrated_confidence`, which the DSpark drafter calls when it reports
+confidence and the STS fit (drafters/dspark/calibrate.py) calls with its candidate temperatures.
 """
 from __future__ import annotations
 
@@ -58,6 +62,22 @@ def _confidence(proposal: Proposal, owner: str) -> torch.Tensor:
     if not bool(torch.isfinite(c).all()) or bool(((c < 0) | (c > 1)).any()):
         raise ValueError(f"Proposal.confidence={c.tolist()}: entries must be finite and in [0, 1]")
     return c.double()
+
+
+def calibrated_confidence(confidence_logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:
+    """Sequential temperature scaling (docs/dspark-algorithm.md §5.2): c_j = σ(logit_j / T_j) for
+    block position j = 0..width-1 of confidence_logits [..., width] (σ(logit_j) without
+    temperatures). Order-preserving per position; computed in the logits' dtype."""
+    if temperatures is None:
+        return torch.sigmoid(confidence_logits)
+    temps = [float(t) for t in temperatures]
+    if any(not math.isfinite(t) or t <= 0 for t in temps):
+        raise ValueError(f"confidence temperatures={temps!r}: must be finite numbers > 0")
+    width = confidence_logits.shape[-1]
+    if len(temps) < width:
+        raise ValueError(f"confidence temperatures has {len(temps)} entries: the confidence logits have {width} positions")
+    t = torch.tensor(temps[:width], dtype=confidence_logits.dtype, device=confidence_logits.device)
+    return torch.sigmoid(confidence_logits / t)
 
 
 def _within(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -207,44 +227,19 @@ class ConfidenceScheduler:
     Θ fell and coming back to admit x_rj would make the verified length depend on x_rj and bias
     the output (Appendix A). `early_stop=False` scans the whole pool and keeps the best Θ; it
     exists only to reproduce that counterexample.
-
-    temperatures: optional per-position STS temperatures T_j (spec §5.2), c_j <- σ(logit(c_j) / T_j).
     """
 
-    def __init__(
-        self,
-        sps_table: SPSTable,
-        temperatures: Sequence[float] | None = None,
-        k: int | None = None,
-        early_stop: bool = True,
-    ):
+    def __init__(self, sps_table: SPSTable, k: int | None = None, early_stop: bool = True):
         if not isinstance(sps_table, SPSTable):
             raise ValueError(f"ConfidenceScheduler.sps_table={sps_table!r}: must be an SPSTable")
-        if temperatures is not None:
-            temperatures = [float(t) for t in temperatures]
-            if not temperatures or any(not math.isfinite(t) or t <= 0 for t in temperatures):
-                raise ValueError(f"ConfidenceScheduler.temperatures={temperatures!r}: must be finite numbers > 0")
         _check_k("ConfidenceScheduler", k)
         self.sps = sps_table
-        self.temperatures = temperatures
         self.k = k
         self.early_stop = early_stop
 
-    def calibrated(self, confidence: torch.Tensor) -> torch.Tensor:
-        """σ(logit(c_j) / T_j) per position j (identity without temperatures)."""
-        if self.temperatures is None:
-            return confidence
-        width = confidence.shape[1]
-        if len(self.temperatures) < width:
-            raise ValueError(
-                f"ConfidenceScheduler.temperatures has {len(self.temperatures)} entries: the proposal has {width} positions"
-            )
-        temps = torch.tensor(self.temperatures[:width], dtype=confidence.dtype, device=confidence.device)
-        return torch.sigmoid(torch.logit(confidence) / temps)  # logit(0) = -inf -> 0, logit(1) = inf -> 1
-
     def verify_lengths(self, proposal: Proposal) -> torch.Tensor:
         proposed = _proposed(proposal, self.k)
-        c = self.calibrated(_confidence(proposal, "ConfidenceScheduler"))
+        c = _confidence(proposal, "ConfidenceScheduler")
         R, width = c.shape
         survival = torch.cumprod(c, dim=1) * _within(proposed, width)  # a[r][j], 0 outside the proposal
 
@@ -276,7 +271,6 @@ def make_policy(
     k: int | None = None,
     confidence_threshold: float = 0.0,
     sps_table_path: str | None = None,
-    temperatures: Sequence[float] | None = None,
 ) -> VerifyPolicy:
     """The policy a SpecConfig / Profile names (`verify_policy`, `confidence_threshold`,
     `sps_table_path`)."""
@@ -287,5 +281,5 @@ def make_policy(
     if name == "scheduler":
         if sps_table_path is None:
             raise ValueError("sps_table_path=None: verify_policy='scheduler' needs a steps/s table (SPSTable file)")
-        return ConfidenceScheduler(SPSTable.from_file(sps_table_path), temperatures, k)
+        return ConfidenceScheduler(SPSTable.from_file(sps_table_path), k)
     raise ValueError(f"verify_policy={name!r}: must be 'fixed', 'threshold' or 'scheduler'")

@@ -52,8 +52,8 @@ class SyntheticTarget:
         normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return self.table[tokens] + 0.3 * normed @ self.lm_head.t(), taps
 
-    def _batch(self, rows: list[tuple[torch.Tensor, dict]], tap_layers) -> TargetOutput:
-        width = max(r[0].shape[0] for r in rows)
+    def _batch(self, rows: list[tuple[torch.Tensor, dict]], tap_layers, width: int | None = None) -> TargetOutput:
+        width = width or max(r[0].shape[0] for r in rows)
         logits = torch.zeros(len(rows), width, self.vocab_size)
         taps = {layer: torch.zeros(len(rows), width, self.hidden_size) for layer in tap_layers}
         for i, (lg, tp) in enumerate(rows):
@@ -79,7 +79,7 @@ class SyntheticTarget:
             logits, taps = self.forward(torch.cat([self._committed[slot], new]))
             n = new.shape[0]
             rows.append((logits[-n:], {layer: t[-n:] for layer, t in taps.items()}))
-        return self._batch(rows, tap_layers)
+        return self._batch(rows, tap_layers, tokens.shape[1])  # [B, T, ...] as Target.verify promises
 
     def commit(self, slots, num_tokens):
         for i, slot in enumerate(slots):

@@ -69,6 +69,12 @@ def test_calibrate_a_trained_drafter_end_to_end(tmp_path):
     prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(32)]
     train(target, model, generate_sequences(target, prompts, 40, 1.0, g), progress=False,
           config=TrainConfig(steps=30, batch_size=8, num_anchors=32, lr=3e-3))
+    # Real raw heads are over-confident (docs/dspark-algorithm.md §11 item 5); this briefly trained
+    # one is nearly calibrated already, so sharpen its logits 3x to give STS something to undo
+    # that stands out of the sampling noise of ~450 rounds.
+    with torch.no_grad():
+        model.confidence_head.proj.weight.mul_(3.0)
+        model.confidence_head.proj.bias.mul_(3.0)
     drafter = DSparkDrafter(model, max_slots=16, max_seq_len=target.max_seq_len, draft_sample_method="probabilistic")
     fit_prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(16)]
     eval_prompts = [torch.randint(0, target.vocab_size - 1, (8,), generator=g) for _ in range(16)]
@@ -76,7 +82,7 @@ def test_calibrate_a_trained_drafter_end_to_end(tmp_path):
                        sampling=SamplingParams(temperature=1.0), seed=3)
     temps = tuple(result["temperatures"])
     assert len(temps) == 7 and drafter.config.confidence_temperatures == temps
-    assert result["eval"]["after"]["ece"] < result["eval"]["before"]["ece"], result["eval"]
+    assert result["eval"]["after"]["ece"] < 0.6 * result["eval"]["before"]["ece"], result["eval"]
     assert 1.0 < result["eval"]["before"]["acceptance_length"] < 8.0
     # The drafter now reports sigmoid(logit_k / T_k).
     out = target.prefill([0], [eval_prompts[0]], drafter.tap_layers)
@@ -87,3 +93,24 @@ def test_calibrate_a_trained_drafter_end_to_end(tmp_path):
     torch.testing.assert_close(draft.confidence, expected, rtol=1e-6, atol=1e-7)
     save_checkpoint(model, tmp_path)
     assert load_checkpoint(tmp_path, *target.embedding_weights()).config.confidence_temperatures == temps
+
+
+def test_rounds_are_the_engines_steps_for_any_drafter():
+    """run_rounds is the engine with an observer: one round per request-step, the engine's accepted
+    counts; a drafter without a confidence head gives zero logits, its misses count as rejections."""
+    from dspark.config import SpecConfig
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.drafters.dspark.calibrate import run_rounds
+    from dspark.engine import Engine
+
+    target = SyntheticTarget(seed=5, max_slots=4, max_seq_len=128)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, target.vocab_size, (int(n),), generator=g) for n in (6, 9, 3, 12, 7)]
+    rounds = run_rounds(target, NgramDrafter(1, 2), prompts, max_new_tokens=30, block_size=4)
+    engine = Engine(target, NgramDrafter(1, 2), SpecConfig(num_speculative_tokens=4))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    assert len(rounds.accepted) == sum(o.num_steps for o in outs) > 0
+    assert int(rounds.accepted.sum()) == engine.metrics.num_accepted_tokens > 0
+    assert rounds.confidence_logits.shape == (len(rounds.accepted), 4) and not rounds.confidence_logits.any()
+    # A prompt with no room for one whole block gives no rounds.
+    assert len(run_rounds(target, NgramDrafter(1, 2), [torch.zeros(125, dtype=torch.long)], max_new_tokens=30, block_size=4).accepted) == 0

@@ -82,3 +82,43 @@ def test_trained_drafter_long_blocks_equal_plain_decoding():
     for o, ref in zip(outs, plain):
         assert o.token_ids == ref.token_ids, o.request_id
     assert engine.metrics.acceptance_length > 2.5
+
+
+def test_the_engines_policy_reads_calibrated_confidences():
+    """The drafter's STS temperatures reach the verification policy: every step verifies the prefix
+    whose calibrated confidence sigma(logit / T) clears the threshold, not the raw one."""
+    import dataclasses
+
+    from dspark.policy import calibrated_confidence
+
+    target = SyntheticTarget(seed=3, max_slots=3, max_seq_len=128)
+    torch.manual_seed(2)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
+    with torch.no_grad():
+        model.confidence_head.proj.weight.mul_(20.0)  # spread the raw logits of the untrained head
+    work = prompts(3, 64, seed=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = Engine(target, None, SpecConfig(num_speculative_tokens=0)).generate(work, greedy)
+    threshold = 0.7
+    differs = 0
+    for temps in ((0.25,) * 7, (100.0,) * 7):
+        model.config = dataclasses.replace(model.config, confidence_temperatures=temps).validate()
+        engine = Engine(target, DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len),
+                        SpecConfig(num_speculative_tokens=7, drafter="dspark", verify_policy="threshold",
+                                   confidence_threshold=threshold))
+        records = []
+        engine.add_observer(records.append)
+        assert [o.token_ids for o in engine.generate(work, greedy)] == [o.token_ids for o in plain]
+        for rec in records:
+            logits = rec.proposal.confidence_logits
+            calibrated = calibrated_confidence(logits, temps)
+            torch.testing.assert_close(rec.proposal.confidence, calibrated, rtol=1e-6, atol=1e-7)
+            expected = (calibrated >= threshold).long().cumprod(dim=1).sum(dim=1)
+            assert rec.proposal.num_drafts.tolist() == expected.tolist()
+            raw = (torch.sigmoid(logits) >= threshold).long().cumprod(dim=1).sum(dim=1)
+            differs += int((raw != expected).sum())
+        if temps[0] == 100.0:  # sigma(logit / 100) is about 0.5 everywhere: nothing is verified
+            assert engine.metrics.num_drafts == 0
+        else:
+            assert engine.metrics.num_drafts > 0
+    assert differs > 0, "raw and calibrated confidences chose the same lengths: the test shows nothing"

@@ -12,6 +12,7 @@ from dspark.drafters.dspark.train import (
     build_blocks,
     dspark_loss,
     generate_sequences,
+    response_loss_masks,
     sample_anchors,
     capture,
     train,
@@ -151,3 +152,31 @@ def test_anchor_chunks_give_the_same_loss_and_gradients():
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().max() > 0 for g in g0.values())
+
+
+def test_generated_sequences_stop_at_eos_and_the_mask_ends_with_it():
+    """Issue 13: a continuation ends with its first EOS (kept) and the loss mask covers exactly
+    the response; with the same per-request seeds the stopped run is a prefix of the free one."""
+    target = SyntheticTarget(seed=6)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, target.vocab_size, (int(n),), generator=g) for n in (3, 8, 5, 12, 4, 6)]
+    for temperature in (0.0, 1.0):
+        free = generate_sequences(target, prompts, 24, temperature, torch.Generator().manual_seed(3), eos_token_ids=())
+        responses = [s[len(p):].tolist() for p, s in zip(prompts, free)]
+        assert all(len(r) == 24 for r in responses)
+        # An EOS that some responses emit mid-way: the most common token after the first position.
+        eos = max(range(target.vocab_size), key=lambda t: sum(r[1:].count(t) for r in responses))
+        stopped = generate_sequences(target, prompts, 24, temperature, torch.Generator().manual_seed(3), eos_token_ids=(eos,))
+        cut = 0
+        for p, r, s in zip(prompts, responses, stopped):
+            expected = r[: r.index(eos) + 1] if eos in r else r
+            cut += len(expected) < len(r)
+            assert s.tolist() == p.tolist() + expected
+        assert cut > 0, "no response was cut: the test shows nothing"
+        masks = response_loss_masks(prompts, stopped)
+        for p, s, m in zip(prompts, stopped, masks):
+            assert m.shape == s.shape and m[: len(p)].sum() == 0 and bool(m[len(p):].all())
+    with pytest.raises(ValueError, match=r"loss_masks\[0\] has shape"):
+        longer = [torch.cat([m, torch.ones(3, dtype=torch.long)]) for m in masks]
+        train(target, DSparkModel(small_config(target, "gqa"), *target.embedding_weights()), stopped, loss_masks=longer,
+              config=TrainConfig(steps=1, batch_size=2, num_anchors=4), progress=False)

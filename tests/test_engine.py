@@ -297,3 +297,32 @@ def test_synthetic_rates_are_sized_with_the_k_each_step_uses():
                    batch1_profile=Profile(num_speculative_tokens=5)).validate()
     with pytest.raises(ValueError, match="batch_size=0"):
         spec.k_for_batch(0)
+
+
+def test_observers_see_every_step_as_it_was_verified():
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    ref = _greedy_reference(8, prompts, 14)
+    scripts = {tuple(p): r.token_ids for p, r in zip(prompts, ref)}
+    engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=128), ScriptedDrafter(scripts, 8, corrupt_every=4),
+                    SpecConfig(num_speculative_tokens=3))
+    records, tapped = [], []
+    engine.add_observer(records.append)
+    engine.add_observer(lambda r: tapped.append(r.taps), tap_layers=(0,))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    rebuilt = {o.request_id: o.token_ids[:1] for o in outs}  # the first token comes from prefill
+    steps = {o.request_id: 0 for o in outs}
+    for rec in records:
+        assert len(rec.request_ids) == len(rec.num_accepted) == len(rec.emitted) == rec.proposal.tokens.shape[0]
+        for i, rid in enumerate(rec.request_ids):
+            a, verified = rec.num_accepted[i], int(rec.proposal.num_drafts[i])
+            assert 0 <= a <= verified <= 3
+            assert rec.emitted[i][:a] == rec.proposal.tokens[i, :a].tolist()[: len(rec.emitted[i])]
+            rebuilt[rid] += rec.emitted[i]
+            steps[rid] += 1
+    assert rebuilt == {o.request_id: o.token_ids for o in outs}
+    assert steps == {o.request_id: o.num_steps for o in outs}
+    assert sum(sum(r.num_accepted) for r in records) == engine.metrics.num_accepted_tokens > 0
+    assert len(tapped) == len(records) and all(set(t) == {0} for t in tapped)
+    for rec, taps in zip(records, tapped):  # MarkovTarget's tap is the embedding of each verified token
+        torch.testing.assert_close(taps[0][:, 1:], engine.target.embedding[rec.proposal.tokens], rtol=0, atol=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.policy import ConfidenceScheduler, ConfidenceThreshold, FixedK, SPSTable, make_policy
+from dspark.policy import ConfidenceScheduler, ConfidenceThreshold, FixedK, SPSTable, calibrated_confidence, make_policy
 from dspark.protocols import Proposal
 
 
@@ -157,7 +157,9 @@ def test_scheduler_never_exceeds_num_drafts_or_k():
     assert ConfidenceScheduler(costly).verify_lengths(p).tolist() == [0] * 6
 
 
-def test_scheduler_temperatures_recalibrate_confidence():
+def test_calibrated_confidence_changes_the_schedulers_choice():
+    """STS temperatures (applied once, by calibrated_confidence, before the policy sees the
+    proposal) change what the scheduler verifies."""
     table = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
     p = proposal([[0.8, 0.9]])
     assert ConfidenceScheduler(table).verify_lengths(p).tolist() == [0]  # Θ1 = 1.8 * 0.5 < 1
@@ -165,11 +167,17 @@ def test_scheduler_temperatures_recalibrate_confidence():
     # T_1 = 0.25 sharpens it to σ(4 logit 0.8) = 0.996, Θ1 = 1.058 > 1 (verify one draft).
     cheaper = SPSTable([1, 2, 3], [1.0, 0.53, 0.3])
     assert ConfidenceScheduler(cheaper).verify_lengths(p).tolist() == [0]
-    assert ConfidenceScheduler(cheaper, temperatures=[0.25, 1.0]).verify_lengths(p).tolist() == [1]
+    logits = torch.logit(torch.tensor([[0.8, 0.9]], dtype=torch.float64))
+    sharpened = calibrated_confidence(logits, [0.25, 1.0])
+    assert sharpened[0, 0].item() == pytest.approx(1 / (1 + (0.2 / 0.8) ** 4), rel=1e-12)
+    assert sharpened[0, 1].item() == pytest.approx(0.9, rel=1e-12)
+    assert torch.equal(calibrated_confidence(logits, None), torch.sigmoid(logits))
+    recalibrated = Proposal(p.tokens, p.num_drafts, confidence=sharpened.float())
+    assert ConfidenceScheduler(cheaper).verify_lengths(recalibrated).tolist() == [1]
     with pytest.raises(ValueError, match="temperatures"):
-        ConfidenceScheduler(table, temperatures=[1.0, 0.0])
-    with pytest.raises(ValueError, match="temperatures"):
-        ConfidenceScheduler(table, temperatures=[1.0]).verify_lengths(p)
+        calibrated_confidence(logits, [1.0, 0.0])
+    with pytest.raises(ValueError, match="temperatures has 1 entries"):
+        calibrated_confidence(logits, [1.0])
 
 
 # ---- Appendix A: the early stop is what keeps the scheduler lossless ------------------------------

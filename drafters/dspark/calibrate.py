@@ -1,15 +1,17 @@
-"""Calibrating the confidence head: sequential temperature scaling (STS, spec dspark-algorithm §5.2).
+"""Calibrating the confidence head: sequential temperature scaling (STS, docs/dspark-algorithm.md §5.2).
 
-Raw confidence heads are over-confident (ECE 3-8 %, spec §11 item 5). STS scales each block
+Raw confidence heads are over-confident (ECE 3-8 %, docs/dspark-algorithm.md §11 item 5). STS scales each block
 position's logit by its own temperature, c_k = sigmoid(logit_k / T_k), fitting T_1..T_G left to
 right on held-out rounds: T_k minimises the ECE of the cumulative product prod_{i<=k} c_i against
 the observed prefix acceptance (drafts 1..k all accepted), with T_1..T_{k-1} already frozen.
 Scaling is order-preserving per position. The temperatures are stored in the drafter's
-config.json (`confidence_temperatures`) and applied whenever the drafter reports confidence.
+config.json (`confidence_temperatures`); dspark.policy.calibrated_confidence is the one function
+that applies them, whether the drafter reports confidence or the fit tries a candidate.
 
-The held-out rounds come from real draft-and-verify decoding (`run_rounds`): every round drafts
-the full block, verifies all of it and records the raw confidence logits and how many drafts
-were accepted (greedy: while draft == target argmax; T > 0: the lossless rejection sampler).
+The held-out rounds come from the engine (`run_rounds`): speculative decoding with k = the block
+size and every draft verified, an observer recording each step's raw confidence logits and how
+many drafts were accepted (greedy: while draft == target argmax; T > 0: the lossless rejection
+sampler).
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import SamplingParams
-from dspark.sampling import SamplingTensors, processed_probs, rejection_sample
+from dspark.config import SamplingParams, SpecConfig
+from dspark.engine import Engine, StepRecord
+from dspark.policy import calibrated_confidence
+from dspark.protocols import Drafter
 
 from .drafter import DSparkDrafter
 
@@ -47,58 +51,46 @@ class Rounds:
 @torch.no_grad()
 def run_rounds(
     target,
-    drafter: DSparkDrafter,
+    drafter: DSparkDrafter | Drafter,
     prompts: list[torch.Tensor],
     *,
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(temperature=0.0),
     seed: int = 0,
+    block_size: int | None = None,
 ) -> Rounds:
-    """Speculative decoding of every prompt for at least max_new_tokens tokens with full-block
-    drafts; returns every round's confidence logits and accepted count."""
+    """Speculative decoding of every prompt on the engine for max_new_tokens tokens, k = the
+    block size (the drafter's config.block_size, or block_size for a drafter without one),
+    every proposed draft verified; returns every round's raw confidence logits (zeros for a
+    drafter without a confidence head) and accepted count. A draft the drafter did not propose
+    (an n-gram miss) counts as rejected.
+
+    Each prompt's output is capped so that every round's whole block fits the context
+    (target.max_seq_len): the engine would verify fewer drafts near the end, and a round that
+    cannot verify the whole block would bias the fit. A prompt with no room for one round gives none."""
     sampling.validate(target.vocab_size)
-    G = drafter.config.block_size
-    device = target.device
+    G = block_size if block_size is not None else drafter.config.block_size
     logits_log, accepted_log = [], []
-    width = min(target.max_slots, drafter.max_slots)
-    for start in range(0, len(prompts), width):
-        chunk = [p.to(device) for p in prompts[start : start + width]]
-        slots = list(range(len(chunk)))
-        gens = [torch.Generator(device=device).manual_seed(seed * 100_003 + start + i) for i in slots]
-        params = [sampling] * len(chunk)
-        tensors = SamplingTensors.from_params(params, device)
-        try:
-            out = target.prefill(slots, chunk, drafter.tap_layers)
-            lengths = [p.shape[0] for p in chunk]
-            last = out.logits[torch.arange(len(chunk)), torch.tensor(lengths) - 1]
-            probs = processed_probs(last, tensors)
-            anchors = torch.stack([probs[i].argmax() if sampling.greedy else
-                                   torch.multinomial(probs[i], 1, generator=gens[i])[0] for i in slots])
-            for i, slot in enumerate(slots):
-                drafter.start(slot, chunk[i], {layer: t[i, : lengths[i]] for layer, t in out.taps.items()})
-            produced = [1] * len(chunk)
-            live = [i for i in slots if lengths[i] + G + 1 <= target.max_seq_len]
-            while live:
-                draft = drafter.draft(live, anchors[live], [sampling] * len(live), [gens[i] for i in live])
-                tokens = torch.cat([anchors[live, None], draft.tokens], dim=1)
-                out = target.verify(live, tokens, torch.full((len(live),), G + 1, device=device), drafter.tap_layers)
-                sub = SamplingTensors.from_params([sampling] * len(live), device)
-                uniforms = torch.stack([torch.rand(G, generator=gens[i], device=device) for i in live])
-                noise = torch.stack([torch.empty(target.vocab_size, device=device).exponential_(generator=gens[i]) for i in live])
-                num_acc, next_tok = rejection_sample(out.logits, draft.tokens, torch.full((len(live),), G, device=device),
-                                                     draft.probs, sub, uniforms, noise)
-                logits_log.append(draft.confidence_logits.cpu())
-                accepted_log.append(num_acc.cpu())
-                target.commit(live, num_acc + 1)
-                drafter.commit(live, tokens, num_acc + 1, out.taps)
-                for j, i in enumerate(live):
-                    produced[i] += int(num_acc[j]) + 1
-                    lengths[i] += int(num_acc[j]) + 1
-                    anchors[i] = next_tok[j]
-                live = [i for i in live if produced[i] < max_new_tokens and lengths[i] + G + 1 <= target.max_seq_len]
-        finally:
-            target.release(slots)
-            drafter.release(slots)
+
+    def record(step: StepRecord) -> None:
+        logits = step.proposal.confidence_logits
+        if logits is not None and logits.shape[1] != G:
+            raise ValueError(f"run_rounds: the drafter proposed {logits.shape[1]} positions, the block has {G}")
+        logits_log.append(logits.float().cpu() if logits is not None else torch.zeros(len(step.request_ids), G))
+        accepted_log.append(torch.tensor(step.num_accepted, dtype=torch.long))
+
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=G, seed=seed))
+    engine.add_observer(record)
+    # The last round starts with prompt + output - 1 tokens committed and needs G + 1 positions.
+    work = [(i, p, min(max_new_tokens, target.max_seq_len - p.shape[0] - G + 1)) for i, p in enumerate(prompts)]
+    work = [(i, p, n) for i, p, n in work if n >= 1]
+    width = min(target.max_slots, getattr(drafter, "max_slots", target.max_slots))
+    for start in range(0, len(work), width):  # the engine then never uses a slot past the drafter's
+        chunk = work[start : start + width]
+        params = [dataclasses.replace(sampling, max_tokens=n, ignore_eos=True, seed=seed * 100_003 + i) for i, _, n in chunk]
+        for (i, _, _), out in zip(chunk, engine.generate([p for _, p, _ in chunk], params)):
+            if out.error is not None:
+                raise ValueError(f"run_rounds: prompts[{i}]: {out.error}")
     if not logits_log:
         return Rounds(torch.zeros(0, G), torch.zeros(0, dtype=torch.long))
     return Rounds(torch.cat(logits_log), torch.cat(accepted_log))
@@ -139,8 +131,7 @@ def brier_score(pred: torch.Tensor, observed: torch.Tensor) -> float:
 
 def survival(confidence_logits: torch.Tensor, temperatures) -> torch.Tensor:
     """Cumulative products prod_{i<=k} sigmoid(logit_i / T_i) [R, G]."""
-    t = torch.as_tensor(temperatures if temperatures is not None else [1.0] * confidence_logits.shape[1], dtype=torch.float64)
-    return torch.sigmoid(confidence_logits.double() / t).cumprod(dim=1)
+    return calibrated_confidence(confidence_logits.double(), temperatures).cumprod(dim=1)
 
 
 def report(rounds: Rounds, temperatures=None) -> dict:
@@ -164,10 +155,11 @@ def fit_temperatures(rounds: Rounds, grid: torch.Tensor | None = None) -> tuple[
     prefix = torch.ones(len(logits), dtype=torch.float64)
     temps = []
     for k in range(logits.shape[1]):
-        errors = [expected_calibration_error(prefix * torch.sigmoid(logits[:, k] / t), obs[:, k]) for t in grid]
+        column = logits[:, k : k + 1]
+        errors = [expected_calibration_error(prefix * calibrated_confidence(column, [t])[:, 0], obs[:, k]) for t in grid]
         best = float(grid[int(torch.tensor(errors).argmin())])
         temps.append(best)
-        prefix = prefix * torch.sigmoid(logits[:, k] / best)
+        prefix = prefix * calibrated_confidence(column, [best])[:, 0]
     return tuple(temps)
 
 

@@ -132,6 +132,7 @@ class DSparkDrafter:
             num_drafts=torch.full((len(slots),), k, dtype=torch.long, device=draft.tokens.device),
             probs=draft.probs[:, :k] if draft.probs is not None else None,
             confidence=draft.confidence[:, :k],
+            confidence_logits=draft.confidence_logits[:, :k],
         )
 
     @torch.no_grad()

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.policy import calibrated_confidence
+
 from .config import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead
 
@@ -333,8 +335,4 @@ class DSparkModel(nn.Module):
 
     def confidence_probs(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """sigmoid(logit_k / T_k) with the calibrated per-position temperatures (spec §5.2)."""
-        temps = self.config.confidence_temperatures
-        if temps is not None:
-            t = torch.tensor(temps, dtype=torch.float32, device=confidence_logits.device)
-            confidence_logits = confidence_logits / t[: confidence_logits.shape[-1]]
-        return torch.sigmoid(confidence_logits)
+        return calibrated_confidence(confidence_logits, self.config.confidence_temperatures)
