@@ -1,7 +1,6 @@
 """linear: y[M, N] = x[M, K] @ W[N, K]^T, the skinny GEMM of a verify step (M = tokens <= 16 per request)."""
 from ..cute_common import register_cute_module
 from . import reference  # noqa: F401  (registers the reference implementation)
-from . import triton  # noqa: F401  (fp32 operands, e.g. the K3 router; imports triton only when first used)
 from .cute_host import supports
 
 # CuTe DSL kernels, imported (with cutlass) on their first call: Hopper, and Blackwell tcgen05
