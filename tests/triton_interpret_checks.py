@@ -1,6 +1,6 @@
 """Run by tests/test_triton_interpreter.py in a fresh process with TRITON_INTERPRET=1 (the
-interpreter must be chosen before triton is first imported): the fused glue kernels on the CPU in float32 against their references in float64. Exits non-zero with the
-failing check's name.
+interpreter must be chosen before triton is first imported): the fused glue kernels on the CPU
+in float32 against their references in float64. Exits non-zero with the failing check's name.
 
 Tolerance: float32 arithmetic on O(1) values, max abs error 1e-4 against float64."""
 import sys
