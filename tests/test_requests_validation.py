@@ -145,3 +145,35 @@ def test_nan_guard_ignores_padding_beyond_a_requests_verified_positions():
     want = Engine(plain, NgramDrafter(1, 3), SpecConfig(num_speculative_tokens=4)).generate(prompts, params)
     got = Engine(padded, NgramDrafter(1, 3), SpecConfig(num_speculative_tokens=4)).generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# ---- k against the drafter and the context (checked when the engine is built) -------------
+
+
+def test_k_above_the_dspark_block_size_is_refused_at_build(tmp_path):
+    from dspark.build import build_engine
+    from dspark.drafters.dspark import DSparkModel, save_checkpoint
+    from dspark_fixtures import SyntheticTarget, small_config
+
+    target = SyntheticTarget(seed=4, max_slots=2, max_seq_len=64)
+    config = small_config(target)
+    save_checkpoint(DSparkModel(config, *target.embedding_weights()), tmp_path)
+    block = config.block_size
+    spec = dict(drafter="dspark", drafter_path=str(tmp_path))
+    assert build_engine(SpecConfig(num_speculative_tokens=block, **spec), target).spec.max_k == block
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens={block + 1}: the DSpark drafter at {tmp_path} "
+                                         rf"drafts at most block_size={block}"):
+        build_engine(SpecConfig(num_speculative_tokens=block + 1, **spec), target)
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens={block + 2}"):  # the batch-1 profile's k counts too
+        build_engine(SpecConfig(num_speculative_tokens=1, batch1_profile=Profile(num_speculative_tokens=block + 2), **spec), target)
+
+
+@pytest.mark.parametrize("max_seq_len,most", [(8, 6), (40, 38), (4096, MAX_SPECULATIVE_TOKENS)])
+def test_k_is_bounded_by_the_targets_context(max_seq_len, most):
+    from dspark.build import build_engine
+
+    target = MarkovTarget(VOCAB, seed=0, max_slots=2, max_seq_len=max_seq_len)
+    assert build_engine(SpecConfig(num_speculative_tokens=most), target).spec.max_k == most
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens={most + 1}: at most {most} .*max_seq_len={max_seq_len}"
+                       if most < MAX_SPECULATIVE_TOKENS else rf"num_speculative_tokens={most + 1}: must be an integer in"):
+        build_engine(SpecConfig(num_speculative_tokens=most + 1), target)
