@@ -19,7 +19,6 @@ import importlib.util
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from dspark.drafters.dspark.calibrate import Rounds, fit_temperatures, report, r
 from dspark.drafters.dspark.drafter import Draft
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, train
 from dspark.drafters.ngram import NgramDrafter
+from dspark.provenance import git_commit
 from dspark.targets.llama import load_smollm2_target
 
 # ---- training prompts (never the evaluation sets) ------------------------------------------------
@@ -155,13 +155,6 @@ def summarize(rounds: Rounds) -> dict:
     return {"acceptance_length": rounds.acceptance_length, "rounds": len(rounds.accepted),
             "survival_per_position": [round(float(x), 4) for x in survival],
             "conditional_accept_per_position": [round(float(x), 4) for x in conditional]}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ def test_bad_input_is_one_clear_line(capsys):
     assert "target='k3-huge'" in capsys.readouterr().err
     assert main(["generate", "--target", "toy", "--prompt-ids", "1,x"]) == 2
     assert "--prompt-ids '1,x'" in capsys.readouterr().err
-    assert main(["generate", "--target", "toy", "--prompt-ids", "1", "--top-p", "0"]) == 1
-    assert "top_p=0.0" in capsys.readouterr().out
+    assert main(["generate", "--target", "toy", "--prompt-ids", "1", "--top-p", "0"]) == 2
+    assert "dspark generate: error: SamplingParams.top_p=0.0" in capsys.readouterr().err
     assert main(["nonsense"]) == 2
 
 
