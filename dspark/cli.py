@@ -26,6 +26,14 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line (`dspark <command>: error: ...`, exit 2)
+    instead of the usage block followed by the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -37,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, text = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"dspark {name}", description=text)
+    parser = _OneLineErrors(prog=f"dspark {name}", description=text)
     module.configure_parser(parser)
-    args = parser.parse_args(rest)  # argparse's own errors: `dspark <name>: error: ...`, exit 2
+    args = parser.parse_args(rest)
     try:
         return int(module.main(args) or 0)
     except USER_ERRORS as e:  # bad input or a missing/unreadable file: one clear line, no traceback

@@ -67,3 +67,74 @@ def test_policy_sweep_with_calibrated_synthetic_confidences(tmp_path):
     assert len(points["b2-k4-scheduler-al2.5"]["per_position_acceptance"]) <= 2
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
     assert rows and all(r["git_commit"] and r["torch"] and r["command"] for r in rows)
+
+
+# ---- errors as a user sees them: one line on stderr, exit 2, no traceback --------------------
+
+
+def _run_cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _assert_one_line_error(result, command, *needles):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"dspark {command}: error: "), result.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_cli_errors_are_one_line_on_stderr(tmp_path):
+    import pytest
+
+    cases = [
+        (["generate", "--target", "toy", "-k", "1000000"], "generate", ["num_speculative_tokens=1000000", "[0, 64]"]),
+        (["generate", "--target", "toy", "--max-seq-len", "8", "-k", "7"], "generate",
+         ["num_speculative_tokens=7", "at most 6", "max_seq_len=8"]),
+        (["generate", "--target", "toy", "--temperature", "1e-31"], "generate", ["temperature=1e-31"]),
+        (["generate", "--target", "toy", "--drafter", "dspark", "--drafter-path", str(tmp_path / "missing")],
+         "generate", [str(tmp_path / "missing")]),
+        (["generate", "--target", "toy", "--max-tokens", "x"], "generate", ["--max-tokens", "'x'"]),
+        (["sweep", "--target", "toy", "--k", "7", "--al", "9"], "sweep", ["--al 9"]),
+        (["nonsense"], None, ["unknown command 'nonsense'"]),
+    ]
+    for args, command, needles in cases:
+        result = _run_cli(*args)
+        if command is None:
+            assert result.returncode == 2 and result.stderr.startswith("dspark: error: unknown command 'nonsense'")
+            continue
+        try:
+            _assert_one_line_error(result, command, *needles)
+        except AssertionError:
+            pytest.fail(f"{args}: {result.stderr}")
+
+
+def test_per_request_errors_go_to_stderr():
+    # The toy target's vocabulary is 64: the second prompt fails alone, the first is decoded.
+    result = _run_cli("generate", "--target", "toy", "--prompt-ids", "1,2,3", "--prompt-ids", "1,99", "--max-tokens", "4")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("dspark generate: error: request 1: prompt token id 99 is outside the "
+                                     "vocabulary [0, 64)")
+    assert "[0] [" in result.stdout and "99" not in result.stdout and "acceptance length" in result.stdout
+    alone = _run_cli("generate", "--target", "toy", "--prompt-ids", "1,99")
+    assert alone.returncode == 2 and "tokens/s" not in alone.stdout
+    assert alone.stderr.startswith("dspark generate: error: request 0: prompt token id 99")
+
+
+def test_handler_turns_file_errors_into_one_line(monkeypatch, capsys):
+    import types
+
+    from dspark import cli
+
+    def missing(args):
+        open("/nonexistent/dspark/config.json")
+
+    fake = types.SimpleNamespace(configure_parser=lambda p: None, main=missing)
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_module", "a test command"))
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: fake)
+    assert cli.main(["fake"]) == 2
+    assert capsys.readouterr().err == "dspark fake: error: /nonexistent/dspark/config.json: No such file or directory\n"
