@@ -286,12 +286,12 @@ def _draw_panel(ax, meta: dict, pts: list[dict], batch: int) -> None:
     if fraction_ax is not None:
         floor = next((p.get("floor_device") for p in pts if p.get("floor_device")), "H200 at 4.3 TB/s")
         fraction_ax.set_ylabel(f"% of bandwidth floor\n({floor})", fontsize=8)
-        fraction_ax.set_ylim(bottom=0)
+        fraction_ax.set_ylim(0, 1.5 * fraction_ax.get_ylim()[1])  # keeps the legend corner free
         handles, labels = ax.get_legend_handles_labels()
         more, more_labels = fraction_ax.get_legend_handles_labels()
-        ax.legend(handles + more, labels + more_labels, fontsize=7, loc="upper left")
+        ax.legend(handles + more, labels + more_labels, fontsize=7, loc="lower right")
     else:
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_ylim(bottom=0)
     ax.set_xlabel("measured acceptance length")
     ax.set_ylabel("tokens/s (all requests)")
