@@ -138,3 +138,23 @@ def test_handler_turns_file_errors_into_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib, "import_module", lambda name: fake)
     assert cli.main(["fake"]) == 2
     assert capsys.readouterr().err == "dspark fake: error: /nonexistent/dspark/config.json: No such file or directory\n"
+
+
+def test_setup_env_filters_pips_location_warnings(tmp_path):
+    """scripts/setup_env.sh with a stand-in python that prints what this machine's pip prints."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "venv" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"WARNING: Location '/nowhere/$$' is ignored: it is neither a file nor a directory.\" >&2\n"
+                    "echo \"pip ran: $*\" >&2\n")
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(["bash", str(root / "scripts" / "setup_env.sh")], capture_output=True, text=True,
+                            env={**os.environ, "DSPARK_VENV": str(tmp_path / "venv")}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "is ignored" not in result.stderr
+    assert result.stderr.count("pip ran: -m pip install -q") == 4  # the other lines still come through
