@@ -414,11 +414,11 @@ def reusable_points(previous: list[dict], settings: dict, out: Path, resume: boo
 
 
 def main(args) -> int:
+    ks, batches, als, policies = parse_grid(args)  # for either backend, before anything loads
     if args.backend == "vllm":
         from .vllm import vllm_sweep_main
 
         return vllm_sweep_main(args)
-    ks, batches, als, policies = parse_grid(args)
     if not args.per_point and policies != ["fixed"]:
         raise ValueError(f"--policy {args.policy}: policies other than fixed need --per-point")
     device = args.device or default_device()

@@ -158,3 +158,28 @@ def test_setup_env_filters_pips_location_warnings(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "is ignored" not in result.stderr
     assert result.stderr.count("pip ran: -m pip install -q") == 4  # the other lines still come through
+
+
+def test_train_drafter_defaults_to_the_targets_context(monkeypatch):
+    """k3-tiny's limit is 1024 tokens: the default --max-seq-len must not ask for more."""
+    import pytest
+
+    import dspark.build
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(name, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(dspark.build, "build_target", record)
+    for target, want in (("k3-tiny", 1024), ("toy", 4096)):
+        with pytest.raises(Stop):
+            main(["train-drafter", "--target", target, "--drafter", "k3-tiny_dspark", "--out", "/nonexistent"])
+        assert seen["max_seq_len"] == want
+    with pytest.raises(Stop):
+        main(["train-drafter", "--target", "k3-tiny", "--drafter", "k3-tiny_dspark", "--out", "/x", "--max-seq-len", "512"])
+    assert seen["max_seq_len"] == 512
