@@ -148,23 +148,24 @@ def _row(runs: list[tuple[SpecMetrics, int]], *, batch: int, k: int, al: float |
 
 def measure_phases(target, *, batch: int, k: int, als: list[float], context: int, steps: int,
                    warmup_steps: int, seed: int, repeats: int = 1) -> list[dict]:
-    """Every point of one (batch, k) from ONE prefill: the requests stay live and the engine's
-    acceptance is switched between phases of `warmup_steps + steps` steps (plain decoding first,
-    then each forced AL), the whole cycle `repeats` times. For long contexts, where a prefill
-    costs far more than a phase, this is the affordable way; the context grows by the phases'
-    few hundred tokens meanwhile, and cycling (rather than repeating each phase in a row) spreads
-    that growth and any drift of the machine over every AL alike."""
+    """Every point of one (batch, k) from one prefill per repeat: the requests stay live and the
+    engine's acceptance is switched between phases of `warmup_steps + steps` steps (plain
+    decoding first, then each forced AL). For long contexts, where a prefill costs far more than
+    a phase, this is the affordable way; the context grows by the phases' few hundred tokens
+    meanwhile. Repeating the whole cycle (rather than each phase in a row) spreads any drift of
+    the machine over every AL alike."""
     spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
                       synthetic_acceptance_length=float(k + 1), seed=seed)
-    engine = Engine(target, UniformDrafter(target.vocab_size), spec, eos_token_ids=eos_ids(target))
-    gen = torch.Generator().manual_seed(seed)
-    budget = target.max_seq_len - context - 1
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, target.vocab_size, (context,), generator=gen).tolist(),
-                           SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=budget))
-    engine.step()  # prefill (and one step), outside every phase
     runs: dict[float | None, list] = {al: [] for al in [None, *als]}
     for _ in range(repeats):
+        # A fresh prefill per repeat: the context does not grow with the repeats.
+        engine = Engine(target, UniformDrafter(target.vocab_size), spec, eos_token_ids=eos_ids(target))
+        gen = torch.Generator().manual_seed(seed)
+        budget = target.max_seq_len - context - 1
+        for _ in range(batch):
+            engine.add_request(torch.randint(0, target.vocab_size, (context,), generator=gen).tolist(),
+                               SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=budget))
+        engine.step()  # prefill (and one step), outside every phase
         for al in runs:
             if al is None:
                 engine.set_acceptance(SpecConfig(num_speculative_tokens=0, seed=seed))
@@ -441,9 +442,15 @@ def _run(args, device: str, ks, batches, als, policies) -> int:
     if args.per_point:
         seq_len = context + max_tokens + (max(ks) + 1) * (args.warmup_steps + 1) + 2
     else:
-        seq_len = (context + args.repeats * (len(als) + 1) * (args.warmup_steps + args.phase_steps) * (max(ks) + 1)
-                   + (max(ks) + 1) + 2)
-    target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
+        seq_len = context + (len(als) + 1) * (args.warmup_steps + args.phase_steps) * (max(ks) + 1) + (max(ks) + 1) + 2
+    try:
+        target = build_target(target_name, max_slots=max(batches), max_seq_len=seq_len, device=device, seed=args.seed)
+    except ValueError as e:
+        if "max_seq_len" not in str(e):
+            raise
+        raise ValueError(f"--context {context} and the grid need a {seq_len}-token context, more than --target "
+                         f"{target_name} takes ({e}): use a shorter --context, fewer --al values or fewer "
+                         f"{'--max-tokens' if args.per_point else '--phase-steps'}") from None
     read_gbps = read_bandwidth_gbps(device, 1024 if on_cuda else 64)
     meta = provenance(device, target=target_name, context=context, max_tokens=max_tokens,
                       warmup_steps=args.warmup_steps, settings=settings, read_GBps=read_gbps)

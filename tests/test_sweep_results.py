@@ -150,3 +150,9 @@ def test_monotonic_check_uses_the_error_bars():
 
     assert not_monotonic([pt(1, 100, 5), pt(2, 95, 5), pt(3, 200, 1)]) == []  # a dip within the error
     assert not_monotonic([pt(1, 100, 2), pt(2, 90, 2), pt(3, 200, 1)]) == ["al2"]
+
+
+def test_grid_longer_than_the_targets_context_names_the_flags(tmp_path):
+    result = run_cli("sweep", "--target", "k3-tiny", "--context", "1000", "--k", "3", "--al", "1,2",
+                     "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, "sweep", "--context 1000", "more than --target k3-tiny takes", "1024")
