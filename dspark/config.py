@@ -40,7 +40,8 @@ MAX_SPECULATIVE_TOKENS = 64
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. temperature 0 means greedy (argmax)."""
+    """How one request samples. temperature 0 means greedy (argmax); a positive temperature below
+    MIN_TEMPERATURE is refused (vLLM would decode it greedily; here nothing changes silently)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 disables top-k
