@@ -68,8 +68,7 @@ def _one_line(e: BaseException) -> str:
     """The exception's message on one line; an OSError with its file named once."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         return f"{e.filename}: {e.strerror}"
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":
