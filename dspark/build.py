@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .config import SpecConfig
+from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .engine import Engine
 
 
@@ -48,7 +48,12 @@ def build_drafter(spec: SpecConfig, target):
         raise ValueError("SpecConfig.drafter_path=None: drafter='dspark' needs a checkpoint directory")
     from .drafters.dspark import load_drafter
 
-    return load_drafter(spec.drafter_path, target, draft_sample_method=spec.draft_sample_method)
+    drafter = load_drafter(spec.drafter_path, target, draft_sample_method=spec.draft_sample_method)
+    block = drafter.config.block_size
+    if spec.max_k > block:
+        raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: the DSpark drafter at "
+                         f"{spec.drafter_path} drafts at most block_size={block} tokens per step")
+    return drafter
 
 
 def eos_ids(target) -> tuple[int, ...]:
@@ -59,5 +64,16 @@ def eos_ids(target) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def max_speculative_tokens(max_seq_len: int) -> int:
+    """The largest k a target with this context takes: MAX_SPECULATIVE_TOKENS, or fewer when a
+    one-token prompt, its anchor and k drafts would not fit in the context."""
+    return max(0, min(MAX_SPECULATIVE_TOKENS, max_seq_len - 2))
+
+
 def build_engine(spec: SpecConfig, target, **kwargs) -> Engine:
-    return Engine(target, build_drafter(spec.validate(), target), spec, eos_token_ids=eos_ids(target), **kwargs)
+    spec = spec.validate()
+    most = max_speculative_tokens(target.max_seq_len)
+    if spec.max_k > most:
+        raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: at most {most} for a target with "
+                         f"max_seq_len={target.max_seq_len} (and never more than {MAX_SPECULATIVE_TOKENS})")
+    return Engine(target, build_drafter(spec, target), spec, eos_token_ids=eos_ids(target), **kwargs)

@@ -36,6 +36,14 @@ def _both_k_spellings(parser: argparse.ArgumentParser) -> None:
             options[alias] = options[have]
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line (`dspark <command>: error: ...`, exit 2)
+    instead of the usage block followed by the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -43,19 +51,35 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"dspark: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"dspark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, text = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"dspark {name}", description=text)
+    parser = _OneLineErrors(prog=f"dspark {name}", description=text)
     module.configure_parser(parser)
     _both_k_spellings(parser)
     args = parser.parse_args(rest)
     try:
         return int(module.main(args) or 0)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"dspark {name}: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:  # bad input or a missing/unreadable file: one clear line, no traceback
+        print(f"dspark {name}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"dspark {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+# What a user's input can cause: refused values, missing or unreadable files (OSError covers
+# FileNotFoundError, IsADirectoryError, PermissionError). Anything else is a bug and keeps its
+# traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+def _one_line(e: BaseException) -> str:
+    """The exception's message on one line; an OSError with its file named once."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

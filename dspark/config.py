@@ -21,9 +21,27 @@ def _fail(owner: str, name: str, value, why: str) -> None:
     raise ValueError(f"{owner}.{name}={value!r}: {why}")
 
 
+def _is_int(value) -> bool:
+    """An integer that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Below this a positive temperature overflows float32 logits / temperature (vLLM treats
+# temperatures under the same 1e-5 as greedy; here they are refused rather than changed).
+MIN_TEMPERATURE = 1e-5
+# The most drafts one step may verify: past a few dozen the verify cost grows while the chance
+# that every draft is accepted vanishes. A target with a shorter context bounds k further.
+MAX_SPECULATIVE_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. temperature 0 means greedy (argmax)."""
+    """How one request samples. temperature 0 means greedy (argmax); a positive temperature below
+    MIN_TEMPERATURE is refused (vLLM would decode it greedily; here nothing changes silently)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 disables top-k
@@ -40,16 +58,21 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         own = "SamplingParams"
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        if not (_is_number(self.temperature) and math.isfinite(self.temperature)) or self.temperature < 0:
             _fail(own, "temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # logits / temperature overflows float32 and the probabilities become NaN.
+            _fail(own, "temperature", self.temperature, f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             _fail(own, "top_k", self.top_k, "must be an integer >= 0 (0 disables top-k)")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             _fail(own, "top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _fail(own, "max_tokens", self.max_tokens, "must be an integer >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             _fail(own, "seed", self.seed, "must be an integer or None")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(_is_int(t) for t in self.stop_token_ids):
+            _fail(own, "stop_token_ids", self.stop_token_ids, "must be a tuple of integer token ids")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
@@ -72,8 +95,9 @@ class Profile:
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides
 
     def validate(self, owner: str = "Profile") -> "Profile":
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            _fail(owner, "num_speculative_tokens", self.num_speculative_tokens, "must be an integer >= 0 (0 = no speculation)")
+        if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            _fail(owner, "num_speculative_tokens", self.num_speculative_tokens,
+                  f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0 = no speculation)")
         if self.verify_policy not in ("fixed", "threshold", "scheduler"):
             _fail(owner, "verify_policy", self.verify_policy, "must be 'fixed', 'threshold' or 'scheduler'")
         if not 0.0 <= self.confidence_threshold <= 1.0:
@@ -112,8 +136,8 @@ class SpecConfig:
     def validate(self) -> "SpecConfig":
         own = "SpecConfig"
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or k < 0:
-            _fail(own, "num_speculative_tokens", k, "must be an integer >= 0 (0 = plain decoding)")
+        if not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            _fail(own, "num_speculative_tokens", k, f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0 = plain decoding)")
         if self.drafter not in ("ngram", "dspark"):
             _fail(own, "drafter", self.drafter, "must be 'ngram' or 'dspark'")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:

@@ -18,6 +18,7 @@ read what each step did through observers (`add_observer`, `StepRecord`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from .kernels import ops, registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
 from .graph_step import GraphedStep
-from .sampling import SamplingTensors, conditional_rates
+from .sampling import SamplingTensors, conditional_rates, nonfinite_rows
 
 
 @dataclass
@@ -96,6 +97,32 @@ class _Request:
     slot: int = -1
     anchor: int = -1
     num_computed: int = 0  # tokens the target has committed (prompt + kept tokens)
+
+
+def _prompt_tensor(prompt) -> torch.Tensor:
+    """A prompt as a 1-D long tensor on the CPU: a list or tuple of ints, or a 1-D integer tensor.
+    Anything else (None, text, floats, nested lists) is refused rather than converted."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt: a tensor prompt must be 1-D integer token ids, got shape "
+                             f"{tuple(prompt.shape)} dtype {prompt.dtype}")
+        return prompt.to(device="cpu", dtype=torch.long)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt={prompt!r}: must be a list of integer token ids")
+    for i, t in enumerate(prompt):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"prompt[{i}]={t!r}: token ids must be integers (prompt {prompt!r:.80})")
+    return torch.tensor(list(prompt), dtype=torch.long)
+
+
+def _check_finite(reqs, nonfinite: list[bool]) -> None:
+    """The NaN guard: tokens drawn from NaN or infinite logits are garbage (argmax of NaN is
+    token 0), so the step stops with the requests named instead of emitting them. nonfinite
+    comes from dspark.sampling.nonfinite_rows, read with the step's other results (no extra
+    synchronisation)."""
+    if any(nonfinite):
+        ids = [r.out.request_id for r, b in zip(reqs, nonfinite) if b]
+        raise FloatingPointError(f"request(s) {ids}: the target returned non-finite logits; refusing to sample from them")
 
 
 class Engine:
@@ -241,8 +268,10 @@ class Engine:
 
     def add_request(self, prompt: list[int] | torch.Tensor, params: SamplingParams | None = None) -> int:
         """Queue a request; raises ValueError naming the bad field. Returns its id."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params={params!r}: must be a SamplingParams")
         params = (params or SamplingParams()).validate(self.target.vocab_size)
-        prompt_t = torch.as_tensor(prompt, dtype=torch.long).flatten().cpu()
+        prompt_t = _prompt_tensor(prompt)
         if prompt_t.numel() == 0:
             raise ValueError("prompt=[]: a prompt needs at least one token")
         bad = (prompt_t < 0) | (prompt_t >= self.target.vocab_size)
@@ -287,6 +316,8 @@ class Engine:
             yield from self.step()
 
     def _submit(self, prompts, params):
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts={prompts!r:.80}: must be a list of prompts (each a list of token ids)")
         if not isinstance(params, list):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -299,7 +330,9 @@ class Engine:
             except ValueError as e:
                 rid = self._next_id
                 self._next_id += 1
-                out = RequestOutput(rid, list(prompt) if not isinstance(prompt, torch.Tensor) else prompt.tolist())
+                # The rejected prompt is echoed only when it is a plain sequence of token ids.
+                ok = isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
+                out = RequestOutput(rid, list(prompt) if ok else [])
                 out.finish_reason, out.error = "error", str(e)
                 submitted.append((rid, out))
         return submitted
@@ -345,6 +378,7 @@ class Engine:
                 slots, self._free_slots, [r.anchor for r in reqs], proposal.tokens, num_drafts, proposal.probs,
                 sampling, None if greedy_only else uniforms, None if greedy_only else noise,
                 rates[:kmax] if rates is not None else None)
+            _check_finite(reqs, step.nonfinite)
             num_acc_l, next_l, drafts_l, num_drafts_l = step.num_accepted, step.next_token, step.drafts, step.num_drafts
             num_acc, tokens, taps_out = step.num_accepted_device, step.tokens_device, step.taps
             self._mark("verify")
@@ -353,6 +387,7 @@ class Engine:
             out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
             taps_out = out.taps
             self._mark("verify")
+            _check_finite(reqs, nonfinite_rows(out.logits, 1 + num_drafts).tolist())
             if rates is not None:
                 num_acc, next_tok = ops.synthetic_sample(
                     out.logits, proposal.tokens, num_drafts, rates, sampling, uniforms[:, :kmax], noise)
@@ -518,6 +553,7 @@ class Engine:
         last = torch.tensor([len(r.prompt) - 1 for r in new], device=self.device)
         rows = torch.arange(len(new), device=self.device)
         logits = out.logits[rows, last][:, None]  # [B, 1, V]
+        _check_finite(new, nonfinite_rows(logits).tolist())
         sampling = SamplingTensors.from_params([r.params for r in new], self.device)
         _, noise = self._draw_noise(new, sampling, 1)
         none = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)

@@ -21,7 +21,7 @@ import torch
 
 from .cuda_graphs import StepGraph
 from .kernels import ops
-from .sampling import SamplingTensors
+from .sampling import SamplingTensors, nonfinite_rows
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -34,6 +34,7 @@ class GraphStepResult:
     num_accepted: list[int]
     next_token: list[int]
     num_drafts: list[int]
+    nonfinite: list[bool]  # a NaN or infinite logit among the row's verified positions
     drafts: list[list[int]]
     num_accepted_device: torch.Tensor  # [B]
     tokens_device: torch.Tensor  # [B, T]: anchor and drafts as verified
@@ -68,7 +69,7 @@ class _StaticStep:
         self.sampling = SamplingTensors(torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
                                         torch.ones(B, device=dev), key.all_greedy, key.filters)
         self.sampling_source = None
-        self.host_out = torch.empty(B, T + 2, dtype=torch.long, pin_memory=True)
+        self.host_out = torch.empty(B, T + 3, dtype=torch.long, pin_memory=True)
         self.done = torch.cuda.Event()
 
     def __call__(self):
@@ -76,7 +77,8 @@ class _StaticStep:
         slots, anchors, valid = self.rows
         num_drafts = self.num_drafts * valid
         self.tokens = torch.cat([anchors[:, None], self.drafts], dim=1)  # an output: the drafter commits it
-        out = owner.target.verify(slots, self.tokens, (1 + num_drafts) * valid, owner.tap_layers)
+        lengths = (1 + num_drafts) * valid
+        out = owner.target.verify(slots, self.tokens, lengths, owner.tap_layers)
         uniforms = self.uniforms[:, : key.tokens - 1]
         if key.synthetic:
             num_accepted, next_token = ops.synthetic_sample(
@@ -85,7 +87,9 @@ class _StaticStep:
             num_accepted, next_token = ops.rejection_sample(
                 out.logits, self.drafts, num_drafts, self.probs, self.sampling, uniforms, self.noise)
         owner.target.commit(slots, (num_accepted + 1) * valid * owner.enabled)
-        packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], self.drafts], dim=1)
+        nonfinite = nonfinite_rows(out.logits, lengths).long()
+        packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], nonfinite[:, None],
+                            self.drafts], dim=1)
         return packed, num_accepted, out.taps
 
 
@@ -170,7 +174,7 @@ class GraphedStep:
         rows = step.host_out[:B].tolist()
         return GraphStepResult(
             num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows], num_drafts=[r[2] for r in rows],
-            drafts=[r[3:] for r in rows], num_accepted_device=num_accepted[:B], tokens_device=step.tokens[:B],
+            nonfinite=[bool(r[3]) for r in rows], drafts=[r[4:] for r in rows], num_accepted_device=num_accepted[:B], tokens_device=step.tokens[:B],
             taps={layer: t[:B] for layer, t in taps.items()})
 
     def _fill(self, step: _StaticStep, slots, free_slots, anchors, drafts, num_drafts, probs, sampling,

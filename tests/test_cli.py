@@ -25,8 +25,8 @@ def test_bad_input_is_one_clear_line(capsys):
     assert "target='k3-huge'" in capsys.readouterr().err
     assert main(["generate", "--target", "toy", "--prompt-ids", "1,x"]) == 2
     assert "--prompt-ids '1,x'" in capsys.readouterr().err
-    assert main(["generate", "--target", "toy", "--prompt-ids", "1", "--top-p", "0"]) == 1
-    assert "top_p=0.0" in capsys.readouterr().out
+    assert main(["generate", "--target", "toy", "--prompt-ids", "1", "--top-p", "0"]) == 2
+    assert "dspark generate: error: SamplingParams.top_p=0.0" in capsys.readouterr().err
     assert main(["nonsense"]) == 2
 
 
@@ -124,3 +124,119 @@ def test_sweep_takes_a_vllm_speculative_config(tmp_path, capsys):
     assert "--k 4 and --speculative-config (which sets it to 3)" in capsys.readouterr().err
     assert main(args + ["--drafter-path", "/some/drafter"]) == 2
     assert "only --backend vllm uses it" in capsys.readouterr().err
+
+
+# ---- errors as a user sees them: one line on stderr, exit 2, no traceback --------------------
+
+
+def _run_cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _assert_one_line_error(result, command, *needles):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"dspark {command}: error: "), result.stderr
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_cli_errors_are_one_line_on_stderr(tmp_path):
+    import pytest
+
+    cases = [
+        (["generate", "--target", "toy", "-k", "1000000"], "generate", ["num_speculative_tokens=1000000", "[0, 64]"]),
+        (["generate", "--target", "toy", "--max-seq-len", "8", "-k", "7"], "generate",
+         ["num_speculative_tokens=7", "at most 6", "max_seq_len=8"]),
+        (["generate", "--target", "toy", "--temperature", "1e-31"], "generate", ["temperature=1e-31"]),
+        (["generate", "--target", "toy", "--drafter", "dspark", "--drafter-path", str(tmp_path / "missing")],
+         "generate", [str(tmp_path / "missing")]),
+        (["generate", "--target", "toy", "--max-tokens", "x"], "generate", ["--max-tokens", "'x'"]),
+        (["sweep", "--target", "toy", "--k", "7", "--al", "9"], "sweep", ["--al 9"]),
+        (["nonsense"], None, ["unknown command 'nonsense'"]),
+    ]
+    for args, command, needles in cases:
+        result = _run_cli(*args)
+        if command is None:
+            assert result.returncode == 2 and result.stderr.startswith("dspark: error: unknown command 'nonsense'")
+            continue
+        try:
+            _assert_one_line_error(result, command, *needles)
+        except AssertionError:
+            pytest.fail(f"{args}: {result.stderr}")
+
+
+def test_per_request_errors_go_to_stderr():
+    # The toy target's vocabulary is 64: the second prompt fails alone, the first is decoded.
+    result = _run_cli("generate", "--target", "toy", "--prompt-ids", "1,2,3", "--prompt-ids", "1,99", "--max-tokens", "4")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("dspark generate: error: request 1: prompt token id 99 is outside the "
+                                     "vocabulary [0, 64)")
+    assert "[0] [" in result.stdout and "99" not in result.stdout and "acceptance length" in result.stdout
+    alone = _run_cli("generate", "--target", "toy", "--prompt-ids", "1,99")
+    assert alone.returncode == 2 and "tokens/s" not in alone.stdout
+    assert alone.stderr.startswith("dspark generate: error: request 0: prompt token id 99")
+
+
+def test_handler_turns_file_errors_into_one_line(monkeypatch, capsys):
+    import types
+
+    from dspark import cli
+
+    def missing(args):
+        open("/nonexistent/dspark/config.json")
+
+    fake = types.SimpleNamespace(configure_parser=lambda p: None, main=missing)
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_module", "a test command"))
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: fake)
+    assert cli.main(["fake"]) == 2
+    assert capsys.readouterr().err == "dspark fake: error: /nonexistent/dspark/config.json: No such file or directory\n"
+
+
+def test_setup_env_filters_pips_location_warnings(tmp_path):
+    """scripts/setup_env.sh with a stand-in python that prints what this machine's pip prints."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "venv" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"WARNING: Location '/nowhere/$$' is ignored: it is neither a file nor a directory.\" >&2\n"
+                    "echo \"pip ran: $*\" >&2\n")
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(["bash", str(root / "scripts" / "setup_env.sh")], capture_output=True, text=True,
+                            env={**os.environ, "DSPARK_VENV": str(tmp_path / "venv")}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "is ignored" not in result.stderr
+    assert result.stderr.count("pip ran: -m pip install -q") == 4  # the other lines still come through
+
+
+def test_train_drafter_defaults_to_the_targets_context(monkeypatch):
+    """k3-tiny's limit is 1024 tokens: the default --max-seq-len must not ask for more."""
+    import pytest
+
+    import dspark.build
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(name, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(dspark.build, "build_target", record)
+    for target, want in (("k3-tiny", 1024), ("toy", 4096)):
+        with pytest.raises(Stop):
+            main(["train-drafter", "--target", target, "--drafter", "k3-tiny_dspark", "--out", "/nonexistent"])
+        assert seen["max_seq_len"] == want
+    with pytest.raises(Stop):
+        main(["train-drafter", "--target", "k3-tiny", "--drafter", "k3-tiny_dspark", "--out", "/x", "--max-seq-len", "512"])
+    assert seen["max_seq_len"] == 512

@@ -10,14 +10,13 @@ from safetensors.torch import load_file, save_file
 
 from dspark.targets.kimi_k3 import K3_TINY, K3Model, load_target, save_checkpoint
 from dspark.kernels.mxfp4 import dequantise, pack
+from dspark.threads import one_cpu_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_cpu_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

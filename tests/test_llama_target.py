@@ -22,6 +22,7 @@ from dspark.protocols import Target  # noqa: E402
 from dspark.targets import gguf_assets  # noqa: E402
 from dspark.targets.gguf_assets import GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
 from dspark.targets.llama import LlamaTarget, load_llama_gguf, unpermute_rope_rows  # noqa: E402
+from dspark.threads import one_cpu_thread  # noqa: E402
 
 try:
     GGUF_PATH = find_smollm2_gguf()
@@ -37,10 +38,8 @@ def one_thread():
     """The 135M model's per-token ops are small, so a second thread gains little, while two
     OpenMP threads stall when other jobs share the 2 cores (measured at load ~5: the greedy test
     took 74 s on two threads, 5 s on one). Restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_cpu_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

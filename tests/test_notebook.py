@@ -12,15 +12,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_notebook_executes_on_a_fresh_sweep(tmp_path, monkeypatch):
     target = MarkovTarget(16, seed=0, max_slots=2, max_seq_len=256)
-    points = [measure_point(target, batch=b, k=3, al=al, policy="fixed", context=8, max_tokens=12, warmup_steps=2, seed=0)
+    points = [measure_point(target, batch=b, k=3, al=al, policy="fixed", context=8, max_tokens=12, warmup_steps=2, seed=0,
+                            repeats=2)
               for b in (1, 2) for al in (None, 1.0, 2.5, 4.0)]
     write_results(tmp_path, run_meta("cpu", target="toy", context=8, max_tokens=12, warmup_steps=2), points)
     nb = nbformat.read(ROOT / "notebooks" / "tokens_vs_al.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
     monkeypatch.setenv("DSPARK_SWEEP_FILES", str(tmp_path / "sweep.json"))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend: figures come back as PNGs
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "toy on" in text and "points" in text
+    assert "no measured H200 GPU sweep" in text  # its absence is said, not an error
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 4
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors

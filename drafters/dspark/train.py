@@ -410,7 +410,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
     parser.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="the target's context (default: 4096, or a K3 preset's own limit when smaller)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -436,7 +437,12 @@ def build_model_for(target, drafter: str, seed: int) -> DSparkModel:
 def main(args: argparse.Namespace) -> int:
     from dspark.build import build_target
 
-    target = build_target(args.target, max_slots=args.batch_size, max_seq_len=args.max_seq_len, device=args.device, seed=args.seed)
+    from dspark.targets.kimi_k3.config import PRESETS
+
+    preset = PRESETS.get(args.target)
+    # Caches are sized by max_seq_len: the full K3 limit (1M) would not fit, k3-tiny's 1024 must not be exceeded.
+    max_seq_len = args.max_seq_len or min(4096, preset.max_position_embeddings if preset is not None else 4096)
+    target = build_target(args.target, max_slots=args.batch_size, max_seq_len=max_seq_len, device=args.device, seed=args.seed)
     model = build_model_for(target, args.drafter, args.seed)
     if args.data:
         sequences, masks = read_jsonl_sequences(args.data)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..build import build_engine, build_target
 from ..config import SamplingParams
@@ -33,6 +34,9 @@ def _parse_ids(text: str) -> list[int]:
 
 def main(args) -> int:
     prompts = [_parse_ids(t) for t in args.prompt_ids]
+    # The flags are every request's parameters: refuse bad ones before any model loads.
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens).validate()
     tokenizer = None
     if args.prompt:
         if args.target != "smollm2":
@@ -49,18 +53,20 @@ def main(args) -> int:
     if block:
         raise ValueError("--rejection-sample-method block: block verification is vLLM-only; dspark's engine "
                          "verifies with 'standard' or 'synthetic'")
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens)
     engine = build_engine(spec, target)
     outputs = engine.generate(prompts, params)
     summary = engine.metrics.summary()
     if args.json:
         print(json.dumps({"outputs": [o.__dict__ for o in outputs], "metrics": summary}))
         return 0
+    failed = [o for o in outputs if o.error]
+    for o in failed:  # one request's bad input fails that request alone
+        print(f"dspark generate: error: request {o.request_id}: {o.error}", file=sys.stderr)
+    if len(failed) == len(outputs):
+        return 2
     for o in outputs:
         if o.error:
-            print(f"[{o.request_id}] error: {o.error}")
-            continue
+            continue  # reported above
         text = f"  {tokenizer.decode(o.token_ids, skip_special_tokens=True)!r}" if tokenizer else ""
         print(f"[{o.request_id}] {o.token_ids} ({o.finish_reason}){text}")
     print(f"acceptance length {summary['acceptance_length']:.2f}  tokens/s {summary['tokens_per_s']:.1f}  "

@@ -25,6 +25,7 @@ def _defaults() -> dict:
 
 def main(args: argparse.Namespace) -> int:
     vllm_sweep.apply_speculative_config(args, _defaults())
+    dspark_sweep.parse_grid(args)  # a bad grid is refused before either backend loads anything
     if args.backend == "vllm":
         return vllm_sweep.main(args)
     for flag, value in (("--drafter-path", args.drafter_path), ("--engine-args", args.engine_args)):

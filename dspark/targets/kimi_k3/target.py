@@ -16,33 +16,17 @@ engine bounds every request's k by the context it has left.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
+from dspark.threads import one_cpu_thread
 
 from . import weights as layout
 from .config import PRESETS, get_preset
 from .model import DecodeState, K3Model
-
-
-@contextmanager
-def _one_cpu_thread(device: torch.device):
-    """The CPU path is thousands of tiny per-token ops (numerics.py): one intra-op thread runs
-    them several times faster than two, whose OpenMP hand-offs dominate, most of all on shared
-    cores. The previous thread count is restored afterwards."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _host_ints(values) -> list[int] | None:
@@ -186,7 +170,7 @@ class K3Target:
             slots=index,
             cache_lens=self.lengths.index_select(0, index),
         )
-        with _one_cpu_thread(self.device):
+        with one_cpu_thread(self.device):  # per-token ops (numerics.py): see dspark.threads
             logits, taps, records = self.model.forward(tokens, lengths_t, state, tuple(tap_layers))
         self._pending = (slots, kda, conv, records, host_lengths, T)
         return TargetOutput(logits=logits, taps=taps)
