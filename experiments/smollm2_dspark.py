@@ -410,7 +410,7 @@ def vllm_export_check(checkpoint: Path, out: Path) -> dict:
     """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads."""
     from safetensors import safe_open
 
-    from dspark.vllm_export import export_drafter
+    from dspark.vllm.export import export_drafter
 
     try:
         path = export_drafter(checkpoint, out, layout="deepspec_qwen3", dtype=torch.bfloat16)
