@@ -9,10 +9,12 @@ GPU calls; rerun the same command and it continues):
      half greedy and half at T = 1 -> work/sequences.npz (uint16); the loss masks cover the responses
      (response_loss_masks).
   2. training: DSpark (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and the DFlash
-     ablation (CE only, no Markov correction, confidence head untrained; spec §6.4) on the same batches,
-     AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32 logits and loss;
-     held-out acceptance is measured every --eval-every steps.
-  3. STS calibration of the DSpark confidence head on the held-out calibration prompts (spec §5.2).
+     ablation (CE only, no Markov correction, confidence head untrained; docs/dspark-algorithm.md §6.4) on
+     the same batches, AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32
+     logits and loss; held-out acceptance (calibrate.run_rounds: speculative decoding on the engine, every
+     draft verified) is measured every --eval-every steps.
+  3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
+     calibration prompts (docs/dspark-algorithm.md §5.2).
   4. evaluation in the engine, k = 7, stop at EOS: DSpark, the ablation and n-gram on all HumanEval and
      MT-Bench prompts, greedy and T = 1 (probabilistic drafting: the drafter samples from its q and
      returns q to the rejection sampler); AL with 95% bootstrap intervals over prompts, paired ratios,
@@ -204,7 +206,8 @@ def self_distil(args, make_target, prompts: list[torch.Tensor], eos: int, path: 
 # ---- 2. drafters ----------------------------------------------------------------------------------
 def drafter_config(target, name: str, layers: int, markov_rank: int) -> DSparkConfig:
     """DSpark at SmolLM2 width: GQA 9 heads x 64 / 3 KV heads like the target, taps spread over the
-    30 layers (spec §2.1: never the last), block 7, the dedicated mask id one past the vocabulary."""
+    30 layers (docs/dspark-algorithm.md §2.1: never the last), block 7, the dedicated mask id one past the
+    vocabulary."""
     n = target.num_layers
     taps = tuple(sorted({1, n // 4, n // 2 - 1, 3 * n // 4 - 1, n - 3}))
     return DSparkConfig(name=name, vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=layers,
@@ -215,7 +218,7 @@ def drafter_config(target, name: str, layers: int, markov_rank: int) -> DSparkCo
 
 
 def make_dflash_ablation(model: DSparkModel) -> None:
-    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (spec §6.4: no Markov head, no
+    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (docs/dspark-algorithm.md §6.4: no Markov head, no
     confidence head) has a zero, frozen W2 (its logit bias is exactly 0) and a frozen confidence head
     that conf_weight 0 leaves untrained."""
     with torch.no_grad():
