@@ -3,13 +3,18 @@
 Phases, each resumable from the files it leaves in --work-dir (so a run can span several time-limited
 GPU calls; rerun the same command and it continues):
   1. self-distillation: the target (batched attention path) answers every training prompt of
-     experiments/data/smollm2_prompts.npz (experiments/make_smollm2_data.py), up to --gen-tokens new
-     tokens, stopping at EOS (kept), half greedy and half at T = 1 -> work/sequences.npz (uint16).
+     experiments/data/smollm2_prompts.npz (experiments/make_smollm2_data.py) by plain decoding on the
+     engine (dspark.drafters.dspark.train.generate_sequences; --gen-batch prompts share the target's slots,
+     --prefill-chunk of them prefilled per step), up to --gen-tokens new tokens, stopping at EOS (kept),
+     half greedy and half at T = 1 -> work/sequences.npz (uint16); the loss masks cover the responses
+     (response_loss_masks).
   2. training: DSpark (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and the DFlash
-     ablation (CE only, no Markov correction, confidence head untrained; spec §6.4) on the same batches,
-     AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32 logits and loss;
-     held-out acceptance is measured every --eval-every steps.
-  3. STS calibration of the DSpark confidence head on the held-out calibration prompts (spec §5.2).
+     ablation (CE only, no Markov correction, confidence head untrained; docs/dspark-algorithm.md §6.4) on
+     the same batches, AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32
+     logits and loss; held-out acceptance (calibrate.run_rounds: speculative decoding on the engine, every
+     draft verified) is measured every --eval-every steps.
+  3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
+     calibration prompts (docs/dspark-algorithm.md §5.2).
   4. evaluation in the engine, k = 7, stop at EOS: DSpark, the ablation and n-gram on all HumanEval and
      MT-Bench prompts, greedy and T = 1 (probabilistic drafting: the drafter samples from its q and
      returns q to the rejection sampler); AL with 95% bootstrap intervals over prompts, paired ratios,
@@ -55,7 +60,7 @@ from tqdm import tqdm
 from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.calibrate import fit_temperatures, report, run_rounds
-from dspark.drafters.dspark.train import TrainConfig, train
+from dspark.drafters.dspark.train import TrainConfig, generate_sequences, response_loss_masks, train
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.targets.gguf_assets import file_sha256
@@ -164,57 +169,26 @@ def load_sequences(path: Path) -> tuple[list[int], list[np.ndarray], list[int]]:
 
 
 # ---- 1. self-distillation -------------------------------------------------------------------------
-@torch.no_grad()
-def distil_chunk(target, prompts: list[torch.Tensor], temperatures: list[float], max_new: int, eos: int,
-                 generator: torch.Generator, prefill_chunk: int) -> list[np.ndarray]:
-    """Prompt + the target's continuation (EOS included when reached) for each prompt, decoding all of
-    them together; prefill goes prefill_chunk prompts at a time (its logits are [chunk, P, V])."""
-    slots, device = list(range(len(prompts))), target.device
-    last = []
-    try:
-        for start in range(0, len(prompts), prefill_chunk):
-            part = prompts[start : start + prefill_chunk]
-            out = target.prefill(slots[start : start + len(part)], [p.to(device) for p in part])
-            lengths = torch.tensor([len(p) for p in part], device=device)
-            last.append(out.logits[torch.arange(len(part), device=device), lengths - 1])
-        logits = torch.cat(last)
-        temps = torch.tensor(temperatures, device=device)[:, None]
-        generated = [[] for _ in prompts]
-        live = list(slots)
-        for step in range(max_new):
-            probs = (logits.float() / temps[live].clamp_min(1e-6)).softmax(-1)
-            sampled = torch.multinomial(probs, 1, generator=generator)[:, 0]
-            nxt = torch.where(temps[live, 0] == 0, logits.argmax(-1), sampled)
-            for i, t in zip(live, nxt.tolist()):
-                generated[i].append(t)
-            keep = [j for j, i in enumerate(live) if generated[i][-1] != eos and len(generated[i]) < max_new]
-            if not keep:
-                break
-            index = torch.tensor(keep, device=device)
-            live = [live[j] for j in keep]
-            ones = torch.ones(len(live), dtype=torch.long, device=device)
-            logits = target.verify(live, nxt[index, None], ones).logits[:, 0]
-            target.commit(live, ones)
-    finally:
-        target.release(slots)
-    return [np.concatenate([p.numpy(), np.array(g, dtype=np.int64)]).astype(np.uint16) for p, g in zip(prompts, generated)]
-
-
 def self_distil(args, make_target, prompts: list[torch.Tensor], eos: int, path: Path, results: dict, save,
-                deadline: float) -> tuple:
+                deadline: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The target's answer to every prompt, decoded on the engine --gen-batch prompts at a time (all of
+    them in the target's slots together, --prefill-chunk joining per step), each batch saved as it
+    finishes. Returns (the prompts answered, prompt + answer) in the order of the file."""
     done, sequences, prompt_lengths = load_sequences(path)
     todo = [i for i in range(len(prompts)) if i not in set(done)]
     if todo:
         target = make_target(args.gen_batch)
-        generator = torch.Generator(device=target.device).manual_seed(args.seed)
         for start in tqdm(range(0, len(todo), args.gen_batch), desc="self-distil"):
             if time.time() > deadline:
                 raise StoppedEarly(f"self-distillation: {len(done)} of {len(prompts)} prompts answered (--time-limit)")
             chunk = todo[start : start + args.gen_batch]
-            # Alternate greedy and T = 1 responses (issue 13: mixed greedy and T = 1).
-            temps = [0.0 if i % 2 == 0 else 1.0 for i in chunk]
-            sequences += distil_chunk(target, [prompts[i] for i in chunk], temps, args.gen_tokens, eos, generator,
-                                      args.prefill_chunk)
+            # Alternate greedy and T = 1 responses (issue 13: mixed greedy and T = 1); the seeds depend
+            # on the batch's first prompt only, so a resumed run draws the same responses.
+            generated = generate_sequences(
+                target, [prompts[i] for i in chunk], args.gen_tokens, [0.0 if i % 2 == 0 else 1.0 for i in chunk],
+                torch.Generator().manual_seed(args.seed * 1_000_003 + chunk[0]), eos_token_ids=(eos,),
+                admit_per_step=args.prefill_chunk)
+            sequences += [s.numpy().astype(np.uint16) for s in generated]
             done += chunk
             prompt_lengths += [len(prompts[i]) for i in chunk]
             save_sequences(path, done, sequences, prompt_lengths)
@@ -226,13 +200,14 @@ def self_distil(args, make_target, prompts: list[torch.Tensor], eos: int, path: 
                                     "response_tokens": int(sum(len(s) - p for s, p in zip(sequences, prompt_lengths))),
                                     "file": str(path), "bytes": path.stat().st_size}
     save()
-    return sequences, prompt_lengths
+    return [prompts[i] for i in done], [torch.from_numpy(s.astype(np.int64)) for s in sequences]
 
 
 # ---- 2. drafters ----------------------------------------------------------------------------------
 def drafter_config(target, name: str, layers: int, markov_rank: int) -> DSparkConfig:
     """DSpark at SmolLM2 width: GQA 9 heads x 64 / 3 KV heads like the target, taps spread over the
-    30 layers (spec §2.1: never the last), block 7, the dedicated mask id one past the vocabulary."""
+    30 layers (docs/dspark-algorithm.md §2.1: never the last), block 7, the dedicated mask id one past the
+    vocabulary."""
     n = target.num_layers
     taps = tuple(sorted({1, n // 4, n // 2 - 1, 3 * n // 4 - 1, n - 3}))
     return DSparkConfig(name=name, vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=layers,
@@ -243,7 +218,7 @@ def drafter_config(target, name: str, layers: int, markov_rank: int) -> DSparkCo
 
 
 def make_dflash_ablation(model: DSparkModel) -> None:
-    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (spec §6.4: no Markov head, no
+    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (docs/dspark-algorithm.md §6.4: no Markov head, no
     confidence head) has a zero, frozen W2 (its logit bias is exactly 0) and a frozen confidence head
     that conf_weight 0 leaves untrained."""
     with torch.no_grad():
@@ -410,7 +385,7 @@ def vllm_export_check(checkpoint: Path, out: Path) -> dict:
     """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads."""
     from safetensors import safe_open
 
-    from dspark.vllm_export import export_drafter
+    from dspark.vllm.export import export_drafter
 
     try:
         path = export_drafter(checkpoint, out, layout="deepspec_qwen3", dtype=torch.bfloat16)
@@ -488,12 +463,9 @@ def run(args) -> dict:
         return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=attention)
 
     phase_done("load")
-    sequences, prompt_lengths = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save,
-                                            deadline)
+    answered, seqs = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save, deadline)
     phase_done("self_distil")
-    seqs = [torch.from_numpy(s.astype(np.int64)) for s in sequences]
-    masks = [torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(len(s) - p, dtype=torch.long)])
-             for s, p in zip(seqs, prompt_lengths)]
+    masks = response_loss_masks(answered, seqs)
     held_out = calibration[: args.held_out_prompts]
 
     target = make_target(args.batch_size)

@@ -154,6 +154,35 @@ def test_anchor_chunks_give_the_same_loss_and_gradients():
     assert any(g.abs().max() > 0 for g in g0.values())
 
 
+def test_generated_sequences_admit_a_few_per_step_with_per_prompt_temperatures():
+    """admit_per_step bounds how many prompts one prefill takes while the others decode, without
+    changing any response; a list of temperatures gives each prompt its own (the seeds are drawn
+    in prompt order either way, so each response matches the run at its prompt's temperature)."""
+    target = SyntheticTarget(seed=8, max_slots=5)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, target.vocab_size, (int(n),), generator=g) for n in (3, 8, 5, 12, 4, 6, 7, 2, 9, 5, 3)]
+    prefill_sizes = []
+    prefill = target.prefill
+    target.prefill = lambda slots, *rest: prefill_sizes.append(len(slots)) or prefill(slots, *rest)
+    runs = {t: generate_sequences(target, prompts, 12, t, torch.Generator().manual_seed(4), eos_token_ids=())
+            for t in (0.0, 1.0)}
+    assert max(prefill_sizes) == target.max_slots and sum(prefill_sizes) == 2 * len(prompts)
+    assert any(not torch.equal(a, b) for a, b in zip(runs[0.0], runs[1.0])), "T = 1 drew the greedy responses"
+    prefill_sizes.clear()
+    temperatures = [float(i % 2) for i in range(len(prompts))]
+    mixed = generate_sequences(target, prompts, 12, temperatures, torch.Generator().manual_seed(4), eos_token_ids=(),
+                               admit_per_step=2)
+    assert max(prefill_sizes) == 2 and sum(prefill_sizes) == len(prompts)
+    for i, s in enumerate(mixed):
+        assert s.tolist() == runs[temperatures[i]][i].tolist(), i
+    with pytest.raises(ValueError, match=r"temperature\[1\]=-0.5"):
+        generate_sequences(target, prompts[:2], 4, [0.0, -0.5])
+    with pytest.raises(ValueError, match="3 temperatures for 2 prompts"):
+        generate_sequences(target, prompts[:2], 4, [0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="admit_per_step=0"):
+        generate_sequences(target, prompts[:2], 4, admit_per_step=0)
+
+
 def test_generated_sequences_stop_at_eos_and_the_mask_ends_with_it():
     """Issue 13: a continuation ends with its first EOS (kept) and the loss mask covers exactly
     the response; with the same per-request seeds the stopped run is a prefix of the free one."""
