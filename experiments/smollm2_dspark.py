@@ -46,9 +46,7 @@ import hashlib
 import json
 import math
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +61,7 @@ from dspark.drafters.dspark.calibrate import fit_temperatures, report, run_round
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, response_loss_masks, train
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
+from dspark.provenance import provenance
 from dspark.targets.gguf_assets import file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -398,13 +397,6 @@ def vllm_export_check(checkpoint: Path, out: Path) -> dict:
 
 
 # ---- the run --------------------------------------------------------------------------------------
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 @functools.cache
 def read_gguf(path: str):
     """(LlamaConfig, CPU weights) of a GGUF, dequantised once per process (resumed calls in one
@@ -427,9 +419,7 @@ def run(args) -> dict:
     # continues them.
     kept = work / "results.json"
     results = json.loads(kept.read_text()) if kept.is_file() and args.resume_results else {}
-    results.update({"command": " ".join(sys.argv), "settings": vars(args), "git_commit": git_commit(),
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
-                    "torch": torch.__version__, "complete": False})
+    results.update({**provenance(device), "settings": vars(args), "complete": False})
     def save() -> None:
         write_json_atomic(kept, results)
         write_json_atomic(out, results)
