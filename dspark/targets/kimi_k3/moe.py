@@ -18,10 +18,11 @@ from dspark.kernels import ops
 
 from .config import K3Config
 
-# On CUDA the shared experts run on a side stream, concurrently with the routed path: they need
-# only x, so their weight reads overlap the latency-bound routing kernels (and the reverse).
-# experiments/notes/moe.md has the H200 numbers (block -36 us at T = 8; bit-identical outputs).
-OVERLAP_SHARED = True
+# Whether the shared experts run on a side stream, concurrently with the routed path (they need
+# only x). Eagerly that saved 36 us per block at T = 8 (experiments/notes/moe.md); inside the
+# CUDA graph of a whole k3-slice step it cost 0.36 ms per step (4.98 ms against 4.62 ms at T = 8,
+# experiments/results/h200/step_bench_ab_shared_overlap_{on,off}.json), so it is off.
+OVERLAP_SHARED = False
 
 
 @dataclass
