@@ -6,8 +6,9 @@
   to bucket 2 to bucket 1).
 - Greedy speculative decoding against plain decoding: the GPU kernels are equal to a tolerance
   across T (a verify of 8 tokens and a decode of 1 use different GEMM splits), so the outputs
-  must agree until a position where plain decoding's top-2 logit margin is within that
-  tolerance (0.05 on logits of unit scale; bf16 GEMMs differ by about 1e-2 there).
+  must agree until a position where the two tokens the paths chose are within that tolerance
+  of each other in plain decoding's logits there (MARGIN on logits of unit scale; bf16 GEMMs
+  over 7168-wide rows differ by about 1e-2; the bound is not yet measured, hence generous).
 """
 import pytest
 import torch
@@ -19,7 +20,7 @@ from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-MARGIN = 0.05
+MARGIN = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +67,15 @@ def test_a_batch_leaving_mid_run_replays_smaller_buckets(model):
     assert {key.batch for key in engine._graphs.replays} == {1, 2, 4}
 
 
-def _plain_top2_margin(model, prompt, emitted, position):
-    """Plain decoding's top-2 logit margin for the token at `position` of the output."""
+def _plain_logit_gap(model, prompt, emitted, position, a, b):
+    """|logit(a) - logit(b)| where plain decoding chose the token at `position` of its output:
+    decoding the prefix one token at a time, as plain decoding did."""
     target = K3Target(model, max_slots=1, max_seq_len=256)
-    tokens = torch.tensor(prompt + emitted[:position])
-    logits = target.prefill([0], [tokens]).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
+    logits = target.prefill([0], [torch.tensor(prompt[:1])]).logits[0, -1]
+    for token in (prompt[1:] + emitted[:position]):
+        logits = target.verify([0], torch.tensor([[token]], device="cuda"), [1]).logits[0, 0]
+        target.commit([0], [1])
+    return float((logits[a] - logits[b]).abs())
 
 
 class OracleDrafter:
@@ -114,8 +117,8 @@ def test_greedy_speculative_output_matches_plain_decoding(model):
     speculative = engine.generate([prompt], params)[0].token_ids
     for j, (a, b) in enumerate(zip(speculative, plain)):
         if a != b:
-            margin = _plain_top2_margin(model, prompt, plain, j)
-            assert margin < MARGIN, f"first difference at token {j} with a top-2 margin of {margin:.3f}"
+            gap = _plain_logit_gap(model, prompt, plain, j, a, b)
+            assert gap < MARGIN, f"first difference at token {j}: tokens {a} and {b} are {gap:.3f} apart"
             return
     assert len(speculative) == len(plain)
     assert engine.metrics.num_steps < len(speculative) // 2, "the oracle's drafts were not accepted"
