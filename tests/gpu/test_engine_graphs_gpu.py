@@ -69,10 +69,10 @@ def test_a_batch_leaving_mid_run_replays_smaller_buckets(model):
 
 def _plain_logit_gap(model, prompt, emitted, position, a, b):
     """|logit(a) - logit(b)| where plain decoding chose the token at `position` of its output:
-    decoding the prefix one token at a time, as plain decoding did."""
+    the prompt prefilled, then the output fed one token at a time, as plain decoding did."""
     target = K3Target(model, max_slots=1, max_seq_len=256)
-    logits = target.prefill([0], [torch.tensor(prompt[:1])]).logits[0, -1]
-    for token in (prompt[1:] + emitted[:position]):
+    logits = target.prefill([0], [torch.tensor(prompt)]).logits[0, -1]
+    for token in emitted[:position]:
         logits = target.verify([0], torch.tensor([[token]], device="cuda"), [1]).logits[0, 0]
         target.commit([0], [1])
     return float((logits[a] - logits[b]).abs())
