@@ -98,7 +98,7 @@ class FixedK:
 
 class ConfidenceThreshold:
     """Verify the prefix up to (excluding) the first position whose conditional confidence c_j is
-    below `threshold` (DeepSpec's `_confident_prefix_length`, spec §5.5). threshold 0 verifies
+    below `threshold` (DeepSpec's `_confident_prefix_length`, docs/dspark-algorithm.md §5.5). threshold 0 verifies
     the whole block."""
 
     def __init__(self, threshold: float, k: int | None = None):
@@ -121,7 +121,7 @@ class SPSTable:
 
     Built from profiled sizes. Between sizes the step time (1/SPS) is interpolated linearly; below
     the smallest size the smallest's rate holds; above the largest the last segment's time slope
-    continues (as vLLM's cost tables do, spec §5.6). The table is made monotone on construction:
+    continues (as vLLM's cost tables do, docs/dspark-algorithm.md §5.6). The table is made monotone on construction:
     more tokens never give more steps/s (a running minimum over sizes absorbs timing noise).
     """
 
@@ -216,7 +216,7 @@ class SPSTable:
 
 
 class ConfidenceScheduler:
-    """Algorithm 1 of the DSpark paper (spec §5.3): choose per-request verification lengths that
+    """Algorithm 1 of the DSpark paper (docs/dspark-algorithm.md §5.3): choose per-request verification lengths that
     maximise Θ = τ·SPS(B), where B = Σ_r (1 + ℓ_r) tokens are verified and τ = Σ_r (1 + Σ_{j≤ℓ_r} a_rj)
     tokens are expected to be emitted, a_rj = Π_{i≤j} c_ri being the survival of draft j.
 

@@ -37,18 +37,18 @@ SYNTHETIC_PRESETS: dict[str, SyntheticPreset] = {
         SyntheticPreset(
             "kimi-k3-dspark-golden",
             "SemiAnalysis InferenceX golden AL for Kimi K3 + Inferact/Kimi-K3-DSpark, SPEED-Bench coding, "
-            "thinking on, B300, probabilistic draft + block verify (../shared/spec/kimi-k3.md §4)",
+            "thinking on, B300, probabilistic draft + block verify (docs/kimi-k3.md §4)",
             lengths={1: 1.85, 2: 2.51, 3: 3.00, 4: 3.36, 5: 3.62, 6: 3.75, 7: 3.84, 8: 4.00},
         ),
         SyntheticPreset(
             "kimi-k3-dspark-greedy",
-            "the plain/greedy golden curve at k = 7 (InferenceX#2361/#2368; ../shared/spec/kimi-k3.md §4)",
+            "the plain/greedy golden curve at k = 7 (InferenceX#2361/#2368; docs/kimi-k3.md §4)",
             lengths={7: 3.78},
         ),
         SyntheticPreset(
             "seed-al6-k7",
             "AL = 6 at k = 7, the optimistic operating point of the seed's GB300 target "
-            "(vLLM's minimum-variance schedule gives rates [1,1,1,1,1,0,0]; ../shared/spec/kimi-k3.md §5.3)",
+            "(vLLM's minimum-variance schedule gives rates [1,1,1,1,1,0,0]; docs/kimi-k3.md §5.3)",
             rates={7: (1, 1, 1, 1, 1, 0, 0)},
         ),
     )

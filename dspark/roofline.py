@@ -1,14 +1,14 @@
 """Bytes, FLOPs and bandwidth floors of a Kimi K3 decode or verify step.
 
 Every byte count is derived from the tensor shapes of a K3Config (docs/kimi-k3.md §1.3);
-the model and its assumptions are those of spec §6:
+the model and its assumptions are those of docs/kimi-k3.md §6:
 - every weight is read once per forward, whatever the number of tokens in the step;
 - routed experts are MXFP4 (4-bit codes + one 8-bit E8M0 scale per group of 32 = 4.25 bit/weight)
   and only the distinct experts the step's tokens route to are read;
 - the MLA latent KV of every request is read once per step (all query tokens share the pages);
 - KDA recurrent state (fp32) and conv window (bf16) are read and written once per plain decode
   step; a verify step either writes a snapshot after every token ("native", vLLM) or writes one
-  state plus per-token replay records ("replay", ReplaySSM / RecoverSSM), spec §2.3 and §6.4;
+  state plus per-token replay records ("replay", ReplaySSM / RecoverSSM), docs/kimi-k3.md §2.3 and §6.4;
 - the draft pass reads the drafter's weights, the target's lm_head and the drafter's context cache;
 - no activation, communication or launch costs: these are floors.
 
@@ -55,7 +55,7 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
 
 
-# ---- weights (spec §1.3 shapes, §6.1 table) -----------------------------------------------------
+# ---- weights (docs/kimi-k3.md §1.3 shapes, §6.1 table) -----------------------------------------------------
 
 # Kinds of trunk tensors: "proj" matmul weights stored in the trunk dtype; "matmul_bf16" matmul
 # weights kept bf16 in every mode (lm_head); "bf16" and "fp32" vectors (norms, AttnRes
@@ -100,11 +100,11 @@ def trunk_elements(cfg: K3Config = K3) -> dict[str, dict[str, int]]:
 
 
 def trunk_weight_bytes(cfg: K3Config = K3, trunk_dtype: str = "bf16") -> dict[str, float]:
-    """Bytes of every non-routed weight read by one forward, per component (spec §6.1).
+    """Bytes of every non-routed weight read by one forward, per component (docs/kimi-k3.md §6.1).
 
     `trunk_dtype` applies to every projection matrix of KDA, MLA, the router and latent down/up
     projections, the shared experts and the dense FFN; lm_head stays bf16 and the vectors keep
-    their dtype. With "fp8" this is spec §6.1's requantized trunk (82.6 GB of weights per token).
+    their dtype. With "fp8" this is docs/kimi-k3.md §6.1's requantized trunk (82.6 GB of weights per token).
     """
     _check_choice("trunk_dtype", trunk_dtype, DTYPE_BYTES)
     per_kind = {"proj": DTYPE_BYTES[trunk_dtype], "matmul_bf16": BF16, "bf16": BF16, "fp32": FP32}
@@ -120,12 +120,12 @@ def trunk_matmul_params(cfg: K3Config = K3) -> int:
 
 
 def expert_params(cfg: K3Config = K3) -> int:
-    """Weights of one routed expert: w1, w3 [I, L] and w2 [L, I] in latent space (spec §1.3)."""
+    """Weights of one routed expert: w1, w3 [I, L] and w2 [L, I] in latent space (docs/kimi-k3.md §1.3)."""
     return 3 * cfg.moe_intermediate_size * cfg.latent_size
 
 
 def expert_bytes(cfg: K3Config = K3) -> float:
-    """MXFP4 bytes of one routed expert: 4-bit codes + one uint8 scale per group (spec §1.3:
+    """MXFP4 bytes of one routed expert: 4-bit codes + one uint8 scale per group (docs/kimi-k3.md §1.3:
     17,547,264 B for K3)."""
     p = expert_params(cfg)
     return p / 2 + p / cfg.mxfp4_group_size
@@ -134,7 +134,7 @@ def expert_bytes(cfg: K3Config = K3) -> float:
 def distinct_experts(cfg: K3Config, num_tokens: int, expert_dedup: float | None = None) -> float:
     """Expected distinct routed experts per MoE layer touched by `num_tokens` tokens.
 
-    Uniform independent routing (spec §6.3): N * (1 - (1 - k/N)^T), the pessimistic case.
+    Uniform independent routing (docs/kimi-k3.md §6.3): N * (1 - (1 - k/N)^T), the pessimistic case.
     `expert_dedup` is a measured overlap factor instead: routed (token, expert) pairs per distinct
     expert, so distinct = k*T / dedup (1 = no sharing; colibri measured 2.7 in 32-token chunks).
     """
@@ -234,7 +234,7 @@ def step_cost(
     """One target forward of `tokens_per_request` tokens for each of `batch` requests whose
     committed context is `context` tokens. tokens_per_request = 1 without a draft is a plain
     decode step; a verify of k drafts feeds T = k + 1 (anchor + drafts). With `draft`, the
-    drafter's pass for the next block is added (spec §6.4 "spec step")."""
+    drafter's pass for the next block is added (docs/kimi-k3.md §6.4 "spec step")."""
     _check_positive_int("batch", batch)
     _check_positive_int("tokens_per_request", tokens_per_request)
     _check_positive_int("context", context, minimum=0)
@@ -251,14 +251,14 @@ def step_cost(
     e_bytes = expert_bytes(cfg)
     nbytes["routed_experts"] = num_moe * distinct * e_bytes
 
-    # MLA latent KV: read the committed context once, write the T new rows (spec §3, §6.2).
+    # MLA latent KV: read the committed context once, write the T new rows (docs/kimi-k3.md §3, §6.2).
     kv_row = cfg.kv_cache_width * DTYPE_BYTES[kv_dtype] * num_mla
     nbytes["mla_kv"] = batch * (context + T) * kv_row
 
-    # KDA per request and layer: fp32 state H x K x V and a bf16 conv window of (conv-1) taps on q, k, v (spec §2.1).
+    # KDA per request and layer: fp32 state H x K x V and a bf16 conv window of (conv-1) taps on q, k, v (docs/kimi-k3.md §2.1).
     state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * FP32
     conv = (cfg.kda_conv_size - 1) * cfg.kda_width * 3 * BF16
-    # A replay record per head and token: u in fp32 plus k and the raw gate in bf16 (RecoverSSM, spec §2.3).
+    # A replay record per head and token: u in fp32 plus k and the raw gate in bf16 (RecoverSSM, docs/kimi-k3.md §2.3).
     record = cfg.kda_num_heads * (cfg.kda_head_dim * FP32 + 2 * cfg.kda_head_dim * BF16)
     verifying = T > 1
     if verifying and kda_state == "native":
@@ -277,7 +277,7 @@ def step_cost(
         "trunk_matmuls": 2.0 * trunk_matmul_params(cfg) * tokens,
         "routed_experts": 2.0 * num_moe * cfg.num_experts_per_token * expert_params(cfg) * tokens,
         "mla_attention": 2.0 * batch * num_mla * cfg.mla_num_heads * keys * (cfg.kv_cache_width + cfg.kv_lora_rank),
-        # per head and token: decay K*V, S^T k 2KV, rank-1 update 2KV, S^T q 2KV (spec §2.1 step 5), and the
+        # per head and token: decay K*V, S^T k 2KV, rank-1 update 2KV, S^T q 2KV (docs/kimi-k3.md §2.1 step 5), and the
         # depthwise conv on q, k, v.
         "kda_recurrence": float(tokens * num_kda * (
             cfg.kda_num_heads * 7 * cfg.kda_head_dim * cfg.kda_head_dim + 2 * 3 * cfg.kda_width * cfg.kda_conv_size
@@ -314,7 +314,7 @@ def step_cost(
     )
 
 
-# ---- expert-parallel imbalance (spec §6.5, EP16 column) ---------------------------------------------
+# ---- expert-parallel imbalance (docs/kimi-k3.md §6.5, EP16 column) ---------------------------------------------
 
 @functools.lru_cache(maxsize=256)
 def _expected_max_per_rank_integer(num_experts: int, num_ranks: int, distinct: int) -> float:
@@ -364,7 +364,7 @@ def _log_comb(n, k) -> np.ndarray:
 
 def expected_max_experts_per_rank(num_experts: int, num_ranks: int, distinct: float) -> float:
     """Expected experts on the busiest of `num_ranks` expert-parallel ranks when `distinct`
-    experts per layer are touched (spec §6.5: 3.05 for 16 experts on 16 ranks of 56, 12.28 for the
+    experts per layer are touched (docs/kimi-k3.md §6.5: 3.05 for 16 experts on 16 ranks of 56, 12.28 for the
     120.28 of an 8-token verify). Non-integer `distinct` interpolates linearly between its
     neighbours."""
     _check_positive_int("num_ranks", num_ranks)
@@ -422,11 +422,11 @@ def step_time(
     Ideal sharding: every byte is split evenly (total / (G * bandwidth)). Expert parallel: the
     non-routed bytes (trunk, KV, state, draft) are still split evenly (trunk TP-sharded over all
     G), but each rank owns num_experts/G contiguous experts and the busiest rank bounds the step:
-    it reads E[max experts per rank] experts per MoE layer (spec §6.5). `max_experts_per_rank`
+    it reads E[max experts per rank] experts per MoE layer (docs/kimi-k3.md §6.5). `max_experts_per_rank`
     takes a measured figure instead of the uniform-routing expectation. The compute floor
     (FLOPs / (G * peak)) applies when the GPU has a peak figure; the floor is the larger one.
 
-    Spec §6.5's EP16 column leaves the KV and KDA-state bytes off the busiest rank; here they are
+    docs/kimi-k3.md §6.5's EP16 column leaves the KV and KDA-state bytes off the busiest rank; here they are
     split over the ranks like the trunk, so these floors come out 0.7-1.0% slower than that column.
     """
     _check_positive_int("num_gpus", num_gpus)

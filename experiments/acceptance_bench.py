@@ -11,7 +11,7 @@ launched from Python. The pure-read floor of a case is its input bytes at the re
 measured in the same run, a measured torch.amax over the same bytes (one kernel per input,
 graph), and `read_kernel`: one Triton launch with our split that only reads the same bytes (the
 floor of any one-launch design: launch latency plus the read).
-Goal: <= 20 us for T = 8 (kernels.md §7 row 9).
+Goal: <= 20 us for T = 8 (docs/kernels.md §7 row 9).
 
 Usage: python experiments/acceptance_bench.py [--out experiments/results/h200/acceptance_bench.json]
 """

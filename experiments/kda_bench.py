@@ -2,7 +2,7 @@
 the CuTe DSL kernels (kernels/kda/cute_kernel.py) vs fla's Triton fused_recurrent_kda vs the torch
 reference (kernels/kda/reference.py) run on the GPU.
 
-Method (METHOD.md): random inputs; `layers` independent layers (states, inputs, records) rotate so
+Method (docs/kernels.md §11): random inputs; `layers` independent layers (states, inputs, records) rotate so
 their fp32 states (6.29 MB each) are >= 1.5x the L2 and every call streams its state from HBM;
 CUDA events; warm-up first; median over repeats. Per-layer microseconds two ways:
   graph - one CUDA graph of a pass over all layers, replay time / layers (how a verify step runs);

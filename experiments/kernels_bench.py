@@ -1,7 +1,7 @@
 """Skinny-GEMM bandwidth on the GPU: a pure-read ceiling, cuBLAS (torch.mm) and the CuTe DSL
 Hopper kernel (kernels/linear/cute_sm90.py) at every Kimi K3 trunk shape and M in {1,2,4,8,16}.
 
-Method (METHOD.md / spec kernels.md §7 row 1): weights are bf16 random normal; enough weight copies
+Method (docs/kernels.md §11, §7 row 1): weights are bf16 random normal; enough weight copies
 rotate that their total is >= 4x the L2, so every call streams its weight from HBM; CUDA events;
 warm-up first; median over repeats. Two timings per implementation:
   graph  - `reps` calls captured in one CUDA graph, time per call = replay time / reps

@@ -1,6 +1,6 @@
 """MXFP4 as stored by K3's routed experts (compressed-tensors format `mxfp4-pack-quantized`).
 
-Spec: docs/kimi-k3.md §1.2 (quantization_config) and §1.3 (tensor shapes).
+Design notes: docs/kimi-k3.md §1.2 (quantization_config) and §1.3 (tensor shapes).
 
 - Element: FP4 E2M1, one 4-bit code per weight: bits 0-2 index the magnitude table
   [0, 0.5, 1, 1.5, 2, 3, 4, 6], bit 3 is the sign.

@@ -1,4 +1,4 @@
-"""Confidence calibration by sequential temperature scaling (spec dspark-algorithm §5.2)."""
+"""Confidence calibration by sequential temperature scaling (docs/dspark-algorithm.md §5.2)."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Drafter checkpoints: exact round trip and the published Kimi K3 DSpark layout (spec kimi-k3 §4)."""
+"""Drafter checkpoints: exact round trip and the published Kimi K3 DSpark layout (docs/kimi-k3.md §4)."""
 import dataclasses
 import json
 
@@ -166,7 +166,7 @@ def test_layout_errors_name_the_tensor(tmp_path):
 
 
 def test_k3_dspark_config_json_carries_the_published_values():
-    """The published K3 DSpark config.json fields (spec kimi-k3 §4) come out of K3_DSPARK unchanged."""
+    """The published K3 DSpark config.json fields (docs/kimi-k3.md §4) come out of K3_DSPARK unchanged."""
     from dspark.drafters.dspark import K3_DSPARK
 
     published = {

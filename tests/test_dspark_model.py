@@ -1,4 +1,4 @@
-"""DSpark drafter model and Drafter wrapper (spec dspark-algorithm §2-3, §11)."""
+"""DSpark drafter model and Drafter wrapper (docs/dspark-algorithm.md §2-3, §11)."""
 import copy
 import math
 import dataclasses
@@ -212,7 +212,7 @@ def test_bad_input_names_the_field():
 
 def test_k3_dspark_preset_has_the_published_parameter_count():
     """5 MLA layers at K3 dims: 2,387,907,841 drafter-owned parameters (4,775,815,682 bf16 bytes)
-    plus the 163840 x 7168 embedding copy = 3.562B, as published (spec kimi-k3 §4)."""
+    plus the 163840 x 7168 embedding copy = 3.562B, as published (docs/kimi-k3.md §4)."""
     c = K3_DSPARK
     assert (c.hidden_size, c.num_layers, c.num_heads, c.intermediate_size, c.block_size) == (7168, 5, 64, 14336, 7)
     assert c.target_layer_ids == (2, 23, 47, 71, 89) and c.mask_token_id == 163837 and c.markov_rank == 256
@@ -246,7 +246,7 @@ def test_rope_scores_depend_only_on_relative_position(interleaved):
 
 
 def test_yarn_frequencies_and_scales():
-    """DeepSeek YaRN (spec kimi-k3 §4: factor 32 over 32768): the fastest dims keep their
+    """DeepSeek YaRN (docs/kimi-k3.md §4: factor 32 over 32768): the fastest dims keep their
     frequency, the slowest are divided by the factor; mscale_all_dim=1 gives a softmax scale of
     (0.1 ln 32 + 1)^2 and unit cos/sin scale."""
     from dspark.drafters.dspark.model import Rotary

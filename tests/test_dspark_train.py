@@ -1,4 +1,4 @@
-"""DSpark drafter training (spec dspark-algorithm §6) on the synthetic learnable target."""
+"""DSpark drafter training (docs/dspark-algorithm.md §6) on the synthetic learnable target."""
 import json
 import math
 

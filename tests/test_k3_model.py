@@ -1,6 +1,6 @@
 """The K3 decoder (k3-tiny, float32) against an independent float64 forward over the checkpoint
 tensors: un-absorbed MLA with a causal mask, KDA recurrence from a zero conv window, a dense
-expert loop, and the Block AttnRes flow of spec kimi-k3.md §7."""
+expert loop, and the Block AttnRes flow of docs/kimi-k3.md §7."""
 import math
 
 import pytest

@@ -1,5 +1,5 @@
 """Verification-length policies (dspark/policy.py): fixed, confidence threshold and the paper's
-confidence scheduler (../shared/spec/dspark-algorithm.md §5.3), including the Appendix A
+confidence scheduler (docs/dspark-algorithm.md §5.3), including the Appendix A
 counterexample as a sampling experiment."""
 import itertools
 import json
@@ -133,7 +133,7 @@ def brute_force_best(survival, proposed, sps):
 
 def test_scheduler_finds_the_optimum_on_a_concave_table():
     # With a smooth table (step time linear in tokens) Θ is unimodal along the greedy path, so
-    # Algorithm 1's early stop lands on the global optimum (spec §5.3). Fresh random confidences.
+    # Algorithm 1's early stop lands on the global optimum (docs/dspark-algorithm.md §5.3). Fresh random confidences.
     torch.manual_seed(random.randrange(1 << 30))
     table = SPSTable(list(range(1, 40)), [1.0 / (1.0 + 0.15 * n) for n in range(1, 40)])
     for _ in range(20):
@@ -183,7 +183,7 @@ def test_calibrated_confidence_changes_the_schedulers_choice():
 # ---- Appendix A: the early stop is what keeps the scheduler lossless ------------------------------
 
 def rejection_sample(drafts, length, p_target, q_draft, generator) -> list[int]:
-    """Standard speculative sampling (spec §4) on the first `length` drafts: accept x_j with
+    """Standard speculative sampling (docs/dspark-algorithm.md §4) on the first `length` drafts: accept x_j with
     probability min(1, p(x_j)/q(x_j)); on a rejection emit a sample of norm(max(0, p - q)) and
     stop; if all are accepted emit a bonus token from p."""
     emitted = []

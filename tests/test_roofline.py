@@ -24,7 +24,7 @@ def rel(actual, expected):
 # ---- §6.1 weights per token --------------------------------------------------------------------
 
 def test_trunk_components_match_spec_table():
-    # spec §6.1, GB; the table rounds to 0.01 GB, so each component is checked to 1% (norms to 5 MB).
+    # docs/kimi-k3.md §6.1, GB; the table rounds to 0.01 GB, so each component is checked to 1% (norms to 5 MB).
     expected = {"kda": 61.26, "mla": 11.15, "router_latent": 10.64, "shared_experts": 24.31,
                 "dense_ffn": 1.45, "lm_head": 2.35}
     got = rf.trunk_weight_bytes(K3)
@@ -35,7 +35,7 @@ def test_trunk_components_match_spec_table():
 
 
 def test_expert_bytes_and_weights_per_plain_token():
-    assert rf.expert_bytes(K3) == 17_547_264  # spec §1.3, exact
+    assert rf.expert_bytes(K3) == 17_547_264  # docs/kimi-k3.md §1.3, exact
     cost = rf.step_cost(K3, tokens_per_request=1, context=8192)
     weights = cost.total_bytes - cost.bytes["mla_kv"] - cost.bytes["kda_state"]
     assert rel(cost.bytes["routed_experts"] / GB, 25.83) < 0.001
@@ -46,11 +46,11 @@ def test_expert_bytes_and_weights_per_plain_token():
 def test_fp8_trunk_matches_spec_requantized_figure():
     cost = rf.step_cost(K3, trunk_dtype="fp8")
     weights = cost.total_bytes - cost.bytes["mla_kv"] - cost.bytes["kda_state"]
-    assert rel(weights / GB, 82.6) < 0.01  # spec §6.1 last paragraph
+    assert rel(weights / GB, 82.6) < 0.01  # docs/kimi-k3.md §6.1 last paragraph
 
 
 def _literal_tensor_list(cfg):
-    """The per-layer tensor table of spec §1.3 written out shape by shape: (shape, bytes/elem)."""
+    """The per-layer tensor table of docs/kimi-k3.md §1.3 written out shape by shape: (shape, bytes/elem)."""
     d, W, H, D = cfg.hidden_size, cfg.kda_width, cfg.kda_num_heads, cfg.kda_head_dim
     tensors = []
     for i in range(cfg.num_layers):
@@ -118,7 +118,7 @@ def test_distinct_expert_table_matches_spec_6_3():
 
 def test_distinct_experts_against_monte_carlo_routing():
     # Fresh random routing, top-k without replacement per token; the formula assumes per-expert
-    # independence, which the spec says agrees within 0.02 at K3's size. With 4000 trials the
+    # independence, which docs/kimi-k3.md §6.3 says agrees within 0.02 at K3's size. With 4000 trials the
     # standard error is < 0.05, so 0.25 is a 5-sigma bound that a wrong formula (e.g. k*T) misses.
     rng = np.random.default_rng()
     cfg = K3
@@ -168,7 +168,7 @@ def test_verify_step_bytes_match_spec_6_4():
 
 def test_drafter_parameters_match_published_count():
     with_embed = rf.draft_params(K3_DRAFT) + K3.vocab_size * K3.hidden_size
-    assert rel(with_embed / 1e9, 3.562) < 0.001  # Inferact/Kimi-K3-DSpark incl. its embed copy, spec §4
+    assert rel(with_embed / 1e9, 3.562) < 0.001  # Inferact/Kimi-K3-DSpark incl. its embed copy, docs/kimi-k3.md §4
     assert rel(rf.draft_params(K3_DRAFT) * 2 / GB, 4.78) < 0.002
     assert rf.default_draft(K3) == K3_DRAFT
     assert rf.default_draft(K3_TINY).hidden_size == K3_TINY.hidden_size
@@ -200,8 +200,8 @@ SPEC_FLOORS = [
     ("h200", None, 1, False, 28.8, 34.8, 64.5, 90.9, 58.2),
     ("h200", 4.3, 1, False, 32.1, 31.1, 72.0, 81.5, 52.1),
     ("gb300", None, 16, False, 1.08, 927, 2.42, 2425, 1552),
-    # EP16 column: the spec leaves the KV and KDA-state bytes out of the busiest rank; this model
-    # splits them over the 16 ranks like the trunk, which puts these rows 0.7-1.0% below the spec.
+    # EP16 column: docs/kimi-k3.md §6.5 leaves the KV and KDA-state bytes out of the busiest rank; this model
+    # splits them over the 16 ranks like the trunk, which puts these rows 0.7-1.0% below that table.
     ("gb300", None, 16, True, 1.48, 675, 3.35, 1764, 1129),
 ]
 
@@ -220,12 +220,12 @@ def test_floors_match_spec_6_5(row):
     assert rel(t_verify * 1e3, verify_ms) < 0.01
     assert rel(rf.tokens_per_second(6.0, t_spec), tps_al6) < 0.01
     assert rel(rf.tokens_per_second(3.84, t_spec), tps_golden) < 0.01
-    if not ep:  # the EP plain-decode ms is covered by its tok/s (the spec rounds 1.48 from ~1.482)
+    if not ep:  # the EP plain-decode ms is covered by its tok/s (docs/kimi-k3.md §6.5 rounds 1.48 from ~1.482)
         assert rel(t_plain * 1e3, plain_ms) < 0.01
 
 
 def test_floors_at_128k_context_match_spec_prose():
-    # spec §6.5, paragraph after the table: 128k context, BF16 KV.
+    # docs/kimi-k3.md §6.5, paragraph after the table: 128k context, BF16 KV.
     h200, gb300 = rf.get_gpu("h200"), rf.get_gpu("gb300")
     plain = rf.step_cost(K3, context=131072)
     spec = rf.step_cost(K3, context=131072, tokens_per_request=8, draft=K3_DRAFT)

@@ -1,5 +1,5 @@
 """DSpark drafter (dspark.drafters.dspark): model, heads, drafter wrapper, training, calibration,
-checkpoints. Spec: ../shared/spec/dspark-algorithm.md."""
+checkpoints. Design notes: docs/dspark-algorithm.md."""
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import K3_DSPARK, K3_TINY_DSPARK, DSparkConfig, get_preset
 from .drafter import DSparkDrafter, load_drafter, shared_embeddings

@@ -147,7 +147,7 @@ def report(rounds: Rounds, temperatures=None) -> dict:
 
 def fit_temperatures(rounds: Rounds, grid: torch.Tensor | None = None) -> tuple[float, ...]:
     """Sequential temperature scaling: T_k from a log grid on [0.05, 20] minimising the ECE of
-    the cumulative product at position k, with T_1..T_{k-1} frozen (spec §5.2)."""
+    the cumulative product at position k, with T_1..T_{k-1} frozen (docs/dspark-algorithm.md §5.2)."""
     if len(rounds.accepted) == 0:
         raise ValueError("fit_temperatures: no rounds to fit on")
     grid = grid if grid is not None else torch.logspace(math.log10(0.05), math.log10(20.0), 121, dtype=torch.float64)

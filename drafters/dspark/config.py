@@ -39,20 +39,20 @@ class DSparkConfig:
     # GQA dims
     num_kv_heads: int = 64
     head_dim: int = 128
-    # Positions (spec §2.2: block slots continue from the anchor's position)
+    # Positions (docs/dspark-algorithm.md §2.2: block slots continue from the anchor's position)
     use_rope: bool = True
     rope_theta: float = 50000.0
     rope_interleaved: bool = True  # DeepSeek-style pairs (x0,x1),(x2,x3)...; False = rotate halves
     rope_scaling: dict | None = field(default=None, hash=False, compare=True)  # YaRN parameters or None
     max_position_embeddings: int = 1_048_576
     rms_norm_eps: float = 1e-5
-    # Conditioning on the target (spec §2.1)
+    # Conditioning on the target (docs/dspark-algorithm.md §2.1)
     target_hidden_size: int = 7168
     target_num_layers: int = 93
     target_layer_ids: tuple[int, ...] = (2, 23, 47, 71, 89)
-    # Block and heads (spec §2.2, §2.5, §2.6)
+    # Block and heads (docs/dspark-algorithm.md §2.2, §2.5, §2.6)
     block_size: int = 7
-    # The block's mask input (spec §2.2): a row of the target's embedding (K3 reserves 163837),
+    # The block's mask input (docs/dspark-algorithm.md §2.2): a row of the target's embedding (K3 reserves 163837),
     # or vocab_size for a dedicated row past the vocabulary when every id is a real token.
     mask_token_id: int = 163837
     markov_rank: int = 256
@@ -60,7 +60,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool = True
     confidence_bias: bool = True
     # Sequential temperature scaling of the confidence logits, one per block position
-    # (spec §5.2); None until `calibrate` has fitted them.
+    # (docs/dspark-algorithm.md §5.2); None until `calibrate` has fitted them.
     confidence_temperatures: tuple[float, ...] | None = None
 
     @property
@@ -96,7 +96,7 @@ class DSparkConfig:
         if not self.target_layer_ids:
             _bad("target_layer_ids", self.target_layer_ids, "needs at least one tapped layer")
         for layer in self.target_layer_ids:
-            # spec §2.1: the last target layer must not be tapped; -1 means the embeddings
+            # docs/dspark-algorithm.md §2.1: the last target layer must not be tapped; -1 means the embeddings
             if not -1 <= layer < self.target_num_layers - 1:
                 _bad("target_layer_ids", self.target_layer_ids,
                      f"layer {layer} outside [-1, target_num_layers - 1) = [-1, {self.target_num_layers - 1})")

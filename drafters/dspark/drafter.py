@@ -2,10 +2,10 @@
 
 Per request slot it keeps a draft context cache holding only context rows: per draft layer the
 K/V cache row (`BlockAttention.kv_rows`) of every committed token. Block rows are computed in
-`propose` and thrown away, so rejected drafts never enter the cache (spec §11 items 1-2); `commit`
+`propose` and thrown away, so rejected drafts never enter the cache (docs/dspark-algorithm.md §11 items 1-2); `commit`
 writes the rows of the kept tokens only, and `crop` rolls a slot back to a shorter prefix.
 
-One round (spec §3): block [x0, MASK...] at positions p(x0) + 0..G-1 -> one parallel backbone
+One round (docs/dspark-algorithm.md §3): block [x0, MASK...] at positions p(x0) + 0..G-1 -> one parallel backbone
 pass over the cached context -> U = lm_head(h) -> sequential Markov loop that samples x_k from
 the processed softmax of Z_k = U_k + W2^T W1[x_{k-1}] and reads the confidence of slot k from
 [h_k ; W1[x_{k-1}]].
@@ -123,7 +123,7 @@ class DSparkDrafter:
         generators: list[torch.Generator],
     ) -> Proposal:
         if not isinstance(k, int) or not 0 <= k <= self.config.block_size:
-            # Drafting fewer slots than trained changes the non-causal block (spec §11 item 10):
+            # Drafting fewer slots than trained changes the non-causal block (docs/dspark-algorithm.md §11 item 10):
             # the full block is always drafted and truncated to k.
             raise ValueError(f"k={k!r}: must be an integer in [0, block_size={self.config.block_size}]")
         draft = self.draft(slots, anchors, sampling, generators)
@@ -187,7 +187,7 @@ class DSparkDrafter:
         sampling: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> Draft:
-        """Draft a full block for every slot (spec §3)."""
+        """Draft a full block for every slot (docs/dspark-algorithm.md §3)."""
         if len(anchors) != len(slots) or len(sampling) != len(slots):
             raise ValueError(f"anchors ({len(anchors)}) and sampling ({len(sampling)}) need one entry per slot ({len(slots)})")
         model, device, gamma = self.model, self.device, self.config.block_size

@@ -1,6 +1,6 @@
 """DSpark's sequential-stage heads: the Markov head and the confidence head.
 
-Spec: docs/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head).
+Design notes: docs/dspark-algorithm.md §2.5 (Markov head), §2.6 (confidence head).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 
 class MarkovHead(nn.Module):
-    """Low-rank first-order correction of the block logits (spec §2.5, paper eq. 5).
+    """Low-rank first-order correction of the block logits (docs/dspark-algorithm.md §2.5, paper eq. 5).
 
     vanilla: Z_k = U_k + W2^T W1[x_{k-1}]
     gated:   Z_k = U_k + W2^T (g ⊙ W1[x_{k-1}]),  g = sigmoid(gate_proj([h_k ; W1[x_{k-1}]]))
@@ -40,7 +40,7 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = sigmoid(w^T [h_k ; W1[x_{k-1}]] + b) (spec §2.6, paper eq. 7); returns the logit.
+    """c_k = sigmoid(w^T [h_k ; W1[x_{k-1}]] + b) (docs/dspark-algorithm.md §2.6, paper eq. 7); returns the logit.
 
     The conditional probability that draft k is accepted given drafts 1..k-1 were.
     """

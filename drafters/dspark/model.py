@@ -1,13 +1,13 @@
 """The DSpark drafter network: fused target context, a parallel block backbone, and the heads.
 
-Spec: docs/dspark-algorithm.md §2 (architecture), docs/kimi-k3.md §4 (the
+Design notes: docs/dspark-algorithm.md §2 (architecture), docs/kimi-k3.md §4 (the
 published K3 drafter shape). Shapes: B = sequences/requests, A = blocks per sequence (anchors),
 G = block size (gamma), S = context rows, d = hidden size, V = vocab, W = one cached context row.
 
 Attention is swappable: every attention module turns a (normed) hidden row into one flat cache
 row of width W (`kv_rows`), expands cache rows into per-head keys/values (`keys_values`) and
 builds queries (`queries`); `BlockAttention.forward` does the rest (context keys strictly before
-each block's anchor, bidirectional inside the block, spec §2.3).
+each block's anchor, bidirectional inside the block, docs/dspark-algorithm.md §2.3).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class Rotary(nn.Module):
 
 
 class BlockAttention(nn.Module):
-    """Shared forward of the block attention (spec §2.3, paper eq. 3)."""
+    """Shared forward of the block attention (docs/dspark-algorithm.md §2.3, paper eq. 3)."""
 
     num_heads: int
     scale: float
@@ -223,8 +223,8 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm layer (spec §2.4). Context rows bypass input_layernorm: they were normed once
-    by context_norm (spec §2.3)."""
+    """Pre-norm layer (docs/dspark-algorithm.md §2.4). Context rows bypass input_layernorm: they were normed once
+    by context_norm (docs/dspark-algorithm.md §2.3)."""
 
     def __init__(self, c: DSparkConfig):
         super().__init__()
@@ -272,7 +272,7 @@ class DSparkModel(nn.Module):
 
     # ---- context -----------------------------------------------------------------------------
     def fuse_taps(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        """H_ctx = RMSNorm(fc(concat of the tapped layers)) (spec §2.1, paper eq. 2): {layer: [..., d_t]} -> [..., d]."""
+        """H_ctx = RMSNorm(fc(concat of the tapped layers)) (docs/dspark-algorithm.md §2.1, paper eq. 2): {layer: [..., d_t]} -> [..., d]."""
         missing = [layer for layer in self.config.target_layer_ids if layer not in taps]
         if missing:
             raise ValueError(f"taps: missing target layers {missing}; the drafter needs {list(self.config.target_layer_ids)}")
@@ -285,7 +285,7 @@ class DSparkModel(nn.Module):
 
     # ---- block -------------------------------------------------------------------------------
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
-        """[...] anchor ids -> [..., G] input ids [x0, MASK, ..., MASK] (spec §2.2)."""
+        """[...] anchor ids -> [..., G] input ids [x0, MASK, ..., MASK] (docs/dspark-algorithm.md §2.2)."""
         block = anchors.new_full((*anchors.shape, self.config.block_size), self.config.mask_token_id)
         block[..., 0] = anchors
         return block
@@ -314,7 +314,7 @@ class DSparkModel(nn.Module):
         return self.final_norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U_k = lm_head(h_k), in float32 or wider (spec §2.4)."""
+        """U_k = lm_head(h_k), in float32 or wider (docs/dspark-algorithm.md §2.4)."""
         dtype = _at_least_float32(hidden.dtype)
         if self.lm_head.dtype == dtype:
             return hidden.to(dtype) @ self.lm_head.t()
@@ -334,5 +334,5 @@ class DSparkModel(nn.Module):
         return logits, confidence
 
     def confidence_probs(self, confidence_logits: torch.Tensor) -> torch.Tensor:
-        """sigmoid(logit_k / T_k) with the calibrated per-position temperatures (spec §5.2)."""
+        """sigmoid(logit_k / T_k) with the calibrated per-position temperatures (docs/dspark-algorithm.md §5.2)."""
         return calibrated_confidence(confidence_logits, self.config.confidence_temperatures)

@@ -80,7 +80,7 @@ def k3_config_json(c: DSparkConfig) -> dict:
 
 
 def qwen3_config_json(c: DSparkConfig) -> dict:
-    """config.json for vLLM's Qwen3DSparkModel (DeepSpec keys, dspark-algorithm §2.7)."""
+    """config.json for vLLM's Qwen3DSparkModel (DeepSpec keys, docs/dspark-algorithm.md §2.7)."""
     layout = "deepspec_qwen3"
     _check_common(c, layout)
     if c.attention_type != "gqa":
@@ -104,7 +104,7 @@ def qwen3_config_json(c: DSparkConfig) -> dict:
         "block_size": c.block_size, "mask_token_id": c.mask_token_id,
         "target_layer_ids": list(c.target_layer_ids), "num_target_layers": c.num_taps,
         "target_hidden_size": c.target_hidden_size, "target_num_hidden_layers": c.target_num_layers,
-        "sample_from_anchor": True,  # anchor-as-first-prediction (dspark-algorithm §2.2)
+        "sample_from_anchor": True,  # anchor-as-first-prediction (docs/dspark-algorithm.md §2.2)
         "markov_rank": c.markov_rank, "markov_head_type": c.markov_head_type,
         "enable_confidence_head": True, "confidence_head_with_markov": c.confidence_head_with_markov,
         "dspark_name": c.name,
@@ -191,7 +191,7 @@ def _export(config: DSparkConfig, tensors: dict[str, torch.Tensor], out_dir: str
 
 def _target_depth(d: dict) -> int:
     """The target's layer count. Published DeepSpec and Inferact configs do not record it; the taps
-    need at least one untapped layer after the last (dspark-algorithm §2.1: the final layer is never
+    need at least one untapped layer after the last (docs/dspark-algorithm.md §2.1: the final layer is never
     tapped), so that is the smallest depth they are consistent with."""
     if d.get("target_num_hidden_layers"):
         return int(d["target_num_hidden_layers"])

@@ -2,7 +2,7 @@
 
 The recurrence is SIMT work (fp32 FMAs, warp shuffles, shared-memory broadcasts): no wgmma or
 tcgen05, so the same kernel body is compiled for Hopper and Blackwell; only the target differs
-(docs/kernels.md §7 rows 4-5, "same kernel (SIMT-heavy, portable)"). The host side (options,
+(docs/docs/kernels.md §7 rows 4-5: one SIMT kernel for both). The host side (options,
 argument checks, compile cache, torch wrappers) is kda/cute_host.py.
 
 Verify (one launch per layer, output-only; docs/kimi-k3.md §2.1, §2.3 "output-only verify"):

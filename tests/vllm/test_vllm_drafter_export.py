@@ -70,7 +70,7 @@ def test_auto_detection_picks_dspark_and_the_architecture(tmp_path_factory, targ
     hf = sc.draft_model_config.hf_config
     assert hf.block_size == config.block_size and list(hf.target_layer_ids) == list(config.target_layer_ids)
     assert hf.markov_rank == config.markov_rank and hf.mask_token_id == config.mask_token_id
-    # vLLM captures the stream entering layer L; our tap l is the output of layer l (dspark-algorithm §2.1)
+    # vLLM captures the stream entering layer L; our tap l is the output of layer l (docs/dspark-algorithm.md §2.1)
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
     assert get_eagle3_aux_layers_from_config(sc) == tuple(t + 1 for t in config.target_layer_ids)

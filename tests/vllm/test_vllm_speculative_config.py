@@ -47,7 +47,7 @@ INSTALLED = vllm.__version__
 BLOCK = 7
 VOCAB = 1024
 
-# A K3 drafter config in the layout of Inferact/Kimi-K3-DSpark (spec kimi-k3.md §4), shrunk:
+# A K3 drafter config in the layout of Inferact/Kimi-K3-DSpark (docs/kimi-k3.md §4), shrunk:
 # dense MLA layers, target taps, Markov + confidence heads, mask token.
 K3_DRAFTER = {
     "architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "block_size": BLOCK, "vocab_size": VOCAB,
@@ -57,7 +57,7 @@ K3_DRAFTER = {
     "markov_head_type": "vanilla", "enable_confidence_head": True, "mask_token_id": VOCAB - 24,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
 }
-# The DeepSpec Qwen3 drafter layout (deepseek-ai/dspark_qwen3_*_block7; spec dspark-algorithm §2.7), shrunk.
+# The DeepSpec Qwen3 drafter layout (deepseek-ai/dspark_qwen3_*_block7; docs/dspark-algorithm.md §2.7), shrunk.
 QWEN3_DRAFTER = {
     "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "block_size": BLOCK, "vocab_size": VOCAB,
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -129,7 +129,7 @@ def test_sweep_configs_are_accepted_by_vllm(drafters, rng, drafter):
                 assert checked.draft_architectures == ("K3DSparkModel",)  # not rewritten to DeepSeek-V4
             if spec.synthetic_acceptance_length is not None:
                 # vLLM resolves a length into unconditional per-position rates; the mean
-                # acceptance length they give is 1 + sum(rates) (spec vllm §1.3), in float64.
+                # acceptance length they give is 1 + sum(rates) (docs/vllm-integration.md §1.3), in float64.
                 rates = checked.synthetic_acceptance_rates
                 assert len(rates) == k and rates == sorted(rates, reverse=True)
                 assert abs(1.0 + sum(rates) - spec.synthetic_acceptance_length) < 1e-9, (SEED, spec, rates)

@@ -45,7 +45,7 @@ def test_every_grid_config_is_one_vllm_accepts():
                                     synthetic_acceptance_length=al)).config
         checked = validate_with_vllm(config)
         assert checked.num_speculative_tokens == k
-        # vLLM's minimum-variance schedule (spec vllm §1.3) has expected length al
+        # vLLM's minimum-variance schedule (docs/vllm-integration.md §1.3) has expected length al
         assert 1 + sum(checked.synthetic_acceptance_rates) == pytest.approx(al)
 
 

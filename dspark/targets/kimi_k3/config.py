@@ -17,7 +17,7 @@ class K3Config:
     vocab_size: int = 163840
     hidden_size: int = 7168
     num_layers: int = 93
-    # 0-based indices of the gated-MLA layers; every other layer is KDA (spec §1.2).
+    # 0-based indices of the gated-MLA layers; every other layer is KDA (docs/kimi-k3.md §1.2).
     mla_layers: tuple[int, ...] = tuple(range(3, 93, 4)) + (92,)
     # KDA (Kimi Delta Attention)
     kda_num_heads: int = 96

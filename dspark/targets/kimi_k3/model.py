@@ -1,6 +1,6 @@
 """The Kimi K3 decoder in plain torch over the dspark op registry.
 
-Per layer i (spec kimi-k3.md §7, Block AttnRes): attention is KDA or gated MLA by
+Per layer i (docs/kimi-k3.md §7, Block AttnRes): attention is KDA or gated MLA by
 cfg.layer_type(i) (§2, §3), the FFN is the dense SiTU-GLU MLP for i < first_k_dense, else the
 latent MoE (§1.2); after the last layer one more AttnRes mix, the final norm and lm_head.
 Projections go through `ops.linear`, KDA through `ops.kda_verify`, MLA attention through
@@ -24,7 +24,7 @@ from . import weights as layout
 from .config import K3Config
 from .moe import LatentMoEWeights, latent_moe
 
-# Spec §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
+# docs/kimi-k3.md §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
 # output (one JAX re-implementation feeds attention and FFN from the same value set instead).
 # This flag is the one place that choice is made.
 FFN_MIX_INCLUDES_LAYER_ATTENTION = True
@@ -80,7 +80,7 @@ class K3Model:
                 self.fused_inputs[i] = self._fuse_rows(i, KDA_INPUT_PROJECTIONS)
             else:
                 # kv_b [H*(nope+v), R] splits per head into W_UK [nope, R] and W_UV [v, R]
-                # (spec §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
+                # (docs/kimi-k3.md §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
                 kv_b = tensors[f"{a}.kv_b_proj.weight"].view(cfg.mla_num_heads, -1, cfg.kv_lora_rank)
                 w_uk_t = kv_b[:, : cfg.qk_nope_head_dim].transpose(1, 2).contiguous()  # [H, R, nope]
                 w_uv = kv_b[:, cfg.qk_nope_head_dim :].contiguous()  # [H, v, R]

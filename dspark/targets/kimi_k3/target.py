@@ -1,6 +1,6 @@
 """K3Target: the Kimi K3 model behind dspark.protocols.Target, with preallocated per-slot state.
 
-State per slot (spec kimi-k3.md §2.1, §3): KDA recurrent state fp32 [slots, n_kda, H, D, D],
+State per slot (docs/kimi-k3.md §2.1, §3): KDA recurrent state fp32 [slots, n_kda, H, D, D],
 KDA conv window [slots, n_kda, 3, W, 3] (the last 3 pre-conv q/k/v inputs, model dtype), MLA
 latent cache [slots, n_mla, max_seq_len, R + P] (model dtype) and the committed length.
 

@@ -10,7 +10,7 @@ independent K3 loaders read with the search tool (a Rust K3 layer-weight loader 
 every layer tensor with dtype and shape, and the pie CUDA driver's K3 weight contract, whose
 manifest names `block_sparse_moe.gate.e_score_correction_bias` and
 `block_sparse_moe.routed_expert_down_proj.weight`). Dtypes: BF16 except the fp32 KDA conv
-taps, A_log, dt_bias, o_norm and router bias, and the uint8 MXFP4 experts (spec §1.2).
+taps, A_log, dt_bias, o_norm and router bias, and the uint8 MXFP4 experts (docs/kimi-k3.md §1.2).
 """
 from __future__ import annotations
 
