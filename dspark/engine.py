@@ -32,6 +32,7 @@ from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
 from .graph_step import GraphedStep
 from .sampling import SamplingTensors, conditional_rates, nonfinite_rows
+from .transfer import long_tensor_on
 
 
 @dataclass
@@ -359,7 +360,7 @@ class Engine:
         B = len(reqs)
         slots = [r.slot for r in reqs]
         sampling = self._sampling_tensors(reqs)
-        anchors = self._to_device([r.anchor for r in reqs])
+        anchors = long_tensor_on([r.anchor for r in reqs], self.device)
 
         # 1-2. draft and decide how many drafts each request verifies
         k_req = self._drafts_allowed(reqs)
@@ -439,13 +440,6 @@ class Engine:
         self.metrics.step_tokens.append(sum(len(e.new_token_ids) for e in events[len(events) - B:]))
         return events
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """A long tensor on the engine's device without a synchronising copy (pinned staging)."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
-
     def _drafts_allowed(self, reqs: list[_Request]) -> list[int]:
         """Drafts each request may verify this step: the profile's k for the live batch size,
         0 for requests that opted out or are past the sequence-length gate, and never past the
@@ -481,7 +475,7 @@ class Engine:
         )
         num = prop.num_drafts.to(dev)
         if any(k_req[i] < kmax for i in rows):
-            num = torch.minimum(num, self._to_device([k_req[i] for i in rows]))
+            num = torch.minimum(num, long_tensor_on([k_req[i] for i in rows], self.device))
         policy = self._policy_batch1 if B == 1 else self._policy
         if policy is not None:
             num = torch.minimum(num, policy.verify_lengths(dataclasses.replace(prop, num_drafts=num)))

@@ -15,12 +15,11 @@ on the GPU, no host sync), reduced to a per-row threshold (value, last kept inde
 the kernels apply while they stream the row. That sort dominates the filtered case's time; the
 no-filter path (greedy, temperature) never sorts. A sort-free threshold search is the next step.
 """
-import functools
-import importlib.util
 
 import torch
 
 from ..registry import register
+from ..triton_common import kernel_module, triton_available
 from . import reference
 
 BLOCK = 1024  # vocabulary entries per program per loop step (num_warps=4: 8 per thread)
@@ -30,15 +29,8 @@ MAX_BATCH = 65_535  # requests run on the grid's z dimension
 NUM_WARPS = 4
 
 
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _kernels():
-    from . import triton_kernels  # imports triton: only on first use
-
-    return triton_kernels
+    return kernel_module(__package__)
 
 
 def chunk_size(batch: int, positions: int, vocab: int, block: int = BLOCK, target_programs: int = TARGET_PROGRAMS) -> int:

@@ -3,26 +3,18 @@
 Why: the references concatenate their two inputs, cast them to fp32 and apply several
 elementwise kernels; on the few rows of a verify step each is a launch of a few microseconds.
 """
-import functools
-import importlib.util
 
 import torch
 
 from ..registry import register
+from ..triton_common import kernel_module, triton_available
 
 BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _kernels():
-    from . import triton_kernels  # imports triton: only on first use
-
-    return triton_kernels
+    return kernel_module(__package__)
 
 
 def _grid(rows: torch.Tensor) -> tuple[int, int]:

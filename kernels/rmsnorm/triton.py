@@ -4,26 +4,18 @@ Why: in a batch-1 step each of these was a chain of small torch kernels (casts, 
 rsqrt, products; the mix adds a score GEMV per candidate, a softmax and a weighted sum), about
 forty launches per mix, each a few microseconds on a handful of rows (docs/kernels.md §5).
 """
-import functools
-import importlib.util
 
 import torch
 
 from ..registry import register
+from ..triton_common import kernel_module, triton_available
 
 MAX_WIDTH = 16384  # the row lives in registers: 16384 fp32 over 16 warps is 32 per thread
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _kernels():
-    from . import triton_kernels  # imports triton: only on first use
-
-    return triton_kernels
+    return kernel_module(__package__)
 
 
 def _launch_shape(width: int) -> tuple[int, int]:

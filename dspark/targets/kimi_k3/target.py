@@ -23,6 +23,7 @@ import torch
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 from dspark.threads import one_cpu_thread
+from dspark.transfer import long_tensor_on
 
 from . import weights as layout
 from .config import PRESETS, get_preset
@@ -93,19 +94,12 @@ class K3Target:
             raise ValueError(f"slots: duplicate slot in {slots}")
         return slots
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """A long tensor on the target's device without a synchronising copy."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
-
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """The device index of a batch's slots, built once per batch composition (the engine's
         batch changes only when a request enters or leaves)."""
         key = tuple(slots)
         if key not in self._index_cache:
-            self._index_cache[key] = self._to_device(slots)
+            self._index_cache[key] = long_tensor_on(slots, self.device)
         return self._index_cache[key]
 
     def _check_tokens(self, tokens: torch.Tensor, lengths: list[int]) -> None:
@@ -149,7 +143,7 @@ class K3Target:
                 if not 0 <= n <= T:
                     raise ValueError(f"lengths: {n} outside [0, {T}]")
             self._check_capacity(slots, host_lengths)
-            lengths_t = self._to_device(host_lengths)
+            lengths_t = long_tensor_on(host_lengths, self.device)
         else:
             if tuple(lengths.shape) != (len(slots),):
                 raise ValueError(f"lengths: expected {len(slots)} entries, got shape {tuple(lengths.shape)}")
@@ -201,9 +195,9 @@ class K3Target:
                     raise ValueError(f"num_tokens: {n} for slot {slot} outside [0, {most}]")
         elif tuple(num_tokens.shape) != (len(slots),):
             raise ValueError(f"num_tokens: expected {len(slots)} entries, got shape {tuple(num_tokens.shape)}")
-        counts_t = self._to_device(counts) if counts is not None else num_tokens.to(torch.long)
+        counts_t = long_tensor_on(counts, self.device) if counts is not None else num_tokens.to(torch.long)
         if slots != verified:  # counts over the whole verified batch: 0 (unchanged) for the others
-            rows = self._to_device([verified.index(s) for s in slots])
+            rows = long_tensor_on([verified.index(s) for s in slots], self.device)
             counts_t = torch.zeros(len(verified), dtype=torch.long, device=self.device).index_copy_(0, rows, counts_t)
         self._commit_batch(self._slot_index(verified), kda, conv, records, counts_t)
 
