@@ -107,7 +107,7 @@ class OracleDrafter:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "failed in both H200 runs of this test (commits a8b0c1d, 00278da), cause not established: the graph "
+    "failed in both H200 runs of this test (commits 85ded54, 00278da), cause not established: the graph "
     "and eager engines agree and the replay is bitwise, so the difference is between the T = 8 and T = 1 "
     "kernels; a MoE routing flip on a near-tie would make such a difference larger than MARGIN. Needs a run "
     "that records the gap at the first difference (experiments/notes/step.md)"))
