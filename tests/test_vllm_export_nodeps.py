@@ -141,3 +141,109 @@ def test_export_command_from_our_gqa_checkpoint_and_from_a_deepspec_one(tmp_path
         assert torch.equal(back.state_dict()[name], tensor), name
     assert main(parser.parse_args([str(tmp_path / "q1"), str(tmp_path / "k3"), "--layout", "k3"])) == 2
     assert "DSparkConfig.attention_type='gqa'" in capsys.readouterr().err
+
+
+# The dedicated mask id: one embedding row past the target's vocabulary (drafters/dspark/model.py).
+GQA_MASK_ROW = dataclasses.replace(GQA_TINY, mask_token_id=GQA_TINY.vocab_size)
+
+
+def test_qwen3_export_ships_the_mask_row_in_its_own_embedding(tmp_path):
+    """vLLM's Qwen3DSparkModel embeds ids past the target's vocabulary only from the checkpoint's
+    embed_tokens (config vocab_size rows), drafting from draft_vocab_size rows of the target's lm_head."""
+    model = random_drafter(GQA_MASK_ROW, seed=int(torch.randint(0, 2**31, ())))
+    vocab = GQA_MASK_ROW.vocab_size
+    out = export_drafter(model, tmp_path / "q", layout="deepspec_qwen3")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["mask_token_id"]) == (vocab + 1, vocab, vocab)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in tensors  # drafted ids are the target's: vLLM shares its lm_head
+    embed = tensors["embed_tokens.weight"]
+    assert embed.shape == (vocab + 1, GQA_MASK_ROW.hidden_size)
+    assert torch.equal(embed[:vocab], model.embed_tokens)
+    # vLLM's embedding of the mask id is our drafter's embedding of it
+    mask_block = torch.full((1, 1), vocab)
+    assert torch.equal(embed[vocab], model.embed_block(mask_block)[0, 0])
+    assert not torch.equal(embed[vocab], embed[0])
+    w1 = tensors["markov_head.markov_w1.weight"]
+    assert torch.equal(w1[:vocab], model.markov_head.markov_w1.weight)
+    assert torch.equal(w1[vocab], torch.zeros(GQA_MASK_ROW.markov_rank))
+    for target_tensors in ((model.embed_tokens, model.lm_head), (None, model.lm_head)):
+        back = import_drafter(out, *target_tensors)
+        assert _relevant(back.config) == _relevant(model.config)
+        assert torch.equal(back.embed_tokens, model.embed_tokens)
+        assert torch.equal(back.mask_embedding, model.mask_embedding)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_mask_row_export_in_bfloat16_imports_back(tmp_path):
+    model = random_drafter(GQA_MASK_ROW, seed=7)
+    out = export_drafter(model, tmp_path / "q", layout="deepspec_qwen3", dtype=torch.bfloat16)
+    back = import_drafter(out, lm_head=model.lm_head)
+    assert torch.equal(back.embed_tokens, model.embed_tokens.to(torch.bfloat16))
+    # the bfloat16 rows are each within 2^-8 relative, so their mean is within 2^-8 x mean |row|,
+    # plus its own rounding (2^-8 relative)
+    atol = 2 ** -8 * model.embed_tokens.abs().mean().item()
+    torch.testing.assert_close(back.mask_embedding.float(), model.mask_embedding, atol=atol, rtol=2 ** -8)
+
+
+def test_import_refuses_a_mask_row_our_drafter_would_not_derive(tmp_path):
+    model = random_drafter(GQA_MASK_ROW, seed=8)
+    out = export_drafter(model, tmp_path / "q", layout="deepspec_qwen3")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["embed_tokens.weight"][-1] += 0.01  # a trained mask row: we would silently replace it
+    from safetensors.torch import save_file
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"row {GQA_MASK_ROW.vocab_size} \(mask_token_id="):
+        import_drafter(out)
+
+
+def test_k3_layout_refuses_the_mask_row(tmp_path):
+    """vLLM's K3DSparkModel always embeds with the target's embedding: it cannot embed id V."""
+    model = random_drafter(dataclasses.replace(K3_TINY_DSPARK, mask_token_id=K3_TINY_DSPARK.vocab_size), seed=9)
+    with pytest.raises(ValueError, match=r"DSparkConfig\.mask_token_id=.*K3DSparkModel"):
+        export_drafter(model, tmp_path / "k3-dspark", layout="k3")
+    assert not (tmp_path / "k3-dspark").exists()
+
+
+def test_mask_row_export_from_our_checkpoint_needs_the_target_embedding(tmp_path):
+    model = random_drafter(GQA_MASK_ROW, seed=10)
+    save_checkpoint(model, tmp_path / "ours")  # carries no embedding
+    with pytest.raises(ValueError, match=r"DSparkConfig\.mask_token_id=.*embed_tokens"):
+        export_drafter(tmp_path / "ours", tmp_path / "q", layout="deepspec_qwen3")
+    with pytest.raises(ValueError, match=r"embed_tokens: shape"):
+        export_drafter(tmp_path / "ours", tmp_path / "q", layout="deepspec_qwen3", embed_tokens=model.embed_tokens[1:])
+    with pytest.raises(ValueError, match=r"embed_tokens: given with a DSparkModel"):
+        export_drafter(model, tmp_path / "q", layout="deepspec_qwen3", embed_tokens=model.embed_tokens)
+    from_dir = export_drafter(tmp_path / "ours", tmp_path / "q", layout="deepspec_qwen3", embed_tokens=model.embed_tokens)
+    from_model = export_drafter(model, tmp_path / "q-model", layout="deepspec_qwen3")
+    a, b = load_file(str(from_dir / "model.safetensors")), load_file(str(from_model / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    # re-exporting an export takes the embedding from the checkpoint's own copy
+    again = export_drafter(from_dir, tmp_path / "q-again", layout="deepspec_qwen3")
+    c = load_file(str(again / "model.safetensors"))
+    assert set(c) == set(a) and all(torch.equal(a[n], c[n]) for n in a)
+
+
+def test_export_command_takes_the_target_embedding_from_a_gguf(tmp_path, capsys):
+    import argparse
+
+    gguf = pytest.importorskip("gguf")
+    from dspark.vllm.export import configure_parser, main
+
+    model = random_drafter(GQA_MASK_ROW, seed=11)
+    save_checkpoint(model, tmp_path / "ours")
+    writer = gguf.GGUFWriter(str(tmp_path / "target.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", model.embed_tokens.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parser = configure_parser(argparse.ArgumentParser())
+    assert main(parser.parse_args([str(tmp_path / "ours"), str(tmp_path / "q"), "--layout", "deepspec_qwen3"])) == 2
+    assert "mask_token_id=" in capsys.readouterr().err
+    assert main(parser.parse_args([str(tmp_path / "ours"), str(tmp_path / "q"), "--layout", "deepspec_qwen3",
+                                   "--target-gguf", str(tmp_path / "target.gguf")])) == 0
+    back = import_drafter(tmp_path / "q", lm_head=model.lm_head)
+    assert torch.equal(back.embed_tokens, model.embed_tokens)
+    assert torch.equal(back.mask_embedding, model.mask_embedding)

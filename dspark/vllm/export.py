@@ -23,6 +23,19 @@ Both vLLM classes hard-code a vanilla Markov head and a confidence head with a b
 that differs there cannot be exported (ValueError naming the field). Embedding and lm_head are the
 target's: export leaves them out (vLLM then shares the target's), import takes them as arguments or
 from the checkpoint when it carries them (DeepSpec checkpoints do).
+
+A dedicated mask id (mask_token_id = vocab_size: one frozen row past the target's vocabulary, the
+mean of its rows; drafters/dspark/model.py) is embedded as follows in vLLM 0.32:
+* Qwen3DSparkModel builds its own embed_tokens with config `vocab_size` rows and, when that exceeds
+  the target's vocabulary, requires the checkpoint to carry it (qwen3_dspark.load_weights) and does
+  not alias the target's (load_dspark_model); it drafts through `draft_vocab_size` rows of the
+  target's lm_head. So the deepspec_qwen3 export writes vocab_size V + 1, draft_vocab_size V and
+  embed_tokens = [the target's V rows; the mask row]. Its Markov head embeds the previously sampled
+  token with nn.Embedding(vocab_size, r): markov_w1 gets a zero row for the mask id, never read
+  because no lm_head row can draft it. (vLLM's separate `mask_embedding` parameter is a placeholder
+  its DSpark loader drops.)
+* K3DSparkModel always embeds with the target's embedding and drops a checkpoint's embed_tokens, so
+  it cannot embed an id past the target's vocabulary: the k3 export refuses such a drafter.
 """
 from __future__ import annotations
 
@@ -38,6 +51,7 @@ from safetensors.torch import save_file
 from dspark.drafters.dspark.checkpoint import WEIGHTS_FILE, load_weights, read_tensors
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.model import DSparkModel
+from dspark.targets.gguf_assets import GGUFFile
 
 LAYOUTS = ("k3", "deepspec_qwen3")
 K3_ARCHITECTURE = "K3DSparkModel"
@@ -65,10 +79,20 @@ def _check_common(c: DSparkConfig, layout: str) -> None:
         _unsupported(layout, "use_rope", c.use_rope, "vLLM's DSpark drafters always apply RoPE")
 
 
+def has_dedicated_mask_row(c: DSparkConfig) -> bool:
+    """Whether the drafter's mask id is the extra embedding row past the target's vocabulary."""
+    return c.mask_token_id == c.vocab_size
+
+
 def k3_config_json(c: DSparkConfig) -> dict:
     """config.json for vLLM's K3DSparkModel (our DSparkConfig's own json form, checked)."""
     layout = "k3"
     _check_common(c, layout)
+    if has_dedicated_mask_row(c):
+        _unsupported(layout, "mask_token_id", c.mask_token_id,
+                     f"= vocab_size, a row past the target's {c.vocab_size}-row embedding; vLLM's K3DSparkModel "
+                     "always embeds with the target's embedding (it drops a checkpoint's embed_tokens), so it "
+                     "cannot embed that id: use a mask id inside the vocabulary or the deepspec_qwen3 layout")
     if c.attention_type != "mla":
         _unsupported(layout, "attention_type", c.attention_type, "K3DSparkModel is dense MLA")
     if not c.rope_interleaved:
@@ -90,7 +114,8 @@ def qwen3_config_json(c: DSparkConfig) -> dict:
                      "our YaRN is DeepSeek's; Qwen3's rope_parameters would rotate differently")
     d = {
         "architectures": [QWEN3_ARCHITECTURE], "model_type": "qwen3",
-        "vocab_size": c.vocab_size, "draft_vocab_size": c.vocab_size,
+        # input ids include the dedicated mask row; drafted ids are the target's vocabulary
+        "vocab_size": c.vocab_size + has_dedicated_mask_row(c), "draft_vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "hidden_act": c.hidden_act,
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "attention_bias": False,
@@ -128,12 +153,70 @@ def _ours_from_qwen3(name: str) -> str:
     return name
 
 
-def _config_and_tensors(model_or_path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
-    """The drafter's config and its own tensors (our names; no target tensors)."""
+def _config_and_tensors(model_or_path, embed_tokens: torch.Tensor | None
+                        ) -> tuple[DSparkConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """The drafter's config, its own tensors (our names; no target tensors) and the target's
+    embedding where known: the model's, else embed_tokens, else the checkpoint's copy."""
     if isinstance(model_or_path, DSparkModel):
-        return model_or_path.config, dict(model_or_path.state_dict())
+        if embed_tokens is not None:
+            raise ValueError("embed_tokens: given with a DSparkModel, which carries the target's embedding "
+                             "already; pass it only with a checkpoint directory")
+        return model_or_path.config, dict(model_or_path.state_dict()), model_or_path.embed_tokens
     config, tensors = _read_checkpoint(model_or_path)
-    return config, {n: t for n, t in tensors.items() if n not in _SHARED}
+    if embed_tokens is None:
+        embed_tokens = tensors.get("embed_tokens.weight")
+    return config, {n: t for n, t in tensors.items() if n not in _SHARED}, embed_tokens
+
+
+def _mask_row(embed_tokens: torch.Tensor) -> torch.Tensor:
+    """The dedicated mask row our drafter derives from the target's embedding [V, d] -> [d]
+    (DSparkModel.mask_embedding: the mean of the rows)."""
+    return embed_tokens.detach().double().mean(dim=0).to(embed_tokens.dtype)
+
+
+def _with_dedicated_mask_row(config: DSparkConfig, tensors: dict[str, torch.Tensor],
+                             embed_tokens: torch.Tensor | None, layout: str) -> dict[str, torch.Tensor]:
+    """The deepspec_qwen3 tensors of a drafter whose mask id is the row past the target's vocabulary:
+    embed_tokens [V + 1, d] = the target's rows then the mask row, and markov_w1 with a zero row for
+    the mask id (vLLM sizes both by config vocab_size; the Markov row is never read, as no lm_head
+    row drafts the mask id)."""
+    if embed_tokens is None:
+        _unsupported(layout, "mask_token_id", config.mask_token_id,
+                     "= vocab_size, the dedicated mask row, which vLLM embeds only from the checkpoint's own "
+                     "embed_tokens, and the source carries no embedding: pass the target's "
+                     "(export_drafter(..., embed_tokens=...), or --target-gguf)")
+    shape = (config.vocab_size, config.hidden_size)
+    if tuple(embed_tokens.shape) != shape:
+        raise ValueError(f"embed_tokens: shape {tuple(embed_tokens.shape)} != (vocab_size, hidden_size) = {shape}")
+    embed = torch.cat([embed_tokens.detach(), _mask_row(embed_tokens)[None]])
+    w1 = tensors["markov_head.markov_w1.weight"]
+    return {**tensors, "embed_tokens.weight": embed.to(tensors["context_proj.weight"].dtype),
+            "markov_head.markov_w1.weight": torch.cat([w1, w1.new_zeros(1, w1.shape[1])])}
+
+
+def _without_dedicated_mask_row(d: dict, tensors: dict[str, torch.Tensor], path: Path
+                                ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Inverse of _with_dedicated_mask_row for a Qwen3-layout config.json and its tensors (an
+    unchanged pass-through unless vocab_size = draft_vocab_size + 1 = mask_token_id + 1). The mask row
+    must be the one our drafter derives: it is rebuilt, not loaded."""
+    vocab = d.get("draft_vocab_size")
+    if vocab is None or d.get("vocab_size") != vocab + 1 or d.get("mask_token_id") != vocab:
+        return d, tensors
+    embed = tensors.get("embed_tokens.weight")
+    if embed is None or embed.shape[0] != vocab + 1:
+        raise ValueError(f"path={str(path)!r}: vocab_size={vocab + 1} = draft_vocab_size + 1 (a dedicated mask "
+                         f"row) needs embed_tokens.weight with {vocab + 1} rows, found "
+                         f"{None if embed is None else tuple(embed.shape)}")
+    # A re-cast checkpoint (e.g. exported to bfloat16) rounds the rows and the mean apart: a few ulps.
+    expected, stored = _mask_row(embed[:vocab]).double(), embed[vocab].double()
+    allowed = 4 * torch.finfo(embed.dtype).eps * (expected.abs() + embed[:vocab].double().abs().mean(dim=0))
+    if ((stored - expected).abs() > allowed).any():
+        raise ValueError(f"path={str(path)!r}: embed_tokens.weight row {vocab} (mask_token_id={vocab}) is not the "
+                         "mean of the other rows, and our drafter derives its mask row as that mean; max "
+                         f"difference {(stored - expected).abs().max().item():.3g}")
+    w1 = tensors["markov_head.markov_w1.weight"]
+    return {**d, "vocab_size": vocab}, {**tensors, "embed_tokens.weight": embed[:vocab],
+                                        "markov_head.markov_w1.weight": w1[:vocab]}
 
 
 def _read_checkpoint(path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
@@ -147,6 +230,7 @@ def _read_checkpoint(path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     archs = d.get("architectures") or []
     tensors = read_tensors(path)
     if QWEN3_ARCHITECTURE in archs:
+        d, tensors = _without_dedicated_mask_row(d, tensors, path)
         config = _config_from_qwen3(d)
         tensors = {_ours_from_qwen3(n): t for n, t in tensors.items()}
     elif K3_ARCHITECTURE in archs or d.get("model_type") == "dspark":  # K3, or our own GQA drafter
@@ -158,24 +242,25 @@ def _read_checkpoint(path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     return config, {n: t for n, t in tensors.items() if n not in ignored}
 
 
-def export_drafter(model_or_path, out_dir: str | Path, layout: str = "k3", *, dtype: torch.dtype | None = None) -> Path:
+def export_drafter(model_or_path, out_dir: str | Path, layout: str = "k3", *, dtype: torch.dtype | None = None,
+                   embed_tokens: torch.Tensor | None = None) -> Path:
     """Write a DSpark drafter (a DSparkModel or one of our checkpoint directories) to out_dir as
     config.json + model.safetensors in `layout` ("k3" or "deepspec_qwen3"). Returns out_dir.
 
+    embed_tokens: the target's embedding [V, d], needed to export a checkpoint directory whose drafter
+    has the dedicated mask row (mask_token_id = vocab_size) and which carries no embedding itself.
+
     vLLM picks method "dspark" for a K3DSparkModel drafter only when the path contains "dspark"
     (SpeculativeConfig auto-detection); pass method="dspark" explicitly otherwise."""
-    config, tensors = _config_and_tensors(model_or_path)
-    return _export(config, tensors, out_dir, layout, dtype)
-
-
-def _export(config: DSparkConfig, tensors: dict[str, torch.Tensor], out_dir: str | Path, layout: str,
-            dtype: torch.dtype | None) -> Path:
+    config, tensors, embed_tokens = _config_and_tensors(model_or_path, embed_tokens)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: must be one of {LAYOUTS}")
     if layout == "k3":
         config_json, rename = k3_config_json(config), (lambda n: n)
     else:
         config_json, rename = qwen3_config_json(config), _qwen3_name
+        if has_dedicated_mask_row(config):
+            tensors = _with_dedicated_mask_row(config, tensors, embed_tokens, layout)
     out = {rename(n): (t.detach().to(dtype) if dtype is not None else t.detach()).contiguous().cpu()
            for n, t in tensors.items()}
     if dtype is not None:
@@ -261,6 +346,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--layout", choices=LAYOUTS, default="k3")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the weights (default: keep the checkpoint's)")
+    parser.add_argument("--target-gguf", default=None,
+                        help="the target's GGUF, whose embedding a drafter with the dedicated mask row "
+                             "(mask_token_id = vocab_size) ships in the deepspec_qwen3 layout")
     return parser
 
 
@@ -269,7 +357,8 @@ def main(args: argparse.Namespace) -> int:
     written, so no target is needed."""
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        out = export_drafter(args.source, args.out, layout=args.layout, dtype=dtype)
+        embed_tokens = GGUFFile(args.target_gguf).tensor("token_embd.weight") if args.target_gguf else None
+        out = export_drafter(args.source, args.out, layout=args.layout, dtype=dtype, embed_tokens=embed_tokens)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
