@@ -208,3 +208,52 @@ def test_round_trip_is_exact(tmp_path, layout, config):
     assert set(theirs) == set(ours.state_dict())
     for name, tensor in ours.state_dict().items():
         assert torch.equal(tensor, theirs[name]), name
+
+
+def test_qwen3_export_of_the_dedicated_mask_id_embeds_it_in_vllm(tmp_path, target, process_group, monkeypatch):
+    """mask_token_id = vocab_size (one row past the target's vocabulary): vLLM's own load_dspark_model
+    keeps the drafter's V + 1-row embedding (it shares the target's only when the drafter's vocab_size
+    fits it) and aliases the target's lm_head (draft_vocab_size = the target's); the drafter's
+    embedding of the mask id and of real ids is then ours."""
+    import vllm.model_executor.model_loader as model_loader
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+
+    config = dataclasses.replace(GQA_TINY, mask_token_id=GQA_TINY.vocab_size)
+    ours = random_drafter(config)
+    out = export_drafter(ours, tmp_path / "qwen3-dspark", layout="deepspec_qwen3")
+    params, theirs = load_into_vllm(target, out, Qwen3DSparkForCausalLM)
+    unloaded = [n for n, p in params.items() if torch.isnan(p).any() and n not in ("lm_head.weight", "model.mask_embedding")]
+    assert unloaded == []
+
+    # A stand-in target with its own embedding and lm_head, poisoned differently from ours, and
+    # get_model answering with the drafter loaded above (building it from files needs the runner).
+    vocab, d = config.vocab_size, config.hidden_size
+    stand_in = torch.nn.Module()
+    stand_in.model = torch.nn.Module()
+    stand_in.model.embed_tokens = torch.nn.Embedding(vocab, d)
+    stand_in.lm_head = torch.nn.Linear(d, vocab, bias=False)
+    with torch.no_grad():
+        stand_in.model.embed_tokens.weight.fill_(float("inf"))
+        stand_in.lm_head.weight.copy_(ours.lm_head)
+    monkeypatch.setattr(model_loader, "get_model", lambda **kwargs: theirs)
+    had_v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    try:
+        vc = VllmConfig(model_config=target, speculative_config=spec_config(target, out, method="dspark"))
+        with set_current_vllm_config(vc):
+            drafter = load_dspark_model(stand_in, vc)
+    finally:
+        if had_v2 is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = had_v2
+    assert drafter.model.embed_tokens is not stand_in.model.embed_tokens
+    assert drafter.lm_head is stand_in.lm_head
+
+    ids = torch.cat([torch.randint(0, vocab, (24,)), torch.full((8,), vocab)])[torch.randperm(32)]
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.embed_input_ids(ids), ours.embed_block(ids), atol=0, rtol=0)
+        sampled = torch.randint(0, vocab, (16,))
+        torch.testing.assert_close(drafter.markov_embed(sampled), ours.markov_head.markov_w1(sampled), atol=0, rtol=0)
