@@ -115,7 +115,8 @@ def qwen3_config_json(c: DSparkConfig) -> dict:
     d = {
         "architectures": [QWEN3_ARCHITECTURE], "model_type": "qwen3",
         # input ids include the dedicated mask row; drafted ids are the target's vocabulary
-        "vocab_size": c.vocab_size + has_dedicated_mask_row(c), "draft_vocab_size": c.vocab_size,
+        "vocab_size": c.vocab_size + 1 if has_dedicated_mask_row(c) else c.vocab_size,
+        "draft_vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "hidden_act": c.hidden_act,
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "attention_bias": False,
