@@ -380,14 +380,16 @@ def goals(evals: dict) -> dict:
     return out
 
 
-def vllm_export_check(checkpoint: Path, out: Path) -> dict:
-    """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads."""
+def vllm_export_check(checkpoint: Path, out: Path, embed_tokens: torch.Tensor) -> dict:
+    """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads
+    (with the target's embedding: the dedicated mask id needs its own row in the export)."""
     from safetensors import safe_open
 
     from dspark.vllm.export import export_drafter
 
     try:
-        path = export_drafter(checkpoint, out, layout="deepspec_qwen3", dtype=torch.bfloat16)
+        path = export_drafter(checkpoint, out, layout="deepspec_qwen3", dtype=torch.bfloat16,
+                              embed_tokens=embed_tokens)
     except ValueError as error:
         return {"exported": False, "error": str(error)}
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
@@ -472,7 +474,8 @@ def run(args) -> dict:
                               "after": report(rounds, temps)}
     models["dspark"].config = dataclasses.replace(models["dspark"].config, confidence_temperatures=temps).validate()
     save_checkpoint(models["dspark"], work / "dspark_calibrated")
-    results["vllm_export"] = vllm_export_check(work / "dspark_calibrated", work / "dspark_vllm")
+    results["vllm_export"] = vllm_export_check(work / "dspark_calibrated", work / "dspark_vllm",
+                                               eval_target.embedding_weights()[0])
     phase_done("calibrate")
 
     evaluate(args, eval_target, models, sets, eos, temps, results, save)
