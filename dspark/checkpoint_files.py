@@ -44,6 +44,15 @@ def read_json(file: Path, what: str) -> dict:
     return data
 
 
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when its data starts on a 64-byte boundary, else an owned copy (which the
+    allocator aligns). get_tensor can hand back memory at the file's 8-byte data alignment, and CPU
+    GEMMs pick their kernel by pointer alignment: such a weight multiplies to different last bits
+    than the same values allocated in memory, so a loaded model would not reproduce the model it
+    was saved from bit for bit."""
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
+
+
 def iter_safetensors(file: Path, keep=lambda name: True):
     """(name, tensor) on the CPU for each tensor of one safetensors file whose name passes `keep`,
     one at a time (a shard is never held whole); CheckpointError naming the file when it is
@@ -56,7 +65,7 @@ def iter_safetensors(file: Path, keep=lambda name: True):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if keep(name):
-                    yield name, f.get_tensor(name)
+                    yield name, _aligned(f.get_tensor(name))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{str(file)!r}: not a readable safetensors file ({e})") from None
 
