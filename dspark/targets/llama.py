@@ -121,6 +121,28 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
 
 
+def _row_places(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, column) of each row of a flat batch, on the host: request r's counts[r] rows
+    are its columns 0..counts[r]-1."""
+    sizes = torch.tensor(counts)
+    request = torch.repeat_interleave(torch.arange(len(counts)), sizes)
+    column = torch.arange(len(request)) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    return request, column
+
+
+@dataclass(frozen=True)
+class _BatchPlan:
+    """Index tensors shared by every layer of one batched forward (LlamaTarget._batch_plan)."""
+    batch: int  # B requests
+    width: int  # T: the most rows any request feeds
+    context: int  # L: the longest cache prefix any query attends to
+    request: torch.Tensor  # [N] the request of each flat row
+    column: torch.Tensor  # [N] its place among that request's rows
+    slots: torch.Tensor  # [B] cache slot of each request
+    written: torch.Tensor  # [B, 1, L, 1] cache rows holding this request's tokens
+    causal: torch.Tensor  # [B, 1, T, L] query t of request b may see cache row l
+
+
 @dataclass
 class LlamaLayerWeights:
     attn_norm: torch.Tensor  # [d]
@@ -311,15 +333,21 @@ class LlamaTarget:
         c, w = self.config, self.weights
         counts = [len(row) for row in rows]
         token_ids = torch.cat(rows).to(self.device)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(self.device)
-        row_slots = torch.cat([torch.full((n,), slot) for slot, n in zip(slots, counts)]).to(self.device)
+        request, column = _row_places(counts)
+        positions_host = torch.tensor(starts)[request] + column
+        slots_host = torch.tensor(slots)[request]
+        positions, row_slots = positions_host.to(self.device), slots_host.to(self.device)
+        request, column = request.to(self.device), column.to(self.device)
         num_rows = len(token_ids)
-        query_places = list(zip(row_slots.tolist(), positions.tolist()))  # (slot, position) per row
+        batched = self.attention == "batched"
+        if batched:
+            plan = self._batch_plan(slots, starts, counts, request, column)
+        else:
+            query_places = list(zip(slots_host.tolist(), positions_host.tolist()))  # (slot, position) per row
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
-        batched = self.attention == "batched"
         linear = torch.nn.functional.linear if batched else ops.linear
         x = w.embedding[token_ids]
         flat_taps = {-1: x} if -1 in tap_layers else {}
@@ -331,7 +359,7 @@ class LlamaTarget:
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
             if batched:
-                attended = self._attend_batched(layer_index, q, slots, starts, counts)
+                attended = self._attend_batched(layer_index, q, plan)
             else:
                 attended = torch.stack([
                     self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
@@ -344,8 +372,8 @@ class LlamaTarget:
                 flat_taps[layer_index] = x
         logits = linear(_rms_norm(x, w.output_norm, c.rms_norm_eps), w.output)
         width = width or max(counts)
-        return TargetOutput(logits=self._pad(logits, counts, width),
-                            taps={l: self._pad(t, counts, width) for l, t in flat_taps.items()})
+        places = (request, column, len(counts), width)
+        return TargetOutput(logits=self._pad(logits, *places), taps={l: self._pad(t, *places) for l, t in flat_taps.items()})
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
@@ -357,34 +385,40 @@ class LlamaTarget:
         probs = torch.softmax(torch.matmul(grouped, keys.transpose(1, 2)) * self.scale, dim=-1)
         return torch.matmul(probs, values).reshape(c.num_heads * c.head_dim)
 
-    def _attend_batched(self, layer_index: int, q: torch.Tensor, slots, starts, counts) -> torch.Tensor:
-        """All queries q [N, heads, hd] (request r's counts[r] rows at positions starts[r]...) in one
-        SDPA call over their slots' cache rows; returns [N, heads * hd]."""
-        c = self.config
+    def _batch_plan(self, slots, starts, counts, request, column) -> _BatchPlan:
+        """The index tensors of one batched forward (request, column: the rows' places, already on
+        the device), built once for all layers from the host's lists, where the batch's longest
+        context is known without reading the device: a step costs a fixed number of launches per
+        layer, not one per request."""
         B, T = len(counts), max(counts)
-        ends = torch.tensor([s + n for s, n in zip(starts, counts)], device=self.device)
-        L = int(ends.max())
-        request = torch.repeat_interleave(torch.arange(B, device=self.device), torch.tensor(counts, device=self.device))
-        column = torch.cat([torch.arange(n, device=self.device) for n in counts])
-        queries = q.new_zeros(B, T, c.num_heads, c.head_dim)
-        queries[request, column] = q
-        slot_index = torch.tensor(slots, device=self.device)
+        ends = [s + n for s, n in zip(starts, counts)]
+        L = max(ends)
+        span = torch.arange(L)
         # Rows past a request's last fed token are stale (another request's, or never written):
         # zeroed, since a masked-out NaN would still poison the softmax.
-        written = (torch.arange(L, device=self.device) < ends[:, None])[:, None, :, None]
-        keys = torch.where(written, self.k_cache[layer_index, slot_index, :, :L], 0.0)
-        values = torch.where(written, self.v_cache[layer_index, slot_index, :, :L], 0.0)
-        query_pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
-        causal = torch.arange(L, device=self.device) <= query_pos[..., None]  # [B, T, L]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=causal[:, None], scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2)[request, column].reshape(len(request), c.num_heads * c.head_dim)
+        written = (span < torch.tensor(ends)[:, None])[:, None, :, None]
+        query_pos = torch.tensor(starts)[:, None] + torch.arange(T)
+        causal = (span <= query_pos[..., None])[:, None]  # [B, 1, T, L]
+        return _BatchPlan(B, T, L, request, column, torch.tensor(slots).to(self.device), written.to(self.device),
+                          causal.to(self.device))
 
-    def _pad(self, flat: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
-        """[sum(counts), X] -> [B, width, X]; padding positions are zero and meaningless."""
-        out = flat.new_zeros(len(counts), width, flat.shape[-1])
-        for r, part in enumerate(torch.split(flat, counts)):
-            out[r, : counts[r]] = part
+    def _attend_batched(self, layer_index: int, q: torch.Tensor, plan: _BatchPlan) -> torch.Tensor:
+        """All queries q [N, heads, hd] (request r's rows at positions starts[r]...) in one SDPA call
+        over their slots' cache rows; returns [N, heads * hd]."""
+        c = self.config
+        queries = q.new_zeros(plan.batch, plan.width, c.num_heads, c.head_dim)
+        queries[plan.request, plan.column] = q
+        keys = torch.where(plan.written, self.k_cache[layer_index, plan.slots, :, : plan.context], 0.0)
+        values = torch.where(plan.written, self.v_cache[layer_index, plan.slots, :, : plan.context], 0.0)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=plan.causal, scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2)[plan.request, plan.column].reshape(len(plan.request), c.num_heads * c.head_dim)
+
+    @staticmethod
+    def _pad(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+        """[N, X] -> [batch, width, X] in one scatter; padding positions are zero and meaningless."""
+        out = flat.new_zeros(batch, width, flat.shape[-1])
+        out[request, column] = flat
         return out
 
     # ---- validation -------------------------------------------------------------------------
