@@ -352,6 +352,10 @@ def test_bad_input_raises_value_error_naming_the_field(model):
         target.commit([0], torch.tensor([1]))  # no verify to commit
     with pytest.raises(ValueError, match=r"tokens\[0\]"):
         target.verify([0], torch.tensor([[target.vocab_size]]), torch.tensor([1]))
+    # The batch is checked at once, naming the row; ids past a row's length are never fed, so not checked.
+    with pytest.raises(ValueError, match=rf"tokens\[1\]: token -3 outside the vocabulary \[0, {target.vocab_size}\)"):
+        target.verify([0, 1], torch.tensor([[1, target.vocab_size], [2, -3]]), torch.tensor([1, 2]))
+    assert target.pending[0] is None and target.pending[1] is None
     with pytest.raises(ValueError, match=r"lengths\[0\]"):
         target.verify([0], torch.tensor([[1, 2]]), torch.tensor([3]))
     with pytest.raises(ValueError, match=r"lengths\[0\]"):

@@ -286,6 +286,9 @@ class LlamaTarget:
         if tokens.shape[0] != len(slots):
             raise ValueError(f"tokens.shape={tuple(tokens.shape)}: {len(slots)} slots need {len(slots)} rows")
         lengths = self._check_counts("lengths", lengths, len(slots))
+        # One read of the device for the whole batch, not one per request.
+        fed = torch.arange(tokens.shape[1], device=tokens.device) < torch.tensor(lengths, device=tokens.device)[:, None]
+        self._check_token_ids("tokens", tokens, fed)
         rows, starts = [], []
         for r, (slot, n) in enumerate(zip(slots, lengths)):
             if not 1 <= n <= tokens.shape[1]:
@@ -295,7 +298,7 @@ class LlamaTarget:
                     f"lengths[{r}]={n}: slot {slot} holds {self.cache_lengths[slot]} tokens, "
                     f"max_seq_len={self.max_seq_len} leaves room for {self.max_seq_len - self.cache_lengths[slot]}"
                 )
-            rows.append(self._check_token_ids(f"tokens[{r}]", tokens[r, :n]))
+            rows.append(tokens[r, :n])
             starts.append(self.cache_lengths[slot])
         # Logits and taps are [B, T, ...] whatever the lengths (dspark.protocols.Target.verify).
         output = self._forward(slots, rows, starts, self._check_taps(tap_layers), width=tokens.shape[1])
@@ -439,10 +442,16 @@ class LlamaTarget:
             raise ValueError(f"{name}={values}: need {batch} integers")
         return values
 
-    def _check_token_ids(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+    def _check_token_ids(self, name: str, ids: torch.Tensor, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """ids in the vocabulary wherever `fed` is set (everywhere by default); the error names the
+        row of a 2-D batch, e.g. tokens[3]."""
         bad = (ids < 0) | (ids >= self.vocab_size)
+        if fed is not None:
+            bad &= fed
         if bool(bad.any()):
-            raise ValueError(f"{name}: token {int(ids[bad][0])} outside the vocabulary [0, {self.vocab_size})")
+            place = tuple(int(i) for i in bad.nonzero()[0])
+            row = "".join(f"[{i}]" for i in place[:-1])
+            raise ValueError(f"{name}{row}: token {int(ids[place])} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def _check_taps(self, tap_layers) -> tuple[int, ...]:
