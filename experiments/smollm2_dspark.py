@@ -34,7 +34,8 @@ commands before the first call (the machine keeps /tmp only while it stays warm)
                --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
 `join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
 (then repeat call 1). A fresh machine loses --work-dir too; carrying sequences.npz back into
-experiments/work/smollm2_dspark/ lets a later round skip self-distillation. experiments/stage and --work-dir
+experiments/work/smollm2_dspark/ lets a later round skip self-distillation; the first H200 round's 2,048 are
+experiments/data/smollm2_selfdistil_2048.npz (experiments/notes/smollm2.md). experiments/stage and --work-dir
 ignore themselves (a .gitignore of '*' inside).
 """
 from __future__ import annotations

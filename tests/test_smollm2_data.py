@@ -59,3 +59,19 @@ def test_no_evaluation_prompt_is_in_training(sets):
     own = builder.own_text(sets["humaneval"])[7]
     planted = np.concatenate([train[0][:20], own[5 : 5 + builder.WINDOW], train[0][20:]])
     assert builder.contaminated([train[1], planted], evaluation) == [False, True]
+
+
+def test_committed_self_distillation_answers_the_training_prompts(sets):
+    """experiments/data/smollm2_selfdistil_2048.npz (the H200 self-distillation kept so a later round can
+    skip it; experiments/notes/smollm2.md): sequence i is training prompt prompt_index[i] followed by
+    at most 384 generated tokens that end at the first EOS, if any."""
+    eos = 2  # <|im_end|>
+    with np.load(REPO / "experiments" / "data" / "smollm2_selfdistil_2048.npz") as d:
+        tokens, offsets, index, prompt_lengths = d["tokens"], d["offsets"], d["prompt_index"], d["prompt_lengths"]
+    assert tokens.dtype == np.uint16 and sorted(index.tolist()) == list(range(len(index)))
+    for i, prompt_number in enumerate(index):
+        sequence, prompt = tokens[offsets[i] : offsets[i + 1]], sets["train"][prompt_number]
+        assert prompt_lengths[i] == len(prompt) and np.array_equal(sequence[: len(prompt)], prompt), i
+        response = sequence[len(prompt):]
+        assert 1 <= len(response) <= 384, i
+        assert eos not in response[:-1].tolist(), i
