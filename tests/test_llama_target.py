@@ -377,8 +377,10 @@ def test_bad_input_raises_value_error_naming_the_field(model):
 def test_batched_attention_path_matches_the_per_query_reference(model, rng):
     """attention="batched" (SDPA over the padded cache, F.linear) against the per-query reference
     through prefill, a ragged verify, a partial commit and the verify after it, in float32.
-    Both compute the same function in another reduction order: logits (O(10)) measured ~1e-5
-    apart, bound 1e-3; taps relative 1e-5. Stale cache rows are poisoned with NaN."""
+    Both compute the same function in another reduction order. Measured over 41 seeds of the
+    prefill on the CPU: logits (O(10)) median 9e-5 and max 2.5e-3 apart, bound 1e-2; taps relative
+    median 2e-6, max 1.5e-5, bound 1e-4 (a stale or unmasked cache row moves them by O(1)).
+    Stale cache rows are poisoned with NaN."""
     reference = model[0]
     batched = LlamaTarget(reference.config, reference.weights, max_slots=3, max_seq_len=MAX_SEQ, attention="batched")
     vocab, taps = reference.vocab_size, (-1, 3, 28)
@@ -391,11 +393,11 @@ def test_batched_attention_path_matches_the_per_query_reference(model, rng):
     def close(a, b, lengths, what):
         for r, n in enumerate(lengths):  # rows past a request's length are padding
             err = (a.logits[r, :n] - b.logits[r, :n]).abs().max().item()
-            assert err < 1e-3, (SEED, what, r, err)
+            assert err < 1e-2, (SEED, what, r, err)
             for layer in taps:
                 ref = b.taps[layer][r, :n]
                 rel = ((a.taps[layer][r, :n] - ref).norm() / ref.norm()).item()
-                assert rel < 1e-5, (SEED, what, r, layer, rel)
+                assert rel < 1e-4, (SEED, what, r, layer, rel)
 
     outs = []
     for target in (batched, reference):
