@@ -6,8 +6,27 @@ the two-pass reduction, a second small kernel launched after it (docs/kernels.md
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync
 
 REDUCE_THREADS = 256
+
+
+@cute.jit
+def split_coordinates(tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, k_tiles_per_split: cutlass.Constexpr,
+                      k_tiles: cutlass.Constexpr):
+    """The start of both skinny GEMM kernels: warp 0 prefetches the two TMA descriptors, and this
+    CTA learns its place, (warp_idx, tidx, tile_idx, split_idx, k_begin, k_count): weight tile
+    tile_idx, split split_idx covering k-tiles [k_begin, k_begin + k_count) (choose_splits
+    guarantees the range is non-empty)."""
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    tidx, _, _ = cute.arch.thread_idx()
+    tile_idx, _, split_idx = cute.arch.block_idx()
+    if warp_idx == 0:
+        cpasync.prefetch_descriptor(tma_a)
+        cpasync.prefetch_descriptor(tma_b)
+    k_begin = split_idx * k_tiles_per_split
+    k_count = cutlass.min(k_tiles_per_split, k_tiles - k_begin)
+    return warp_idx, tidx, tile_idx, split_idx, k_begin, k_count
 
 
 @cute.jit

@@ -149,14 +149,9 @@ class SkinnyGemmSm100:
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
     ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        tile_idx, _, split_idx = cute.arch.block_idx()
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-        k_begin = split_idx * self.k_tiles_per_split
-        k_count = cutlass.min(self.k_tiles_per_split, self.k_tiles - k_begin)
+        warp_idx, tidx, tile_idx, split_idx, k_begin, k_count = cute_parts.split_coordinates(
+            tma_a, tma_b, self.k_tiles_per_split, self.k_tiles
+        )
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         mainloop = pipeline.PipelineTmaUmma.create(
