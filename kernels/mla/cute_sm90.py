@@ -467,9 +467,20 @@ class MlaVerifySm90:
             acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
 
     @cute.jit
-    def row_limits(self, coords, row0, cache_len, num_tokens, row_in_tile, key_limit):
-        """The thread's two rows of an m64 accumulator (row-half r holds coords[2 r]) and the keys
-        each may see: query j sees keys < cache_len + j + 1, a padding query none."""
+    def zero_o_accumulator(self, thr_pv):
+        """(coordinates, fp32 accumulator set to zero) of this thread's share of the O tile."""
+        cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
+        acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
+        acc_o.fill(0.0)
+        return cO, acc_o
+
+    @cute.jit
+    def row_limits(self, coords, row0, cache_len, num_tokens):
+        """(row_in_tile, key_limit): the thread's two rows of an m64 accumulator (row-half r holds
+        coords[2 r]) and the keys each may see: query j sees keys < cache_len + j + 1, a padding
+        query none."""
+        row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
+        key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
         for r in cutlass.range_constexpr(2):
             row = coords[2 * r][0]
             row_in_tile[r] = row
@@ -478,6 +489,7 @@ class MlaVerifySm90:
             if token >= num_tokens:
                 limit = 0
             key_limit[r] = limit
+        return row_in_tile, key_limit
 
     @cute.jit
     def row_normalizer(self, total, row_max, key_limit):
@@ -548,17 +560,13 @@ class MlaVerifySm90:
         cS = thr_qk.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, S_COLS)))
         acc_s = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
         p_bf16 = cute.make_rmem_tensor(cS.shape, BF16)
-        cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
-        acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
-        acc_o.fill(0.0)
+        cO, acc_o = self.zero_o_accumulator(thr_pv)
 
         # The accumulator fragment of an m64nN WGMMA holds, per thread, two rows:
         # element i is in row-half (i // 2) % 2 (cS gives the coordinates).
-        row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
-        key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+        row_in_tile, key_limit = self.row_limits(cS, row0, cache_len, num_tokens)
         row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
-        self.row_limits(cS, row0, cache_len, num_tokens, row_in_tile, key_limit)
         for r in cutlass.range_constexpr(2):
             row_max[r] = NEG_INF
             row_sum[r] = 0.0
@@ -663,17 +671,13 @@ class MlaVerifySm90:
         sV_half = cute.local_tile(sV, (O_COLS, KV_TILE, STAGES), (wg, 0, 0))
         tOrP = mma_pv.make_fragment_A(thr_pv.partition_A(sP))
         tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV_half))
-        cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
-        acc_o = cute.make_rmem_tensor(cO.shape, cutlass.Float32)
-        acc_o.fill(0.0)
+        cO, acc_o = self.zero_o_accumulator(thr_pv)
         # Both m64 accumulators (S and O) give a thread the same two rows: element i is in
         # row-half (i // 2) % 2.
-        row_in_tile = cute.make_rmem_tensor((2,), cutlass.Int32)
-        key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+        row_in_tile, key_limit = self.row_limits(cO, row0, cache_len, num_tokens)
         inv_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
         lse = cute.make_rmem_tensor((2,), cutlass.Float32)
         rescale = cute.make_rmem_tensor((2,), cutlass.Float32)
-        self.row_limits(cO, row0, cache_len, num_tokens, row_in_tile, key_limit)
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         threads = 128 * MATH_WARPGROUPS
