@@ -467,6 +467,16 @@ class MlaVerifySm90:
             acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
 
     @cute.jit
+    def empty_row_stats(self):
+        """(running max = -inf, running sum = 0) of the thread's two rows, before any key."""
+        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = NEG_INF
+            row_sum[r] = 0.0
+        return row_max, row_sum
+
+    @cute.jit
     def zero_o_accumulator(self, thr_pv):
         """(coordinates, fp32 accumulator set to zero) of this thread's share of the O tile."""
         cO = thr_pv.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, O_COLS)))
@@ -565,11 +575,7 @@ class MlaVerifySm90:
         # The accumulator fragment of an m64nN WGMMA holds, per thread, two rows:
         # element i is in row-half (i // 2) % 2 (cS gives the coordinates).
         row_in_tile, key_limit = self.row_limits(cS, row0, cache_len, num_tokens)
-        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
-        for r in cutlass.range_constexpr(2):
-            row_max[r] = NEG_INF
-            row_sum[r] = 0.0
+        row_max, row_sum = self.empty_row_stats()
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_pipe.consumer_wait(q_state)
@@ -691,12 +697,8 @@ class MlaVerifySm90:
             cS = thr_qk.partition_C(cute.make_identity_tensor((ROWS_PER_TILE, KV_TILE)))
             acc_s = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
             p_bf16 = cute.make_rmem_tensor(cS.shape, BF16)
-            row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-            row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+            row_max, row_sum = self.empty_row_stats()
             base = cute.make_rmem_tensor((2,), cutlass.Float32)
-            for r in cutlass.range_constexpr(2):
-                row_max[r] = NEG_INF
-                row_sum[r] = 0.0
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
             for t in cutlass.range(tile_count, unroll=1):
