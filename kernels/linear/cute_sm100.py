@@ -28,6 +28,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .. import cute_common
+from ..cute_pipelines import deferred_pipeline
 from . import cute_parts
 from .cute_host import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports
 
@@ -154,23 +155,10 @@ class SkinnyGemmSm100:
         )
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        mainloop = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.tma_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        acc_pipeline = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_barriers.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
+        mainloop = deferred_pipeline(pipeline.PipelineTmaUmma, storage.ab_barriers, self.stages, 1,
+                                     tx_count=self.tma_bytes, cta_layout=cluster_layout_vmnk)
+        acc_pipeline = deferred_pipeline(pipeline.PipelineUmmaAsync, storage.acc_barriers, 1, self.threads,
+                                         cta_layout=cluster_layout_vmnk)
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_holding_buf.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=self.threads),

@@ -38,6 +38,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .. import cute_common
+from ..cute_pipelines import deferred_pipeline
 from . import cute_parts
 from .cute_host import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports, token_tile
 
@@ -152,15 +153,8 @@ class SkinnyGemmSm90:
         storage = smem.allocate(self.shared_storage)
         a_stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
         b_stage_bytes = cute.size_in_bytes(ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-        mainloop = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-            tx_count=a_stage_bytes + b_stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        mainloop = deferred_pipeline(pipeline.PipelineTmaAsync, storage.barriers, self.stages, self.threads // 32,
+                                     tx_count=a_stage_bytes + b_stage_bytes)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)

@@ -49,6 +49,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .. import cute_common
+from ..cute_pipelines import deferred_pipeline
 from . import cute_host as mla_common
 from .cute_host import COMBINE_THREADS, HEAD_DIM, KV_TILE, LATENT, ROPE, ROWS_PER_TILE
 
@@ -241,24 +242,10 @@ class MlaVerifySm90:
         # it (the partner's multicast writes into it): every consumer warp arrives on the
         # empty barrier of each CTA of the pair.
         cluster_vmnk = cute.make_layout((1, self.cluster, 1, 1))
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_barriers.data_ptr(),
-            num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * self.cluster),
-            tx_count=(LATENT_BLOCKS + 1) * block_bytes,
-            cta_layout_vmnk=cluster_vmnk,
-            defer_sync=True,
-        )
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_barriers.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=(LATENT_BLOCKS + 1) * block_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        kv_pipe = deferred_pipeline(pipeline.PipelineTmaAsync, storage.kv_barriers, STAGES, consumer_warps * self.cluster,
+                                    tx_count=(LATENT_BLOCKS + 1) * block_bytes, cta_layout=cluster_vmnk)
+        q_pipe = deferred_pipeline(pipeline.PipelineTmaAsync, storage.q_barriers, 1, consumer_warps,
+                                   tx_count=(LATENT_BLOCKS + 1) * block_bytes)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)

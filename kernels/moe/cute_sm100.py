@@ -42,6 +42,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 
 from .. import cute_common
+from ..cute_pipelines import deferred_pipeline
 from . import cute_sm90, expert_layout, reference
 
 ROW_TILE = 128
@@ -248,31 +249,13 @@ class MxFp4ExpertGemmSm100:
         """A: the 128 dequantising threads produce, the MMA consumes; B: TMA produces; the
         accumulator: the MMA's commit produces, the epilogue's 128 threads consume; and the
         TMEM allocator."""
-        a_pipe = pipeline.PipelineAsyncUmma.create(
-            barrier_storage=storage.a_barriers.data_ptr(),
-            num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        b_pipe = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.b_barriers.data_ptr(),
-            num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.b_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_barriers.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
+        # The dequantising threads fill A (all THREADS arrive); TMA fills B; one thread issues the UMMA.
+        a_pipe = deferred_pipeline(pipeline.PipelineAsyncUmma, storage.a_barriers, STAGES, 1, producers=THREADS,
+                                   cta_layout=cluster_layout_vmnk)
+        b_pipe = deferred_pipeline(pipeline.PipelineTmaUmma, storage.b_barriers, STAGES, 1, tx_count=self.b_bytes,
+                                   cta_layout=cluster_layout_vmnk)
+        acc_pipe = deferred_pipeline(pipeline.PipelineUmmaAsync, storage.acc_barriers, 1, THREADS,
+                                     cta_layout=cluster_layout_vmnk)
         tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=1, num_threads=THREADS),

@@ -40,6 +40,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.memory import SmemAllocator
 
 from .. import cute_common
+from ..cute_pipelines import deferred_pipeline
 from . import expert_layout
 from . import reference
 
@@ -426,15 +427,7 @@ class MxFp4ExpertGemmSm90:
     @cute.jit
     def make_mainloop(self, storage, stages, tx_count):
         """The TMA pipeline of one CTA: warp 0's TMA produces, the 4 warps consume."""
-        mainloop = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=tx_count,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        mainloop = deferred_pipeline(pipeline.PipelineTmaAsync, storage.barriers, stages, THREADS // 32, tx_count=tx_count)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         return mainloop
 
