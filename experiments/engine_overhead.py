@@ -3,7 +3,7 @@
 What is left is the engine's own bookkeeping (proposal handling, noise, acceptance, stop checks,
 commit, metrics), the cost every real step pays on top of the model. Goal: under 50 us per step.
 
-    python experiments/engine_overhead.py [--steps 2000] [--temperature 0] [--out FILE]
+    python experiments/engine_overhead.py [--steps 2000] [--k 7] [--vocab 32] [--out FILE]   # greedy and T = 1
 """
 from __future__ import annotations
 
