@@ -41,6 +41,7 @@ from dspark.vllm import (
     parse_version,
     validate_with_vllm,
 )
+from dspark.vllm.convert import vllm_schedule_k
 
 SEED = random.randrange(2**32)
 INSTALLED = vllm.__version__
@@ -164,15 +165,27 @@ def test_batch_size_schedule_gives_vllm_the_engine_k(rng, trial):
                       batch1_profile=profile)
     cfg, checked = _check(spec)
     assert checked.vllm_config_built
+    warned = convert(spec).warnings
     engine = Engine(MarkovTarget(8), NgramDrafter(), spec)
     schedule = cfg.get("num_speculative_tokens_per_batch_size")
     max_batch = 80
     expected = [engine.step_k(b) for b in range(1, max_batch + 1)]
     if schedule is None:
         assert set(expected) == {k}
-    else:
-        lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=max_batch, vllm_num_speculative_tokens=k)
-        assert lookup[1:] == expected, (SEED, spec, schedule)
+        return
+    lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=max_batch, vllm_num_speculative_tokens=k)
+    # Our model of vLLM's reading (vllm_schedule_k, which the warnings quote) is vLLM's own.
+    assert lookup[1:] == [vllm_schedule_k(schedule, b, k) for b in range(1, max_batch + 1)], (SEED, schedule)
+    differ = [b for b in range(1, max_batch + 1) if lookup[b] != expected[b - 1]]
+    if not differ:
+        assert not any("num_speculative_tokens_per_batch_size" in w for w in warned), (SEED, spec, warned)
+        return
+    # Only the user's own schedule, kept as given, may differ, and then the converter names the first
+    # batch size where it does (issue 14: keep the user's schedule when vLLM takes it, warn when ours differs).
+    assert schedule == [list(g) for g in gates], (SEED, spec, schedule)
+    first = differ[0]
+    assert any(f"batch {first}: dspark k={expected[first - 1]}, vLLM k={lookup[first]}" in w for w in warned), \
+        (SEED, spec, warned)
 
 
 def test_invalid_configs_fail_with_our_field_names(drafters):
