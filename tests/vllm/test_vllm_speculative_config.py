@@ -90,7 +90,7 @@ def _check(spec: SpecConfig, **kw):
     result = convert(spec, **kw)
     checked = validate_with_vllm(result.config)
     assert checked.num_speculative_tokens == spec.num_speculative_tokens, (SEED, spec)
-    return result.config, checked
+    return result, checked
 
 
 def _expect_vllm_config(checked, needs_model_runner_v2: bool):
@@ -123,7 +123,7 @@ def test_sweep_configs_are_accepted_by_vllm(drafters, rng, drafter):
     path = drafters["k3"] if drafter == "dspark" else None
     for k in range(1, 9):
         for spec in _sweep_specs(rng, k, drafter, path):
-            cfg, checked = _check(spec)
+            _, checked = _check(spec)
             assert checked.method == drafter and checked.vllm_version == INSTALLED
             _expect_vllm_config(checked, needs_model_runner_v2=drafter == "dspark")
             if drafter == "dspark":
@@ -146,9 +146,9 @@ def test_dspark_verification_options_are_accepted(drafters):
             for policy in ("fixed", "scheduler"):
                 spec = SpecConfig(num_speculative_tokens=BLOCK, drafter="dspark", drafter_path=path,
                                   draft_sample_method="probabilistic", verify_policy=policy)
-                cfg, checked = _check(spec, block_verification=block)
+                result, checked = _check(spec, block_verification=block)
                 assert checked.method == "dspark"
-                assert cfg["rejection_sample_method"] == ("block" if block else "standard")
+                assert result.config["rejection_sample_method"] == ("block" if block else "standard")
                 _expect_vllm_config(checked, needs_model_runner_v2=True)
 
 
@@ -163,11 +163,11 @@ def test_batch_size_schedule_gives_vllm_the_engine_k(rng, trial):
     profile = Profile(num_speculative_tokens=rng.randint(0, k - 1)) if trial % 2 else None  # k - 1: it must show
     spec = SpecConfig(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=tuple(gates) if trial != 1 else None,
                       batch1_profile=profile)
-    cfg, checked = _check(spec)
+    result, checked = _check(spec)
     assert checked.vllm_config_built
-    warned = convert(spec).warnings
+    warned = result.warnings
     engine = Engine(MarkovTarget(8), NgramDrafter(), spec)
-    schedule = cfg.get("num_speculative_tokens_per_batch_size")
+    schedule = result.config.get("num_speculative_tokens_per_batch_size")
     max_batch = 80
     expected = [engine.step_k(b) for b in range(1, max_batch + 1)]
     if schedule is None:
