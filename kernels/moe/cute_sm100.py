@@ -249,7 +249,6 @@ class MxFp4ExpertGemmSm100:
         """A: the 128 dequantising threads produce, the MMA consumes; B: TMA produces; the
         accumulator: the MMA's commit produces, the epilogue's 128 threads consume; and the
         TMEM allocator."""
-        # The dequantising threads fill A (all THREADS arrive); TMA fills B; one thread issues the UMMA.
         a_pipe = deferred_pipeline(pipeline.PipelineAsyncUmma, storage.a_barriers, STAGES, 1, producers=THREADS,
                                    cta_layout=cluster_layout_vmnk)
         b_pipe = deferred_pipeline(pipeline.PipelineTmaUmma, storage.b_barriers, STAGES, 1, tx_count=self.b_bytes,
