@@ -1,0 +1,181 @@
+"""Where the SmolLM2 recipe's GPU time goes (issue 13): a self-distillation decode step and a
+drafter training step, timed and profiled at the recipe's sizes.
+
+The weights are random at SmolLM2-135M's shapes (or the real ones with --gguf): the cost of a step
+does not depend on the values, and this needs no GGUF staging. For each piece it reports the wall
+time with a synchronize around it, the GPU time the profiler saw in it, the number of kernels and
+host-side aten calls, and the largest GPU kernels and host ops by name:
+
+- decode: a plain-decoding engine step at --slots requests (half greedy, half T = 1), each with a
+  --context-token committed prefix, as experiments/smollm2_dspark.py's self-distillation runs it;
+- capture: the target prefill that gives one training batch its logits and taps;
+- train: forward + backward + AdamW of one DSpark training step on that batch;
+- held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
+
+    python experiments/smollm2_profile.py --out experiments/results/h200/smollm2_profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.config import SamplingParams
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.drafters.dspark.calibrate import run_rounds
+from dspark.drafters.dspark.train import capture, train_step_loss
+from dspark.engine import Engine
+from dspark.files import write_atomic
+from dspark.provenance import provenance
+from dspark.targets.llama import LlamaConfig, LlamaLayerWeights, LlamaTarget, LlamaWeights, load_llama_gguf, weights_to
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("smollm2_dspark", REPO / "experiments" / "smollm2_dspark.py")
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)
+
+# SmolLM2-135M-Instruct's shapes (the GGUF's metadata); EOS = <|im_end|>.
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                      intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, context_length=8192,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+def random_weights(c: LlamaConfig, seed: int) -> LlamaWeights:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    hd = c.head_dim
+    layers = [LlamaLayerWeights(torch.ones(c.hidden_size), r((c.num_heads + 2 * c.num_kv_heads) * hd, c.hidden_size),
+                                r(c.hidden_size, c.num_heads * hd), torch.ones(c.hidden_size),
+                                r(2 * c.intermediate_size, c.hidden_size), r(c.hidden_size, c.intermediate_size))
+              for _ in range(c.num_layers)]
+    embedding = r(c.vocab_size, c.hidden_size)
+    return LlamaWeights(embedding, layers, torch.ones(c.hidden_size), embedding)
+
+
+def measured(fn, repeats: int) -> dict:
+    """Median wall ms of fn() with a synchronize around each call, then one profiled call: GPU
+    time, kernel count, host aten calls and the largest contributors."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    walls = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        walls.append(1e3 * (time.perf_counter() - t0))
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync()
+    gpu, gpu_calls, host_calls = collections.Counter(), collections.Counter(), collections.Counter()
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            gpu[evt.name] += evt.time_range.elapsed_us()
+            gpu_calls[evt.name] += 1
+        elif evt.name.startswith("aten::"):
+            host_calls[evt.name] += 1
+    walls.sort()
+    return {"wall_ms": round(walls[len(walls) // 2], 2), "gpu_ms": round(sum(gpu.values()) / 1e3, 2),
+            "kernels": sum(gpu_calls.values()), "aten_calls": sum(host_calls.values()),
+            "top_gpu": [{"name": n[:120], "calls": gpu_calls[n], "ms": round(us / 1e3, 2)} for n, us in gpu.most_common(12)],
+            "top_host": host_calls.most_common(12)}
+
+
+def decode_piece(config, weights, args) -> dict:
+    target = LlamaTarget(config, weights, max_slots=args.slots, max_seq_len=args.context + 64, attention="batched")
+    engine = Engine(target, eos_token_ids=())
+    g = torch.Generator().manual_seed(args.seed)
+    for i in range(args.slots):
+        engine.add_request(torch.randint(3, config.vocab_size, (args.context,), generator=g),
+                           SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=48, seed=i))
+        if (i + 1) % args.prefill_chunk == 0:
+            engine.step()  # admit in chunks, as generate_sequences does
+    engine.step()
+    return measured(engine.step, 3)
+
+
+def training_pieces(config, weights, args) -> dict:
+    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=args.seq_len + 16, attention="batched")
+    ns = argparse.Namespace(layers=5, markov_rank=256, seed=args.seed, steps=1200, batch_size=args.batch_size,
+                            num_anchors=512, lr=6e-4, warmup_frac=0.04, anchor_chunk=args.anchor_chunk)
+    model = recipe.new_model(target, "dspark", ns)
+    if target.device.type == "cuda":
+        model.autocast_dtype = torch.bfloat16
+    cfg = recipe.train_configs(ns)["dspark"]
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.seq_len // 2, args.seq_len + 1, (args.batch_size,), generator=g).tolist()
+    sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
+    masks = [torch.cat([torch.zeros(n // 3, dtype=torch.long), torch.ones(n - n // 3, dtype=torch.long)]) for n in lengths]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    out = {"capture": measured(lambda: capture(target, sequences, model.config.target_layer_ids), 3)}
+    captured = capture(target, sequences, model.config.target_layer_ids)
+
+    def step():
+        loss, _ = train_step_loss(model, captured, sequences, masks, cfg, torch.Generator().manual_seed(0))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    model.train()
+    out["train"] = measured(step, 3)
+    model.eval()
+    held_out = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in (args.seq_len // 4,) * args.held_out_prompts]
+    rounds_target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 96,
+                                attention="batched")
+    drafter = DSparkDrafter(model, rounds_target.max_slots, max_seq_len=rounds_target.max_seq_len)
+    out["held_out"] = measured(lambda: run_rounds(rounds_target, drafter, held_out, max_new_tokens=64), 1)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default=None, help="real SmolLM2 weights (default: random at its shapes)")
+    ap.add_argument("--slots", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=512, help="committed tokens per request in the decode step")
+    ap.add_argument("--prefill-chunk", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=768, help="longest training sequence (lengths drawn in [half, this])")
+    ap.add_argument("--anchor-chunk", type=int, default=128)
+    ap.add_argument("--held-out-prompts", type=int, default=32)
+    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, train")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu only checks that the script runs: its times mean nothing")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.gguf:
+        config, weights, _ = load_llama_gguf(args.gguf)
+    else:
+        config, weights = SMOLLM2, random_weights(SMOLLM2, args.seed)
+    weights = weights_to(weights, args.device)
+    result = {**provenance(args.device), "settings": vars(args), "weights": "gguf" if args.gguf else "random"}
+    pieces = args.pieces.split(",")
+    if "decode" in pieces:
+        result["decode"] = decode_piece(config, weights, args)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if "train" in pieces:
+        result.update(training_pieces(config, weights, args))
+    write_atomic(args.out, json.dumps(result, indent=1) + "\n")
+    for name in ("decode", "capture", "train", "held_out"):
+        if name in result:
+            r = result[name]
+            top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"
+            print(f"{name:9s} wall {r['wall_ms']:9.1f} ms  gpu {r['gpu_ms']:9.1f} ms  kernels {r['kernels']:6d}  "
+                  f"aten {r['aten_calls']:6d}  top: {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
