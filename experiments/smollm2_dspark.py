@@ -41,6 +41,7 @@ ignore themselves (a .gitignore of '*' inside).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -58,7 +59,7 @@ from tqdm import tqdm
 
 from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
-from dspark.drafters.dspark.calibrate import fit_temperatures, report, run_rounds
+from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, report, run_rounds
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, response_loss_masks, train
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
@@ -253,6 +254,23 @@ def trained_steps(path: Path) -> int:
     return int(torch.load(state, weights_only=False)["step"]) if state.is_file() else 0
 
 
+@contextlib.contextmanager
+def tf32_on_cuda(device: torch.device):
+    """Float32 matmuls as TF32 on the GPU while the drafter trains: in float32 the loss's
+    [blocks x G, d] x [d, V] lm_head products ran as SIMT FMA and took ~40% of a training step
+    (experiments/notes/smollm2.md). The capture's target forward runs in it too; the target that
+    decodes (held-out acceptance, calibration, evaluation) stays full float32."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def train_variant(args, name: str, target, sequences, masks, held_out, work: Path, results: dict, save, deadline) -> DSparkModel:
     out_dir = work / name
     cfg = train_configs(args)[name]
@@ -264,8 +282,9 @@ def train_variant(args, name: str, target, sequences, masks, held_out, work: Pat
         if time.time() > deadline:
             raise StoppedEarly(f"train {name}: step {step} of {cfg.steps} (--time-limit)")
         segment = min(args.eval_every, cfg.steps - step)
-        history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=out_dir, resume=step > 0,
-                        stop_after=segment, progress=True)
+        with tf32_on_cuda(target.device):
+            history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=out_dir, resume=step > 0,
+                            stop_after=segment, progress=True)
         drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len)
         rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
         entry["held_out"].append({"step": step + segment, "acceptance_length": rounds.acceptance_length,
@@ -275,9 +294,13 @@ def train_variant(args, name: str, target, sequences, masks, held_out, work: Pat
 
 
 # ---- 4. evaluation --------------------------------------------------------------------------------
-def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, seed: int) -> dict:
-    """Speculative decoding of every prompt in the engine (k = 7, every draft verified)."""
-    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=BLOCK), eos_token_ids=(eos,))
+def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, seed: int, observer=None) -> dict:
+    """Speculative decoding of every prompt in the engine (k = 7, every draft verified); observer,
+    if given, sees every step (calibrate.RoundRecorder keeps the confidence rounds)."""
+    k = BLOCK if drafter is not None else 0
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=k), eos_token_ids=(eos,))
+    if observer is not None:
+        engine.add_observer(observer)
     params = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens, seed=seed + i)
               for i in range(len(prompts))]
     outs = engine.generate([p.tolist() for p in prompts], params)
@@ -288,7 +311,7 @@ def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, see
     reached = [m.num_drafts] + m.accepted_per_position[:-1]  # rounds whose drafts 1..k-1 were all accepted
     conditional = [a / r if r else None for a, r in zip(m.accepted_per_position, reached)]
     return {"accepted": [o.num_accepted_drafts for o in outs], "steps": [o.num_steps for o in outs],
-            "tokens": [len(o.token_ids) for o in outs],
+            "tokens": [len(o.token_ids) for o in outs], "token_ids": [o.token_ids for o in outs],
             "conditional_accept_per_position": [None if c is None else round(c, 4) for c in conditional],
             "verified_per_position": m.drafts_per_position}
 
@@ -338,27 +361,48 @@ def make_drafters(models: dict[str, DSparkModel], target, mode: str) -> dict:
     return drafters
 
 
-def evaluate(args, target, models, sets, eos: int, temps, results: dict, save) -> None:
+def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, deadline: float) -> None:
     evals = results.setdefault("eval", {})
     for set_name, mode in (pair.split(":") for pair in args.eval_plan.split(",")):
         prompts = sets[set_name][: args.eval_prompts or None]
         temperature = {"greedy": 0.0, "t1": 1.0}[mode]
         if mode in evals.get(set_name, {}):
             continue
+        if time.time() > deadline:
+            raise StoppedEarly(f"evaluation: before {set_name} {mode} (--time-limit)")
         sampling = SamplingParams(temperature=temperature, max_tokens=args.eval_tokens)
-        runs = {}
+        runs, recorder = {}, RoundRecorder(BLOCK)  # DSpark's confidence rounds come from its own run
         for name, drafter in make_drafters(models, target, mode).items():
-            runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed)
+            runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed,
+                                    observer=recorder if name == "dspark" else None)
         entry = {"prompts": len(prompts), "bootstrap": bootstrap(runs, args.bootstrap, args.seed)}
         entry["per_drafter"] = {d: {k: r[k] for k in ("conditional_accept_per_position", "verified_per_position")}
                                 | {"output_tokens": int(sum(r["tokens"])), "steps": int(sum(r["steps"]))}
                                 for d, r in runs.items()}
-        drafter = make_drafters({"dspark": models["dspark"]}, target, mode)["dspark"]
-        rounds = run_rounds(target, drafter, prompts, max_new_tokens=args.eval_tokens, sampling=sampling, seed=args.seed)
+        if mode == "greedy":
+            plain = engine_run(target, None, prompts, sampling, eos, args.seed)["token_ids"]
+            entry["greedy_equals_plain"] = greedy_agreement(plain, runs)
+        rounds = recorder.rounds()
         entry["confidence"] = {"raw": report(rounds), "sts": report(rounds, temps)}
         evals.setdefault(set_name, {})[mode] = entry
         print(set_name, mode, json.dumps(entry["bootstrap"]), flush=True)
         save()
+
+
+def greedy_agreement(plain: list[list[int]], runs: dict[str, dict]) -> dict:
+    """Greedy speculative decoding must emit plain greedy decoding's tokens whatever the drafter.
+    The batched GPU target is not row-invariant (tests/gpu/test_llama_target_gpu.py): a drafter's
+    verify shapes can flip a near tie, so count, per drafter, the prompts whose output differs
+    from plain decoding's and the token where it first does."""
+    out = {}
+    for name, run in runs.items():
+        differences = []
+        for i, (ours, reference) in enumerate(zip(run["token_ids"], plain)):
+            if ours != reference:
+                at = next((j for j, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+                differences.append({"prompt": i, "token": at})
+        out[name] = {"prompts": len(plain), "identical": len(plain) - len(differences), "first_differences": differences}
+    return out
 
 
 def goals(evals: dict) -> dict:
@@ -468,18 +512,23 @@ def run(args) -> dict:
     phase_done("train")
 
     eval_target = make_target(args.eval_batch)
-    drafter = DSparkDrafter(models["dspark"], eval_target.max_slots, max_seq_len=eval_target.max_seq_len)
-    rounds = run_rounds(eval_target, drafter, calibration, max_new_tokens=args.eval_tokens)
-    temps = fit_temperatures(rounds)
-    results["calibration"] = {"prompts": len(calibration), "temperatures": temps, "before": report(rounds),
-                              "after": report(rounds, temps)}
+    calibrated = (work / "dspark_calibrated").is_dir() and "calibration" in results  # by an earlier call
+    if calibrated:
+        temps = tuple(results["calibration"]["temperatures"])
+    else:
+        drafter = DSparkDrafter(models["dspark"], eval_target.max_slots, max_seq_len=eval_target.max_seq_len)
+        rounds = run_rounds(eval_target, drafter, calibration, max_new_tokens=args.eval_tokens)
+        temps = fit_temperatures(rounds)
+        results["calibration"] = {"prompts": len(calibration), "temperatures": temps, "before": report(rounds),
+                                  "after": report(rounds, temps)}
     models["dspark"].config = dataclasses.replace(models["dspark"].config, confidence_temperatures=temps).validate()
-    save_checkpoint(models["dspark"], work / "dspark_calibrated")
-    results["vllm_export"] = vllm_export_check(work / "dspark_calibrated", work / "dspark_vllm",
-                                               eval_target.embedding_weights()[0])
+    if not calibrated:
+        save_checkpoint(models["dspark"], work / "dspark_calibrated")
+        results["vllm_export"] = vllm_export_check(work / "dspark_calibrated", work / "dspark_vllm",
+                                                   eval_target.embedding_weights()[0])
     phase_done("calibrate")
 
-    evaluate(args, eval_target, models, sets, eos, temps, results, save)
+    evaluate(args, eval_target, models, sets, eos, temps, results, save, deadline)
     phase_done("evaluate")
     one = make_target(1)
     speed_prompts = sets["humaneval"][: args.speed_prompts]
@@ -508,7 +557,7 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--resume-results", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--attention", choices=("batched", "per_query"), default="batched")
-    r.add_argument("--eval-plan", default="humaneval:greedy,humaneval:t1,mtbench:greedy,mtbench:t1",
+    r.add_argument("--eval-plan", default="humaneval:greedy,mtbench:greedy,humaneval:t1,mtbench:t1",
                    help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,

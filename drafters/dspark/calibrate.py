@@ -70,17 +70,9 @@ def run_rounds(
     cannot verify the whole block would bias the fit. A prompt with no room for one round gives none."""
     sampling.validate(target.vocab_size)
     G = block_size if block_size is not None else drafter.config.block_size
-    logits_log, accepted_log = [], []
-
-    def record(step: StepRecord) -> None:
-        logits = step.proposal.confidence_logits
-        if logits is not None and logits.shape[1] != G:
-            raise ValueError(f"run_rounds: the drafter proposed {logits.shape[1]} positions, the block has {G}")
-        logits_log.append(logits.float().cpu() if logits is not None else torch.zeros(len(step.request_ids), G))
-        accepted_log.append(torch.tensor(step.num_accepted, dtype=torch.long))
-
+    recorder = RoundRecorder(G)
     engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=G, seed=seed))
-    engine.add_observer(record)
+    engine.add_observer(recorder)
     # The last round starts with prompt + output - 1 tokens committed and needs G + 1 positions.
     work = [(i, p, min(max_new_tokens, target.max_seq_len - p.shape[0] - G + 1)) for i, p in enumerate(prompts)]
     work = [(i, p, n) for i, p, n in work if n >= 1]
@@ -91,9 +83,30 @@ def run_rounds(
         for (i, _, _), out in zip(chunk, engine.generate([p for _, p, _ in chunk], params)):
             if out.error is not None:
                 raise ValueError(f"run_rounds: prompts[{i}]: {out.error}")
-    if not logits_log:
-        return Rounds(torch.zeros(0, G), torch.zeros(0, dtype=torch.long))
-    return Rounds(torch.cat(logits_log), torch.cat(accepted_log))
+    return recorder.rounds()
+
+
+class RoundRecorder:
+    """An engine observer that keeps every step's raw confidence logits (zeros for a drafter
+    without a confidence head) and accepted counts, for engines whose steps verify whole blocks
+    of G drafts (k = G)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.logits: list[torch.Tensor] = []
+        self.accepted: list[torch.Tensor] = []
+
+    def __call__(self, step: StepRecord) -> None:
+        G, logits = self.block_size, step.proposal.confidence_logits
+        if logits is not None and logits.shape[1] != G:
+            raise ValueError(f"rounds: the drafter proposed {logits.shape[1]} positions, the block has {G}")
+        self.logits.append(logits.float().cpu() if logits is not None else torch.zeros(len(step.request_ids), G))
+        self.accepted.append(torch.tensor(step.num_accepted, dtype=torch.long))
+
+    def rounds(self) -> Rounds:
+        if not self.logits:
+            return Rounds(torch.zeros(0, self.block_size), torch.zeros(0, dtype=torch.long))
+        return Rounds(torch.cat(self.logits), torch.cat(self.accepted))
 
 
 # ---- metrics ----------------------------------------------------------------------------------

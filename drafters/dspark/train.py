@@ -113,13 +113,15 @@ def build_blocks(tokens, lengths, loss_mask, anchors, keep, block_size: int, mas
     return block, positions, labels, prev, eval_mask
 
 
-def loss_sums(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+def loss_sums(draft_logits, target_probs, labels, conf_logits, eval_mask, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """Weighted sums of the three loss terms and of the diagnostics over a set of blocks; blocks
     can be split into chunks and their sums added (see `finish_loss`).
 
-    draft_logits, target_logits [..., G, V]; labels, conf_logits, eval_mask [..., G]."""
+    draft_logits [..., G, V]; target_probs [..., G, V] float32, the target's softmax (taken once
+    per position by the caller: neighbouring blocks share positions); labels, conf_logits,
+    eval_mask [..., G]."""
     log_pd = draft_logits.float().log_softmax(dim=-1)
-    p_d, p_t = log_pd.exp(), target_logits.float().softmax(dim=-1)
+    p_d, p_t = log_pd.exp(), target_probs
     ce = -log_pd.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     l1 = (p_d - p_t).abs().sum(dim=-1)
     soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
@@ -151,7 +153,7 @@ def finish_loss(sums: dict[str, torch.Tensor], cfg: TrainConfig):
 def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig):
     """The DSpark objective (docs/dspark-algorithm.md §6.3, §11 item 8): full L1 (not halved), decay exp(-(k-1)/gamma_w),
     weighted means, soft confidence label detached, softmaxes in float32. Returns (loss, metrics)."""
-    return finish_loss(loss_sums(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg), cfg)
+    return finish_loss(loss_sums(draft_logits, target_logits.float().softmax(dim=-1), labels, conf_logits, eval_mask, cfg), cfg)
 
 
 # ---- target side ------------------------------------------------------------------------------
@@ -255,7 +257,8 @@ def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: Tr
     fused = model.fuse_taps({layer: t.to(device) for layer, t in taps.items()})
     context_rows = model.context_rows(fused, torch.arange(S, device=device).expand(len(sequences), S))
     visible = torch.arange(S, device=device) < anchors[..., None]  # context strictly before the anchor
-    target_logits = target_logits.to(device)
+    # p_t once per position: a position is slot k of up to G blocks, and chunks are recomputed in backward.
+    target_probs = target_logits.to(device).float().softmax(dim=-1)
 
     def blocks_sums(start: int, stop: int, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         part = slice(start, stop)
@@ -263,7 +266,7 @@ def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: Tr
         draft_logits, conf_logits = model.head_outputs(hidden, prev[:, part])  # teacher-forced heads
         # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]).
         index = positions[:, part].clamp(max=S - 1)
-        tgt = target_logits.gather(1, index.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
+        tgt = target_probs.gather(1, index.flatten(1)[..., None].expand(-1, -1, target_probs.shape[-1]))
         sums = loss_sums(draft_logits, tgt.view(*index.shape, -1), labels[:, part], conf_logits, eval_mask[:, part], cfg)
         return tuple(sums[key] for key in _SUM_KEYS)
 
