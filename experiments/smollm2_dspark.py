@@ -239,7 +239,7 @@ def new_model(target, name: str, args) -> DSparkModel:
 
 def train_configs(args) -> dict[str, TrainConfig]:
     base = dict(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
-                warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, seed=42)
+                warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, length_groups=args.length_groups, seed=42)
     return {"dspark": TrainConfig(**base),  # 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4
             "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
 
@@ -561,7 +561,7 @@ def parse(argv=None) -> argparse.Namespace:
                    help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
-            "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "layers": 5, "markov_rank": 256,
+            "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5, "markov_rank": 256,
             "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
             "eval_tokens": 256, "eval_batch": 64, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
     for name, default in ints.items():

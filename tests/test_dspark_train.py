@@ -15,6 +15,7 @@ from dspark.drafters.dspark.train import (
     response_loss_masks,
     sample_anchors,
     capture,
+    epoch_batches,
     train,
     train_step_loss,
 )
@@ -131,6 +132,28 @@ def test_resumed_run_equals_unbroken_run(tmp_path):
     assert len((tmp_path / "b" / "train_log.jsonl").read_text().splitlines()) == 6
     with pytest.raises(ValueError, match="TrainConfig.batch_size=0"):
         train(target, resumed, data, config=TrainConfig(batch_size=0))
+
+
+def test_length_groups_batch_similar_lengths_and_keep_every_sequence_once_per_epoch():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    supervised = torch.randint(1, 400, (203,), generator=gen).tolist()
+    plain_cfg = TrainConfig(batch_size=8, seed=3)
+    grouped_cfg = TrainConfig(batch_size=8, seed=3, length_groups=5)
+    padding = {}
+    for name, cfg in (("plain", plain_cfg), ("grouped", grouped_cfg)):
+        batches = epoch_batches(supervised, cfg, epoch=2)
+        assert all(len(b) == 8 for b in batches) and len(batches) == 203 // 8
+        flat = [i for b in batches for i in b]
+        assert len(set(flat)) == len(flat)  # nobody twice in an epoch
+        assert batches == epoch_batches(supervised, cfg, epoch=2)  # a resumed run draws the same
+        padding[name] = sum(max(supervised[i] for i in b) * len(b) - sum(supervised[i] for i in b) for b in batches)
+    # The same sequences leave the epoch in both (the groups only reorder the shuffled ones).
+    assert sorted(i for b in epoch_batches(supervised, plain_cfg, 2) for i in b) == \
+        sorted(i for b in epoch_batches(supervised, grouped_cfg, 2) for i in b)
+    assert padding["grouped"] < 0.5 * padding["plain"], padding
+    assert epoch_batches(supervised, plain_cfg, 2) != epoch_batches(supervised, plain_cfg, 3)
+    with pytest.raises(ValueError, match="TrainConfig.length_groups=-1"):
+        TrainConfig(length_groups=-1).validate()
 
 
 def test_anchor_chunks_give_the_same_loss_and_gradients():

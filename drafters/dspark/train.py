@@ -47,6 +47,8 @@ class TrainConfig:
     decay_gamma: float = 4.0  # all released configs use 4.0, not the block size (docs/dspark-algorithm.md §6.3)
     grad_clip: float = 1.0
     anchor_chunk: int = 0  # > 0: run the blocks this many anchors at a time, recomputed in backward
+    # > 0: batches drawn from groups of this many batches sorted by supervised length (epoch_batches)
+    length_groups: int = 0
     seed: int = 42
     save_every: int = 0  # 0: save only at the end
 
@@ -65,6 +67,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not isinstance(self.anchor_chunk, int) or self.anchor_chunk < 0:
             raise ValueError(f"TrainConfig.anchor_chunk={self.anchor_chunk!r}: must be an integer >= 0 (0 = all anchors at once)")
+        if not isinstance(self.length_groups, int) or self.length_groups < 0:
+            raise ValueError(f"TrainConfig.length_groups={self.length_groups!r}: must be an integer >= 0 (0 = random batches)")
         if not isinstance(self.save_every, int) or self.save_every < 0:
             raise ValueError(f"TrainConfig.save_every={self.save_every!r}: must be an integer >= 0")
         return self
@@ -300,6 +304,29 @@ def _cached_capture(cache: dict, pick: list[int], target, sequences, tap_layers)
     return logits, taps
 
 
+def epoch_batches(supervised: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """The batches of one epoch (indices into the sequences), from (seed, epoch) alone.
+
+    A batch runs as many blocks per sequence as its longest supervised span has anchors, so
+    shorter sequences carry padding blocks. With length_groups = n, the shuffled sequences are
+    cut into groups of n batches, each group sorted by supervised length before it is split into
+    batches (the batch order within a group is shuffled too): every batch holds sequences of
+    similar length, and a sequence still appears once per epoch."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    order = torch.randperm(len(supervised), generator=gen).tolist()
+    usable = len(order) // cfg.batch_size * cfg.batch_size or len(order)
+    order = order[:usable]
+    if cfg.length_groups:
+        span = cfg.length_groups * cfg.batch_size
+        grouped = []
+        for start in range(0, len(order), span):
+            group = sorted(order[start : start + span], key=lambda i: supervised[i])
+            batches = [group[j : j + cfg.batch_size] for j in range(0, len(group), cfg.batch_size)]
+            grouped += [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
+        return grouped
+    return [order[j : j + cfg.batch_size] for j in range(0, len(order), cfg.batch_size)]
+
+
 def _lr_factor(step: int, cfg: TrainConfig) -> float:
     warmup = max(1, round(cfg.warmup_frac * cfg.steps))
     if step < warmup:
@@ -338,7 +365,8 @@ def train(
     for i, (m, s) in enumerate(zip(loss_masks, sequences)):
         if m.shape != s.shape:  # a mask longer than its sequence would supervise positions past its end
             raise ValueError(f"loss_masks[{i}] has shape {tuple(m.shape)}: sequences[{i}] has {tuple(s.shape)}")
-    sequences = [s for s in sequences if s.shape[0] >= 2]
+    usable = [i for i, s in enumerate(sequences) if s.shape[0] >= 2]
+    sequences, loss_masks = [sequences[i] for i in usable], [loss_masks[i] for i in usable]
     if not sequences:
         raise ValueError("sequences: none has the 2 tokens an anchor needs")
     model.train()
@@ -362,12 +390,15 @@ def train(
     cache: dict[int, tuple] | None = {} if cache_captures else None
     try:
         per_epoch = max(1, len(sequences) // cfg.batch_size)
+        supervised = [int(m.sum()) for m in loss_masks]
+        batches: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
         bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train-drafter")
         last_step = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
         while step < last_step:
             epoch, offset = divmod(step, per_epoch)
-            order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
-            pick = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size].tolist()
+            if batches is None or batches[0] != epoch:
+                batches = (epoch, epoch_batches(supervised, cfg, epoch))
+            pick = batches[1][offset]
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (step + 1))
             batch = [sequences[i] for i in pick]
             captured = _cached_capture(cache, pick, target, sequences, model.config.target_layer_ids) if cache is not None \
