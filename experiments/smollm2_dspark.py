@@ -15,10 +15,12 @@ GPU calls; rerun the same command and it continues):
      draft verified) is measured every --eval-every steps.
   3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
      calibration prompts (docs/dspark-algorithm.md §5.2).
-  4. evaluation in the engine, k = 7, stop at EOS: DSpark, the ablation and n-gram on all HumanEval and
+  4. batch-1 tokens/s of plain decoding and each drafter in the engine (--speed-prompts HumanEval prompts).
+  5. evaluation in the engine, k = 7, stop at EOS: DSpark, the ablation and n-gram on all HumanEval and
      MT-Bench prompts, greedy and T = 1 (probabilistic drafting: the drafter samples from its q and
      returns q to the rejection sampler); AL with 95% bootstrap intervals over prompts, paired ratios,
-     per-position conditional acceptance, raw and calibrated ECE/AUC per position, batch-1 tokens/s.
+     per-position conditional acceptance, raw and calibrated ECE/AUC per position (from DSpark's own
+     run), and for greedy decoding each drafter's output against plain decoding's.
 Results go atomically to --out after every phase.
 
 The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves; write all the
@@ -528,14 +530,16 @@ def run(args) -> dict:
                                                    eval_target.embedding_weights()[0])
     phase_done("calibrate")
 
+    if "tokens_per_s_batch1" not in results:  # before the long evaluations, which a time limit may split
+        one = make_target(1)
+        speed_prompts = sets["humaneval"][: args.speed_prompts]
+        results["tokens_per_s_batch1"] = {"plain": tokens_per_second(one, None, speed_prompts, eos, args.eval_tokens)} | {
+            name: tokens_per_second(one, d, speed_prompts, eos, args.eval_tokens)
+            for name, d in make_drafters(models, one, "greedy").items()}
+        del one
+        phase_done("tokens_per_s")
     evaluate(args, eval_target, models, sets, eos, temps, results, save, deadline)
     phase_done("evaluate")
-    one = make_target(1)
-    speed_prompts = sets["humaneval"][: args.speed_prompts]
-    results["tokens_per_s_batch1"] = {"plain": tokens_per_second(one, None, speed_prompts, eos, args.eval_tokens)} | {
-        name: tokens_per_second(one, d, speed_prompts, eos, args.eval_tokens)
-        for name, d in make_drafters(models, one, "greedy").items()}
-    phase_done("tokens_per_s")
     results["goals"] = goals(results["eval"])
     results["complete"] = True
     save()
@@ -563,7 +567,7 @@ def parse(argv=None) -> argparse.Namespace:
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
             "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5, "markov_rank": 256,
             "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
-            "eval_tokens": 256, "eval_batch": 64, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
+            "eval_tokens": 256, "eval_batch": 164, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
     for name, default in ints.items():
         r.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     for name, default in {"lr": 6e-4, "warmup_frac": 0.04}.items():
