@@ -27,6 +27,7 @@ from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 
 from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf, optional_int
+from .slots import checked_slots
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ class LlamaTarget:
 
     # ---- Target protocol --------------------------------------------------------------------
     def prefill(self, slots, prompts, tap_layers=()) -> TargetOutput:
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         if len(prompts) != len(slots):
             raise ValueError(f"prompts: {len(prompts)} prompts for {len(slots)} slots")
         for slot in slots:
@@ -280,7 +281,7 @@ class LlamaTarget:
         return output
 
     def verify(self, slots, tokens, lengths, tap_layers=()) -> TargetOutput:
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens: must be a [B, T] long tensor, got {getattr(tokens, 'shape', tokens)!r}")
         if tokens.shape[0] != len(slots):
@@ -307,7 +308,7 @@ class LlamaTarget:
         return output
 
     def commit(self, slots, num_tokens) -> None:
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         num_tokens = self._check_counts("num_tokens", num_tokens, len(slots))
         for r, (slot, n) in enumerate(zip(slots, num_tokens)):
             if self.pending[slot] is None:
@@ -320,7 +321,7 @@ class LlamaTarget:
             self.pending[slot] = None
 
     def release(self, slots) -> None:
-        for slot in self._check_slots(slots):
+        for slot in checked_slots(slots, self.max_slots):
             self.cache_lengths[slot] = 0
             self.pending[slot] = None
 
@@ -425,17 +426,6 @@ class LlamaTarget:
         return out
 
     # ---- validation -------------------------------------------------------------------------
-    def _check_slots(self, slots) -> list[int]:
-        slots = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
-        if not slots:
-            raise ValueError("slots=[]: need at least one slot")
-        for s in slots:
-            if not 0 <= s < self.max_slots:
-                raise ValueError(f"slots={slots}: slot {s} outside [0, max_slots={self.max_slots})")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slots={slots}: a slot appears twice")
-        return slots
-
     def _check_counts(self, name: str, counts, batch: int) -> list[int]:
         values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if len(values) != batch or not all(isinstance(v, int) for v in values):

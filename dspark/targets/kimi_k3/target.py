@@ -23,6 +23,7 @@ import torch
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 from dspark.threads import one_cpu_thread
+from dspark.targets.slots import checked_slots
 from dspark.transfer import long_tensor_on
 
 from . import weights as layout
@@ -83,17 +84,6 @@ class K3Target:
         return self.model.tensors[layout.EMBED], self.model.tensors[layout.LM_HEAD]
 
     # ------------------------------------------------------------------------ validation
-    def _check_slots(self, slots) -> list[int]:
-        slots = [int(s) for s in slots]
-        if not slots:
-            raise ValueError("slots: empty")
-        for s in slots:
-            if not 0 <= s < self.max_slots:
-                raise ValueError(f"slots: {s} outside [0, {self.max_slots})")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slots: duplicate slot in {slots}")
-        return slots
-
     def _slot_index(self, slots: list[int]) -> torch.Tensor:
         """The device index of a batch's slots, built once per batch composition (the engine's
         batch changes only when a request enters or leaves)."""
@@ -127,7 +117,7 @@ class K3Target:
             if slots.dim() != 1 or slots.dtype != torch.long:
                 raise ValueError(f"slots: a device tensor of slots must be 1-D long, got {tuple(slots.shape)} {slots.dtype}")
             return slots, slots
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         return slots, self._slot_index(slots)
 
     def verify(self, slots, tokens: torch.Tensor, lengths, tap_layers=()) -> TargetOutput:
@@ -181,7 +171,7 @@ class K3Target:
                 raise ValueError("slots: after a verify of device slots, commit takes that same tensor")
             self._commit_batch(verified, kda, conv, records, num_tokens.to(torch.long))
             return
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         for slot in slots:
             if slot not in verified:
                 raise ValueError(f"slots: {slot} was not in the last verify (slots {verified})")
@@ -211,7 +201,7 @@ class K3Target:
         self._pending = None
 
     def prefill(self, slots, prompts: list[torch.Tensor], tap_layers=()) -> TargetOutput:
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         if len(prompts) != len(slots):
             raise ValueError(f"prompts: expected {len(slots)}, got {len(prompts)}")
         for r, p in enumerate(prompts):
@@ -232,7 +222,7 @@ class K3Target:
     def release(self, slots) -> None:
         """Forget the slots' state. MLA rows need no clearing: a row is read only below its
         slot's committed length, and every row there is written before it counts."""
-        slots = self._check_slots(slots)
+        slots = checked_slots(slots, self.max_slots)
         index = self._slot_index(slots)
         self.kda_state.index_fill_(0, index, 0)
         self.conv_state.index_fill_(0, index, 0)
