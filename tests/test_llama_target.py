@@ -375,7 +375,7 @@ def test_bad_input_raises_value_error_naming_the_field(model):
 
 
 def test_batched_attention_path_matches_the_per_query_reference(model, rng):
-    """attention="batched" (SDPA over the padded cache, F.linear) against the per-query reference
+    """attention="batched" (batched matmul attention over the padded cache, F.linear) against the per-query reference
     through prefill, a ragged verify, a partial commit and the verify after it, in float32.
     Both compute the same function in another reduction order. Measured over 41 seeds of the
     prefill on the CPU: logits (O(10)) median 9e-5 and max 2.5e-3 apart, bound 1e-2; taps relative

@@ -141,7 +141,7 @@ class _BatchPlan:
     column: torch.Tensor  # [N] its place among that request's rows
     slots: torch.Tensor  # [B] cache slot of each request
     written: torch.Tensor  # [B, 1, L, 1] cache rows holding this request's tokens
-    causal: torch.Tensor  # [B, 1, T, L] query t of request b may see cache row l
+    visible: torch.Tensor  # [B, 1, G * T, L] query row g * T + t (head g of a kv group) may see cache row l
 
 
 @dataclass
@@ -212,8 +212,8 @@ class LlamaTarget:
 
     attention="per_query" (default) is the token-invariant CPU reference described above.
     attention="batched" is the path for GPU training and self-distillation: plain F.linear and one
-    scaled_dot_product_attention per layer over the slots' padded KV cache with a causal mask per
-    request. It computes the same function, but reduction order depends on the batch, so a token's
+    batched attention per layer over the slots' padded KV cache with a causal mask per request
+    (_attend_batched). It computes the same function, but reduction order depends on the batch, so a token's
     logits agree with the reference to a tolerance, not bitwise (tests/test_llama_target.py).
     """
 
@@ -402,21 +402,34 @@ class LlamaTarget:
         # zeroed, since a masked-out NaN would still poison the softmax.
         written = (span < torch.tensor(ends)[:, None])[:, None, :, None]
         query_pos = torch.tensor(starts)[:, None] + torch.arange(T)
-        causal = (span <= query_pos[..., None])[:, None]  # [B, 1, T, L]
+        causal = (span.to(self.device) <= query_pos.to(self.device)[..., None])  # [B, T, L]
+        group = self.config.num_heads // self.config.num_kv_heads
+        visible = causal[:, None, None].expand(B, 1, group, T, L).reshape(B, 1, group * T, L)
         return _BatchPlan(B, T, L, request, column, torch.tensor(slots).to(self.device), written.to(self.device),
-                          causal.to(self.device))
+                          visible)
 
     def _attend_batched(self, layer_index: int, q: torch.Tensor, plan: _BatchPlan) -> torch.Tensor:
-        """All queries q [N, heads, hd] (request r's rows at positions starts[r]...) in one SDPA call
-        over their slots' cache rows; returns [N, heads * hd]."""
+        """All queries q [N, heads, hd] (request r's rows at positions starts[r]...) over their
+        slots' cache rows, two batched matmuls for the whole batch; returns [N, heads * hd].
+
+        The heads that share a kv head are stacked as rows of one matmul against that kv head's
+        keys, so the cache rows are read once per kv head and never repeated per query head (SDPA's
+        GQA path on float32 copies them per query head)."""
         c = self.config
-        queries = q.new_zeros(plan.batch, plan.width, c.num_heads, c.head_dim)
+        B, T, L, hd = plan.batch, plan.width, plan.context, c.head_dim
+        group = c.num_heads // c.num_kv_heads
+        queries = q.new_zeros(B, T, c.num_heads, hd)
         queries[plan.request, plan.column] = q
-        keys = torch.where(plan.written, self.k_cache[layer_index, plan.slots, :, : plan.context], 0.0)
-        values = torch.where(plan.written, self.v_cache[layer_index, plan.slots, :, : plan.context], 0.0)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=plan.causal, scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2)[plan.request, plan.column].reshape(len(plan.request), c.num_heads * c.head_dim)
+        queries = queries.view(B, T, c.num_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(B, c.num_kv_heads, group * T, hd)
+        keys = self.k_cache[layer_index, plan.slots, :, :L]  # [B, kv_heads, L, hd]
+        # Rows past a request's last fed token are stale (an earlier occupant's, or never written):
+        # a stale key is masked below whatever it holds, a stale value must be zeroed, since a
+        # masked-out NaN there would still poison the product (0 * NaN).
+        values = torch.where(plan.written, self.v_cache[layer_index, plan.slots, :, :L], 0.0)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(self.scale).masked_fill_(~plan.visible, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [B, kv_heads, group * T, hd]
+        out = out.view(B, c.num_kv_heads, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.num_heads * hd)
+        return out[plan.request, plan.column]
 
     @staticmethod
     def _pad(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor, batch: int, width: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 float32 logits and taps agree with the CPU per-query reference, and greedy speculation with a DSpark
 drafter emits plain greedy decoding's tokens on the same GPU target.
 
-Tolerances: logits (O(10)) atol 2e-3 (cuBLAS / SDPA reduction orders over 30 layers; the CPU batched
+Tolerances: logits (O(10)) atol 2e-3 (cuBLAS reduction orders over 30 layers; the CPU batched
 path measures ~1e-5); taps relative 1e-4. The GPU path is not row-invariant, so a greedy divergence
 is accepted only at a near tie: the two top logits of plain decoding within 2e-3 at the first
 differing token.
