@@ -429,6 +429,26 @@ class MlaVerifySm90:
         m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
         return cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
 
+    def quad_sum(self, s):
+        """Sum over the 4 lanes that share a row."""
+        s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+        return s + cute.arch.shuffle_sync_bfly(s, offset=2)
+
+    @cute.jit
+    def share_rows(self, values, xchg, row_in_tile, wg, lane, barrier_id: cutlass.Constexpr, take_max: cutlass.Constexpr):
+        """Reduce the thread's two row values over the 4 lanes that share each row (max or sum, in
+        place), publish them in xchg for the other warpgroup, and wait until both warpgroups have."""
+        for r in cutlass.range_constexpr(2):
+            v = values[r]
+            if cutlass.const_expr(take_max):
+                v = self.quad_max(v)
+            else:
+                v = self.quad_sum(v)
+            values[r] = v
+            if lane % 4 == 0:
+                xchg[row_in_tile[r], wg] = v
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128 * MATH_WARPGROUPS)
+
     @cute.jit
     def rebase_row(self, r, new_max, row_max, row_sum, base, rescale):
         """Row r's new running max, the base exp2 subtracts and the factor its sum and O are
@@ -597,12 +617,7 @@ class MlaVerifySm90:
 
             # ---- row max: thread, quad (4 lanes share a row), then both warpgroups
             tile_max = self.thread_row_max(acc_s)
-            for r in cutlass.range_constexpr(2):
-                m = self.quad_max(tile_max[r])
-                tile_max[r] = m
-                if lane % 4 == 0:
-                    row_max_xchg[row_in_tile[r], wg] = m
-            cute.arch.barrier(barrier_id=BAR_ROW_MAX, number_of_threads=128 * MATH_WARPGROUPS)
+            self.share_rows(tile_max, row_max_xchg, row_in_tile, wg, lane, BAR_ROW_MAX, True)
             rescale = cute.make_rmem_tensor((2,), cutlass.Float32)
             base = cute.make_rmem_tensor((2,), cutlass.Float32)
             for r in cutlass.range_constexpr(2):
@@ -632,14 +647,7 @@ class MlaVerifySm90:
         cute.arch.griddepcontrol_launch_dependents()
 
         # ---- epilogue: full row sums (quad, then both warpgroups), normalise, store
-        for r in cutlass.range_constexpr(2):
-            s = row_sum[r]
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-            row_sum[r] = s
-            if lane % 4 == 0:
-                row_sum_xchg[row_in_tile[r], wg] = s
-        cute.arch.barrier(barrier_id=BAR_ROW_SUM, number_of_threads=128 * MATH_WARPGROUPS)
+        self.share_rows(row_sum, row_sum_xchg, row_in_tile, wg, lane, BAR_ROW_SUM, False)
         inv_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
         lse = cute.make_rmem_tensor((2,), cutlass.Float32)
         for r in cutlass.range_constexpr(2):

@@ -272,15 +272,9 @@ class MxFp4ExpertGemmSm90:
                 for j in cutlass.range_constexpr(self.depth):
                     chunk = group * self.depth + j
                     raw, scales = raws[j], scale_bufs[j]
-                    # The previous chunk's WGMMAs read `frag` and a B stage: wait for them,
-                    # free that stage and refill it.
-                    warpgroup.wait_group(0)
-                    if chunk > 0:
-                        mainloop.consumer_release(release)
-                        release.advance()
-                        if warp_idx == 0 and producer.count < self.chunks:
-                            self.issue_tokens(mainloop, producer, tma_b, tBgB, tBsB)
-                            producer.advance()
+                    release, producer = self.free_previous_stage(
+                        chunk, warp_idx, mainloop, release, producer,
+                        lambda p: self.issue_tokens(mainloop, p, tma_b, tBgB, tBsB))
                     self.dequantise(raw, scales, frag32)
                     # Prefetch `depth` chunks ahead into the buffer just consumed (the last
                     # chunk is re-read past the end: an L2 hit, simpler than predicates).
@@ -289,10 +283,7 @@ class MxFp4ExpertGemmSm90:
                     mainloop.consumer_wait(consumer)
                     self.multiply_chunk(tiled_mma, accumulators, frag, tCrB, consumer.index)
                     consumer.advance()
-            warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
-
-            self.store_tile(thr_mma, accumulators, out, slot, tile_idx)
+            self.drain_and_store(mainloop, release, thr_mma, accumulators, out, slot, tile_idx)
 
     @cute.jit
     def load_scales(self, sa, sb, expert, scale_rows, chunk, c, scales: cute.Tensor):
@@ -388,23 +379,36 @@ class MxFp4ExpertGemmSm90:
                         source = sLo if r < 2 else sHi
                         row_words = source[(half_rows[r], None, consumer.index)]
                         cute.autovec_copy(cute.local_tile(row_words, (4,), (c,)), cute.local_tile(raw, (4,), (r,)))
-                    # the previous chunk's WGMMAs still read `frag` and their stage: wait, free it
-                    warpgroup.wait_group(0)
-                    if chunk > 0:
-                        mainloop.consumer_release(release)
-                        release.advance()
-                        if warp_idx == 0 and producer.count < self.chunks:
-                            self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
-                            producer.advance()
+                    release, producer = self.free_previous_stage(
+                        chunk, warp_idx, mainloop, release, producer,
+                        lambda p: self.issue_stage(mainloop, p, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB))
                     self.dequantise(raw, scales, frag32)
                     ahead = cutlass.min(chunk + 2, self.chunks - 1)
                     self.load_scales(sa, sb, expert, scale_rows, ahead, c, scales)
                     self.multiply_chunk(tiled_mma, accumulators, frag, tCrB, consumer.index)
                     consumer.advance()
-            warpgroup.wait_group(0)
-            mainloop.consumer_release(release)
+            self.drain_and_store(mainloop, release, thr_mma, accumulators, out, slot, tile_idx)
 
-            self.store_tile(thr_mma, accumulators, out, slot, tile_idx)
+    @cute.jit
+    def drain_and_store(self, mainloop, release, thr_mma, accumulators, out, slot, tile_idx):
+        """After the last chunk: wait for its WGMMAs, free its stage, write the tile."""
+        warpgroup.wait_group(0)
+        mainloop.consumer_release(release)
+        self.store_tile(thr_mma, accumulators, out, slot, tile_idx)
+
+    @cute.jit
+    def free_previous_stage(self, chunk, warp_idx, mainloop, release, producer, refill):
+        """The previous chunk's WGMMAs read `frag` and a B stage: wait for them, free that stage,
+        and have warp 0 refill it with the next chunk (refill(producer) issues its TMA). Returns
+        the advanced (release, producer) states."""
+        warpgroup.wait_group(0)
+        if chunk > 0:
+            mainloop.consumer_release(release)
+            release.advance()
+            if warp_idx == 0 and producer.count < self.chunks:
+                refill(producer)
+                producer.advance()
+        return release, producer
 
     @cute.jit
     def issue_stage(self, mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB):
