@@ -2,17 +2,20 @@
 interpreter must be chosen before triton is first imported): the fused glue kernels on the CPU
 in float32 against their references in float64. Exits non-zero with the failing check's name.
 
-Tolerance: float32 arithmetic on O(1) values, max abs error 1e-4 against float64."""
+Tolerance: float32 arithmetic on O(1) values, max abs error 1e-4 against float64 (the router's
+selection: 1e-5, see check_route)."""
 import sys
 
 import torch
 
 from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.moe import triton as moe_triton
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
 
 ATOL = 1e-4
+ROUTE_TOL = 1e-5  # float32 sigmoid and sums on O(1) values, against float64
 
 
 def close(got, want, what):
@@ -50,7 +53,40 @@ def main(seed: int) -> None:
     x = torch.randn(rows, n, generator=gen)
     close(act_triton.sigmoid_gate(x, gate, out=torch.full((rows, n), float("nan"))),
           act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
+    check_route(gen)
     print("triton kernels: all checks passed")
+
+
+def check_route(gen: torch.Generator, device: str = "cpu") -> None:
+    """moe_route's selection against float64: the chosen experts are distinct, a top-k set of
+    sigmoid(logit) + bias in descending order (up to ROUTE_TOL: the float32 sigmoid may reorder a
+    near tie), and the weights are their float64 scores over the sum times the scaling. Inputs
+    are drawn on the CPU, the kernel runs on `device` (tests/gpu/test_triton_kernels_gpu.py)."""
+    for experts, top_k, repeated in ((896, 16, False), (896, 16, True), (100, 3, False)):
+        logits = torch.randn(7, experts + 5, generator=gen)[:, :experts] * 2  # strided rows
+        bias = torch.randn(experts, generator=gen) * 0.1
+        if repeated:  # a few experts win every token (the bias chooses, never weighs)
+            bias[torch.randperm(experts, generator=gen)[:top_k]] += 10.0
+        ids = torch.full((7, top_k), -1, dtype=torch.long, device=device)
+        weights = torch.full((7, top_k), float("nan"), device=device)
+        moe_triton.route_logits(logits.to(device), bias.to(device), top_k, 2.5, ids=ids, weights=weights)
+        ids, weights = ids.cpu(), weights.cpu()
+        what = f"moe_route E={experts} k={top_k}{' repeated' if repeated else ''}"
+        scores = torch.sigmoid(logits.double())
+        keys = scores + bias.double()
+        for t in range(7):
+            chosen = ids[t]
+            if chosen.unique().numel() != top_k or chosen.min() < 0 or chosen.max() >= experts:
+                sys.exit(f"{what}: token {t} chose {chosen.tolist()}")
+            others = torch.ones(experts, dtype=torch.bool)
+            others[chosen] = False
+            if keys[t, chosen].min() < keys[t, others].max() - ROUTE_TOL or \
+                    (keys[t, chosen].diff() > ROUTE_TOL).any():
+                sys.exit(f"{what}: token {t}: not the top-{top_k} in order")
+            want = scores[t, chosen] / scores[t, chosen].sum() * 2.5
+            err = ((weights[t].double() - want).abs() / want).max().item()
+            if not err < ROUTE_TOL:
+                sys.exit(f"{what}: token {t}: weights relative error {err:.2e} >= {ROUTE_TOL}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import importlib
 
 from ..cute_common import register_cute
 from . import reference  # noqa: F401  (registers the reference implementations)
+from . import triton  # noqa: F401  (the router selection; imports triton only when first used)
 
 
 @functools.cache

@@ -21,13 +21,18 @@ from ..numerics import per_row, situ
 from ..registry import register
 
 
-@register("moe_route", "reference", priority=0)
-def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+def check_route(gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> None:
+    """The arguments moe_route takes (every implementation checks the same contract)."""
     num_experts = gate_weight.shape[0]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k: {top_k} outside [1, {num_experts}]")
     if tuple(bias.shape) != (num_experts,):
         raise ValueError(f"bias: expected shape ({num_experts},), got {tuple(bias.shape)}")
+
+
+@register("moe_route", "reference", priority=0)
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    check_route(gate_weight, bias, top_k)
     logits = ops.linear(x.float(), gate_weight.float())  # fp32 router (docs/kimi-k3.md §1.2)
     selection_bias = bias.float()
 

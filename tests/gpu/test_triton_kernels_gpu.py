@@ -1,5 +1,6 @@
 """The Triton kernels on the GPU at K3's widths and dtypes against their references
-(kernels/rmsnorm, kernels/activation), with the output poisoned (NaN) before each run.
+(kernels/rmsnorm, kernels/activation, the router selection of kernels/moe), with the output
+poisoned (NaN) before each run.
 
 Tolerance: bf16 outputs of O(1) values: the kernels round exactly where the references do, but
 their fp32 reductions run in another order, which can move a value across a bf16 rounding
@@ -61,3 +62,23 @@ def test_situ_glu_and_sigmoid_gate_match_references(gen):
     x = (torch.randn(rows, n, device="cuda", generator=gen)).bfloat16()
     out = _poisoned(x)
     _close(act_triton.sigmoid_gate(x, gate, out=out), act_ref.sigmoid_gate(x, gate), "sigmoid_gate")
+
+
+def test_router_selection_matches_float64():
+    """kernels/moe/triton.py on the GPU, by the interpreter's float64 check (tolerance 1e-5,
+    tests/triton_interpret_checks.py); the op stays below the reference until the step
+    benchmark has measured it."""
+    from triton_interpret_checks import check_route
+
+    check_route(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda")
+    x = torch.randn(4, 64, device="cuda")
+    gate, bias = torch.randn(896, 64, device="cuda") / 8, torch.randn(896, device="cuda") * 0.1  # logits ~ N(0, 1)
+    assert registry.select("moe_route", x, gate, bias).name == "reference"
+    with registry.scoped((("moe_route", "triton"),)):
+        impl = registry.select("moe_route", x, gate, bias)
+        ids, weights = impl.fn(x, gate, bias, 16, 2.5)
+    assert impl.name == "triton"
+    want_ids, want_weights = registry.implementations("moe_route")["reference"].fn(x, gate, bias, 16, 2.5)
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)  # the same experts (random logits: no near tie)
+    order = ids.argsort(-1)
+    torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_ids.argsort(-1)), rtol=1e-5, atol=0)
