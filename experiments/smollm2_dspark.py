@@ -36,7 +36,8 @@ commands before the first call (the machine keeps /tmp only while it stays warm)
                --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
 `join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
 (then repeat call 1). A fresh machine loses --work-dir too; carrying sequences.npz back into
-experiments/work/smollm2_dspark/ lets a later round skip self-distillation; the first H200 round's 2,048 are
+experiments/work/smollm2_dspark/ lets a later round skip self-distillation (--only-self-distil stops a
+generation round there); the first H200 round's 2,048 are
 experiments/data/smollm2_selfdistil_2048.npz (experiments/notes/smollm2.md). experiments/stage and --work-dir
 ignore themselves (a .gitignore of '*' inside).
 """
@@ -504,6 +505,8 @@ def run(args) -> dict:
     phase_done("load")
     answered, seqs = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save, deadline)
     phase_done("self_distil")
+    if args.only_self_distil:  # a generation round: the sequences come back, training runs later
+        return results
     masks = response_loss_masks(answered, seqs)
     held_out = calibration[: args.held_out_prompts]
 
@@ -564,6 +567,8 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--eval-plan", default="humaneval:greedy,mtbench:greedy,humaneval:t1,mtbench:t1",
                    help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
+    r.add_argument("--only-self-distil", action="store_true",
+                   help="stop after self-distillation (work-dir/sequences.npz), e.g. to bring the sequences back")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
             "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5, "markov_rank": 256,
             "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,

@@ -71,6 +71,9 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert recipe.main(argv + ["--time-limit", "1e-9"]) == 3
     assert not (tmp_path / "work" / "sequences.npz").exists()
     assert json.loads((tmp_path / "work" / "results.json").read_text())["complete"] is False
+    assert recipe.main(argv + ["--only-self-distil"]) == 0  # a generation round stops before training
+    assert (tmp_path / "work" / "sequences.npz").exists() and not (tmp_path / "work" / "dspark").exists()
+    assert json.loads((tmp_path / "work" / "results.json").read_text())["complete"] is False
     assert recipe.main(argv) == 0
     result = json.loads(out.read_text())
     print("phase seconds", result["phase_seconds"])
