@@ -9,7 +9,9 @@ host-side aten calls, and the largest GPU kernels and host ops by name:
 - decode: a plain-decoding engine step at --slots requests (half greedy, half T = 1), each with a
   --context-token committed prefix, as experiments/smollm2_dspark.py's self-distillation runs it;
 - capture: the target prefill that gives one training batch its logits and taps;
-- train: forward + backward + AdamW of one DSpark training step on that batch;
+- train: forward + backward + AdamW of one DSpark training step on that batch, with the recipe's
+  training settings; capture and train run in the precision the recipe trains in (TF32 matmuls on
+  the GPU since commit 0a9f6ff; experiments/results/h200/smollm2_profile.json predates that);
 - held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
 
     python experiments/smollm2_profile.py --out experiments/results/h200/smollm2_profile.json
@@ -107,8 +109,9 @@ def decode_piece(config, weights, args) -> dict:
 
 def training_pieces(config, weights, args) -> dict:
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=args.seq_len + 16, attention="batched")
-    ns = argparse.Namespace(layers=5, markov_rank=256, seed=args.seed, steps=1200, batch_size=args.batch_size,
-                            num_anchors=512, lr=6e-4, warmup_frac=0.04, anchor_chunk=args.anchor_chunk)
+    # The recipe's own drafter and training settings (its defaults), at this run's batch and chunk.
+    ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--anchor-chunk", str(args.anchor_chunk),
+                       "--seed", str(args.seed)])
     model = recipe.new_model(target, "dspark", ns)
     if target.device.type == "cuda":
         model.autocast_dtype = torch.bfloat16
@@ -118,8 +121,6 @@ def training_pieces(config, weights, args) -> dict:
     sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
     masks = [torch.cat([torch.zeros(n // 3, dtype=torch.long), torch.ones(n - n // 3, dtype=torch.long)]) for n in lengths]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    out = {"capture": measured(lambda: capture(target, sequences, model.config.target_layer_ids), 3)}
-    captured = capture(target, sequences, model.config.target_layer_ids)
 
     def step():
         loss, _ = train_step_loss(model, captured, sequences, masks, cfg, torch.Generator().manual_seed(0))
@@ -127,9 +128,12 @@ def training_pieces(config, weights, args) -> dict:
         loss.backward()
         optimizer.step()
 
-    model.train()
-    out["train"] = measured(step, 3)
-    model.eval()
+    with recipe.tf32_on_cuda(target.device):  # the precision the recipe trains in, capture included
+        out = {"capture": measured(lambda: capture(target, sequences, model.config.target_layer_ids), 3)}
+        captured = capture(target, sequences, model.config.target_layer_ids)
+        model.train()
+        out["train"] = measured(step, 3)
+        model.eval()
     held_out = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in (args.seq_len // 4,) * args.held_out_prompts]
     rounds_target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 96,
                                 attention="batched")
