@@ -389,14 +389,14 @@ def train(
     history = []
     cache: dict[int, tuple] | None = {} if cache_captures else None
     try:
-        per_epoch = max(1, len(sequences) // cfg.batch_size)
         supervised = [int(m.sum()) for m in loss_masks]
-        batches: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
+        batches = (0, epoch_batches(supervised, cfg, 0))  # (epoch, its batches)
+        per_epoch = len(batches[1])
         bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train-drafter")
         last_step = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
         while step < last_step:
             epoch, offset = divmod(step, per_epoch)
-            if batches is None or batches[0] != epoch:
+            if batches[0] != epoch:
                 batches = (epoch, epoch_batches(supervised, cfg, epoch))
             pick = batches[1][offset]
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (step + 1))
