@@ -298,8 +298,9 @@ def train_variant(args, name: str, target, sequences, masks, held_out, work: Pat
 
 # ---- 4. evaluation --------------------------------------------------------------------------------
 def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, seed: int, observer=None) -> dict:
-    """Speculative decoding of every prompt in the engine (k = 7, every draft verified); observer,
-    if given, sees every step (calibrate.RoundRecorder keeps the confidence rounds)."""
+    """Speculative decoding of every prompt in the engine (k = 7, every draft verified; plain
+    decoding when drafter is None); observer, if given, sees every step (calibrate.RoundRecorder
+    keeps the confidence rounds)."""
     k = BLOCK if drafter is not None else 0
     engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=k), eos_token_ids=(eos,))
     if observer is not None:

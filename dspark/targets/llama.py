@@ -398,8 +398,7 @@ class LlamaTarget:
         ends = [s + n for s, n in zip(starts, counts)]
         L = max(ends)
         span = torch.arange(L)
-        # Rows past a request's last fed token are stale (another request's, or never written):
-        # zeroed, since a masked-out NaN would still poison the softmax.
+        # Cache rows up to each request's last fed token; the rest are stale (_attend_batched).
         written = (span < torch.tensor(ends)[:, None])[:, None, :, None]
         query_pos = torch.tensor(starts)[:, None] + torch.arange(T)
         causal = (span.to(self.device) <= query_pos.to(self.device)[..., None])  # [B, T, L]
