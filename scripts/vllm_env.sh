@@ -6,12 +6,14 @@
 # Why these steps (docs/vllm-integration.md §5):
 #  - torch 2.13.0 first, so pip takes the local CPU wheel and vLLM's `torch==2.13.0` pin is met by it;
 #  - vllm 0.32.0: 0.30-0.32 pin torch 2.13.0 and install beside the CPU torch; 0.33 pulls a CUDA torch;
-#  - torchvision/torchaudio/torchcodec come as CUDA builds and break `from vllm.config import ...`
-#    on a CPU torch; nothing we run needs them, so they are removed;
+#  - vLLM itself without its dependencies, then its requirements less GPU_ONLY: the GPU kernel
+#    libraries (with the CUDA runtimes they pull) and the media decoders. Nothing the tests import
+#    needs them; torchvision/torchaudio/torchcodec would even break `from vllm.config import ...`
+#    on a CPU torch, and leaving the rest out keeps the environment at ~4 GB instead of ~6 GB;
 #  - dspark itself without its dependencies (torch is already there), then the ones the tests use
-#    plus matplotlib (a declared dspark dependency; without it pip reports a broken environment).
-# Idempotent: an existing venv with vllm 0.32.0 skips the vLLM install (pip would otherwise bring
-# torchvision/torchaudio/torchcodec back on every run).
+#    plus matplotlib (a declared dspark dependency).
+# pip's conflict report is switched off: it would list GPU_ONLY as missing on every install.
+# Idempotent: a venv where that install completed skips it.
 set -euo pipefail
 
 if [ "$#" -ne 1 ]; then
@@ -21,6 +23,10 @@ fi
 venv="$1"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vllm_version=0.32.0
+# vLLM requirements left out (canonical names); see above.
+GPU_ONLY="torchvision torchaudio torchcodec pynvvideocodec flashinfer-python tilelang tokenspeed-mla
+nvidia-cutlass-dsl humming-kernels quack-kernels nvidia-cudnn-frontend fastsafetensors instanttensor
+apache-tvm-ffi nvtx"
 
 # Quiet pip; drop the warnings about missing local index directories that this machine's global pip
 # configuration produces for every package.
@@ -30,10 +36,26 @@ pip_quiet() {
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 
-if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$vllm_version')" 2>/dev/null; then
+# Written last, once vLLM's requirements are in: its presence marks a complete install.
+requirements="$venv/vllm-requirements.txt"
+if ! { [ -f "$requirements" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$vllm_version')" 2>/dev/null; }; then
     pip_quiet install torch==2.13.0
-    pip_quiet install "vllm==$vllm_version"
-    pip_quiet uninstall -y torchvision torchaudio torchcodec
+    pip_quiet install --no-deps "vllm==$vllm_version"
+    "$venv/bin/python" - "$GPU_ONLY" > "$requirements.partial" <<'PY'
+import importlib.metadata, sys
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+left_out = set(sys.argv[1].split())
+for line in importlib.metadata.requires("vllm"):
+    requirement = Requirement(line)
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        continue
+    if canonicalize_name(requirement.name) not in left_out:
+        requirement.marker = None
+        print(requirement)
+PY
+    pip_quiet install --no-warn-conflicts -r "$requirements.partial"
+    mv "$requirements.partial" "$requirements"
 fi
-pip_quiet install --no-deps -e "$repo"
-pip_quiet install numpy scipy safetensors tqdm pytest matplotlib
+pip_quiet install --no-warn-conflicts --no-deps -e "$repo"
+pip_quiet install --no-warn-conflicts numpy scipy safetensors tqdm pytest matplotlib
