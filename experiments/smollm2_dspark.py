@@ -231,10 +231,26 @@ def make_dflash_ablation(model: DSparkModel) -> None:
         p.requires_grad_(False)
 
 
+def init_layer_ids(text: str, num_layers: int) -> list[int]:
+    """--init-layers: comma-separated target layers, one per drafter layer, or empty (random start)."""
+    if not text:
+        return []
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--init-layers={text!r}: needs comma-separated target layer numbers") from None
+    if len(ids) != num_layers:
+        raise ValueError(f"--init-layers={text!r}: {len(ids)} target layers for a drafter of --layers={num_layers}")
+    return ids
+
+
 def new_model(target, name: str, args) -> DSparkModel:
     torch.manual_seed(args.seed)
     embed, lm_head = target.embedding_weights()
     model = DSparkModel(drafter_config(target, name, args.layers, args.markov_rank), embed, lm_head).to(target.device)
+    ids = init_layer_ids(args.init_layers, args.layers)
+    if ids:  # docs/dspark-algorithm.md §6.5
+        model.load_decoder_layers([target.decoder_layer_tensors(i) for i in ids])
     if name == "dflash_ablation":
         make_dflash_ablation(model)
     return model
@@ -492,6 +508,9 @@ def run(args) -> dict:
     weights = weights_to(cpu_weights, device)
     results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": file_sha256(gguf_path),
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
+    for layer in init_layer_ids(args.init_layers, args.layers):  # checked before any long phase
+        if not 0 <= layer < config.num_layers:
+            raise ValueError(f"--init-layers={args.init_layers!r}: layer {layer} outside [0, {config.num_layers})")
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))
     fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731
@@ -576,6 +595,9 @@ def parse(argv=None) -> argparse.Namespace:
             "eval_tokens": 256, "eval_batch": 164, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
     for name, default in ints.items():
         r.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    r.add_argument("--init-layers", default="",
+                   help="comma-separated target layers to start the drafter's layers from (docs/dspark-algorithm.md §6.5); "
+                        "empty: a random start")
     for name, default in {"lr": 6e-4, "warmup_frac": 0.04}.items():
         r.add_argument("--" + name.replace("_", "-"), type=float, default=default)
     return ap.parse_args(argv)

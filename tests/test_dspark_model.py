@@ -210,6 +210,27 @@ def test_bad_input_names_the_field():
         drafter.start(0, torch.zeros(17, dtype=torch.long), {layer: torch.randn(17, target.hidden_size) for layer in (0, 2)})
 
 
+def test_loading_target_layers_checks_every_tensor_and_keeps_the_qk_norms():
+    target = SyntheticTarget(seed=7)
+    model = make_model(target)
+    layers = [{name: torch.randn_like(p) for name, p in layer.named_parameters()
+               if name not in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")} for layer in model.layers]
+    model.load_decoder_layers(layers)
+    for layer, given in zip(model.layers, layers):
+        assert all(torch.equal(dict(layer.named_parameters())[name], t) for name, t in given.items())
+        assert torch.equal(layer.self_attn.q_norm.weight, torch.ones_like(layer.self_attn.q_norm.weight))
+    with pytest.raises(ValueError, match="layers: 1 given for a drafter of 2 layers"):
+        model.load_decoder_layers(layers[:1])
+    with pytest.raises(ValueError, match=r"layers\[1\]: missing 'mlp.up_proj.weight'"):
+        model.load_decoder_layers([layers[0], {k: v for k, v in layers[1].items() if k != "mlp.up_proj.weight"}])
+    with pytest.raises(ValueError, match=r"layers\[0\].self_attn.q_proj.weight: shape \(3, 4\)"):
+        model.load_decoder_layers([{**layers[0], "self_attn.q_proj.weight": torch.randn(3, 4)}, layers[1]])
+    with pytest.raises(ValueError, match="'self_attn.k_norm.weight' is not a loadable parameter"):
+        model.load_decoder_layers([{**layers[0], "self_attn.k_norm.weight": torch.randn(16)}, layers[1]])
+    with pytest.raises(ValueError, match="attention_type='mla'"):
+        make_model(target, "mla").load_decoder_layers(layers)
+
+
 def test_k3_dspark_preset_has_the_published_parameter_count():
     """5 MLA layers at K3 dims: 2,387,907,841 drafter-owned parameters (4,775,815,682 bf16 bytes)
     plus the 163840 x 7168 embedding copy = 3.562B, as published (docs/kimi-k3.md §4)."""

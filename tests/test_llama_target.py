@@ -21,6 +21,8 @@ from dspark.engine import Engine  # noqa: E402
 from dspark.protocols import Target  # noqa: E402
 from dspark.targets import gguf_assets  # noqa: E402
 from dspark.targets.gguf_assets import GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
+from dspark.drafters.dspark.config import DSparkConfig  # noqa: E402
+from dspark.drafters.dspark.model import DSparkModel  # noqa: E402
 from dspark.targets.llama import LlamaTarget, load_llama_gguf, unpermute_rope_rows  # noqa: E402
 from dspark.threads import one_cpu_thread  # noqa: E402
 
@@ -218,6 +220,46 @@ def _reference_forward(gguf_file, config, tokens):
         x = x + (torch.nn.functional.silu(gate) * up) @ w(f"blk.{i}.ffn_down.weight").T
         residual[i] = x
     return rms(x, w("output_norm.weight")) @ w("token_embd.weight").T, residual
+
+
+def test_decoder_layer_tensors_start_drafter_layers_that_compute_the_target_layers(model, rng):
+    """A drafter layer started from target layer i computes layer i on a lone token (attention is
+    then its value path alone, so the drafter's per-head q/k norms play no part). Every drafter
+    parameter is NaN before the load, so one left unloaded fails the comparison; the q and k rows,
+    which a lone token cannot check, are compared with the GGUF's own tensors, unpermuted."""
+    target, _, gguf_file = model
+    c = target.config
+    layers = [0, 17]
+    config = DSparkConfig(name="start", vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=len(layers),
+                          num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                          intermediate_size=c.intermediate_size, attention_type="gqa", rope_theta=c.rope_theta,
+                          rope_interleaved=False, max_position_embeddings=MAX_SEQ, target_hidden_size=c.hidden_size,
+                          target_num_layers=c.num_layers, target_layer_ids=(1, 2), block_size=4,
+                          mask_token_id=c.vocab_size, markov_rank=4)
+    drafter = DSparkModel(config, *target.embedding_weights())
+    keep = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for name, p in layer.named_parameters():
+                if name not in keep:
+                    p.fill_(float("nan"))
+    drafter.load_decoder_layers([target.decoder_layer_tensors(i) for i in layers])
+
+    token = _random_tokens(rng, 1, c.vocab_size)
+    out = target.prefill([0], [token], tap_layers=(-1, *layers, *(i - 1 for i in layers if i > 0)))
+    empty_context = torch.zeros(1, 0, drafter.layers[0].self_attn.row_width)
+    with torch.no_grad():
+        for j, i in enumerate(layers):
+            before = out.taps[i - 1][0, :1].view(1, 1, 1, -1)
+            after = drafter.layers[j](before, torch.zeros(1, 1, 1, dtype=torch.long), empty_context,
+                                      torch.zeros(1, 1, 0, dtype=torch.bool))
+            torch.testing.assert_close(after.view(-1), out.taps[i][0, 0], rtol=1e-5, atol=1e-5)
+            attn = drafter.layers[j].self_attn
+            q = unpermute_rope_rows(gguf_file.tensor(f"blk.{i}.attn_q.weight"), c.num_heads)
+            k = unpermute_rope_rows(gguf_file.tensor(f"blk.{i}.attn_k.weight"), c.num_kv_heads)
+            assert torch.equal(attn.q_proj.weight, q) and torch.equal(attn.k_proj.weight, k)
+    with pytest.raises(ValueError, match=r"layer: 30 outside \[0, 30\)"):
+        target.decoder_layer_tensors(30)
 
 
 def test_prefill_matches_float64_reference(model, rng):

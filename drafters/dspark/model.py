@@ -270,6 +270,29 @@ class DSparkModel(nn.Module):
         self.markov_head = MarkovHead(c.vocab_size, c.hidden_size, c.markov_rank, c.markov_head_type)
         self.confidence_head = ConfidenceHead(c.hidden_size, c.markov_rank, c.confidence_head_with_markov, c.confidence_bias)
 
+    def load_decoder_layers(self, layers: list[dict[str, torch.Tensor]]) -> None:
+        """Start the backbone from target layers (docs/dspark-algorithm.md §6.5): layers[j] holds
+        drafter layer j's tensors under DecoderLayer's names, every parameter but the per-head
+        q/k norms, which keep their unit start. Only the GQA drafter takes them."""
+        c = self.config
+        if c.attention_type != "gqa":
+            raise ValueError(f"attention_type={c.attention_type!r}: target layers load only into a 'gqa' drafter")
+        if len(layers) != len(self.layers):
+            raise ValueError(f"layers: {len(layers)} given for a drafter of {len(self.layers)} layers")
+        keep = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+        for j, (layer, tensors) in enumerate(zip(self.layers, layers)):
+            own = dict(layer.named_parameters())
+            for name in sorted(set(own) - keep - set(tensors)):
+                raise ValueError(f"layers[{j}]: missing {name!r}")
+            for name, tensor in tensors.items():
+                if name not in own or name in keep:
+                    raise ValueError(f"layers[{j}]: {name!r} is not a loadable parameter of a drafter layer")
+                if tuple(tensor.shape) != tuple(own[name].shape):
+                    raise ValueError(f"layers[{j}].{name}: shape {tuple(tensor.shape)} != {tuple(own[name].shape)}")
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    own[name].copy_(tensor)
+
     # ---- context -----------------------------------------------------------------------------
     def fuse_taps(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """H_ctx = RMSNorm(fc(concat of the tapped layers)) (docs/dspark-algorithm.md §2.1, paper eq. 2): {layer: [..., d_t]} -> [..., d]."""

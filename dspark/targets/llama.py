@@ -330,6 +330,20 @@ class LlamaTarget:
         (drafters/dspark/drafter.py, shared_embeddings). SmolLM2 ties them: the same tensor twice."""
         return self.weights.embedding, self.weights.output
 
+    def decoder_layer_tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s weights under Hugging Face Llama names (q and k rows in Hugging Face
+        order, as the drafter's RoPE expects), to start a DSpark drafter's layers from the
+        target's (DSparkModel.load_decoder_layers)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: {layer} outside [0, {self.num_layers})")
+        c, w = self.config, self.weights.layers[layer]
+        q, k, v = w.qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])
+        gate, up = w.gate_up.chunk(2)
+        return {"input_layernorm.weight": w.attn_norm, "self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k,
+                "self_attn.v_proj.weight": v, "self_attn.o_proj.weight": w.attn_output,
+                "post_attention_layernorm.weight": w.ffn_norm, "mlp.gate_proj.weight": gate,
+                "mlp.up_proj.weight": up, "mlp.down_proj.weight": w.ffn_down}
+
     # ---- the model --------------------------------------------------------------------------
     def _forward(self, slots, rows, starts, tap_layers, width: int | None = None) -> TargetOutput:
         """Run each request's new tokens `rows[r]` at positions starts[r]... of slot slots[r]:
