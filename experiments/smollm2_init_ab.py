@@ -78,11 +78,14 @@ def run(args, recipe_argv: list[str]) -> dict:
     recipe_args = recipe.parse(["run", *recipe_argv])
     device = torch.device(recipe_args.device)
     answered, arrays, _ = recipe.load_sequences(Path(args.sequences))
-    if not 0 < args.held_out_sequences < len(arrays):
-        raise ValueError(f"--held-out-sequences={args.held_out_sequences}: {args.sequences} holds {len(arrays)} sequences")
     prompt_sets = recipe.load_prompt_sets(Path(recipe_args.data))
+    if args.max_length:  # short sequences only: a CPU-sized run
+        answered, arrays = zip(*[(i, a) for i, a in zip(answered, arrays) if len(a) <= args.max_length]) or ((), ())
     sequences = [torch.from_numpy(a.astype(np.int64)) for a in arrays]
     masks = response_loss_masks([prompt_sets["train"][i] for i in answered], sequences)
+    if not 0 < args.held_out_sequences < len(sequences):
+        raise ValueError(f"--held-out-sequences={args.held_out_sequences}: {args.sequences} holds {len(sequences)} "
+                         f"sequences (of at most --max-length={args.max_length} tokens, 0 = any)")
     cut = len(sequences) - args.held_out_sequences
     if recipe_args.train_prompts:
         cut = min(cut, recipe_args.train_prompts)
@@ -126,6 +129,7 @@ def parse(argv=None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_2048.npz"))
     ap.add_argument("--held-out-sequences", type=int, default=32,
                     help="the file's last sequences, kept out of training for the teacher-forced check")
+    ap.add_argument("--max-length", type=int, default=0, help="keep only sequences of at most this many tokens (0: all)")
     ap.add_argument("--out", default=str(REPO / "experiments/results/h200/smollm2_init_ab.json"))
     return ap.parse_known_args(argv)
 
