@@ -80,7 +80,8 @@ def run(args, recipe_argv: list[str]) -> dict:
     answered, arrays, _ = recipe.load_sequences(Path(args.sequences))
     prompt_sets = recipe.load_prompt_sets(Path(recipe_args.data))
     if args.max_length:  # short sequences only: a CPU-sized run
-        answered, arrays = zip(*[(i, a) for i, a in zip(answered, arrays) if len(a) <= args.max_length]) or ((), ())
+        kept = [(i, a) for i, a in zip(answered, arrays) if len(a) <= args.max_length]
+        answered, arrays = [i for i, _ in kept], [a for _, a in kept]
     sequences = [torch.from_numpy(a.astype(np.int64)) for a in arrays]
     masks = response_loss_masks([prompt_sets["train"][i] for i in answered], sequences)
     if not 0 < args.held_out_sequences < len(sequences):

@@ -138,3 +138,4 @@ def test_init_ab_trains_each_start_on_the_same_data(tmp_path):
         assert len(start["teacher_forced"]["accept_per_slot"]) == recipe.BLOCK
     assert init_ab.start_layers("spread", 5, 30) == "0,6,12,18,24"
     assert init_ab.main(argv[:1] + ["middle"] + argv[2:]) == 2  # a bad start: one line, no traceback
+    assert init_ab.main(argv + ["--max-length", "3"]) == 2  # no sequence is that short
