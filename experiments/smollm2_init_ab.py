@@ -87,9 +87,8 @@ def run(args, recipe_argv: list[str]) -> dict:
     if not 0 < args.held_out_sequences < len(sequences):
         raise ValueError(f"--held-out-sequences={args.held_out_sequences}: {args.sequences} holds {len(sequences)} "
                          f"sequences (of at most --max-length={args.max_length} tokens, 0 = any)")
-    cut = len(sequences) - args.held_out_sequences
-    if recipe_args.train_prompts:
-        cut = min(cut, recipe_args.train_prompts)
+    held = len(sequences) - args.held_out_sequences  # the last ones, whatever --train-prompts keeps
+    cut = min(held, recipe_args.train_prompts) if recipe_args.train_prompts else held
     held_prompts = prompt_sets["calibration"][: recipe_args.held_out_prompts]
 
     gguf = Path(recipe_args.gguf) if recipe_args.gguf else find_smollm2_gguf()
@@ -115,7 +114,7 @@ def run(args, recipe_argv: list[str]) -> dict:
         entry = trained["training"]["dspark"]
         results["starts"][name] = {"init_layers": recipe_args.init_layers, "train_config": entry["train_config"],
                                    "held_out": entry["held_out"], "seconds": round(time.time() - began, 1),
-                                   "teacher_forced": teacher_forced(model, target, sequences[cut:], masks[cut:])}
+                                   "teacher_forced": teacher_forced(model, target, sequences[held:], masks[held:])}
         print(f"{name}: {results['starts'][name]['held_out'][-1]} {results['starts'][name]['teacher_forced']}")
         recipe.write_json_atomic(out, results)
     return results

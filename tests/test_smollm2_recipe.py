@@ -107,7 +107,7 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
         assert seqs["tokens"].dtype == np.uint16 and len(seqs["offsets"]) == 5
 
 
-def test_init_ab_trains_each_start_on_the_same_data(tmp_path):
+def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
     """experiments/smollm2_init_ab.py at a tiny size: each start trains through the recipe's own
     train_variant, layers copied as named, and the held-out checks are recorded."""
     try:
@@ -126,10 +126,16 @@ def test_init_ab_trains_each_start_on_the_same_data(tmp_path):
             "--out", str(out), "--data", str(tmp_path / "data.npz"), "--work-dir", str(tmp_path / "work"),
             "--device", "cpu", "--steps", "2", "--eval-every", "1", "--batch-size", "2", "--num-anchors", "4",
             "--anchor-chunk", "0", "--layers", "2", "--markov-rank", "8", "--held-out-prompts", "1",
-            "--held-out-tokens", "3", "--attention", "per_query"]
+            "--held-out-tokens", "3", "--attention", "per_query", "--train-prompts", "2"]
+    checked = []  # the teacher-forced check sees the held-out sequence alone, not what --train-prompts left out
+    measure = init_ab.teacher_forced
+    monkeypatch.setattr(init_ab, "teacher_forced", lambda model, target, seqs, masks: checked.append(seqs) or
+                        measure(model, target, seqs, masks))
     assert init_ab.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["data"]["train_sequences"] == 3 and result["data"]["held_out_sequences"] == 1
+    assert result["data"]["train_sequences"] == 2 and result["data"]["held_out_sequences"] == 1
+    held_out = torch.cat([prompts[3], answers[3]])
+    assert len(checked) == 2 and all(len(seqs) == 1 and torch.equal(seqs[0], held_out) for seqs in checked)
     assert [result["starts"][s]["init_layers"] for s in ("random", "last")] == ["", "28,29"]
     for start in result["starts"].values():
         assert [h["step"] for h in start["held_out"]] == [1, 2]
