@@ -231,8 +231,9 @@ def make_dflash_ablation(model: DSparkModel) -> None:
         p.requires_grad_(False)
 
 
-def init_layer_ids(text: str, num_layers: int) -> list[int]:
-    """--init-layers: comma-separated target layers, one per drafter layer, or empty (random start)."""
+def init_layer_ids(text: str, num_layers: int, target_layers: int) -> list[int]:
+    """--init-layers: comma-separated target layers in [0, target_layers), one per drafter layer,
+    or empty (random start)."""
     if not text:
         return []
     try:
@@ -241,6 +242,9 @@ def init_layer_ids(text: str, num_layers: int) -> list[int]:
         raise ValueError(f"--init-layers={text!r}: needs comma-separated target layer numbers") from None
     if len(ids) != num_layers:
         raise ValueError(f"--init-layers={text!r}: {len(ids)} target layers for a drafter of --layers={num_layers}")
+    for layer in ids:
+        if not 0 <= layer < target_layers:
+            raise ValueError(f"--init-layers={text!r}: layer {layer} outside [0, {target_layers})")
     return ids
 
 
@@ -248,7 +252,7 @@ def new_model(target, name: str, args) -> DSparkModel:
     torch.manual_seed(args.seed)
     embed, lm_head = target.embedding_weights()
     model = DSparkModel(drafter_config(target, name, args.layers, args.markov_rank), embed, lm_head).to(target.device)
-    ids = init_layer_ids(args.init_layers, args.layers)
+    ids = init_layer_ids(args.init_layers, args.layers, target.num_layers)
     if ids:  # docs/dspark-algorithm.md §6.5
         model.load_decoder_layers([target.decoder_layer_tensors(i) for i in ids])
     if name == "dflash_ablation":
@@ -508,9 +512,7 @@ def run(args) -> dict:
     weights = weights_to(cpu_weights, device)
     results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": file_sha256(gguf_path),
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
-    for layer in init_layer_ids(args.init_layers, args.layers):  # checked before any long phase
-        if not 0 <= layer < config.num_layers:
-            raise ValueError(f"--init-layers={args.init_layers!r}: layer {layer} outside [0, {config.num_layers})")
+    init_layer_ids(args.init_layers, args.layers, config.num_layers)  # checked before any long phase
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))
     fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731

@@ -42,11 +42,13 @@ def test_staging_in_two_halves_round_trips_and_fails_clearly(tmp_path):
 
 
 def test_init_layers_option_names_the_value():
-    assert recipe.init_layer_ids("", 5) == [] and recipe.init_layer_ids("0,7,14,21,28", 5) == [0, 7, 14, 21, 28]
+    assert recipe.init_layer_ids("", 5, 30) == [] and recipe.init_layer_ids("0,7,14,21,29", 5, 30) == [0, 7, 14, 21, 29]
     with pytest.raises(ValueError, match=r"--init-layers='0,1': 2 target layers for a drafter of --layers=5"):
-        recipe.init_layer_ids("0,1", 5)
+        recipe.init_layer_ids("0,1", 5, 30)
     with pytest.raises(ValueError, match=r"--init-layers='first': needs comma-separated"):
-        recipe.init_layer_ids("first", 5)
+        recipe.init_layer_ids("first", 5, 30)
+    with pytest.raises(ValueError, match=r"--init-layers='0,30': layer 30 outside \[0, 30\)"):
+        recipe.init_layer_ids("0,30", 2, 30)
 
 
 QUESTIONS = {"train": ["Name a colour.", "Say hi.", "Count to three.", "Name a fruit."],
