@@ -282,8 +282,9 @@ class DSparkModel(nn.Module):
         keep = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
         for j, (layer, tensors) in enumerate(zip(self.layers, layers)):
             own = dict(layer.named_parameters())
-            for name in sorted(set(own) - keep - set(tensors)):
-                raise ValueError(f"layers[{j}]: missing {name!r}")
+            missing = sorted(set(own) - keep - set(tensors))
+            if missing:
+                raise ValueError(f"layers[{j}]: missing {missing[0]!r}")
             for name, tensor in tensors.items():
                 if name not in own or name in keep:
                     raise ValueError(f"layers[{j}]: {name!r} is not a loadable parameter of a drafter layer")
