@@ -66,6 +66,7 @@ from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, re
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, response_loss_masks, train
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
+from dspark.files import write_atomic
 from dspark.provenance import provenance
 from dspark.targets.gguf_assets import file_sha256
 
@@ -94,9 +95,7 @@ def _ignored_dir(path: Path) -> Path:
 
 def write_json_atomic(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 
