@@ -126,16 +126,17 @@ def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
             "--out", str(out), "--data", str(tmp_path / "data.npz"), "--work-dir", str(tmp_path / "work"),
             "--device", "cpu", "--steps", "2", "--eval-every", "1", "--batch-size", "2", "--num-anchors", "4",
             "--anchor-chunk", "0", "--layers", "2", "--markov-rank", "8", "--held-out-prompts", "1",
-            "--held-out-tokens", "3", "--attention", "per_query", "--train-prompts", "2"]
-    checked = []  # the teacher-forced check sees the held-out sequence alone, not what --train-prompts left out
-    measure = init_ab.teacher_forced
+            "--held-out-tokens", "3", "--train-prompts", "2"]
+    checked, attention = [], []  # the teacher-forced check sees the held-out sequence alone, not what
+    measure = init_ab.teacher_forced  # --train-prompts left out, on a target of the recipe's attention path
     monkeypatch.setattr(init_ab, "teacher_forced", lambda model, target, seqs, masks: checked.append(seqs) or
-                        measure(model, target, seqs, masks))
+                        attention.append(target.attention) or measure(model, target, seqs, masks))
     assert init_ab.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["data"]["train_sequences"] == 2 and result["data"]["held_out_sequences"] == 1
     held_out = torch.cat([prompts[3], answers[3]])
     assert len(checked) == 2 and all(len(seqs) == 1 and torch.equal(seqs[0], held_out) for seqs in checked)
+    assert attention == ["batched", "batched"]  # the recipe's default; per_query is a per-token Python loop
     assert [result["starts"][s]["init_layers"] for s in ("random", "last")] == ["", "28,29"]
     for start in result["starts"].values():
         assert [h["step"] for h in start["held_out"]] == [1, 2]
