@@ -114,23 +114,99 @@ def test_permute_k_permutes_each_chunk():
         expert_layout.permute_k(torch.randn(2, 100))
 
 
-@pytest.mark.parametrize("tokens, top_k, experts, repeated", [(1, 16, 896, False), (5, 4, 10, True), (16, 16, 896, True)])
-def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated):
-    gen = torch.Generator().manual_seed(tokens * 1000 + top_k)
+def expected_slots(ids: torch.Tensor, tile: int) -> list[tuple[int, list[int]]]:
+    """(expert, token rows) per used slot, by a direct loop: experts ascending, each expert's tokens
+    ascending, cut into runs of `tile`."""
+    slots = []
+    for expert in sorted(set(ids.flatten().tolist())):
+        members = [t for t in range(ids.shape[0]) if expert in ids[t].tolist()]
+        slots += [(expert, members[i : i + tile]) for i in range(0, len(members), tile)]
+    return slots
+
+
+def routing(tokens: int, top_k: int, experts: int, repeated: bool, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
     pool = experts if not repeated else max(top_k + 2, experts // 40)  # few experts: many repeats
-    ids = torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)])
+    return torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, repeated", [
+    (1, 16, 896, False), (5, 4, 10, True), (16, 16, 896, True),
+    (32, 16, 896, True), (64, 16, 896, False), (40, 4, 10, True),  # past one slot per expert
+])
+def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated):
+    ids = routing(tokens, top_k, experts, repeated, seed=tokens * 1000 + top_k)
     tile = 8 if tokens <= 8 else 16
     lists = expert_layout.build_expert_lists(ids, experts, tile)
-    touched = sorted(set(ids.flatten().tolist()))
-    slots = min(experts, tokens * top_k)
-    assert lists.slot_expert.tolist() == touched + [-1] * (slots - len(touched))
+    used = expected_slots(ids, tile)
+    slots = expert_layout.slot_count(tokens, top_k, experts, tile)
+    if tokens <= tile:
+        assert slots == min(experts, tokens * top_k) == len(used) + (slots - len(used))
+    assert len(used) <= slots
+    if repeated and tokens > tile:
+        assert any(len(members) == tile for _, members in used[:-1]) and len(used) > len(set(e for e, _ in used))
+    assert lists.slot_expert.tolist() == [e for e, _ in used] + [-1] * (slots - len(used))
     assert lists.slot_tokens.shape == (slots, tile)
-    for slot, expert in enumerate(touched):
-        members = [t for t in range(tokens) if expert in ids[t].tolist()]  # ascending token order
+    for slot, (expert, members) in enumerate(used):
         assert lists.slot_tokens[slot, : len(members)].tolist() == members
         for rank, t in enumerate(members):
             j = ids[t].tolist().index(expert)
             assert int(lists.pair_position[t, j]) == slot * tile + rank
+
+
+def test_slot_count_holds_the_worst_routing():
+    """Every token on the same k experts: each of them takes ceil(T / tile) slots."""
+    for tokens, tile in ((17, 16), (32, 16), (64, 16), (9, 8)):
+        ids = torch.arange(16).repeat(tokens, 1)
+        used = len(expected_slots(ids, tile))
+        assert used == 16 * -(-tokens // tile) <= expert_layout.slot_count(tokens, 16, 896, tile)
+
+
+@pytest.mark.parametrize("tokens, repeated", [(5, False), (32, True), (48, False)])
+def test_expert_passes_over_the_lists_equal_the_reference_op(tokens, repeated):
+    """run_expert_passes with a float64 torch stand-in for the kernel's two passes (each slot: its
+    expert's weights times its token rows) against kernels/moe/reference.py in float64: the lists
+    and the gather back by pair_position route every (token, expert) pair, also past one slot per
+    expert. A pair routed to a wrong slot or expert is off by O(1), far past the bound."""
+    from dspark.kernels.moe import reference
+    from dspark.kernels.mxfp4 import dequantise
+    from dspark.kernels.numerics import situ
+
+    experts, top_k, latent_dim, inter = 24, 4, 64, 32
+    gen = torch.Generator().manual_seed(tokens)
+
+    def mxfp4(rows, k):
+        return (torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen),
+                torch.randint(122, 128, (experts, rows, k // 32), dtype=torch.uint8, generator=gen))
+
+    weights = (*mxfp4(inter, latent_dim), *mxfp4(inter, latent_dim), *mxfp4(latent_dim, inter))
+    dense = [dequantise(weights[i], weights[i + 1]).double() for i in (0, 2, 4)]
+    ids = routing(tokens, top_k, experts, repeated, seed=tokens)
+    route_weights = torch.rand(tokens, top_k, generator=gen)
+    latent = torch.randn(tokens, latent_dim, generator=gen)
+    beta, linear_beta = 1.0, 0.5
+
+    def tokens_for_kernel(x, lists):
+        return x.double()[lists.slot_tokens]
+
+    def expert_pass(packed_a, scale_a, packed_b, scale_b, lists, xb, out, glu, *betas):
+        out.fill_(float("nan"))  # rows of unused slots stay NaN: the gather must never read them
+        for slot, expert in enumerate(lists.slot_expert.tolist()):
+            if expert < 0:
+                continue
+            if glu:
+                out[slot] = situ(xb[slot] @ dense[0][expert].T, xb[slot] @ dense[1][expert].T, *betas).to(out.dtype)
+            else:
+                out[slot] = (xb[slot].double() @ dense[2][expert].T).to(out.dtype)
+
+    tile = 8 if tokens <= 8 else 16
+    lists = expert_layout.build_expert_lists(ids, experts, tile)
+    out = expert_layout.run_expert_passes(latent, lists, weights, tokens_for_kernel, expert_pass, beta, linear_beta)
+    ours = expert_layout.weighted_sum(route_weights.double(), out.double())
+    ref = reference.moe_experts(latent.double(), ids, route_weights.double(), *weights, beta, linear_beta)
+    assert not ours.isnan().any()
+    # the passes hand the activation over in bf16, as the kernel does (run_expert_passes): 2^-9 per element
+    assert ((ours - ref).norm() / ref.norm()).item() < 4e-3
 
 
 @needs_cutlass
@@ -152,7 +228,7 @@ def test_kernel_token_operand_is_the_gathered_permuted_scaled_rows():
 
 def test_expert_lists_reject_bad_input():
     with pytest.raises(ValueError, match="ids"):
-        expert_layout.build_expert_lists(torch.zeros(17, 4, dtype=torch.long), 896, 16)
+        expert_layout.build_expert_lists(torch.zeros(0, 4, dtype=torch.long), 896, 16)
     with pytest.raises(ValueError, match="ids"):
         expert_layout.build_expert_lists(torch.zeros(4, dtype=torch.long), 896, 16)
 

@@ -48,7 +48,6 @@ ROW_TILE = 128  # weight rows per CTA: two m64 WGMMA atoms
 GLU_ROWS = ROW_TILE // 2  # pass 1: 64 w1 rows + the same 64 w3 rows
 K_CHUNK = expert_layout.K_CHUNK
 B_STAGES = 4
-MAX_TOKENS = 16
 THREADS = 128  # one warpgroup
 PREFETCH_DEPTH = 2  # K chunks of raw codes in flight per thread (registers); measured in experiments/notes/moe.md
 TMA_STAGES = 6  # "tma" loader: chunks of codes + tokens in the shared-memory pipeline (12 KB each at N = 16)
@@ -61,7 +60,8 @@ DEFAULT_LOADER = "tma"
 
 
 def token_tile(tokens: int) -> int:
-    """WGMMA N for a slot of up to `tokens` tokens: 8 when it fits, else 16."""
+    """WGMMA N of a slot for a step of `tokens` tokens: 8 when they fit, else 16 (past 16 tokens an
+    expert chosen by more of them takes several slots: expert_layout.build_expert_lists)."""
     return 8 if tokens <= 8 else 16
 
 
@@ -700,7 +700,7 @@ def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ
     w2_packed, w2_scale); `lists` are built from `ids` unless given."""
     num_experts = experts[0].shape[0]
     tokens = token_tile(latent.shape[0])
-    if lists is None and DEFAULT_LISTS == "device":
+    if lists is None and DEFAULT_LISTS == "device" and latent.shape[0] <= tokens:  # the list kernel: one slot per expert
         lists = build_expert_lists_device(ids, num_experts, tokens)
     elif lists is None:
         lists = expert_layout.build_expert_lists(ids, num_experts, tokens)
@@ -724,7 +724,7 @@ def experts_supported(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 
 def supports(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, *experts: torch.Tensor) -> bool:
     return (latent.is_cuda and latent.dim() == 2 and latent.dtype == torch.bfloat16
-            and 1 <= latent.shape[0] <= MAX_TOKENS and experts_supported(*experts))
+            and latent.shape[0] >= 1 and experts_supported(*experts))
 
 
 def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,

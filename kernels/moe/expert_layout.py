@@ -5,11 +5,13 @@ every thread dequantise one contiguous 16-byte run of packed codes (docs/kernels
 Plain torch, so it runs (and is tested) on the CPU as well.
 
 Expert lists (docs/kernels.md §4.3 "routing prologue"): the T*k (token, expert) pairs of a step are
-sorted by expert; each distinct expert gets a "slot" (its position in sorted order) holding up to
-`tile_tokens` token rows, padded. Slots are a fixed number, S = min(E, T*k), so every shape is
-static (CUDA-graph friendly): slots past the number of touched experts have expert id -1 and the
-kernel's CTAs for them exit at once. A token appears at most once per expert (top-k ids are
-distinct), so an expert never holds more than T <= tile_tokens tokens.
+sorted by expert; each distinct expert gets a "slot" (in sorted order) holding up to `tile_tokens`
+token rows, padded. A token appears at most once per expert (top-k ids are distinct), so with
+T <= tile_tokens an expert fits one slot; with more tokens an expert chosen by n of them takes
+ceil(n / tile_tokens) consecutive slots, each read by its own CTAs (the expert's weights are read
+once per slot). The slot count is fixed by the shapes alone (`slot_count`), so every shape is
+static (CUDA-graph friendly): slots past those used have expert id -1 and the kernel's CTAs for
+them exit at once.
 """
 from __future__ import annotations
 
@@ -82,24 +84,31 @@ class ExpertLists:
     pair_position: torch.Tensor  # [T, k] int64: flat index s * tile_tokens + rank of pair (t, j)
 
 
+def slot_count(tokens: int, top_k: int, num_experts: int, tile_tokens: int) -> int:
+    """Slots for any routing of `tokens` x `top_k` pairs: at most min(E, pairs) experts are touched,
+    and an expert of n tokens takes ceil(n / tile) <= 1 + floor(n / tile) slots, whose floors sum
+    to at most floor(pairs / tile) (zero when tokens <= tile)."""
+    pairs = tokens * top_k
+    return min(num_experts, pairs) + (pairs // tile_tokens if tokens > tile_tokens else 0)
+
+
 def build_expert_lists(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> ExpertLists:
     """ids [T, k] (distinct per row) -> slots; fixed shapes, no host synchronisation."""
-    if ids.dim() != 2:
-        raise ValueError(f"ids: expected [T, k], got shape {tuple(ids.shape)}")
+    if ids.dim() != 2 or ids.shape[0] < 1:
+        raise ValueError(f"ids: expected [T, k] with T >= 1, got shape {tuple(ids.shape)}")
     tokens, top_k = ids.shape
-    if not 1 <= tokens <= tile_tokens:
-        raise ValueError(f"ids: {tokens} tokens, the expert kernel takes 1..{tile_tokens}")
     device = ids.device
     pairs = tokens * top_k
-    slots = min(num_experts, pairs)
+    slots = slot_count(tokens, top_k, num_experts, tile_tokens)
     flat = ids.reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)  # stable: tokens ascend within an expert
     position = torch.arange(pairs, device=device)
     starts_group = torch.ones(pairs, dtype=torch.bool, device=device)
     starts_group[1:] = sorted_experts[1:] != sorted_experts[:-1]
-    slot_of_pair = torch.cumsum(starts_group.long(), 0) - 1  # slot of each sorted pair
     group_start = torch.cummax(torch.where(starts_group, position, 0), 0).values
-    rank = position - group_start  # the pair's row within its slot
+    rank_in_expert = position - group_start
+    rank = rank_in_expert % tile_tokens  # the pair's row within its slot
+    slot_of_pair = torch.cumsum((rank == 0).long(), 0) - 1  # a new slot every tile_tokens pairs of an expert
     token_of_pair = order // top_k
     slot_expert = torch.full((slots,), -1, dtype=torch.int32, device=device)
     slot_expert.scatter_(0, slot_of_pair, sorted_experts.to(torch.int32))  # equal values per slot

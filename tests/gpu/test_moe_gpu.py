@@ -161,6 +161,44 @@ def test_moe_experts_op_matches_float64(weights, kind):
         assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
 
 
+@hopper
+@pytest.mark.parametrize("tokens", [32, 64])
+@pytest.mark.parametrize("kind", ["random", "repeated"])
+def test_steps_past_16_tokens_take_several_slots_per_expert(weights, kind, tokens):
+    """B x T > 16 rows (batch 4 or 8 at k = 7): an expert chosen by more than 16 tokens takes
+    several slots (expert_layout.build_expert_lists). The passes write every pair (outputs
+    poisoned with NaN) and the op matches float64, with no fallback to the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cfg = K3
+    if kind == "repeated":  # 12 experts chosen by every token: each takes tokens / 16 slots
+        ids = routing_ids(kind, tokens, gen)
+    else:
+        ids = torch.stack([torch.randperm(cfg.num_experts, device="cuda", generator=gen)[: cfg.num_experts_per_token]
+                           for _ in range(tokens)])
+    latent = torch.randn(tokens, cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
+    lists = expert_layout.build_expert_lists(ids, cfg.num_experts, cute_sm90.token_tile(tokens))
+    slots, tile = lists.slot_tokens.shape
+    if kind == "repeated":
+        assert int((lists.slot_expert >= 0).sum()) == SHARED_EXPERTS * tokens // tile + tokens * (cfg.num_experts_per_token - SHARED_EXPERTS)
+    xb = cute_sm90.tokens_for_kernel(latent, lists)
+    act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cute_sm90.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
+                          lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta)
+    y = torch.full((slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
+    cute_sm90.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
+    torch.cuda.synchronize()
+    out = y.view(-1, cfg.latent_size)[lists.pair_position]
+    assert not out.isnan().any(), f"{kind} T={tokens}: {out.isnan().sum().item()} outputs not written"
+    err = relative_error(out, expert_reference(weights, latent, ids, cfg))
+    assert err <= REL_TOL, f"{kind} T={tokens} passes: relative error {err:.2e} > {REL_TOL}"
+    route_weights = torch.rand(tokens, cfg.num_experts_per_token, device="cuda", generator=gen) + 0.1
+    args = (latent, ids, route_weights, *weights.experts)
+    assert registry.select("moe_experts", *args).name == "cute_sm90"
+    routed = ops.moe_experts(*args, cfg.situ_beta, cfg.situ_linear_beta)
+    err = relative_error(routed, weighted_sum_reference(weights, latent, ids, route_weights, cfg))
+    assert err <= REL_TOL, f"{kind} T={tokens} op: relative error {err:.2e} > {REL_TOL}"
+
+
 @pytest.mark.skipif(CAPABILITY not in ((9, 0), (10, 0), (10, 3)), reason="no CuTe DSL expert kernel for this GPU")
 @pytest.mark.parametrize("kind", ["random", "repeated"])
 def test_block_on_cuda_matches_the_cpu_reference(kind):
