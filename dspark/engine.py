@@ -191,13 +191,12 @@ class Engine:
             self._capture_graphs()
 
     def _capture_graphs(self) -> None:
-        """The common graphs ahead of the first step: every batch bucket at T = 1 and T = k + 1
-        that the target can capture, with all-greedy sampling (other shapes and sampling flavours
-        are captured when first needed; a capture changes no state, docs/architecture.md)."""
+        """The common graphs ahead of the first step: every batch bucket at T = 1 and T = k + 1,
+        with all-greedy sampling (other shapes and sampling flavours are captured when first
+        needed; a capture changes no state, docs/architecture.md)."""
         for batch in self._graphs.buckets:
             for tokens in sorted({1, self.spec.k_for_batch(batch) + 1}):
-                if self._graphs.bucket(batch, tokens) == batch:
-                    self._graphs.capture(batch, tokens, synthetic=self._synthetic and tokens > 1)
+                self._graphs.capture(batch, tokens, synthetic=self._synthetic and tokens > 1)
 
     @staticmethod
     def _check_profile(profile) -> tuple[tuple[str, str], ...]:
@@ -372,7 +371,7 @@ class Engine:
         # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
-        graphed = self._graphs is not None and self._graphs.bucket(B, kmax + 1) is not None
+        graphed = self._graphs is not None and self._graphs.bucket(B) is not None
         if graphed:
             greedy_only = sampling.all_greedy and not self._synthetic  # reads no noise
             step = self._graphs.run(

@@ -106,30 +106,25 @@ class GraphedStep:
         self.target = target
         self.tap_layers = tuple(tap_layers)
         self.buckets = tuple(b for b in sorted(buckets) if b <= target.max_slots)
-        # Rows (bucket x T) above which some op of the target has no capturable kernel.
-        self.max_rows = getattr(target, "max_graph_rows", None)
         self.enabled = torch.ones((), dtype=torch.long, device=target.device)
         self._steps: dict[GraphKey, tuple[StepGraph, _StaticStep]] = {}
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
         self._pool = None
         self._host_rows: dict[int, torch.Tensor] = {}
 
-    def bucket(self, batch: int, tokens: int) -> int | None:
-        """The smallest bucket that holds `batch` requests of `tokens` each (None: no graph
-        does; the step runs eagerly)."""
-        bucket = next((b for b in self.buckets if b >= batch), None)
-        if bucket is None or (self.max_rows is not None and bucket * tokens > self.max_rows):
-            return None
-        return bucket
+    def bucket(self, batch: int) -> int | None:
+        """The smallest bucket that holds `batch` requests (None: no graph does; the step runs
+        eagerly)."""
+        return next((b for b in self.buckets if b >= batch), None)
 
     def capture(self, batch: int, tokens: int, *, all_greedy: bool = True, filters: bool = False,
                 has_probs: bool = False, synthetic: bool = False) -> None:
         """Capture one graph ahead of use (an engine does its common shapes at start). The
         buffers start zeroed: every row verifies 0 tokens, so this touches no state."""
         key = GraphKey(batch, tokens, all_greedy, filters, has_probs, synthetic)
-        if self.bucket(batch, tokens) != batch:
+        if self.bucket(batch) != batch:
             raise ValueError(f"capture of batch {batch}, T={tokens}: not a bucket of this target "
-                             f"(buckets {self.buckets}, at most {self.max_rows} rows)")
+                             f"(buckets {self.buckets})")
         if key not in self._steps:
             step = _StaticStep(self, key)
             self._steps[key] = (self._capture(key, step), step)
@@ -151,10 +146,9 @@ class GraphedStep:
         None (all-greedy standard acceptance reads neither), cond_rates [T - 1] for synthetic
         acceptance (None: rejection sampling) are device tensors. Returns a GraphStepResult."""
         B, T = len(slots), drafts.shape[1] + 1
-        Bk = self.bucket(B, T)
+        Bk = self.bucket(B)
         if Bk is None:
-            raise ValueError(f"batch of {B} at T={T}: no CUDA-graph bucket holds it (buckets {self.buckets}, "
-                             f"at most {self.max_rows} rows)")
+            raise ValueError(f"batch of {B}: no CUDA-graph bucket holds it (buckets {self.buckets})")
         if len(free_slots) < Bk - B:
             raise ValueError(f"batch of {B} in bucket {Bk}: needs {Bk - B} free slots for padding, have {len(free_slots)}")
         key = GraphKey(Bk, T, bool(sampling.all_greedy), bool(sampling.filters), probs is not None,

@@ -162,11 +162,7 @@ def run(args) -> dict:
                 step()  # compile every kernel this shape uses
                 row.update(profile_step(step))
                 row.update(time_eager(step, reset, args.steps))
-                rows_limit = getattr(target, "max_graph_rows", None)
-                if rows_limit is not None and batch * T > rows_limit:
-                    # past it an op falls back to a reference that reads device values on the host
-                    row["graph_skipped"] = f"{batch * T} rows > max_graph_rows={rows_limit}"
-                elif not args.no_graph:
+                if not args.no_graph:
                     graph = StepGraph(step, f"{args.target} B={batch} T={T} step")
                     row.update(time_graph(graph, reset, args.steps))
                     del graph

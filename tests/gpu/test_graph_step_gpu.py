@@ -16,7 +16,7 @@ from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-K = 3  # T = 4: the bucket of 4 has 16 rows, K3Target.max_graph_rows
+K = 3  # T = 4
 SLOTS = 6
 
 
@@ -87,7 +87,7 @@ def test_replay_equals_eager_step_with_padding_and_a_leaving_request(model, temp
             slots, anchors, params = [4, 2], [anchors[0], anchors[2]], params[:2]
         B = len(slots)
         free = [s for s in range(SLOTS) if s not in slots]
-        pad = free[: runner.bucket(B, K + 1) - B]
+        pad = free[: runner.bucket(B) - B]
         before_pad = _state(graphed, pad)
         sampling = SamplingTensors.from_params(params, "cuda")
         drafts = torch.randint(0, K3_SLICE.vocab_size, (B, K), generator=gen).cuda()

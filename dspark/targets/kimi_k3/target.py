@@ -43,10 +43,6 @@ class K3Target:
     # verify and commit take a device tensor of slots and never read device values on the host,
     # so an engine may capture them in a CUDA graph (dspark/graph_step.py)
     supports_cuda_graphs = True
-    # Token rows of a step (batch x T) that every default GPU kernel takes: the MXFP4 expert
-    # kernel tiles at most 16 (kernels/moe); past it the MoE reference runs, which reads the
-    # routing on the host, so such steps run eagerly.
-    max_graph_rows = 16
 
     def __init__(self, model: K3Model, max_slots: int, max_seq_len: int):
         cfg = model.cfg
