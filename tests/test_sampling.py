@@ -132,17 +132,27 @@ def test_conditional_rates():
     assert conditional_rates([0.8, 0.4, 0.4, 0.0, 0.0]) == [0.8, 0.5, 1.0, 0.0, 0.0]
 
 
-def test_synthetic_sample_accepts_by_rate_whatever_the_tokens():
+def _unconditional_rates_as_conditional(rates):
+    """A deliberately broken synthetic schedule: feeds P(accepted > i) where the sampler takes
+    P(accept position i | positions before it accepted), so acceptance decays too fast."""
+    return torch.tensor(rates)
+
+
+@pytest.mark.parametrize("schedule,should_pass", [(conditional_rates, True), (_unconditional_rates_as_conditional, False)])
+def test_synthetic_sample_accepts_by_rate_whatever_the_tokens(schedule, should_pass):
+    """The accepted counts follow P(accepted >= i + 1) = rates[i], whatever the logits and drafts:
+    one chi-square test over the k + 1 counts (fresh draws; a correct sampler fails it with
+    probability 1e-4), which rejects the broken schedule."""
     B, k, V = 20_000, 4, 5
     rates = [0.9, 0.6, 0.3, 0.1]
-    cond = torch.tensor(conditional_rates(rates))
+    cond = torch.as_tensor(schedule(rates), dtype=torch.float32)
     logits = torch.randn(B, k + 1, V)
     drafts = torch.randint(0, V, (B, k))
     acc, _ = synthetic_sample(logits, drafts, torch.full((B,), k), cond, _sampling(B, 0.0), torch.rand(B, k), torch.ones(B, V))
-    for i, r in enumerate(rates):
-        observed = (acc > i).float().mean().item()
-        se = math.sqrt(r * (1 - r) / B)
-        assert abs(observed - r) <= 3 * se + 1e-9, (i, observed, r)
+    survival = np.array([1.0, *rates, 0.0])
+    expected = (survival[:-1] - survival[1:]) * B  # P(accepted == j), j = 0..k
+    pvalue = stats.chisquare(np.bincount(acc.numpy(), minlength=k + 1), expected).pvalue
+    assert (pvalue > 1e-4) == should_pass, pvalue
 
 
 def test_fast_paths_decide_like_the_general_path():
