@@ -106,6 +106,22 @@ def expert_reference(weights, latent, ids, cfg):
     return ref
 
 
+def poisoned_expert_passes(module, weights, latent, lists, **options) -> torch.Tensor:
+    """Both passes of `module`'s expert kernel over `lists`, into buffers poisoned with NaN ->
+    per-pair outputs [T, k, latent] (K3 shapes)."""
+    cfg = K3
+    slots, tile = lists.slot_tokens.shape
+    xb = module.tokens_for_kernel(latent, lists)
+    act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    module.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
+                       lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta, **options)
+    y = torch.full((slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
+    module.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False,
+                       **options)
+    torch.cuda.synchronize()
+    return y.view(-1, cfg.latent_size)[lists.pair_position]
+
+
 @hopper
 @pytest.mark.parametrize("loader", cute_sm90.LOADERS)
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
@@ -118,16 +134,7 @@ def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
         latent = latent_all[:tokens]
         tile = cute_sm90.token_tile(tokens)
         lists = expert_layout.build_expert_lists(ids, cfg.num_experts, tile)
-        slots = lists.slot_expert.shape[0]
-        xb = cute_sm90.tokens_for_kernel(latent, lists)
-        act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-        cute_sm90.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
-                              lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta, loader=loader)
-        y = torch.full((slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
-        cute_sm90.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale,
-                              lists, act, y, False, loader=loader)
-        torch.cuda.synchronize()
-        out = y.view(-1, cfg.latent_size)[lists.pair_position]  # [T, k, latent]
+        out = poisoned_expert_passes(cute_sm90, weights, latent, lists, loader=loader)
         assert not out.isnan().any(), f"{kind} {loader} T={tokens}: {out.isnan().sum().item()} outputs not written"
         err = relative_error(out, expert_reference(weights, latent, ids, cfg))
         assert err <= REL_TOL, f"{kind} {loader} T={tokens}: relative error {err:.2e} > {REL_TOL}"
@@ -176,18 +183,11 @@ def test_steps_past_16_tokens_take_several_slots_per_expert(weights, kind, token
         ids = torch.stack([torch.randperm(cfg.num_experts, device="cuda", generator=gen)[: cfg.num_experts_per_token]
                            for _ in range(tokens)])
     latent = torch.randn(tokens, cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
-    lists = expert_layout.build_expert_lists(ids, cfg.num_experts, cute_sm90.token_tile(tokens))
-    slots, tile = lists.slot_tokens.shape
+    tile = cute_sm90.token_tile(tokens)
+    lists = expert_layout.build_expert_lists(ids, cfg.num_experts, tile)
     if kind == "repeated":
         assert int((lists.slot_expert >= 0).sum()) == SHARED_EXPERTS * tokens // tile + tokens * (cfg.num_experts_per_token - SHARED_EXPERTS)
-    xb = cute_sm90.tokens_for_kernel(latent, lists)
-    act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cute_sm90.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
-                          lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta)
-    y = torch.full((slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
-    cute_sm90.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
-    torch.cuda.synchronize()
-    out = y.view(-1, cfg.latent_size)[lists.pair_position]
+    out = poisoned_expert_passes(cute_sm90, weights, latent, lists)
     assert not out.isnan().any(), f"{kind} T={tokens}: {out.isnan().sum().item()} outputs not written"
     err = relative_error(out, expert_reference(weights, latent, ids, cfg))
     assert err <= REL_TOL, f"{kind} T={tokens} passes: relative error {err:.2e} > {REL_TOL}"
@@ -274,15 +274,7 @@ def test_blackwell_expert_kernels_match_float64_per_pair(weights, kind):
         ids = routing_ids(kind, tokens, gen)
         latent = latent_all[:tokens]
         lists = expert_layout.build_expert_lists(ids, cfg.num_experts, cute_sm100.TOKENS)
-        slots = lists.slot_expert.shape[0]
-        xb = cute_sm100.tokens_for_kernel(latent, lists)
-        act = torch.full((slots, cute_sm100.TOKENS, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-        cute_sm100.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
-                               lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta)
-        y = torch.full((slots, cute_sm100.TOKENS, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
-        cute_sm100.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False)
-        torch.cuda.synchronize()
-        out = y.view(-1, cfg.latent_size)[lists.pair_position]
+        out = poisoned_expert_passes(cute_sm100, weights, latent, lists)
         assert not out.isnan().any(), f"{kind} T={tokens}: outputs not written"
         err = relative_error(out, expert_reference(weights, latent, ids, cfg))
         assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
