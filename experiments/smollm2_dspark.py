@@ -230,6 +230,14 @@ def make_dflash_ablation(model: DSparkModel) -> None:
         p.requires_grad_(False)
 
 
+def recipe_target(config, weights, args, slots: int, max_seq: int):
+    """The recipe's LlamaTarget: `slots` requests of up to `max_seq` tokens on the --attention
+    path (batched by default; per_query is the CPU reference, a Python loop per token)."""
+    from dspark.targets.llama import LlamaTarget
+
+    return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=args.attention)
+
+
 def init_layer_ids(text: str, num_layers: int, target_layers: int) -> list[int]:
     """--init-layers: comma-separated target layers in [0, target_layers), one per drafter layer,
     or empty (random start)."""
@@ -478,7 +486,7 @@ def read_gguf(path: str):
 
 
 def run(args) -> dict:
-    from dspark.targets.llama import LlamaTarget, weights_to
+    from dspark.targets.llama import weights_to
     from dspark.targets.gguf_assets import find_smollm2_gguf
 
     device = torch.device(args.device)
@@ -520,8 +528,8 @@ def run(args) -> dict:
     longest = max(len(p) for p in train_prompts + calibration + sets["humaneval"] + sets["mtbench"])
     max_seq = longest + max(args.gen_tokens, args.eval_tokens) + 2 * BLOCK + 2
 
-    def make_target(slots: int, attention: str = args.attention) -> LlamaTarget:
-        return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=attention)
+    def make_target(slots: int):
+        return recipe_target(config, weights, args, slots, max_seq)
 
     phase_done("load")
     answered, seqs = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save, deadline)

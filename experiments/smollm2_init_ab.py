@@ -69,7 +69,7 @@ def teacher_forced(model: DSparkModel, target, sequences, masks) -> dict:
 
 def run(args, recipe_argv: list[str]) -> dict:
     from dspark.targets.gguf_assets import file_sha256, find_smollm2_gguf
-    from dspark.targets.llama import LlamaTarget, weights_to
+    from dspark.targets.llama import weights_to
 
     starts = args.starts.split(",")
     for name in starts:
@@ -95,8 +95,7 @@ def run(args, recipe_argv: list[str]) -> dict:
     config, cpu_weights = recipe.read_gguf(str(gguf))
     longest = max(len(s) for s in sequences)
     max_seq = max(longest, max(len(p) for p in held_prompts) + recipe_args.held_out_tokens + 2 * recipe.BLOCK) + 2
-    target = LlamaTarget(config, weights_to(cpu_weights, device), max_slots=recipe_args.batch_size, max_seq_len=max_seq,
-                         attention=recipe_args.attention)
+    target = recipe.recipe_target(config, weights_to(cpu_weights, device), recipe_args, recipe_args.batch_size, max_seq)
 
     out, work = Path(args.out), recipe._ignored_dir(Path(recipe_args.work_dir))
     results = {**provenance(device), "settings": vars(args), "recipe_settings": vars(recipe_args),
