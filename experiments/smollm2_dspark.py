@@ -50,7 +50,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -66,7 +65,7 @@ from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, re
 from dspark.drafters.dspark.train import TrainConfig, generate_sequences, response_loss_masks, train
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
-from dspark.files import write_atomic
+from dspark.files import atomic_path, write_atomic
 from dspark.provenance import provenance
 from dspark.targets.gguf_assets import file_sha256
 
@@ -154,12 +153,13 @@ def load_prompt_sets(path: Path) -> dict[str, list[torch.Tensor]]:
 
 
 def save_sequences(path: Path, prompts: list[int], sequences: list[np.ndarray], prompt_lengths: list[int]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.npz")
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
-    np.savez_compressed(tmp, tokens=np.concatenate(sequences).astype(np.uint16) if sequences else np.zeros(0, np.uint16),
-                        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                        prompt_index=np.array(prompts, dtype=np.int64), prompt_lengths=np.array(prompt_lengths, dtype=np.int64))
-    os.replace(tmp, path)
+    # through an open file: given a name, numpy would append ".npz" to the temporary one
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.savez_compressed(f, tokens=np.concatenate(sequences).astype(np.uint16) if sequences else np.zeros(0, np.uint16),
+                            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                            prompt_index=np.array(prompts, dtype=np.int64),
+                            prompt_lengths=np.array(prompt_lengths, dtype=np.int64))
 
 
 def load_sequences(path: Path) -> tuple[list[int], list[np.ndarray], list[int]]:
