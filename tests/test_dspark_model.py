@@ -9,7 +9,7 @@ import torch
 from dspark.config import SamplingParams
 from dspark.drafters.dspark.config import K3_DSPARK, DSparkConfig
 from dspark.drafters.dspark.drafter import DSparkDrafter
-from dspark.drafters.dspark.model import DSparkModel
+from dspark.drafters.dspark.model import KEPT_AT_LOAD, DSparkModel
 from dspark.protocols import Drafter
 from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
 
@@ -213,8 +213,8 @@ def test_bad_input_names_the_field():
 def test_loading_target_layers_checks_every_tensor_and_keeps_the_qk_norms():
     target = SyntheticTarget(seed=7)
     model = make_model(target)
-    layers = [{name: torch.randn_like(p) for name, p in layer.named_parameters()
-               if name not in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")} for layer in model.layers]
+    layers = [{name: torch.randn_like(p) for name, p in layer.named_parameters() if name not in KEPT_AT_LOAD}
+              for layer in model.layers]
     model.load_decoder_layers(layers)
     for layer, given in zip(model.layers, layers):
         assert all(torch.equal(dict(layer.named_parameters())[name], t) for name, t in given.items())

@@ -22,7 +22,7 @@ from dspark.protocols import Target  # noqa: E402
 from dspark.targets import gguf_assets  # noqa: E402
 from dspark.targets.gguf_assets import GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
 from dspark.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dspark.drafters.dspark.model import DSparkModel  # noqa: E402
+from dspark.drafters.dspark.model import KEPT_AT_LOAD, DSparkModel  # noqa: E402
 from dspark.targets.llama import LlamaTarget, load_llama_gguf, unpermute_rope_rows  # noqa: E402
 from dspark.threads import one_cpu_thread  # noqa: E402
 
@@ -237,11 +237,10 @@ def test_decoder_layer_tensors_start_drafter_layers_that_compute_the_target_laye
                           target_num_layers=c.num_layers, target_layer_ids=(1, 2), block_size=4,
                           mask_token_id=c.vocab_size, markov_rank=4)
     drafter = DSparkModel(config, *target.embedding_weights())
-    keep = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
     with torch.no_grad():
         for layer in drafter.layers:
             for name, p in layer.named_parameters():
-                if name not in keep:
+                if name not in KEPT_AT_LOAD:
                     p.fill_(float("nan"))
     drafter.load_decoder_layers([target.decoder_layer_tensors(i) for i in layers])
 

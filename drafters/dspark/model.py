@@ -238,6 +238,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# Parameters of a drafter layer that DSparkModel.load_decoder_layers leaves at their start: the
+# per-head q/k norms, which a Llama target layer has no counterpart for.
+KEPT_AT_LOAD = frozenset({"self_attn.q_norm.weight", "self_attn.k_norm.weight"})
+
+
 class DSparkModel(nn.Module):
     """The trainable drafter plus the target's frozen embedding and lm_head.
 
@@ -279,14 +284,13 @@ class DSparkModel(nn.Module):
             raise ValueError(f"attention_type={c.attention_type!r}: target layers load only into a 'gqa' drafter")
         if len(layers) != len(self.layers):
             raise ValueError(f"layers: {len(layers)} given for a drafter of {len(self.layers)} layers")
-        keep = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
         for j, (layer, tensors) in enumerate(zip(self.layers, layers)):
             own = dict(layer.named_parameters())
-            missing = sorted(set(own) - keep - set(tensors))
+            missing = sorted(set(own) - KEPT_AT_LOAD - set(tensors))
             if missing:
                 raise ValueError(f"layers[{j}]: missing {missing[0]!r}")
             for name, tensor in tensors.items():
-                if name not in own or name in keep:
+                if name not in own or name in KEPT_AT_LOAD:
                     raise ValueError(f"layers[{j}]: {name!r} is not a loadable parameter of a drafter layer")
                 if tuple(tensor.shape) != tuple(own[name].shape):
                     raise ValueError(f"layers[{j}].{name}: shape {tuple(tensor.shape)} != {tuple(own[name].shape)}")
