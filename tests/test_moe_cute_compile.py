@@ -141,7 +141,7 @@ def test_expert_lists_agree_with_a_direct_loop(tokens, top_k, experts, repeated)
     used = expected_slots(ids, tile)
     slots = expert_layout.slot_count(tokens, top_k, experts, tile)
     if tokens <= tile:
-        assert slots == min(experts, tokens * top_k) == len(used) + (slots - len(used))
+        assert slots == min(experts, tokens * top_k)
     assert len(used) <= slots
     if repeated and tokens > tile:
         assert any(len(members) == tile for _, members in used[:-1]) and len(used) > len(set(e for e, _ in used))
