@@ -687,10 +687,12 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
     return expert_layout.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
 
 
-# How moe_experts builds its expert lists: "torch" = expert_layout.build_expert_lists (~16 small
-# kernels), "device" = the one-launch list kernel above. The list kernel is not yet verified on a
-# GPU, so "torch" stays the default; experiments/moe_bench.py times both.
-DEFAULT_LISTS = "torch"
+# How moe_experts builds its expert lists for up to one slot per expert (at most `token_tile`
+# rows): "device" = the one-launch list kernel above, "torch" = expert_layout.build_expert_lists
+# (~16 small kernels: a sort, a scan, scatters). The list kernel equals the torch lists on the
+# H200 (tests/gpu/test_moe_gpu.py, experiments/results/h200/gpu_tests_tail_685c19f.log), so it is
+# the default; experiments/step_bench.py --setting moe_lists=torch times the other.
+DEFAULT_LISTS = "device"
 
 
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ_beta: float, situ_linear_beta: float,

@@ -12,6 +12,7 @@ import torch
 from dspark.kernels import registry
 from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.moe import triton as moe_triton
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
 
@@ -65,17 +66,23 @@ def test_situ_glu_and_sigmoid_gate_match_references(gen):
 
 
 def test_router_selection_matches_float64():
-    """kernels/moe/triton.py on the GPU, by the interpreter's float64 check (tolerance 1e-5,
-    tests/triton_interpret_checks.py) and against the reference; the default on CUDA."""
-    from triton_interpret_checks import check_route
+    """kernels/moe/triton.py on the GPU, by the interpreter's float64 checks (tolerance 1e-5,
+    tests/triton_interpret_checks.py) and against the reference at K3's router shape, for a
+    verify step's rows (split-K partials) and a prefill's (the fp32 linear op); the default on CUDA."""
+    from triton_interpret_checks import check_route, check_selection
 
     check_route(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda")
-    x = torch.randn(4, 64, device="cuda")
-    gate, bias = torch.randn(896, 64, device="cuda") / 8, torch.randn(896, device="cuda") * 0.1  # logits ~ N(0, 1)
-    impl = registry.select("moe_route", x, gate, bias)
-    assert impl.name == "triton"
-    ids, weights = impl.fn(x, gate, bias, 16, 2.5)
-    want_ids, want_weights = registry.implementations("moe_route")["reference"].fn(x, gate, bias, 16, 2.5)
-    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)  # the same experts (random logits: no near tie)
-    order = ids.argsort(-1)
-    torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_ids.argsort(-1)), rtol=1e-5, atol=0)
+    for rows in (1, 8, moe_triton.FUSED_ROWS + 36):
+        x = torch.randn(rows, 7168, device="cuda").bfloat16()
+        gate = (torch.randn(896, 7168, device="cuda") / 7168**0.5).bfloat16()  # logits ~ N(0, 1)
+        bias = torch.randn(896, device="cuda") * 0.1
+        impl = registry.select("moe_route", x, gate, bias)
+        assert impl.name == "triton"
+        ids, weights = impl.fn(x, gate, bias, 16, 2.5)
+        check_selection(ids.cpu(), weights.cpu(), x.cpu().double() @ gate.cpu().double().T, bias.cpu(), 16,
+                        f"moe_route at K3's shape, {rows} rows")
+        want_ids, want_weights = registry.implementations("moe_route")["reference"].fn(x, gate, bias, 16, 2.5)
+        assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)  # the same experts (random logits: no near tie)
+        order = ids.argsort(-1)
+        torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_ids.argsort(-1)),
+                                   rtol=1e-5, atol=0)
