@@ -670,13 +670,15 @@ class MeasuredFraction:
 
 def load_measured_fraction(path: str, context: int = 8192) -> MeasuredFraction:
     """The graph-replay rows of step_bench.json (eager rows when there is no graph row, said in
-    `note`) for k3-slice, batch 1, `context`, T = 1 and T = 8."""
+    `note`) for k3-slice, batch 1, `context`, T = 1 and T = 8, measured on the default kernels:
+    rows of an A/B run under another setting (`--setting`, a non-empty "setting") are not the step."""
     _, rows = _read_result_rows(path, "--measured", "step_bench.py")
     picked, modes = {}, {}
     for T in (1, 8):
         for mode in ("graph", "eager"):
             match = [r for r in rows if isinstance(r, dict) and r.get("target") == "k3-slice" and r.get("batch") == 1
-                     and r.get("context") == context and r.get("T") == T and r.get("mode") == mode]
+                     and r.get("context") == context and r.get("T") == T and r.get("mode") == mode
+                     and not r.get("setting")]
             if len(match) > 1:
                 raise ValueError(f"--measured {path!r}: {len(match)} rows for k3-slice batch 1 context {context} "
                                  f"T={T} mode {mode}; expected one")

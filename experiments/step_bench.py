@@ -10,7 +10,8 @@ For every (B, context, T) it reports:
   tokens (the user-visible step); graph_gpu_ms: the replay alone between CUDA events;
   graph_host_us: host time of the replay call and the readback's issue;
 - gpu_kernel_ms and launches: the sum of device activity and the number of kernels, copies and
-  fills in one eager step (torch profiler), with the largest contributors by name;
+  fills in one eager step (torch profiler), with the largest contributors by name; with
+  --op-shapes, ops_by_shape: the torch ops with the most device time by their input shapes;
 - floor_ms: the step's bytes (dspark.roofline.step_cost) over the copy bandwidth measured in
   the same run; floor_fraction = floor_ms / graph_ms (eager_ms where there is no graph).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import statistics
 import sys
 import time
@@ -99,6 +101,22 @@ def profile_step(step) -> dict:
     return {"launches": sum(counts.values()), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top}
 
 
+def ops_by_shape(step, top: int = 30) -> list[dict]:
+    """The torch ops of one eager step with the most device time, by op and input shapes: what
+    launched the copies and the glue kernels (a kernel name alone does not say)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [{"op": evt.key, "shapes": str(evt.input_shapes)[:200], "calls": evt.count,
+             "self_device_us": round(evt.self_device_time_total, 1)}
+            for evt in prof.key_averages(group_by_input_shape=True)
+            if evt.key.startswith("aten::") and evt.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["self_device_us"])[:top]
+
+
 def time_eager(step, reset, steps: int) -> dict:
     walls, hosts = [], []
     for _ in range(steps):
@@ -158,30 +176,80 @@ def run(args) -> dict:
                 def reset():
                     target.lengths[:batch] = context
 
-                row = {"target": args.target, "batch": batch, "context": context, "T": T}
-                step()  # compile every kernel this shape uses
-                row.update(profile_step(step))
-                row.update(time_eager(step, reset, args.steps))
-                if not args.no_graph:
-                    graph = StepGraph(step, f"{args.target} B={batch} T={T} step")
-                    row.update(time_graph(graph, reset, args.steps))
-                    del graph
-                cost = roofline.step_cost(cfg, batch=batch, tokens_per_request=T, context=context)
-                row["floor_bytes"] = cost.total_bytes
-                row["floor_ms"] = 1e3 * cost.total_bytes / bandwidth
-                measured = row.get("graph_ms", row["eager_ms"])
-                row["mode"] = "graph" if "graph_ms" in row else "eager"
-                row["ms"] = measured
-                row["floor_fraction"] = row["floor_ms"] / measured
-                result["rows"].append(row)
-                write_json(args.out, result)
-                print(f"B={batch} ctx={context} T={T}: eager {row['eager_ms']:.2f} ms, "
-                      f"graph {row.get('graph_ms', float('nan')):.2f} ms (gpu {row.get('graph_gpu_ms', float('nan')):.2f}), "
-                      f"kernels {row['gpu_kernel_ms']:.2f} ms in {row['launches']} launches, floor {row['floor_ms']:.2f} ms "
-                      f"({100 * row['floor_fraction']:.0f}%)", flush=True)
+                for setting in args.setting:
+                    row = {"target": args.target, "batch": batch, "context": context, "T": T}
+                    if setting:
+                        row["setting"] = setting
+                    try:
+                        with applied(setting):
+                            measure(row, step, reset, args)
+                    except Exception as error:  # an A/B variant that fails is recorded; the defaults must work
+                        if not setting:
+                            raise
+                        row["error"] = f"{type(error).__name__}: {error}"[:500]
+                        result["rows"].append(row)
+                        print(f"B={batch} ctx={context} T={T} [{setting}]: failed: {row['error']}", flush=True)
+                        continue
+                    cost = roofline.step_cost(cfg, batch=batch, tokens_per_request=T, context=context)
+                    row["floor_bytes"] = cost.total_bytes
+                    row["floor_ms"] = 1e3 * cost.total_bytes / bandwidth
+                    measured = row.get("graph_ms", row["eager_ms"])
+                    row["mode"] = "graph" if "graph_ms" in row else "eager"
+                    row["ms"] = measured
+                    row["floor_fraction"] = row["floor_ms"] / measured
+                    result["rows"].append(row)
+                    write_json(args.out, result)
+                    print(f"B={batch} ctx={context} T={T}{' [' + setting + ']' if setting else ''}: "
+                          f"eager {row['eager_ms']:.2f} ms, graph {row.get('graph_ms', float('nan')):.2f} ms "
+                          f"(gpu {row.get('graph_gpu_ms', float('nan')):.2f}), kernels {row['gpu_kernel_ms']:.2f} ms in "
+                          f"{row['launches']} launches, floor {row['floor_ms']:.2f} ms ({100 * row['floor_fraction']:.0f}%)",
+                          flush=True)
         del target
         torch.cuda.empty_cache()
     return result
+
+
+def measure(row: dict, step, reset, args) -> None:
+    step()  # compile every kernel this shape uses
+    row.update(profile_step(step))
+    if args.op_shapes:
+        row["ops_by_shape"] = ops_by_shape(step)
+    row.update(time_eager(step, reset, args.steps))
+    if not args.no_graph:
+        graph = StepGraph(step, f"{args.target} B={row['batch']} T={row['T']} step")
+        row.update(time_graph(graph, reset, args.steps))
+        del graph
+
+
+@contextlib.contextmanager
+def applied(setting: str):
+    """Run under one comma-separated setting ('' = the defaults): `op=implementation` forces a
+    kernel (registry.use); `moe_lists=torch|device` picks how the MXFP4 expert kernel's lists are
+    built; `router_fused_rows=N` sets the rows up to which the Triton router takes the split-K
+    path (0: the fp32 `linear` op for every call, the path before it)."""
+    from dspark.kernels import registry
+    from dspark.kernels.moe import cute_sm90
+    from dspark.kernels.moe import triton as moe_triton
+
+    before = cute_sm90.DEFAULT_LISTS, moe_triton.FUSED_ROWS
+    forced = []
+    try:
+        for item in filter(None, (part.strip() for part in setting.split(","))):
+            key, _, value = item.partition("=")
+            if key == "moe_lists" and value in ("torch", "device"):
+                cute_sm90.DEFAULT_LISTS = value
+            elif key == "router_fused_rows" and value.isdigit():
+                moe_triton.FUSED_ROWS = int(value)
+            elif key in ("moe_lists", "router_fused_rows"):
+                raise SystemExit(f"--setting {setting!r}: {key}={value!r} is not a valid value")
+            else:
+                registry.use(key, value)
+                forced.append(key)
+        yield
+    finally:
+        cute_sm90.DEFAULT_LISTS, moe_triton.FUSED_ROWS = before
+        for op in forced:
+            registry.use(op, None)
 
 
 def main(argv=None) -> int:
@@ -193,8 +261,14 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per point (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-graph", action="store_true", help="eager only")
+    parser.add_argument("--setting", action="append",
+                        help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
+                             "comma-separated op=implementation, moe_lists=torch|device, router_fused_rows=N")
+    parser.add_argument("--op-shapes", action="store_true",
+                        help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")
     args = parser.parse_args(argv)
+    args.setting = args.setting or [""]
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     run(args)

@@ -414,7 +414,9 @@ def test_measured_fraction_prefers_graph_rows(tmp_path):
     f1, f8 = rng.uniform(0.3, 0.9), rng.uniform(0.3, 0.9)
     rows = [_step_row(1, "eager", 10.0, 2.0), _step_row(1, "graph", 2.0 / f1, 2.0),
             _step_row(8, "eager", 20.0, 3.0), _step_row(8, "graph", 3.0 / f8, 3.0),
-            {**_step_row(8, "graph", 1.0, 0.5), "context": 2048}, {**_step_row(8, "graph", 1.0, 0.5), "batch": 4}]
+            {**_step_row(8, "graph", 1.0, 0.5), "context": 2048}, {**_step_row(8, "graph", 1.0, 0.5), "batch": 4},
+            _step_row(1, "graph", 1.0, 0.5, setting="moe_lists=torch"),  # an A/B row: not the default step
+            _step_row(8, "graph", 1.0, 0.5, setting="router_fused_rows=0")]
     measured = rf.load_measured_fraction(_step_bench(tmp_path, rows))
     assert measured.plain == pytest.approx(f1) and measured.verify == pytest.approx(f8)
     assert measured.mode == "graph" and measured.note == ""
