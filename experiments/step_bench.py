@@ -221,33 +221,43 @@ def measure(row: dict, step, reset, args) -> None:
         del graph
 
 
+# Module switches a setting may flip (name -> (module, attribute, allowed values)).
+SWITCHES = {
+    "moe_lists": ("dspark.kernels.moe.cute_sm90", "DEFAULT_LISTS", {"torch": "torch", "device": "device"}),
+    "router_fused_rows": ("dspark.kernels.moe.triton", "FUSED_ROWS", None),  # any int >= 0
+    "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
+}
+
+
 @contextlib.contextmanager
 def applied(setting: str):
     """Run under one comma-separated setting ('' = the defaults): `op=implementation` forces a
     kernel (registry.use); `moe_lists=torch|device` picks how the MXFP4 expert kernel's lists are
     built; `router_fused_rows=N` sets the rows up to which the Triton router takes the split-K
-    path (0: the fp32 `linear` op for every call, the path before it)."""
-    from dspark.kernels import registry
-    from dspark.kernels.moe import cute_sm90
-    from dspark.kernels.moe import triton as moe_triton
+    path (0: the fp32 `linear` op for every call, the path before it); `kda_strided_inputs=0|1`
+    passes the KDA inputs to the kernel as strided slices or as contiguous copies."""
+    import importlib
 
-    before = cute_sm90.DEFAULT_LISTS, moe_triton.FUSED_ROWS
-    forced = []
+    from dspark.kernels import registry
+
+    restore, forced = [], []
     try:
         for item in filter(None, (part.strip() for part in setting.split(","))):
             key, _, value = item.partition("=")
-            if key == "moe_lists" and value in ("torch", "device"):
-                cute_sm90.DEFAULT_LISTS = value
-            elif key == "router_fused_rows" and value.isdigit():
-                moe_triton.FUSED_ROWS = int(value)
-            elif key in ("moe_lists", "router_fused_rows"):
-                raise SystemExit(f"--setting {setting!r}: {key}={value!r} is not a valid value")
+            if key in SWITCHES:
+                module_name, attribute, allowed = SWITCHES[key]
+                if allowed is None and not value.isdigit() or allowed is not None and value not in allowed:
+                    raise SystemExit(f"--setting {setting!r}: {key}={value!r} is not a valid value")
+                module = importlib.import_module(module_name)
+                restore.append((module, attribute, getattr(module, attribute)))
+                setattr(module, attribute, int(value) if allowed is None else allowed[value])
             else:
                 registry.use(key, value)
                 forced.append(key)
         yield
     finally:
-        cute_sm90.DEFAULT_LISTS, moe_triton.FUSED_ROWS = before
+        for module, attribute, value in reversed(restore):
+            setattr(module, attribute, value)
         for op in forced:
             registry.use(op, None)
 
@@ -263,7 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-graph", action="store_true", help="eager only")
     parser.add_argument("--setting", action="append",
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
-                             "comma-separated op=implementation, moe_lists=torch|device, router_fused_rows=N")
+                             "comma-separated op=implementation, moe_lists=torch|device, router_fused_rows=N, "
+                             "kda_strided_inputs=0|1")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

@@ -11,6 +11,11 @@ from .reference import KDARecords
 
 ROW_CHUNKS = 4  # default row_chunks: the warps a column's rows are split over; partial dots meet in smem
 MAX_TOKENS = 16  # verify width supported: T = 1..16 (k <= 15 drafts)
+# Whether verify takes its [B, T, width] inputs with their own row strides (the kernel is compiled
+# for any), so the column slices of the model's fused input GEMM go in without a copy: 7 copy
+# launches per KDA layer whenever the slices are not contiguous (T > 1 or B > 1). Off until the
+# strided call is measured on the H200 (experiments/step_bench.py --setting kda_strided_inputs=1).
+STRIDED_INPUTS = False
 
 _cache = CompileCache()
 
@@ -244,11 +249,17 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
                             bulk_state=variant["bulk_state"], group_sync=variant["group_sync"], pdl=variant["pdl"],
                             probe=probe is not None)
     c = torch.Tensor.contiguous
-    kernel(c(q_in), c(k_in), c(v_in), c(f), c(beta_in), c(gate_in), c(conv_weight), c(conv_state), c(A_log),
+    row = _rows if STRIDED_INPUTS else c
+    kernel(row(q_in), row(k_in), row(v_in), row(f), row(beta_in), row(gate_in), c(conv_weight), c(conv_state), c(A_log),
            c(dt_bias), c(o_norm_weight), c(state), lengths, out, records.keys, records.updates, records.decays,
            records.conv_inputs, probe if probe is not None else _no_probe(state.device), float(lower_bound),
            float(eps))
     return out, records
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: any batch and token strides, contiguous columns."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @functools.cache

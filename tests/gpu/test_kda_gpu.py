@@ -216,6 +216,30 @@ def test_one_launch_commits_a_stack_of_layers(verify_kw, commit_kw):
         assert torch.equal(states[layer], state) and torch.equal(conv_states[layer], conv_state)
 
 
+@pytest.mark.parametrize("batch, tokens", [(1, 8), (3, 1), (2, 16)])
+def test_strided_inputs_equal_contiguous_ones_bitwise(monkeypatch, batch, tokens):
+    """Column slices of one wider buffer, as the model's fused input GEMM gives them (the fused
+    row order q|k|v|g|f_a|beta, here with f as well, beta last and 16-byte aligned), go into the
+    kernel as they are with STRIDED_INPUTS and give exactly the output and records of their
+    contiguous copies."""
+    inputs = make_inputs(batch, tokens)
+    names = ("q_in", "k_in", "v_in", "gate_in", "f", "beta_in")
+    fused = torch.cat([inputs[n] for n in names] + [inputs["beta_in"][..., :8]], dim=-1)  # rows wider than the parts
+    start = 0
+    strided = dict(inputs)
+    for n in names:
+        width = inputs[n].shape[-1]
+        strided[n] = fused[..., start : start + width]
+        start += width
+        assert torch.equal(strided[n], inputs[n]) and (tokens * batch == 1 or not strided[n].is_contiguous())
+    monkeypatch.setattr(kda_cute, "STRIDED_INPUTS", True)
+    out_strided, records_strided = cute_verify(strided)
+    out, records = cute_verify(inputs)
+    assert torch.equal(out_strided, out) and not out.isnan().any()
+    for name in RECORD_FIELDS:
+        assert torch.equal(getattr(records_strided, name), getattr(records, name)), name
+
+
 def test_probe_build_writes_ordered_clocks_and_the_same_results():
     batch, tokens = 2, 8
     inputs = make_inputs(batch, tokens)
