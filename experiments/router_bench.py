@@ -3,11 +3,9 @@ GPU, per call, for the row counts of a verify step (docs/kernels.md §10.6):
 
 - reference: kernels/moe/reference.py (the weight widened to fp32 per call, cuBLAS fp32 GEMM,
   torch selection);
-- cublas_fp32+select: the same logits, selection in one Triton program per token (the default
-  before the split-K kernel);
-- cublas_bf16_out_fp32+select: what a user would write without the widening copy, a bf16 cuBLAS
-  GEMM with fp32 output (`torch.mm(..., out_dtype=torch.float32)`), where torch has it;
-- split_k+select (ours): kernels/moe/triton.py, the partial sums read the bf16 weight directly;
+- cublas_fp32+select: the same logits, the selection in one Triton program per token;
+- ours: kernels/moe/triton.py, the default on CUDA: bf16 tokens and weight in a cuBLAS bf16 GEMM
+  with fp32 output (no widened copy), the same selection;
 - floor: the weight's bytes at the pure-read rate measured in the same run.
 
 Method (experiments/benchlib.py): ROUTERS distinct weights rotate so that L2 does not serve them;
@@ -28,29 +26,13 @@ EXPERTS, WIDTH, TOP_K, SCALING = 896, 7168, 16, 2.827
 ROUTERS = 8  # 8 x 12.8 MB of weights: more than the H200's 50 MB L2
 
 
-def variants(has_out_dtype: bool) -> dict:
+def variants() -> dict:
     def fp32_select(x, gate, bias):
         return moe_triton.route_logits(torch.nn.functional.linear(x.float(), gate.float()), bias, TOP_K, SCALING)
 
-    def bf16_out_fp32_select(x, gate, bias):
-        return moe_triton.route_logits(torch.mm(x, gate.t(), out_dtype=torch.float32), bias, TOP_K, SCALING)
-
-    def split_k(x, gate, bias):
-        return moe_triton.route_logits(moe_triton.router_partials(x, gate), bias, TOP_K, SCALING)
-
-    found = {"reference": lambda x, gate, bias: reference.moe_route(x, gate, bias, TOP_K, SCALING),
-             "cublas_fp32+select": fp32_select, "split_k+select": split_k}
-    if has_out_dtype:
-        found["cublas_bf16_out_fp32+select"] = bf16_out_fp32_select
-    return found
-
-
-def supports_out_dtype() -> bool:
-    try:
-        a = torch.ones(2, 16, device="cuda", dtype=torch.bfloat16)
-        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError):
-        return False
+    return {"reference": lambda x, gate, bias: reference.moe_route(x, gate, bias, TOP_K, SCALING),
+            "cublas_fp32+select": fp32_select,
+            "ours": lambda x, gate, bias: moe_triton.moe_route(x, gate, bias, TOP_K, SCALING)}
 
 
 def main() -> None:
@@ -64,7 +46,7 @@ def main() -> None:
     rate = ceiling["read_ceiling_GBps"] * 1e9
     gates = [(torch.randn(EXPERTS, WIDTH, device="cuda", generator=gen) / WIDTH**0.5).bfloat16() for _ in range(ROUTERS)]
     biases = [torch.randn(EXPERTS, device="cuda", generator=gen) * 0.1 for _ in range(ROUTERS)]
-    found = variants(supports_out_dtype())
+    found = variants()
     result = {**provenance(), "ceiling": ceiling, "experts": EXPERTS, "width": WIDTH, "top_k": TOP_K,
               "routers_rotated": ROUTERS, "variants": list(found), "rows": []}
     floor_us = gates[0].numel() * gates[0].element_size() / rate * 1e6
@@ -77,7 +59,7 @@ def main() -> None:
             calls = [lambda x=x, g=g, b=b, fn=fn: fn(x, g, b) for x, g, b in zip(xs, gates, biases)]
             timing = time_calls(calls, args.reps)
             entry[name] = {**timing, "same_experts_as_reference": same}
-        best = entry["split_k+select"]["graph_us"]
+        best = entry["ours"]["graph_us"]
         entry["floor_over_ours"] = floor_us / best if best else None
         result["rows"].append(entry)
         write_json(args.out, result)

@@ -224,7 +224,7 @@ def measure(row: dict, step, reset, args) -> None:
 # Module switches a setting may flip (name -> (module, attribute, allowed values)).
 SWITCHES = {
     "moe_lists": ("dspark.kernels.moe.cute_sm90", "DEFAULT_LISTS", {"torch": "torch", "device": "device"}),
-    "router_fused_rows": ("dspark.kernels.moe.triton", "FUSED_ROWS", None),  # any int >= 0
+    "router_low_precision_gemm": ("dspark.kernels.moe.triton", "LOW_PRECISION_GEMM", {"0": False, "1": True}),
     "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
 }
 
@@ -233,8 +233,8 @@ SWITCHES = {
 def applied(setting: str):
     """Run under one comma-separated setting ('' = the defaults): `op=implementation` forces a
     kernel (registry.use); `moe_lists=torch|device` picks how the MXFP4 expert kernel's lists are
-    built; `router_fused_rows=N` sets the rows up to which the Triton router takes the split-K
-    path (0: the fp32 `linear` op for every call, the path before it); `kda_strided_inputs=0|1`
+    built; `router_low_precision_gemm=0|1` multiplies the router's bf16 tokens and weight as they
+    are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1`
     passes the KDA inputs to the kernel as strided slices or as contiguous copies."""
     import importlib
 
@@ -246,11 +246,11 @@ def applied(setting: str):
             key, _, value = item.partition("=")
             if key in SWITCHES:
                 module_name, attribute, allowed = SWITCHES[key]
-                if allowed is None and not value.isdigit() or allowed is not None and value not in allowed:
+                if value not in allowed:
                     raise SystemExit(f"--setting {setting!r}: {key}={value!r} is not a valid value")
                 module = importlib.import_module(module_name)
                 restore.append((module, attribute, getattr(module, attribute)))
-                setattr(module, attribute, int(value) if allowed is None else allowed[value])
+                setattr(module, attribute, allowed[value])
             else:
                 registry.use(key, value)
                 forced.append(key)
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-graph", action="store_true", help="eager only")
     parser.add_argument("--setting", action="append",
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
-                             "comma-separated op=implementation, moe_lists=torch|device, router_fused_rows=N, "
+                             "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
                              "kda_strided_inputs=0|1")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")

@@ -1,44 +1,17 @@
-"""Triton kernels of the K3 router (imported on first use): the router GEMM as split-K partial
-sums, and the selection, which adds the partials up as it reads them."""
+"""Triton kernel of the K3 router's selection (imported on first use)."""
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def router_partials_kernel(x_ptr, stride_x, w_ptr, stride_w, partials_ptr, num_rows, num_experts, width,
-                           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """partials[s, m, e] = sum over k in split s of x[m, k] * w[e, k], in float32.
-
-    Grid (experts / BLOCK_E, width / BLOCK_K): each program loads its [BLOCK_E, BLOCK_K] weight
-    tile once, in the weights' own dtype (bf16 widens to float32 exactly, so nothing is cast
-    ahead of the launch), and dots it with every row. The many small programs keep the whole
-    weight in flight at once, which a per-row GEMV of a few hundred programs does not."""
-    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    split = tl.program_id(1)
-    cols = split * BLOCK_K + tl.arange(0, BLOCK_K)
-    expert_in = experts < num_experts
-    col_in = cols < width
-    w = tl.load(w_ptr + experts[:, None] * stride_w + cols[None, :], mask=expert_in[:, None] & col_in[None, :],
-                other=0.0).to(tl.float32)
-    for m in range(num_rows):
-        x = tl.load(x_ptr + m * stride_x + cols, mask=col_in, other=0.0).to(tl.float32)
-        tl.store(partials_ptr + (split * num_rows + m) * num_experts + experts, tl.sum(w * x[None, :], axis=1),
-                 mask=expert_in)
-
-
-@triton.jit
-def route_kernel(logits_ptr, stride_l, num_parts, stride_part, bias_ptr, ids_ptr, weights_ptr, num_experts, scaling,
+def route_kernel(logits_ptr, stride_l, bias_ptr, ids_ptr, weights_ptr, num_experts, scaling,
                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per token: the logits (the sum of num_parts partial rows, in order), sigmoid
-    scores, the top-k by score + bias (picked one at a time, the lowest index among equal keys),
-    and the chosen raw scores over their sum times scaling."""
+    """One program per token: sigmoid scores, the top-k by score + bias (picked one at a time,
+    the lowest index among equal keys), and the chosen raw scores over their sum times scaling."""
     row = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     inside = experts < num_experts
-    logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for part in range(num_parts):
-        logits += tl.load(logits_ptr + part * stride_part + row * stride_l + experts, mask=inside,
-                          other=0.0).to(tl.float32)
+    logits = tl.load(logits_ptr + row * stride_l + experts, mask=inside, other=0.0).to(tl.float32)
     scores = tl.sigmoid(logits)
     keys = tl.where(inside, scores + tl.load(bias_ptr + experts, mask=inside, other=0.0).to(tl.float32),
                     float("-inf"))
