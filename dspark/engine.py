@@ -182,6 +182,10 @@ class Engine:
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
         self._no_uniforms = torch.zeros(1, 1, device=self.device)
         self._no_noise = torch.ones(1, 1, device=self.device)
+        # The proposal of a step without drafts, as views (read-only everywhere downstream): no
+        # allocation and no kernel launch per plain-decoding step.
+        self._no_drafts = torch.zeros(target.max_slots, 0, dtype=torch.long, device=self.device)
+        self._zero_drafts = torch.zeros(target.max_slots, dtype=torch.long, device=self.device)
         self._last_mark = 0.0
         self._next_id = 0
         self._waiting: deque[_Request] = deque()
@@ -359,11 +363,15 @@ class Engine:
         B = len(reqs)
         slots = [r.slot for r in reqs]
         sampling = self._sampling_tensors(reqs)
-        anchors = long_tensor_on([r.anchor for r in reqs], self.device)
+        graphed = self._graphs is not None and self._graphs.bucket(B) is not None
 
         # 1-2. draft and decide how many drafts each request verifies
         k_req = self._drafts_allowed(reqs)
         kmax = max(k_req)
+        # The anchors on the device are what a drafter proposes from and what an eager verify
+        # feeds; a graphed step takes them from the host list, so a step without drafts skips
+        # the staging copy.
+        anchors = long_tensor_on([r.anchor for r in reqs], self.device) if kmax > 0 or not graphed else None
         proposal = self._propose(reqs, k_req, kmax, anchors)
         num_drafts = proposal.num_drafts
         self._mark("draft")
@@ -371,7 +379,6 @@ class Engine:
         # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
-        graphed = self._graphs is not None and self._graphs.bucket(B) is not None
         if graphed:
             greedy_only = sampling.all_greedy and not self._synthetic  # reads no noise
             step = self._graphs.run(
@@ -456,12 +463,11 @@ class Engine:
         """k for a step of this many requests (SpecConfig.k_for_batch)."""
         return self.spec.k_for_batch(batch_size)
 
-    def _propose(self, reqs, k_req: list[int], kmax: int, anchors: torch.Tensor) -> Proposal:
+    def _propose(self, reqs, k_req: list[int], kmax: int, anchors: torch.Tensor | None) -> Proposal:
         B = len(reqs)
         dev = self.device
         if kmax == 0:
-            empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
-            return Proposal(empty, torch.zeros(B, dtype=torch.long, device=dev))
+            return Proposal(self._no_drafts[:B], self._zero_drafts[:B])
         rows = [i for i in range(B) if k_req[i] > 0]
         sub = rows if len(rows) < B else None
         pick = (lambda xs: [xs[i] for i in rows]) if sub else (lambda xs: xs)
