@@ -226,6 +226,7 @@ SWITCHES = {
     "moe_lists": ("dspark.kernels.moe.cute_sm90", "DEFAULT_LISTS", {"torch": "torch", "device": "device"}),
     "router_low_precision_gemm": ("dspark.kernels.moe.triton", "LOW_PRECISION_GEMM", {"0": False, "1": True}),
     "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
+    "moe_combine": ("dspark.kernels.moe.cute_sm90", "COMBINE", {"torch": "torch", "triton": "triton"}),
 }
 
 
@@ -234,8 +235,9 @@ def applied(setting: str):
     """Run under one comma-separated setting ('' = the defaults): `op=implementation` forces a
     kernel (registry.use); `moe_lists=torch|device` picks how the MXFP4 expert kernel's lists are
     built; `router_low_precision_gemm=0|1` multiplies the router's bf16 tokens and weight as they
-    are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1`
-    passes the KDA inputs to the kernel as strided slices or as contiguous copies."""
+    are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1` passes the KDA inputs to
+    the kernel as strided slices or as contiguous copies; `moe_combine=torch|triton` adds up each
+    token's expert outputs in three torch launches or one Triton launch."""
     import importlib
 
     from dspark.kernels import registry
@@ -274,7 +276,7 @@ def main(argv=None) -> int:
     parser.add_argument("--setting", action="append",
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
                              "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
-                             "kda_strided_inputs=0|1")
+                             "kda_strided_inputs=0|1, moe_combine=torch|triton")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

@@ -54,6 +54,7 @@ def main(seed: int) -> None:
     close(act_triton.sigmoid_gate(x, gate, out=torch.full((rows, n), float("nan"))),
           act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
     check_route(gen)
+    check_combine(gen)
     print("triton kernels: all checks passed")
 
 
@@ -70,6 +71,24 @@ def check_route(gen: torch.Generator, device: str = "cpu") -> None:
         moe_triton.route_logits(logits.to(device), bias.to(device), top_k, 2.5, ids=ids, weights=weights)
         check_selection(ids.cpu(), weights.cpu(), logits.double(), bias, top_k,
                         f"moe_route E={experts} k={top_k}{' repeated' if repeated else ''}")
+
+
+def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, top_k: int = 16,
+                  width: int = 1500) -> None:
+    """weighted_combine against the float64 weighted sum: pairs scattered over the rows in a
+    random order (as the expert lists place them), spare rows poisoned with NaN (never read), a
+    width that leaves the last column block partial. Inputs are drawn on the CPU."""
+    pairs = tokens * top_k
+    rows = torch.randn(pairs + 5, width, generator=gen)
+    position = torch.randperm(pairs + 5, generator=gen)[:pairs].view(tokens, top_k)
+    spare = torch.ones(pairs + 5, dtype=torch.bool)
+    spare[position.flatten()] = False
+    rows[spare] = float("nan")
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    want = (weights.double().unsqueeze(-1) * rows.double()[position]).sum(dim=1)
+    out = torch.full((tokens, width), float("nan"), device=device)
+    got = moe_triton.weighted_combine(rows.to(device), position.to(device), weights.to(device), out=out)
+    close(got.cpu(), want, f"weighted_combine T={tokens} k={top_k} width={width}")
 
 
 def check_selection(ids, weights, logits: torch.Tensor, bias: torch.Tensor, top_k: int, what: str) -> None:

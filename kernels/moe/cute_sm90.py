@@ -43,6 +43,7 @@ from .. import cute_common
 from ..cute_pipelines import deferred_pipeline
 from . import expert_layout
 from . import reference
+from . import triton as moe_triton
 
 ROW_TILE = 128  # weight rows per CTA: two m64 WGMMA atoms
 GLU_ROWS = ROW_TILE // 2  # pass 1: 64 w1 rows + the same 64 w3 rows
@@ -695,17 +696,27 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 DEFAULT_LISTS = "device"
 
 
+# How moe_experts adds up each token's expert outputs: "torch" = gather them into [T, k, latent],
+# then one multiply and one reduction (expert_layout.weighted_sum); "triton" = one launch that
+# reads each pair's row where pass 2 wrote it and adds them in top-k order
+# (kernels/moe/triton.py:weighted_combine). "torch" until the H200 measures the step with the
+# other (experiments/step_bench.py --setting moe_combine=triton).
+COMBINE = "torch"
+
+
+def expert_lists(latent: torch.Tensor, ids: torch.Tensor, num_experts: int) -> expert_layout.ExpertLists:
+    tokens = token_tile(latent.shape[0])
+    if DEFAULT_LISTS == "device" and latent.shape[0] <= tokens:  # the list kernel: one slot per expert
+        return build_expert_lists_device(ids, num_experts, tokens)
+    return expert_layout.build_expert_lists(ids, num_experts, tokens)
+
+
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ_beta: float, situ_linear_beta: float,
                    lists: expert_layout.ExpertLists | None = None):
     """The expert passes on the latent: [T, latent] bf16 -> expert outputs [T, k, latent] fp32
     (unweighted, in top-k order). `experts` = (w1_packed, w1_scale, w3_packed, w3_scale,
     w2_packed, w2_scale); `lists` are built from `ids` unless given."""
-    num_experts = experts[0].shape[0]
-    tokens = token_tile(latent.shape[0])
-    if lists is None and DEFAULT_LISTS == "device" and latent.shape[0] <= tokens:  # the list kernel: one slot per expert
-        lists = build_expert_lists_device(ids, num_experts, tokens)
-    elif lists is None:
-        lists = expert_layout.build_expert_lists(ids, num_experts, tokens)
+    lists = expert_lists(latent, ids, experts[0].shape[0]) if lists is None else lists
     return expert_layout.run_expert_passes(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
                                            situ_linear_beta)
 
@@ -735,4 +746,9 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     registered by kernels/moe/__init__.py."""
     experts = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     reference.check_experts(latent, ids, route_weights, *experts)
+    if COMBINE == "triton":
+        lists = expert_lists(latent, ids, w1_packed.shape[0])
+        rows = expert_layout.slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
+                                          situ_linear_beta)
+        return moe_triton.weighted_combine(rows, lists.pair_position, route_weights.float())
     return expert_layout.weighted_sum(route_weights, routed_experts(latent, ids, experts, situ_beta, situ_linear_beta))

@@ -125,6 +125,14 @@ def run_expert_passes(latent: torch.Tensor, lists: ExpertLists, experts: tuple, 
     """The two passes of an expert kernel over `lists` -> per-pair outputs [T, k, latent] fp32
     (unweighted, in top-k order). `experts` = (w1_packed, w1_scale, w3_packed, w3_scale,
     w2_packed, w2_scale); tokens_for_kernel / expert_pass are the kernel module's."""
+    out = slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta, situ_linear_beta)
+    return out[lists.pair_position]
+
+
+def slot_outputs(latent: torch.Tensor, lists: ExpertLists, experts: tuple, tokens_for_kernel, expert_pass,
+                 situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """The two passes' output rows as pass 2 writes them, [slots * tile_tokens, latent] fp32: the
+    pair (t, j) is row lists.pair_position[t, j]."""
     w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = experts
     slots, tile = lists.slot_tokens.shape
     xb = tokens_for_kernel(latent, lists)
@@ -133,7 +141,7 @@ def run_expert_passes(latent: torch.Tensor, lists: ExpertLists, experts: tuple, 
     latent_dim = w2_packed.shape[1]
     y = torch.empty((slots, tile, latent_dim), dtype=torch.float32, device=latent.device)
     expert_pass(w2_packed, w2_scale, w2_packed, w2_scale, lists, act, y, False)
-    return y.view(slots * tile, latent_dim)[lists.pair_position]
+    return y.view(slots * tile, latent_dim)
 
 
 def weighted_sum(route_weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:

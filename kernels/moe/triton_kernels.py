@@ -1,4 +1,5 @@
-"""Triton kernel of the K3 router's selection (imported on first use)."""
+"""Triton kernels of the K3 MoE (imported on first use): the router's selection and the weighted
+combination of each token's expert outputs."""
 import triton
 import triton.language as tl
 
@@ -28,3 +29,19 @@ def route_kernel(logits_ptr, stride_l, bias_ptr, ids_ptr, weights_ptr, num_exper
     keep = slots < TOP_K
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
     tl.store(weights_ptr + row * TOP_K + slots, weights, mask=keep)
+
+
+@triton.jit
+def combine_kernel(rows_ptr, stride_r, position_ptr, weights_ptr, out_ptr, stride_o, width,
+                   TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over j in top-k order of weights[t, j] * rows[position[t, j]], in float32; one
+    program per (token, column block)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(position_ptr + t * TOP_K + j)
+        weight = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
+        acc += weight * tl.load(rows_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc, mask=inside)

@@ -149,7 +149,9 @@ def weighted_sum_reference(weights, latent, ids, route_weights, cfg):
 
 @pytest.mark.skipif(CAPABILITY not in ((9, 0), (10, 0), (10, 3)), reason="no CuTe DSL expert kernel for this GPU")
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
-def test_moe_experts_op_matches_float64(weights, kind):
+@pytest.mark.parametrize("combine", ["torch", "triton"])  # cute_sm90.COMBINE (Hopper's kernel only)
+def test_moe_experts_op_matches_float64(weights, kind, combine, monkeypatch):
+    monkeypatch.setattr(cute_sm90, "COMBINE", combine)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = K3
     latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)

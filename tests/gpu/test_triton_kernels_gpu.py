@@ -64,6 +64,14 @@ def test_situ_glu_and_sigmoid_gate_match_references(gen):
     _close(act_triton.sigmoid_gate(x, gate, out=out), act_ref.sigmoid_gate(x, gate), "sigmoid_gate")
 
 
+def test_weighted_combine_matches_float64():
+    """kernels/moe/triton.py:weighted_combine at K3's latent width and a verify step's 8 tokens x
+    top-16, by the interpreter's float64 check (tolerance 1e-4, tests/triton_interpret_checks.py)."""
+    from triton_interpret_checks import check_combine
+
+    check_combine(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda", tokens=8, width=3584)
+
+
 def test_router_selection_matches_float64():
     """kernels/moe/triton.py on the GPU, by the interpreter's float64 checks (tolerance 1e-5,
     tests/triton_interpret_checks.py) and against the reference at K3's router shape (bf16 tokens
