@@ -705,10 +705,10 @@ COMBINE = "torch"
 
 
 def expert_lists(latent: torch.Tensor, ids: torch.Tensor, num_experts: int) -> expert_layout.ExpertLists:
-    tokens = token_tile(latent.shape[0])
-    if DEFAULT_LISTS == "device" and latent.shape[0] <= tokens:  # the list kernel: one slot per expert
-        return build_expert_lists_device(ids, num_experts, tokens)
-    return expert_layout.build_expert_lists(ids, num_experts, tokens)
+    tile = token_tile(latent.shape[0])
+    if DEFAULT_LISTS == "device" and latent.shape[0] <= tile:  # the list kernel: one slot per expert
+        return build_expert_lists_device(ids, num_experts, tile)
+    return expert_layout.build_expert_lists(ids, num_experts, tile)
 
 
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ_beta: float, situ_linear_beta: float,
@@ -746,9 +746,9 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     registered by kernels/moe/__init__.py."""
     experts = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     reference.check_experts(latent, ids, route_weights, *experts)
+    lists = expert_lists(latent, ids, w1_packed.shape[0])
+    rows = expert_layout.slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
+                                      situ_linear_beta)
     if COMBINE == "triton":
-        lists = expert_lists(latent, ids, w1_packed.shape[0])
-        rows = expert_layout.slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
-                                          situ_linear_beta)
         return moe_triton.weighted_combine(rows, lists.pair_position, route_weights.float())
-    return expert_layout.weighted_sum(route_weights, routed_experts(latent, ids, experts, situ_beta, situ_linear_beta))
+    return expert_layout.weighted_sum(route_weights, rows[lists.pair_position])
