@@ -37,8 +37,8 @@ commands before the first call (the machine keeps /tmp only while it stays warm)
 `join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
 (then repeat call 1). A fresh machine loses --work-dir too; carrying sequences.npz back into
 experiments/work/smollm2_dspark/ lets a later round skip self-distillation (--only-self-distil stops a
-generation round there); the first H200 round's 2,048 are
-experiments/data/smollm2_selfdistil_2048.npz (experiments/notes/smollm2.md). experiments/stage and --work-dir
+generation round there); every training prompt's answer from the H200 (10,732 sequences, rounds 1 and 4) is
+experiments/data/smollm2_selfdistil_10732.npz (experiments/notes/smollm2.md). experiments/stage and --work-dir
 ignore themselves (a .gitignore of '*' inside).
 """
 from __future__ import annotations

@@ -62,11 +62,11 @@ def test_no_evaluation_prompt_is_in_training(sets):
 
 
 def test_committed_self_distillation_answers_the_training_prompts(sets):
-    """experiments/data/smollm2_selfdistil_2048.npz (the H200 self-distillation kept so a later round can
+    """experiments/data/smollm2_selfdistil_10732.npz (the H200 self-distillation kept so a later round can
     skip it; experiments/notes/smollm2.md): sequence i is training prompt prompt_index[i] followed by
     at most 384 generated tokens that end at the first EOS, if any."""
     eos = 2  # <|im_end|>
-    with np.load(REPO / "experiments" / "data" / "smollm2_selfdistil_2048.npz") as d:
+    with np.load(REPO / "experiments" / "data" / "smollm2_selfdistil_10732.npz") as d:
         tokens, offsets, index, prompt_lengths = d["tokens"], d["offsets"], d["prompt_index"], d["prompt_lengths"]
     assert tokens.dtype == np.uint16 and sorted(index.tolist()) == list(range(len(index)))
     for i, prompt_number in enumerate(index):
