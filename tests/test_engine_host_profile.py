@@ -1,0 +1,38 @@
+"""experiments/engine_host_profile.py on the CPU (k3-tiny, eager: no graph parts): both phases are
+timed and profiled, the parts it can see add up to no more than the step, and a bad option is one
+line on stderr. The timings mean nothing here; the code path is what is tested."""
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "engine_host_profile.py"
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("engine_host_profile", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_both_phases_are_timed_and_profiled(tmp_path):
+    out = tmp_path / "profile.json"
+    assert _load_module().main(["--target", "k3-tiny", "--device", "cpu", "--context", "12", "--steps", "3",
+                                "--warmup", "1", "--al", "3.5", "--k", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["graphs"] is False and [p["phase"] for p in result["phases"]] == ["plain", "al3.5"]
+    for phase in result["phases"]:
+        assert phase["steps"] == 3 and phase["step_us"] > 0
+        # eager: no replay, so none of the parts around it
+        assert phase["replay_call_us"] is None and phase["after_us"] is None and "graph_gpu_us" not in phase
+        top = phase["python_top"]
+        own = [r["own_us"] for r in top]
+        assert len(top) == 25 and own == sorted(own, reverse=True) and min(own) >= 0
+        assert all(r["cumulative_us"] >= r["own_us"] and r["calls_per_step"] > 0 for r in top)
+
+
+def test_a_bad_option_is_one_line(tmp_path, capsys):
+    assert _load_module().main(["--al", "9", "--k", "7", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--al=9.0" in err
+    assert not (tmp_path / "x.json").exists()
