@@ -377,14 +377,15 @@ class Engine:
         self._mark("draft")
 
         # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
-        uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1))
+        uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1), graphed)
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
         if graphed:
-            greedy_only = sampling.all_greedy and not self._synthetic  # reads no noise
+            # Greedy rows read no race noise, and an all-greedy batch's graph keeps the ones its
+            # noise buffer was made with; standard greedy acceptance reads no uniforms either.
             step = self._graphs.run(
                 slots, self._free_slots, [r.anchor for r in reqs], proposal.tokens, num_drafts, proposal.probs,
-                sampling, None if greedy_only else uniforms, None if greedy_only else noise,
-                rates[:kmax] if rates is not None else None)
+                sampling, None if sampling.all_greedy and not self._synthetic else uniforms,
+                None if sampling.all_greedy else noise, rates[:kmax] if rates is not None else None)
             _check_finite(reqs, step.nonfinite)
             num_acc_l, next_l, drafts_l, num_drafts_l = step.num_accepted, step.next_token, step.drafts, step.num_drafts
             num_acc, tokens, taps_out = step.num_accepted_device, step.tokens_device, step.taps
@@ -427,7 +428,9 @@ class Engine:
                                 {layer: taps_out[layer] for layer in self._observer_taps})
             for observer in self._observers:
                 observer(record)
-        if keep:
+        # With graphs and no drafter there is nothing left to commit: the graph committed every row
+        # (finished ones are released below).
+        if keep and (self.drafter is not None or not graphed):
             kept, keep_tokens = num_acc + 1, tokens
             taps = {layer: taps_out[layer] for layer in self.tap_layers}
             if len(keep) < B:
@@ -435,7 +438,7 @@ class Engine:
                 kept, keep_tokens = kept.index_select(0, idx), tokens.index_select(0, idx)
                 taps = {layer: t.index_select(0, idx) for layer, t in taps.items()}
             keep_slots = [slots[i] for i in keep]
-            if not graphed:  # the graph committed every row (finished ones are released below)
+            if not graphed:
                 self.target.commit(keep_slots, kept)
             if self.drafter is not None:
                 self.drafter.commit(keep_slots, keep_tokens, kept, taps)
@@ -507,13 +510,16 @@ class Engine:
             self._sampling_cache = (ids, SamplingTensors.from_params([r.params for r in reqs], self.device))
         return self._sampling_cache[1]
 
-    def _draw_noise(self, reqs, sampling: SamplingTensors, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw_noise(self, reqs, sampling: SamplingTensors, k: int, graphed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-request randomness from each request's own generator, so a seeded request gives
-        the same output whatever else is in the batch. All-greedy standard acceptance uses none."""
+        the same output whatever else is in the batch. All-greedy standard acceptance uses none;
+        a graphed all-greedy step reads no race noise (see _step), so none is made for it."""
         V = self.target.vocab_size
         if sampling.all_greedy and not self._synthetic:
             return self._no_uniforms.expand(len(reqs), k), self._no_noise.expand(len(reqs), V)
         uniforms = torch.stack([torch.rand(k, generator=r.generator, device=self.device) for r in reqs])
+        if sampling.all_greedy and graphed:
+            return uniforms, self._no_noise.expand(len(reqs), V)
         noise = torch.ones(len(reqs), V, device=self.device)
         for i, r in enumerate(reqs):
             if not r.params.greedy:

@@ -32,18 +32,22 @@ def _prompts(gen, lengths):
     return [torch.randint(0, K3_SLICE.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_graph_engine_equals_eager_engine(model, temperature):
+def test_graph_engine_equals_eager_engine(model, temperature, speculative):
     """Batch 1 (the bucket of 1: the same shapes as eager); batches with padding rows are checked
-    bitwise at the graph level (tests/gpu/test_graph_step_gpu.py)."""
+    bitwise at the graph level (tests/gpu/test_graph_step_gpu.py). Plain decoding (no drafter)
+    runs the T = 1 graph alone, which skips the draft inputs and the drafter's commit."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prompts = _prompts(gen, (5, 9))
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=11 + n) for n in (30, 12)]
-    spec = SpecConfig(num_speculative_tokens=5, rejection_sample_method="synthetic", synthetic_acceptance_length=3.5)
+    spec = (SpecConfig(num_speculative_tokens=5, rejection_sample_method="synthetic", synthetic_acceptance_length=3.5)
+            if speculative else SpecConfig(num_speculative_tokens=0))
     outs = []
     for graphs in (True, False):
         target = K3Target(model, max_slots=4, max_seq_len=128)
-        engine = Engine(target, UniformDrafter(K3_SLICE.vocab_size), spec, cuda_graphs=graphs)
+        drafter = UniformDrafter(K3_SLICE.vocab_size) if speculative else None
+        engine = Engine(target, drafter, spec, cuda_graphs=graphs)
         assert (engine._graphs is not None) == graphs
         outs.append([(o.token_ids, o.num_accepted_drafts) for p, q in zip(prompts, params)
                      for o in engine.generate([p], q)])
