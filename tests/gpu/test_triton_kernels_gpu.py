@@ -2,9 +2,13 @@
 (kernels/rmsnorm, kernels/activation, the router selection of kernels/moe), with the output
 poisoned (NaN) before each run.
 
-Tolerance: bf16 outputs of O(1) values: the kernels round exactly where the references do, but
+Tolerance: bf16 outputs of O(1) values. The kernels round exactly where the references do, but
 their fp32 reductions run in another order, which can move a value across a bf16 rounding
-boundary: at most 2 bf16 ulps (|err| <= 2^-6 * |ref| + 1e-3) and a mean error under 1e-3.
+boundary at each rounding of the chain: per element at most one bf16 ulp of the output (ulp(v) =
+2^(floor(log2 |v|) - 7)) per rounding, plus 1e-3, and a mean error under 1e-3. RMSNorm and the
+activations round twice (2 ulps); the AttnRes mix + RMSNorm rounds three times (the mix, the
+normalised row, the weighted output: 3 ulps; a 3-ulp element was seen on the H200 at f5b1a21, 64 rows
+and 9 checkpoints, where the old bound of 2^-6 |ref| allowed only 2.5 ulps at that value).
 """
 import pytest
 import torch
@@ -27,11 +31,15 @@ def _poisoned(like):
     return torch.full(like.shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
-def _close(got, want, what):
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(v.float().abs().clamp(min=2.0**-126))) - 7)
+
+
+def _close(got, want, what, roundings: int = 2):
     assert torch.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite output"
     err = (got.float() - want.float()).abs()
-    bound = 2.0**-6 * want.float().abs() + 1e-3
-    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e}"
+    bound = roundings * _bf16_ulp(want) + 1e-3
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e} ({(err / bound).max().item():.2f}x the bound)"
     assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
 
 
@@ -50,7 +58,7 @@ def test_rms_norm_and_mix_norm_match_references(gen, rows):
         out = _poisoned(current)
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=out)
         want = norm_ref.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
-        _close(got, want, f"attn_res_mix_norm, {num_checkpoints} checkpoints")
+        _close(got, want, f"attn_res_mix_norm, {num_checkpoints} checkpoints", roundings=3)
 
 
 def test_situ_glu_and_sigmoid_gate_match_references(gen):
