@@ -32,7 +32,7 @@ from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
 from .graph_step import GraphedStep
 from .sampling import SamplingTensors, conditional_rates, nonfinite_rows
-from .transfer import long_tensor_on
+from .transfer import LongStaging, long_tensor_on
 
 
 @dataclass
@@ -180,6 +180,7 @@ class Engine:
         self.sync_timing = sync_timing
         self.metrics = SpecMetrics()
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
+        self._anchor_staging = LongStaging(target.max_slots, self.device)
         self._no_uniforms = torch.zeros(1, 1, device=self.device)
         self._no_noise = torch.ones(1, 1, device=self.device)
         # The proposal of a step without drafts, as views (read-only everywhere downstream): no
@@ -371,7 +372,7 @@ class Engine:
         # The anchors on the device are what a drafter proposes from and what an eager verify
         # feeds; a graphed step takes them from the host list, so a step without drafts skips
         # the staging copy.
-        anchors = long_tensor_on([r.anchor for r in reqs], self.device) if kmax > 0 or not graphed else None
+        anchors = self._anchor_staging.upload([r.anchor for r in reqs]) if kmax > 0 or not graphed else None
         proposal = self._propose(reqs, k_req, kmax, anchors)
         num_drafts = proposal.num_drafts
         self._mark("draft")
@@ -380,12 +381,9 @@ class Engine:
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1), graphed)
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
         if graphed:
-            # Greedy rows read no race noise, and an all-greedy batch's graph keeps the ones its
-            # noise buffer was made with; standard greedy acceptance reads no uniforms either.
             step = self._graphs.run(
                 slots, self._free_slots, [r.anchor for r in reqs], proposal.tokens, num_drafts, proposal.probs,
-                sampling, None if sampling.all_greedy and not self._synthetic else uniforms,
-                None if sampling.all_greedy else noise, rates[:kmax] if rates is not None else None)
+                sampling, uniforms, noise, rates[:kmax] if rates is not None else None)
             _check_finite(reqs, step.nonfinite)
             num_acc_l, next_l, drafts_l, num_drafts_l = step.num_accepted, step.next_token, step.drafts, step.num_drafts
             num_acc, tokens, taps_out = step.num_accepted_device, step.tokens_device, step.taps
@@ -510,16 +508,23 @@ class Engine:
             self._sampling_cache = (ids, SamplingTensors.from_params([r.params for r in reqs], self.device))
         return self._sampling_cache[1]
 
-    def _draw_noise(self, reqs, sampling: SamplingTensors, k: int, graphed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw_noise(self, reqs, sampling: SamplingTensors, k: int, graphed: bool = False):
         """Per-request randomness from each request's own generator, so a seeded request gives
-        the same output whatever else is in the batch. All-greedy standard acceptance uses none;
-        a graphed all-greedy step reads no race noise (see _step), so none is made for it."""
+        the same output whatever else is in the batch: uniforms [B, k] and race noise [B, V].
+        All-greedy standard acceptance uses neither. A graphed step gets None for what it does not
+        read: greedy rows read no race noise, so an all-greedy batch's graph keeps the ones its
+        noise buffer was made with (its key has all_greedy), and with standard acceptance it reads
+        no uniforms either."""
         V = self.target.vocab_size
         if sampling.all_greedy and not self._synthetic:
+            if graphed:
+                return None, None
             return self._no_uniforms.expand(len(reqs), k), self._no_noise.expand(len(reqs), V)
-        uniforms = torch.stack([torch.rand(k, generator=r.generator, device=self.device) for r in reqs])
+        draws = [torch.rand(k, generator=r.generator, device=self.device) for r in reqs]
+        # A stack is a launch and ~30 us of host time on the H200 for what is a view at batch 1.
+        uniforms = draws[0][None] if len(draws) == 1 else torch.stack(draws)
         if sampling.all_greedy and graphed:
-            return uniforms, self._no_noise.expand(len(reqs), V)
+            return uniforms, None
         noise = torch.ones(len(reqs), V, device=self.device)
         for i, r in enumerate(reqs):
             if not r.params.greedy:
