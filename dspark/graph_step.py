@@ -1,10 +1,11 @@
 """The target's part of an engine step as CUDA graphs: verify + acceptance + commit, replayed.
 
 One graph per (batch bucket, T, sampling flavour), captured the first time that shape is needed
-and replayed every step after. Inputs go into static buffers (one host-to-device copy of the
-slots, anchors and row flags from pinned memory, plus device-to-device copies of the drafts);
-the accepted counts, next tokens and drafts come back in one asynchronous copy into pinned
-memory, the one host read of the step (docs/architecture.md, "The step on the GPU").
+and replayed every step after. Inputs go into static buffers: the slots, anchors and row flags
+into a pinned buffer that the graph's first node copies to the device, the drafts by
+device-to-device copies before the replay. The accepted counts, next tokens and drafts come back
+through the graph's last node, a copy into pinned memory: the one host read of the step
+(docs/architecture.md, "The step on the GPU").
 
 Capture is side-effect free, so it can happen mid-run on live slots: the commit inside the
 graph keeps `(num_accepted + 1) * enabled` tokens, and `enabled` is 0 while warming up and
@@ -59,6 +60,7 @@ class _StaticStep:
         target, dev, B, T = owner.target, owner.target.device, key.batch, key.tokens
         V = target.vocab_size
         self.owner, self.key = owner, key
+        self.host_rows = owner.host_rows(B)[0]  # pinned, filled before each replay; the graph copies it in
         self.rows = torch.zeros(3, B, dtype=torch.long, device=dev)  # slots, anchors, valid (1 = real row)
         self.drafts = torch.zeros(B, T - 1, dtype=torch.long, device=dev)
         self.num_drafts = torch.zeros(B, dtype=torch.long, device=dev)
@@ -75,6 +77,9 @@ class _StaticStep:
 
     def __call__(self):
         owner, key = self.owner, self.key
+        # Both host copies are nodes of the graph, not calls of the host's per step (each copy call
+        # took ~22 us of host time on the H200 while the device waited: engine_host_profile.json).
+        self.rows.copy_(self.host_rows, non_blocking=True)
         slots, anchors, valid = self.rows
         num_drafts = self.num_drafts * valid
         self.tokens = torch.cat([anchors[:, None], self.drafts], dim=1)  # an output: the drafter commits it
@@ -91,6 +96,7 @@ class _StaticStep:
         nonfinite = nonfinite_rows(out.logits, lengths).long()
         packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], nonfinite[:, None],
                             self.drafts], dim=1)
+        self.host_out.copy_(packed, non_blocking=True)
         return packed, num_accepted, out.taps
 
 
@@ -112,6 +118,14 @@ class GraphedStep:
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
         self._pool = None
         self._host_rows: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # bucket -> pinned buffer, its NumPy view
+
+    def host_rows(self, bucket: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The bucket's pinned [3, bucket] buffer of slots, anchors and row flags, and its NumPy view
+        (one per bucket: the graphs of every T read it)."""
+        if bucket not in self._host_rows:
+            host = torch.zeros(3, bucket, dtype=torch.long, pin_memory=True)
+            self._host_rows[bucket] = (host, host.numpy())
+        return self._host_rows[bucket]
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` requests (None: no graph does; the step runs
@@ -161,9 +175,8 @@ class GraphedStep:
             self._steps[key] = (self._capture(key, step), step)
         graph, step = self._steps[key]
         self._fill(step, *inputs)
-        packed, num_accepted, taps = graph.replay()
+        _, num_accepted, taps = graph.replay()  # the replay also copies the packed results to host_out
         self.replays[key] += 1
-        step.host_out.copy_(packed, non_blocking=True)
         step.done.record()
         step.done.synchronize()
         rows = step.host_out[:B].tolist()
@@ -175,18 +188,15 @@ class GraphedStep:
     def _fill(self, step: _StaticStep, slots, free_slots, anchors, drafts, num_drafts, probs, sampling,
               uniforms, noise, cond_rates) -> None:
         B, Bk, T = len(slots), step.key.batch, step.key.tokens
-        if Bk not in self._host_rows:
-            host = torch.zeros(3, Bk, dtype=torch.long, pin_memory=True)
-            self._host_rows[Bk] = (host, host.numpy())
         # Written through a NumPy view of the pinned buffer, made once (making it costs ~11 us): one
         # torch indexing op costs the host several microseconds, and this runs while the device
-        # waits for the step (experiments/results/h200/engine_host_profile.json).
-        host, rows = self._host_rows[Bk]
+        # waits for the step (experiments/results/h200/engine_host_profile.json). The graph copies
+        # the buffer in; the previous replay's copy of it is done (its results were read back).
+        rows = self.host_rows(Bk)[1]
         rows[0, :B] = slots
         rows[0, B:] = free_slots[: Bk - B]
         rows[1, :B] = anchors
         rows[2, :B], rows[2, B:] = 1, 0
-        step.rows.copy_(host, non_blocking=True)
         if T > 1:  # at T = 1 there are no drafts, and num_drafts stays the zeros it was made as
             step.drafts[:B].copy_(drafts)
             step.num_drafts[:B].copy_(num_drafts)
