@@ -107,7 +107,9 @@ def decode_piece(config, weights, args) -> dict:
     return measured(engine.step, 3)
 
 
-def training_pieces(config, weights, args) -> dict:
+def training_pieces(config, weights, args, out: dict, save) -> None:
+    """capture, train and (unless --held-out-prompts 0) held_out into `out`, saved after each: a
+    call cut off by its time limit keeps what it measured."""
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=args.seq_len + 16, attention="batched")
     # The recipe's own drafter and training settings (its defaults), at this run's batch and chunk.
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--anchor-chunk", str(args.anchor_chunk),
@@ -129,17 +131,21 @@ def training_pieces(config, weights, args) -> dict:
         optimizer.step()
 
     with recipe.tf32_on_cuda(target.device):  # the precision the recipe trains in, capture included
-        out = {"capture": measured(lambda: capture(target, sequences, model.config.target_layer_ids), 3)}
+        out["capture"] = measured(lambda: capture(target, sequences, model.config.target_layer_ids), 3)
+        save()
         captured = capture(target, sequences, model.config.target_layer_ids)
         model.train()
         out["train"] = measured(step, 3)
         model.eval()
+        save()
+    if not args.held_out_prompts:
+        return
     held_out = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in (args.seq_len // 4,) * args.held_out_prompts]
     rounds_target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 96,
                                 attention="batched")
     drafter = DSparkDrafter(model, rounds_target.max_slots, max_seq_len=rounds_target.max_seq_len)
     out["held_out"] = measured(lambda: run_rounds(rounds_target, drafter, held_out, max_new_tokens=64), 1)
-    return out
+    save()
 
 
 def main(argv=None) -> int:
@@ -151,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=768, help="longest training sequence (lengths drawn in [half, this])")
     ap.add_argument("--anchor-chunk", type=int, default=128)
-    ap.add_argument("--held-out-prompts", type=int, default=32)
+    ap.add_argument("--held-out-prompts", type=int, default=32, help="0: no held_out piece")
     ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -165,13 +171,18 @@ def main(argv=None) -> int:
     weights = weights_to(weights, args.device)
     result = {**provenance(args.device), "settings": vars(args), "weights": "gguf" if args.gguf else "random"}
     pieces = args.pieces.split(",")
+
+    def save() -> None:
+        write_atomic(args.out, json.dumps(result, indent=1) + "\n")
+
     if "decode" in pieces:
         result["decode"] = decode_piece(config, weights, args)
+        save()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if "train" in pieces:
-        result.update(training_pieces(config, weights, args))
-    write_atomic(args.out, json.dumps(result, indent=1) + "\n")
+        training_pieces(config, weights, args, result, save)
+    save()
     for name in ("decode", "capture", "train", "held_out"):
         if name in result:
             r = result[name]
