@@ -5,6 +5,9 @@
 # and JOB_OUT (its output folder) set; its log and files come back in $OUT/round.tgz, one folder
 # per job. Jobs run in name order and a job that would outrun the call's budget is skipped.
 # Usage on the device: bash scripts/gpu_round.sh [TOTAL_SECONDS [JOB ...]] (default: every job)
+# The tree that travels with .gpu carried must stay under the device's 64 MiB: since the SmolLM2 data
+# grew (experiments/data, ~4.8 MB) it does not, so move experiments/data/*.npz aside for a CuTe round
+# and back after the call (no job here reads them).
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOTAL=${1:-540}
