@@ -30,6 +30,17 @@ def median_event_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def warm_up_on_side_stream(fn) -> None:
+    """One eager run of fn on a side stream, then a device synchronise: what CUDA-graph capture
+    needs first (kernels compiled, workspaces allocated, the capture stream not the default one)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def time_calls(calls, reps: int, repeats: int = 15, graph: bool = True) -> dict:
     """Per-call microseconds of `calls` (run in rotation, `reps` calls per timing), as a
     CUDA-graph replay and eagerly. A failed capture is reported and leaves graph_us None."""
@@ -45,11 +56,7 @@ def time_calls(calls, reps: int, repeats: int = 15, graph: bool = True) -> dict:
     graph_us = None
     if graph:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run_all()
-            torch.cuda.current_stream().wait_stream(side)
+            warm_up_on_side_stream(run_all)
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph):
                 run_all()

@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import warm_up_on_side_stream  # noqa: E402
+
 HIDDEN = 7168  # K3 hidden size
 LATENT = 3584  # routed experts' latent width (routed_expert_hidden_size)
 VOCAB = 163840
@@ -180,12 +183,7 @@ def _samples(clock: Clock, fn, repeats: int, samples: int) -> list[float]:
 
 def _graph(fn, calls: int):
     """A CUDA graph of `calls` back-to-back calls of `fn` (captured after an eager warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up_on_side_stream(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):

@@ -49,7 +49,7 @@ from dspark.cuda_graphs import StepGraph
 from dspark.targets.kimi_k3 import K3Model, K3Target, get_preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import provenance, write_json  # noqa: E402
+from benchlib import provenance, warm_up_on_side_stream, write_json  # noqa: E402
 from step_bench import VerifyStep, _ints, lay_context, time_graph  # noqa: E402
 
 try:
@@ -120,12 +120,7 @@ SYNTHETIC = {"torch_add": torch_adds, "triton_add": triton_adds, "torch_copy": c
 def capture(fn) -> torch.cuda.CUDAGraph:
     """fn as a graph, after one eager run on a side stream (compiles, allocates), keeping its
     cudaGraph_t for the census where this torch can (keep_graph only defers instantiation)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up_on_side_stream(fn)
     try:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
     except TypeError:  # a torch without keep_graph: the census reports that it has no graph to read
