@@ -90,3 +90,12 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) in fp32, result in x's dtype (KDA's and gated MLA's output gates)."""
     return select("sigmoid_gate", x, gate).fn(x, gate)
+
+
+def draft_loss_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
+                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per drafted position n: cross-entropy at labels[n] and the L1 distance between the draft's
+    softmax and target_probs[rows[n]] (rows None: row n), both float32 [N], differentiable in
+    draft_logits [N, V] (the DSpark loss's vocabulary-wide terms)."""
+    args = (draft_logits, target_probs, rows, labels)
+    return select("draft_loss_terms", *args).fn(*args)

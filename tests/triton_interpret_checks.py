@@ -10,6 +10,8 @@ import torch
 
 from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.draft_loss import reference as loss_ref
+from dspark.kernels.draft_loss import triton as loss_triton
 from dspark.kernels.moe import triton as moe_triton
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
@@ -55,6 +57,7 @@ def main(seed: int) -> None:
           act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
     check_route(gen)
     check_combine(gen)
+    check_draft_loss(gen)
     print("triton kernels: all checks passed")
 
 
@@ -113,5 +116,31 @@ def check_selection(ids, weights, logits: torch.Tensor, bias: torch.Tensor, top_
             sys.exit(f"{what}: token {t}: weights relative error {err:.2e} >= {ROUTE_TOL}")
 
 
+def check_draft_loss(gen: torch.Generator, device: str = "cpu", positions: int = 9, rows: int = 5,
+                     vocab: int = 3000) -> None:
+    """draft_loss_terms' values and its backward's gradient against the float64 reference under
+    autograd, for random upstream gradients of both terms. The vocabulary spans two blocks of the
+    kernel, the second partial; several positions read the same target row. (Where a draft
+    probability equals its target's the L1 has no derivative: random rows keep clear of that.)"""
+    logits = (torch.randn(positions, vocab, generator=gen) * 3).to(device)
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * 2, dim=-1).to(device)
+    which = torch.randint(0, rows, (positions,), generator=gen).to(device)
+    labels = torch.randint(0, vocab, (positions,), generator=gen).to(device)
+    up_ce, up_l1 = (torch.randn(positions, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+    for picked in (which, None):
+        target = probs if picked is not None else probs[which]
+        got_logits = logits.clone().requires_grad_(True)
+        ce, l1 = loss_triton.draft_loss_terms(got_logits, target, picked, labels)
+        ((ce.double() * up_ce).sum() + (l1.double() * up_l1).sum()).backward()
+        want_logits = logits.double().requires_grad_(True)
+        want_ce, want_l1 = loss_ref.draft_loss_terms(want_logits, target.double(), picked, labels)
+        ((want_ce * up_ce).sum() + (want_l1 * up_l1).sum()).backward()
+        what = f"draft_loss_terms ({'rows' if picked is not None else 'no rows'})"
+        close(ce, want_ce.detach(), f"{what}: ce")
+        close(l1, want_l1.detach(), f"{what}: l1")
+        close(got_logits.grad, want_logits.grad, f"{what}: gradient")
+
+
 if __name__ == "__main__":
     main(int(sys.argv[1]))
+

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from dspark.build import eos_ids
 from dspark.config import SamplingParams
 from dspark.engine import Engine
+from dspark.kernels import ops
 
 from .checkpoint import load_trainer_state, load_weights, read_tensors, save_checkpoint
 from .model import DSparkModel
@@ -117,17 +118,22 @@ def build_blocks(tokens, lengths, loss_mask, anchors, keep, block_size: int, mas
     return block, positions, labels, prev, eval_mask
 
 
-def loss_sums(draft_logits, target_probs, labels, conf_logits, eval_mask, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+def loss_sums(draft_logits, target_probs, labels, conf_logits, eval_mask, cfg: TrainConfig,
+              target_rows=None) -> dict[str, torch.Tensor]:
     """Weighted sums of the three loss terms and of the diagnostics over a set of blocks; blocks
     can be split into chunks and their sums added (see `finish_loss`).
 
-    draft_logits [..., G, V]; target_probs [..., G, V] float32, the target's softmax (taken once
-    per position by the caller: neighbouring blocks share positions); labels, conf_logits,
-    eval_mask [..., G]."""
-    log_pd = draft_logits.float().log_softmax(dim=-1)
-    p_d, p_t = log_pd.exp(), target_probs
-    ce = -log_pd.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    l1 = (p_d - p_t).abs().sum(dim=-1)
+    draft_logits [..., G, V]; target_probs float32, the target's softmax (taken once per position
+    by the caller: neighbouring blocks share positions), either [..., G, V] (one row per slot) or
+    [M, V] with target_rows [..., G] naming each slot's row; labels, conf_logits, eval_mask
+    [..., G]. The vocabulary-wide terms are the op draft_loss_terms (kernels/draft_loss)."""
+    V = draft_logits.shape[-1]
+    if target_rows is None:
+        target_probs, rows = target_probs.reshape(-1, V), None
+    else:
+        rows = target_rows.reshape(-1)
+    ce, l1 = ops.draft_loss_terms(draft_logits.reshape(-1, V), target_probs, rows, labels.reshape(-1))
+    ce, l1 = ce.view(labels.shape), l1.view(labels.shape)
     soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
     bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
     G = labels.shape[-1]
@@ -268,10 +274,12 @@ def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: Tr
         part = slice(start, stop)
         hidden = model.backbone(block[:, part], positions[:, part], list(rows), visible[:, part])
         draft_logits, conf_logits = model.head_outputs(hidden, prev[:, part])  # teacher-forced heads
-        # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]).
+        # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]):
+        # row b * S + position of the flattened [B * S, V] softmax.
         index = positions[:, part].clamp(max=S - 1)
-        tgt = target_probs.gather(1, index.flatten(1)[..., None].expand(-1, -1, target_probs.shape[-1]))
-        sums = loss_sums(draft_logits, tgt.view(*index.shape, -1), labels[:, part], conf_logits, eval_mask[:, part], cfg)
+        rows = index + S * torch.arange(index.shape[0], device=index.device).view(-1, *([1] * (index.dim() - 1)))
+        sums = loss_sums(draft_logits, target_probs.view(-1, target_probs.shape[-1]), labels[:, part], conf_logits,
+                         eval_mask[:, part], cfg, target_rows=rows)
         return tuple(sums[key] for key in _SUM_KEYS)
 
     num_blocks = block.shape[1]

@@ -1,0 +1,43 @@
+"""kernels/draft_loss's Triton kernels on the GPU at the SmolLM2 recipe's vocabulary (49,152)
+against the float64 reference under autograd: values and gradients, float32 and bf16 logits.
+
+Tolerance: the kernels sum float32 terms over the vocabulary in another order than float64:
+ce and l1 within 1e-3 absolute (O(1-10) values); the gradient within 1e-6 absolute for float32
+logits, and for bf16 logits (the gradient is written in the logits' dtype) within one bf16
+rounding: 2^-8 |ref| + 1e-7. The caching allocator is filled with NaN first, so an element
+the kernels do not write shows up."""
+import pytest
+import torch
+
+from dspark.kernels.draft_loss import reference as loss_ref
+from dspark.kernels.draft_loss import triton as loss_triton
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_loss_terms_match_float64(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    positions, rows, vocab = 1024, 300, 49152
+    torch.empty(8 * positions * vocab, device="cuda").fill_(float("nan"))  # freed: the next allocations reuse it
+    logits = (torch.randn(positions, vocab, device="cuda", generator=gen) * 3).to(dtype)
+    probs = torch.softmax(torch.randn(rows, vocab, device="cuda", generator=gen) * 2, dim=-1)
+    which = torch.randint(0, rows, (positions,), device="cuda", generator=gen)
+    labels = torch.randint(0, vocab, (positions,), device="cuda", generator=gen)
+    up_ce, up_l1 = (torch.randn(positions, device="cuda", generator=gen, dtype=torch.float64) for _ in range(2))
+
+    got_logits = logits.clone().requires_grad_(True)
+    ce, l1 = loss_triton.draft_loss_terms(got_logits, probs, which, labels)
+    ((ce.double() * up_ce).sum() + (l1.double() * up_l1).sum()).backward()
+    want_logits = logits.double().requires_grad_(True)
+    want_ce, want_l1 = loss_ref.draft_loss_terms(want_logits, probs.double(), which, labels)
+    ((want_ce * up_ce).sum() + (want_l1 * up_l1).sum()).backward()
+
+    for got, want, what in ((ce, want_ce, "ce"), (l1, want_l1, "l1")):
+        assert torch.isfinite(got).all(), what
+        err = (got.double() - want.detach()).abs().max().item()
+        assert err < 1e-3, f"{what}: max abs error {err:.2e}"
+    grad, want_grad = got_logits.grad.double(), want_logits.grad
+    assert torch.isfinite(grad).all(), "gradient: unwritten (NaN) or non-finite"
+    bound = (2.0**-8 * want_grad.abs() + 1e-7) if dtype == torch.bfloat16 else torch.full_like(want_grad, 1e-6)
+    assert ((grad - want_grad).abs() <= bound).all(), f"gradient: max error {(grad - want_grad).abs().max().item():.2e}"
