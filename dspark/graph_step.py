@@ -4,7 +4,7 @@ One graph per (batch bucket, T, sampling flavour), captured the first time that 
 and replayed every step after. Inputs go into static buffers: the slots, anchors and row flags
 into a pinned buffer that the graph's first node copies to the device, the drafts by
 device-to-device copies before the replay. The accepted counts, next tokens and drafts come back
-through the graph's last node, a copy into pinned memory: the one host read of the step
+in one asynchronous copy into pinned memory after it: the one host read of the step
 (docs/architecture.md, "The step on the GPU").
 
 Capture is side-effect free, so it can happen mid-run on live slots: the commit inside the
@@ -77,8 +77,11 @@ class _StaticStep:
 
     def __call__(self):
         owner, key = self.owner, self.key
-        # Both host copies are nodes of the graph, not calls of the host's per step (each copy call
-        # took ~22 us of host time on the H200 while the device waited: engine_host_profile.json).
+        # The rows' upload is a node of the graph, not a copy call of the host's per step (~22 us of
+        # host time on the H200 while the device waited: engine_host_profile.json). The readback
+        # stays a call after the replay: whether torch captures a device-to-host copy into pinned
+        # memory in its default capture mode is an open question upstream (pytorch/pytorch#166765),
+        # where a host-to-device one from pinned memory is shown to capture and replay.
         self.rows.copy_(self.host_rows, non_blocking=True)
         slots, anchors, valid = self.rows
         num_drafts = self.num_drafts * valid
@@ -96,7 +99,6 @@ class _StaticStep:
         nonfinite = nonfinite_rows(out.logits, lengths).long()
         packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], nonfinite[:, None],
                             self.drafts], dim=1)
-        self.host_out.copy_(packed, non_blocking=True)
         return packed, num_accepted, out.taps
 
 
@@ -175,8 +177,9 @@ class GraphedStep:
             self._steps[key] = (self._capture(key, step), step)
         graph, step = self._steps[key]
         self._fill(step, *inputs)
-        _, num_accepted, taps = graph.replay()  # the replay also copies the packed results to host_out
+        packed, num_accepted, taps = graph.replay()
         self.replays[key] += 1
+        step.host_out.copy_(packed, non_blocking=True)
         step.done.record()
         step.done.synchronize()
         rows = step.host_out[:B].tolist()
