@@ -8,7 +8,7 @@ def draft_loss_forward_kernel(logits_ptr, stride_l, probs_ptr, stride_p, rows_pt
                               ce_ptr, l1_ptr, lse_ptr, signed_mass_ptr, V, BLOCK: tl.constexpr):
     """One program per position: an online max and sum over the row for log-sum-exp, then one
     more pass for the L1 distance and sum_v sign(p_v - t_v) p_v, which the backward needs."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)  # offsets in int64: a chunk of the recipe is already 0.7G logits
     base = logits_ptr + n * stride_l
     target = probs_ptr + tl.load(rows_ptr + n) * stride_p
     running_max = tl.full([], float("-inf"), tl.float32)
@@ -41,7 +41,7 @@ def draft_loss_backward_kernel(logits_ptr, stride_l, probs_ptr, stride_p, rows_p
                                BLOCK: tl.constexpr):
     """d/dz_v of g_ce * ce + g_l1 * l1 = g_ce (p_v - [v = label]) + g_l1 p_v (sign(p_v - t_v) - S),
     S = sum_u sign(p_u - t_u) p_u (sign(0) = 0, as torch's abs backward); one block of a row per program."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
     z = tl.load(logits_ptr + n * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
