@@ -60,8 +60,7 @@ class StepClock:
     @contextlib.contextmanager
     def installed(self, engine: Engine):
         clock = self
-        originals = (engine.step, GraphedStep.run, GraphedStep._fill, StepGraph.replay)
-        step, run, fill, replay = originals
+        step, run, fill, replay = engine.step, GraphedStep.run, GraphedStep._fill, StepGraph.replay
 
         def timed_step():
             clock.current = {"start": time.perf_counter()}
@@ -132,7 +131,7 @@ def python_top(engine: Engine, steps: int, top: int) -> list[dict]:
     stats = pstats.Stats(profiler)
     rows = []
     for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
-        rows.append({"function": f"{filename.rsplit('/', 2)[-1] if '/' in filename else filename}:{line}({name})",
+        rows.append({"function": f"{filename.rsplit('/', 1)[-1]}:{line}({name})",
                      "calls_per_step": calls / steps, "own_us": 1e6 * own / steps, "cumulative_us": 1e6 * cumulative / steps})
     return sorted(rows, key=lambda r: -r["own_us"])[:top]
 

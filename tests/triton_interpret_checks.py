@@ -129,16 +129,21 @@ def check_draft_loss(gen: torch.Generator, device: str = "cpu", positions: int =
     up_ce, up_l1 = (torch.randn(positions, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
     for picked in (which, None):
         target = probs if picked is not None else probs[which]
-        got_logits = logits.clone().requires_grad_(True)
-        ce, l1 = loss_triton.draft_loss_terms(got_logits, target, picked, labels)
-        ((ce.double() * up_ce).sum() + (l1.double() * up_l1).sum()).backward()
-        want_logits = logits.double().requires_grad_(True)
-        want_ce, want_l1 = loss_ref.draft_loss_terms(want_logits, target.double(), picked, labels)
-        ((want_ce * up_ce).sum() + (want_l1 * up_l1).sum()).backward()
+        got = draft_loss_with_gradient(loss_triton.draft_loss_terms, logits, target, picked, labels, up_ce, up_l1)
+        want = draft_loss_with_gradient(loss_ref.draft_loss_terms, logits.double(), target.double(), picked, labels,
+                                        up_ce, up_l1)
         what = f"draft_loss_terms ({'rows' if picked is not None else 'no rows'})"
-        close(ce, want_ce.detach(), f"{what}: ce")
-        close(l1, want_l1.detach(), f"{what}: l1")
-        close(got_logits.grad, want_logits.grad, f"{what}: gradient")
+        for name, g, w in zip(("ce", "l1", "gradient"), got, want):
+            close(g, w, f"{what}: {name}")
+
+
+def draft_loss_with_gradient(fn, logits, target_probs, rows, labels, up_ce, up_l1):
+    """(ce, l1, gradient): fn's terms on a leaf copy of logits, and the gradient there of
+    sum(up_ce * ce + up_l1 * l1) (random upstream gradients, so both terms' backward is checked)."""
+    leaf = logits.clone().requires_grad_(True)
+    ce, l1 = fn(leaf, target_probs, rows, labels)
+    ((ce.double() * up_ce).sum() + (l1.double() * up_l1).sum()).backward()
+    return ce.detach(), l1.detach(), leaf.grad
 
 
 if __name__ == "__main__":

@@ -277,9 +277,9 @@ def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: Tr
         # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]):
         # row b * S + position of the flattened [B * S, V] softmax.
         index = positions[:, part].clamp(max=S - 1)
-        rows = index + S * torch.arange(index.shape[0], device=index.device).view(-1, *([1] * (index.dim() - 1)))
+        target_rows = index + S * torch.arange(index.shape[0], device=index.device)[:, None, None]
         sums = loss_sums(draft_logits, target_probs.view(-1, target_probs.shape[-1]), labels[:, part], conf_logits,
-                         eval_mask[:, part], cfg, target_rows=rows)
+                         eval_mask[:, part], cfg, target_rows=target_rows)
         return tuple(sums[key] for key in _SUM_KEYS)
 
     num_blocks = block.shape[1]
