@@ -14,6 +14,9 @@ class UniformDrafter:
     threshold and scheduler policies can be swept too)."""
 
     tap_layers: tuple[int, ...] = ()
+    # It keeps nothing and draws from the request's generator alone: the engine skips its commit and
+    # may launch a step before the previous one is read back (dspark/protocols.py, Drafter).
+    stateless = True
 
     def __init__(self, vocab_size: int, confidence: list[float] | None = None):
         self.vocab_size = vocab_size

@@ -30,7 +30,7 @@ from .config import SamplingParams, SpecConfig
 from .kernels import ops, registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
-from .graph_step import GraphedStep
+from .graph_step import GraphedStep, GraphStepResult, PendingStep
 from .sampling import SamplingTensors, conditional_rates, nonfinite_rows
 from .transfer import LongStaging, long_tensor_on
 
@@ -126,6 +126,21 @@ def _check_finite(reqs, nonfinite: list[bool]) -> None:
         raise FloatingPointError(f"request(s) {ids}: the target returned non-finite logits; refusing to sample from them")
 
 
+@dataclass
+class _Launched:
+    """A step on its way: what completing it needs. A graphed step's results come from `pending`
+    (read when it is completed); an eager one's were read when it ran (`eager`)."""
+
+    reqs: list[_Request]
+    slots: list[int]
+    proposal: Proposal
+    kmax: int
+    graphed: bool
+    t_start: float
+    pending: PendingStep | None = None
+    eager: GraphStepResult | None = None
+
+
 class Engine:
     def __init__(
         self,
@@ -137,13 +152,18 @@ class Engine:
         sampler: Callable | None = None,
         sync_timing: bool | None = None,
         cuda_graphs: bool | None = None,
+        launch_ahead: bool = True,
     ):
         """cuda_graphs: replay each step of up to 8 requests as a CUDA graph. None: wherever the
         target can be captured (a CUDA target with `supports_cuda_graphs`) unless
         SpecConfig.batch1_profile.cuda_graphs is False; True: required (an error otherwise); False:
         eager steps. A substituted `sampler` runs eagerly. sync_timing: synchronise
         the device between phases so that metrics.phase_seconds splits GPU time by phase (default:
-        on for eager CUDA steps, off with graphs, whose only synchronisation is the readback)."""
+        on for eager CUDA steps, off with graphs, whose only synchronisation is the readback).
+        launch_ahead: with graphs, launch a step before the previous one is read back wherever
+        nothing it needs comes from that one's host results (_may_launch_ahead), so the host's
+        work on a step overlaps the device's on the next; False: every step is read back before
+        the next is launched (the same tokens, as a comparison)."""
         self.target = target
         self.spec = (spec or SpecConfig(num_speculative_tokens=0)).validate()
         if self.spec.max_k > 0 and drafter is None:
@@ -188,6 +208,12 @@ class Engine:
         self._no_drafts = torch.zeros(target.max_slots, 0, dtype=torch.long, device=self.device)
         self._zero_drafts = torch.zeros(target.max_slots, dtype=torch.long, device=self.device)
         self._last_mark = 0.0
+        self._last_step_end = 0.0
+        self.launch_ahead = launch_ahead
+        self._inflight: _Launched | None = None  # a step launched before the previous one was read back
+        # A drafter that keeps no state and proposes from its generators alone (the UniformDrafter)
+        # has nothing to commit, and lets the next step launch before this one is read.
+        self._drafter_stateless = bool(getattr(drafter, "stateless", False))
         self._next_id = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -241,7 +267,9 @@ class Engine:
         self._observer_taps = tuple(sorted({*self._observer_taps, *tap_layers}))
         self._verify_taps = tuple(sorted({*self.tap_layers, *self._observer_taps}))
         if self._graphs is not None:  # the graphs' verify must compute the new taps too
-            self._graphs = GraphedStep(self.target, self._verify_taps)
+            graphs = GraphedStep(self.target, self._verify_taps)
+            graphs.anchors.copy_(self._graphs.anchors)  # the live requests' anchors
+            self._graphs = graphs
 
     def _make_policy(self, name: str, threshold: float):
         from .policy import ConfidenceScheduler, make_policy
@@ -356,11 +384,55 @@ class Engine:
         return self._step()
 
     def _step(self) -> list[StepOutput]:
-        events = self._admit()
-        if not self._running:
-            return events
-        t_start = self._last_mark = time.perf_counter()
-        reqs = self._running
+        launched, self._inflight = self._inflight, None
+        if launched is not None and all(r.out.finished for r in launched.reqs):
+            launched.pending.result()  # every row ended a step earlier: wait for it, read nothing
+            launched = None
+        events = []
+        if launched is None:
+            events = self._admit()
+            if not self._running:
+                return events
+            launched = self._launch(self._running)
+        # The next step goes to the device before this one is read back, where nothing it needs
+        # comes from this step's host results (docs/architecture.md, "The step on the GPU").
+        if launched.pending is not None and self._may_launch_ahead(launched):
+            self._inflight = self._launch(launched.reqs, ahead=True)
+            self.metrics.num_launched_ahead += 1
+        return events + self._complete(launched)
+
+    def _may_launch_ahead(self, launched: "_Launched") -> bool:
+        """Whether the step after `launched` may be launched before `launched` is read back: a
+        graph replay of the same batch whose drafts, sampling and verify lengths do not depend
+        on what `launched` emits. Stop conditions are then seen one step late, so no request
+        that `launched` may finish by max_tokens or by the context may be in it (an EOS only
+        wastes the next step's row, which is discarded)."""
+        policy = self._policy_batch1 if len(launched.reqs) == 1 else self._policy
+        if not self.launch_ahead or self._observers or policy is not None:
+            return False
+        if self.drafter is not None and not self._drafter_stateless:
+            return False
+        if self._waiting and self._free_slots:
+            return False  # admission first
+        k_now, k_then = self.step_k(len(launched.reqs)), launched.kmax
+        max_spec = self.spec.max_speculative_seq_len
+        for r in launched.reqs:
+            most_after = r.num_computed + k_then + 1  # committed tokens once `launched` is read
+            if r.out.finished or len(r.out.token_ids) + k_then + 1 >= r.params.max_tokens:
+                return False
+            if most_after + k_now + 1 > self.target.max_seq_len:
+                return False
+            if max_spec is not None and r.num_computed + 1 <= max_spec < most_after + 1:
+                return False  # the draft gate may close during `launched`
+        return True
+
+    def _launch(self, reqs: list[_Request], ahead: bool = False) -> "_Launched":
+        """Draft and put one step for `reqs` on the device. Graphed: the replay is queued and
+        read in _complete. Eager: the step runs and its results are read here. ahead: the step
+        before is not read back yet (_may_launch_ahead), so the anchors come from the device."""
+        t_start = time.perf_counter()
+        if not ahead:
+            self._last_mark = t_start
         B = len(reqs)
         slots = [r.slot for r in reqs]
         sampling = self._sampling_tensors(reqs)
@@ -369,10 +441,13 @@ class Engine:
         # 1-2. draft and decide how many drafts each request verifies
         k_req = self._drafts_allowed(reqs)
         kmax = max(k_req)
-        # The anchors on the device are what a drafter proposes from and what an eager verify
-        # feeds; a graphed step takes them from the host list, so a step without drafts skips
-        # the staging copy.
-        anchors = self._anchor_staging.upload([r.anchor for r in reqs]) if kmax > 0 or not graphed else None
+        # A graphed step reads each slot's anchor on the device; the drafter gets them as a device
+        # tensor: from the host's lists, or after a step not yet read back, from the device copy.
+        anchors = None
+        if kmax > 0 and ahead:
+            anchors = self._graphs.anchors.index_select(0, self._anchor_staging.upload(slots))
+        elif kmax > 0 or not graphed:
+            anchors = self._anchor_staging.upload([r.anchor for r in reqs])
         proposal = self._propose(reqs, k_req, kmax, anchors)
         num_drafts = proposal.num_drafts
         self._mark("draft")
@@ -380,71 +455,87 @@ class Engine:
         # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1), graphed)
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
+        launched = _Launched(reqs, slots, proposal, kmax, graphed, t_start)
         if graphed:
-            step = self._graphs.run(
-                slots, self._free_slots, [r.anchor for r in reqs], proposal.tokens, num_drafts, proposal.probs,
-                sampling, uniforms, noise, rates[:kmax] if rates is not None else None)
-            _check_finite(reqs, step.nonfinite)
-            num_acc_l, next_l, drafts_l, num_drafts_l = step.num_accepted, step.next_token, step.drafts, step.num_drafts
-            num_acc, tokens, taps_out = step.num_accepted_device, step.tokens_device, step.taps
-            self._mark("verify")
+            launched.pending = self._graphs.launch(
+                slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise,
+                rates[:kmax] if rates is not None else None)
+            return launched
+        tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
+        out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
+        self._mark("verify")
+        nonfinite = nonfinite_rows(out.logits, 1 + num_drafts).tolist()
+        if rates is not None:
+            num_acc, next_tok = ops.synthetic_sample(
+                out.logits, proposal.tokens, num_drafts, rates, sampling, uniforms[:, :kmax], noise)
         else:
-            tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
-            out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
-            taps_out = out.taps
-            self._mark("verify")
-            _check_finite(reqs, nonfinite_rows(out.logits, 1 + num_drafts).tolist())
-            if rates is not None:
-                num_acc, next_tok = ops.synthetic_sample(
-                    out.logits, proposal.tokens, num_drafts, rates, sampling, uniforms[:, :kmax], noise)
-            else:
-                sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
-                num_acc, next_tok = sample(
-                    out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise)
-            num_acc_l, next_l = num_acc.tolist(), next_tok.tolist()
-            drafts_l, num_drafts_l = proposal.tokens.tolist(), num_drafts.tolist()
-        self._mark("accept")
+            sample = self.sampler or ops.rejection_sample  # on the GPU: kernels/acceptance
+            num_acc, next_tok = sample(
+                out.logits, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms[:, :kmax], noise)
+        if self._graphs is not None:  # a later graphed step of these requests reads their anchors there
+            self._graphs.set_anchors(long_tensor_on(slots, self.device), next_tok)
+        launched.eager = GraphStepResult(
+            num_accepted=num_acc.tolist(), next_token=next_tok.tolist(), num_drafts=num_drafts.tolist(),
+            nonfinite=nonfinite, drafts=proposal.tokens.tolist(), num_accepted_device=num_acc,
+            tokens_device=tokens, taps=out.taps)
+        return launched
+
+    def _complete(self, launched: "_Launched") -> list[StepOutput]:
+        """Read a launched step's results, emit its tokens, stop what stops and commit."""
+        reqs, slots, graphed = launched.reqs, launched.slots, launched.graphed
+        result = launched.pending.result() if graphed else launched.eager
+        # Rows of requests that ended at the step before (this one was launched before that one
+        # was read back) are not looked at: their slots were released after this step ran.
+        live = [i for i, r in enumerate(reqs) if not r.out.finished]
+        _check_finite([reqs[i] for i in live], [result.nonfinite[i] for i in live])
+        self._mark("verify" if graphed else "accept")
 
         # 5. emit, stop, commit
-        keep, finished, emitted = [], [], []
-        for i, r in enumerate(reqs):
-            a = num_acc_l[i]
-            new = self._emit(r, drafts_l[i][:a] + [next_l[i]])
+        events, keep, finished, emitted = [], [], [], []
+        for i in live:
+            r, a = reqs[i], result.num_accepted[i]
+            new = self._emit(r, result.drafts[i][:a] + [result.next_token[i]])
             emitted.append(new)
             r.out.num_steps += 1
             r.out.num_accepted_drafts += a
             r.num_computed += a + 1
-            r.anchor = next_l[i]
+            r.anchor = result.next_token[i]
             if not r.out.finished and r.num_computed >= self.target.max_seq_len:
                 r.out.finish_reason = "length"  # no position left for the next anchor
             events.append(StepOutput(r.out.request_id, new, r.out.finished, r.out.finish_reason))
             (finished if r.out.finished else keep).append(i)
-        self.metrics.observe(num_drafts_l, num_acc_l)
+        self.metrics.observe([result.num_drafts[i] for i in live], [result.num_accepted[i] for i in live])
         self.metrics.num_steps += 1
         if self._observers:
-            record = StepRecord([r.out.request_id for r in reqs], proposal, num_acc_l, emitted,
-                                {layer: taps_out[layer] for layer in self._observer_taps})
+            record = StepRecord([reqs[i].out.request_id for i in live], launched.proposal,
+                                [result.num_accepted[i] for i in live], emitted,
+                                {layer: result.taps[layer] for layer in self._observer_taps})
             for observer in self._observers:
                 observer(record)
-        # With graphs and no drafter there is nothing left to commit: the graph committed every row
-        # (finished ones are released below).
-        if keep and (self.drafter is not None or not graphed):
-            kept, keep_tokens = num_acc + 1, tokens
-            taps = {layer: taps_out[layer] for layer in self.tap_layers}
-            if len(keep) < B:
+        # With graphs the replay committed the target's rows (finished ones are released below);
+        # a stateless drafter has nothing to commit.
+        drafter_commits = self.drafter is not None and not self._drafter_stateless
+        if keep and (drafter_commits or not graphed):
+            kept, keep_tokens = result.num_accepted_device + 1, result.tokens_device
+            taps = {layer: result.taps[layer] for layer in self.tap_layers}
+            if len(keep) < len(reqs):
                 idx = torch.tensor(keep, device=self.device)
-                kept, keep_tokens = kept.index_select(0, idx), tokens.index_select(0, idx)
+                kept, keep_tokens = kept.index_select(0, idx), keep_tokens.index_select(0, idx)
                 taps = {layer: t.index_select(0, idx) for layer, t in taps.items()}
             keep_slots = [slots[i] for i in keep]
             if not graphed:
                 self.target.commit(keep_slots, kept)
-            if self.drafter is not None:
+            if drafter_commits:
                 self.drafter.commit(keep_slots, keep_tokens, kept, taps)
         self._release([reqs[i] for i in finished])
         self._running = [reqs[i] for i in keep]
         self._mark("commit")
-        self.metrics.step_seconds.append(time.perf_counter() - t_start)
-        self.metrics.step_tokens.append(sum(len(e.new_token_ids) for e in events[len(events) - B:]))
+        # A step's wall time runs from its launch, or from the previous step's end when it was
+        # launched before that one ended (then the two overlap on the host, not on the device).
+        now = time.perf_counter()
+        self.metrics.step_seconds.append(now - max(launched.t_start, self._last_step_end))
+        self._last_step_end = now
+        self.metrics.step_tokens.append(sum(len(e) for e in emitted))
         return events
 
     def _drafts_allowed(self, reqs: list[_Request]) -> list[int]:
@@ -569,6 +660,8 @@ class Engine:
         none = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
         zero = torch.zeros(len(new), dtype=torch.long, device=self.device)
         _, first = ops.rejection_sample(logits, none, zero, None, sampling, none.float(), noise)
+        if self._graphs is not None:  # graphed steps read each slot's anchor on the device
+            self._graphs.set_anchors(long_tensor_on(slots, self.device), first)
         events, finished = [], []
         for i, (r, tok) in enumerate(zip(new, first.tolist())):
             r.num_computed = len(r.prompt)

@@ -1,17 +1,19 @@
 """The target's part of an engine step as CUDA graphs: verify + acceptance + commit, replayed.
 
 One graph per (batch bucket, T, sampling flavour), captured the first time that shape is needed
-and replayed every step after. Inputs go into static buffers: the slots, anchors and row flags
-into a pinned buffer that the graph's first node copies to the device, the drafts by
-device-to-device copies before the replay. The accepted counts, next tokens and drafts come back
-in one asynchronous copy into pinned memory after it: the one host read of the step
-(docs/architecture.md, "The step on the GPU").
+and replayed every step after. Inputs go into static buffers: the slots and row flags into a
+pinned buffer that the graph's first node copies to the device, the drafts by device-to-device
+copies before the replay. Each slot's anchor (the token the next step verifies first) lives on
+the device: the graph reads it and writes the next one, so a step can be launched before the
+previous one is read back (`launch` returns a PendingStep; docs/architecture.md, "The step on
+the GPU"). The accepted counts, next tokens and drafts come back in one asynchronous copy into
+pinned memory after the replay, the one host read of the step.
 
-Capture is side-effect free, so it can happen mid-run on live slots: the commit inside the
-graph keeps `(num_accepted + 1) * enabled` tokens, and `enabled` is 0 while warming up and
-capturing (a verify is output-only; the MLA rows it writes lie past the committed length).
-Padding rows of a bucket (batch 3 runs in the bucket of 4) take free slots, verify 0 tokens
-and commit 0: they change nothing.
+Capture is side-effect free, so it can happen mid-run on live slots: the commit and the anchor
+write inside the graph are gated by `enabled`, which is 0 while warming up and capturing (a
+verify is output-only; the MLA rows it writes lie past the committed length). Padding rows of a
+bucket (batch 3 runs in the bucket of 4) take free slots, verify 0 tokens, commit 0 and keep
+their anchors: they change nothing.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ BUCKETS = (1, 2, 4, 8)
 @dataclass
 class GraphStepResult:
     """The host's view of one replayed step (lists over the real rows) and device views that the
-    drafter's commit reads (rows of the bucket's static buffers, valid until the next replay)."""
+    drafter's commit reads (rows of the bucket's static buffers, valid until the next replay of
+    the same graph is launched)."""
 
     num_accepted: list[int]
     next_token: list[int]
@@ -41,6 +44,25 @@ class GraphStepResult:
     num_accepted_device: torch.Tensor  # [B]
     tokens_device: torch.Tensor  # [B, T]: anchor and drafts as verified
     taps: dict[int, torch.Tensor]  # {layer: [B, T, d]}
+
+
+class PendingStep:
+    """A launched step whose results have not been read: `result()` waits for its readback."""
+
+    def __init__(self, step: "_StaticStep", parity: int, batch: int, num_accepted: torch.Tensor,
+                 taps: dict[int, torch.Tensor]):
+        self._step, self._parity, self._batch = step, parity, batch
+        self._num_accepted, self._taps = num_accepted, taps
+
+    def result(self) -> GraphStepResult:
+        step, B = self._step, self._batch
+        step.done[self._parity].synchronize()
+        rows = step.host_out[self._parity, :B].tolist()
+        return GraphStepResult(
+            num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows], num_drafts=[r[2] for r in rows],
+            nonfinite=[bool(r[3]) for r in rows], drafts=[r[4:] for r in rows],
+            num_accepted_device=self._num_accepted, tokens_device=step.tokens[:B],
+            taps={layer: t[:B] for layer, t in self._taps.items()})
 
 
 @dataclass(frozen=True)
@@ -61,7 +83,7 @@ class _StaticStep:
         V = target.vocab_size
         self.owner, self.key = owner, key
         self.host_rows = owner.host_rows(B)[0]  # pinned, filled before each replay; the graph copies it in
-        self.rows = torch.zeros(3, B, dtype=torch.long, device=dev)  # slots, anchors, valid (1 = real row)
+        self.rows = torch.zeros(2, B, dtype=torch.long, device=dev)  # slots, valid (1 = real row)
         self.drafts = torch.zeros(B, T - 1, dtype=torch.long, device=dev)
         self.num_drafts = torch.zeros(B, dtype=torch.long, device=dev)
         self.uniforms = torch.zeros(B, max(T - 1, 1), device=dev)
@@ -72,8 +94,11 @@ class _StaticStep:
         self.sampling = SamplingTensors(torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
                                         torch.ones(B, device=dev), key.all_greedy, key.filters)
         self.sampling_source = None
-        self.host_out = torch.empty(B, T + 3, dtype=torch.long, pin_memory=True)
-        self.done = torch.cuda.Event()
+        # Two readback buffers and events: a step launched before the previous one is read back
+        # copies its results into the other (the host may not have read the first yet).
+        self.host_out = torch.empty(2, B, T + 3, dtype=torch.long, pin_memory=True)
+        self.done = (torch.cuda.Event(), torch.cuda.Event())
+        self.launches = 0
 
     def __call__(self):
         owner, key = self.owner, self.key
@@ -83,7 +108,8 @@ class _StaticStep:
         # memory in its default capture mode is an open question upstream (pytorch/pytorch#166765),
         # where a host-to-device one from pinned memory is shown to capture and replay.
         self.rows.copy_(self.host_rows, non_blocking=True)
-        slots, anchors, valid = self.rows
+        slots, valid = self.rows
+        anchors = owner.anchors.index_select(0, slots)
         num_drafts = self.num_drafts * valid
         self.tokens = torch.cat([anchors[:, None], self.drafts], dim=1)  # an output: the drafter commits it
         lengths = (1 + num_drafts) * valid
@@ -95,7 +121,9 @@ class _StaticStep:
         else:
             num_accepted, next_token = ops.rejection_sample(
                 out.logits, self.drafts, num_drafts, self.probs, self.sampling, uniforms, self.noise)
-        owner.target.commit(slots, (num_accepted + 1) * valid * owner.enabled)
+        live = valid * owner.enabled
+        owner.target.commit(slots, (num_accepted + 1) * live)
+        owner.anchors.index_copy_(0, slots, torch.where(live.bool(), next_token, anchors))
         nonfinite = nonfinite_rows(out.logits, lengths).long()
         packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], nonfinite[:, None],
                             self.drafts], dim=1)
@@ -120,14 +148,23 @@ class GraphedStep:
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
         self._pool = None
         self._host_rows: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # bucket -> pinned buffer, its NumPy view
+        self._rows_written: dict[int, tuple] = {}  # bucket -> (slots, padding slots) its buffer holds
+        # Each slot's anchor: written by the engine where a request's first token is sampled (and by
+        # an eager step), read and advanced by every replay.
+        self.anchors = torch.zeros(target.max_slots, dtype=torch.long, device=target.device)
 
     def host_rows(self, bucket: int) -> tuple[torch.Tensor, np.ndarray]:
-        """The bucket's pinned [3, bucket] buffer of slots, anchors and row flags, and its NumPy view
+        """The bucket's pinned [2, bucket] buffer of slots and row flags, and its NumPy view
         (one per bucket: the graphs of every T read it)."""
         if bucket not in self._host_rows:
-            host = torch.zeros(3, bucket, dtype=torch.long, pin_memory=True)
+            host = torch.zeros(2, bucket, dtype=torch.long, pin_memory=True)
             self._host_rows[bucket] = (host, host.numpy())
         return self._host_rows[bucket]
+
+    def set_anchors(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The next anchor of each slot in `slots` (device tensors, [B]), stream-ordered: a step
+        launched after this call verifies tokens[b] first in slot slots[b]."""
+        self.anchors.index_copy_(0, slots, tokens)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` requests (None: no graph does; the step runs
@@ -155,13 +192,18 @@ class GraphedStep:
         self._pool = graph.pool
         return graph
 
-    def run(self, slots: list[int], free_slots: list[int], anchors: list[int], drafts: torch.Tensor,
-            num_drafts: torch.Tensor, probs: torch.Tensor | None, sampling: SamplingTensors,
-            uniforms: torch.Tensor | None, noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None):
-        """One step for requests in `slots` (padding rows take `free_slots`). drafts [B, T - 1],
-        num_drafts [B], probs [B, T - 1, V] or None, uniforms [B, >= T - 1] and noise [B, V] or
-        None (all-greedy standard acceptance reads neither), cond_rates [T - 1] for synthetic
-        acceptance (None: rejection sampling) are device tensors. Returns a GraphStepResult."""
+    def launch(self, slots: list[int], free_slots: list[int], drafts: torch.Tensor, num_drafts: torch.Tensor,
+               probs: torch.Tensor | None, sampling: SamplingTensors, uniforms: torch.Tensor | None,
+               noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None) -> "PendingStep":
+        """Launch one step for requests in `slots` (padding rows take `free_slots`), each verifying
+        its slot's anchor first, and queue its readback; nothing waits for the device. drafts
+        [B, T - 1], num_drafts [B], probs [B, T - 1, V] or None, uniforms [B, >= T - 1] and noise
+        [B, V] or None (all-greedy standard acceptance reads neither), cond_rates [T - 1] for
+        synthetic acceptance (None: rejection sampling) are device tensors.
+
+        At most two launches may be unread at a time (the readback buffers alternate), and a
+        launch for another set of slots must come after every earlier one was read (the slots'
+        pinned buffer is rewritten then, and the graph copies it in when it runs)."""
         B, T = len(slots), drafts.shape[1] + 1
         Bk = self.bucket(B)
         if Bk is None:
@@ -170,7 +212,7 @@ class GraphedStep:
             raise ValueError(f"batch of {B} in bucket {Bk}: needs {Bk - B} free slots for padding, have {len(free_slots)}")
         key = GraphKey(Bk, T, bool(sampling.all_greedy), bool(sampling.filters), probs is not None,
                        cond_rates is not None)
-        inputs = (slots, free_slots, anchors, drafts, num_drafts, probs, sampling, uniforms, noise, cond_rates)
+        inputs = (slots, free_slots, drafts, num_drafts, probs, sampling, uniforms, noise, cond_rates)
         if key not in self._steps:
             step = _StaticStep(self, key)
             self._fill(step, *inputs)
@@ -179,27 +221,34 @@ class GraphedStep:
         self._fill(step, *inputs)
         packed, num_accepted, taps = graph.replay()
         self.replays[key] += 1
-        step.host_out.copy_(packed, non_blocking=True)
-        step.done.record()
-        step.done.synchronize()
-        rows = step.host_out[:B].tolist()
-        return GraphStepResult(
-            num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows], num_drafts=[r[2] for r in rows],
-            nonfinite=[bool(r[3]) for r in rows], drafts=[r[4:] for r in rows], num_accepted_device=num_accepted[:B], tokens_device=step.tokens[:B],
-            taps={layer: t[:B] for layer, t in taps.items()})
+        parity = step.launches % 2
+        step.launches += 1
+        step.host_out[parity].copy_(packed, non_blocking=True)
+        step.done[parity].record()
+        return PendingStep(step, parity, B, num_accepted[:B], taps)
 
-    def _fill(self, step: _StaticStep, slots, free_slots, anchors, drafts, num_drafts, probs, sampling,
+    def run(self, slots: list[int], free_slots: list[int], drafts: torch.Tensor, num_drafts: torch.Tensor,
+            probs: torch.Tensor | None, sampling: SamplingTensors, uniforms: torch.Tensor | None,
+            noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None) -> GraphStepResult:
+        """launch(...) and wait for its result."""
+        return self.launch(slots, free_slots, drafts, num_drafts, probs, sampling, uniforms, noise,
+                           cond_rates).result()
+
+    def _fill(self, step: _StaticStep, slots, free_slots, drafts, num_drafts, probs, sampling,
               uniforms, noise, cond_rates) -> None:
         B, Bk, T = len(slots), step.key.batch, step.key.tokens
         # Written through a NumPy view of the pinned buffer, made once (making it costs ~11 us): one
-        # torch indexing op costs the host several microseconds, and this runs while the device
-        # waits for the step (experiments/results/h200/engine_host_profile.json). The graph copies
-        # the buffer in; the previous replay's copy of it is done (its results were read back).
-        rows = self.host_rows(Bk)[1]
-        rows[0, :B] = slots
-        rows[0, B:] = free_slots[: Bk - B]
-        rows[1, :B] = anchors
-        rows[2, :B], rows[2, B:] = 1, 0
+        # torch indexing op costs the host several microseconds (experiments/results/h200/
+        # engine_host_profile.json). Written only when the batch changed: a step launched before the
+        # previous one ran finds it as it was, while that one's graph may still be about to copy it
+        # in; when the batch changes every earlier launch was read back (launch's contract).
+        rows_now = (tuple(slots), tuple(free_slots[: Bk - B]))
+        if self._rows_written.get(Bk) != rows_now:
+            rows = self.host_rows(Bk)[1]
+            rows[0, :B] = slots
+            rows[0, B:] = rows_now[1]
+            rows[1, :B], rows[1, B:] = 1, 0
+            self._rows_written[Bk] = rows_now
         if T > 1:  # at T = 1 there are no drafts, and num_drafts stays the zeros it was made as
             step.drafts[:B].copy_(drafts)
             step.num_drafts[:B].copy_(num_drafts)

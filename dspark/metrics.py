@@ -22,6 +22,7 @@ class SpecMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_per_position: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    num_launched_ahead: int = 0  # steps launched before the step before them was read back
     phase_seconds: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     step_seconds: list[float] = field(default_factory=list)  # wall time of each engine step
     step_tokens: list[int] = field(default_factory=list)  # tokens emitted by each engine step
@@ -76,6 +77,7 @@ class SpecMetrics:
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_launched_ahead": self.num_launched_ahead,
             "elapsed_s": elapsed,
             "tokens_per_s": self.num_output_tokens / elapsed if elapsed > 0 else 0.0,
             "phase_seconds": dict(self.phase_seconds),

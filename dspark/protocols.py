@@ -103,6 +103,10 @@ class Proposal:
 class Drafter(Protocol):
     # Target layers whose hidden states this drafter reads (empty for drafters that need none).
     tap_layers: tuple[int, ...]
+    # An optional class attribute `stateless` (False when absent, so not a member the protocol
+    # checks): True says start/commit/release keep nothing and propose reads no host value of the
+    # step before (anchors are a device tensor, written in stream order). The engine then skips
+    # commit and may launch the next step before reading this one back.
 
     def start(self, slot: int, prompt: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
         """A request enters: its prompt [P] and the target's taps {layer: [P, d]} over it."""

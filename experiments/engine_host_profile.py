@@ -1,24 +1,24 @@
 """Where a batch-1 engine step spends its time besides the GPU's work (issue 12).
 
-The sweep's plain step took 3.33 ms where the same target step replayed alone took 2.80 ms
-(experiments/notes/step.md): about 0.5 ms per step in which the GPU waits for the engine. This
-splits that time. One engine as the sweep builds it (UniformDrafter, CUDA graphs where the target
-allows them), one request with a `--context`-token prompt, then phases of `--steps` steps: plain
-decoding (k = 0) and forced acceptance length `--al` at k = `--k` (synthetic acceptance). Per
-phase, medians over its steps:
+One engine as the sweep builds it (UniformDrafter, CUDA graphs where the target allows them), one
+request with a `--context`-token prompt, then phases of `--steps` steps: plain decoding (k = 0)
+and forced acceptance length `--al` at k = `--k` (synthetic acceptance), each with steps launched
+ahead (the engine's default: a step goes to the device before the one before it is read back)
+and with every step read back before the next is launched. Per phase, medians over its steps:
 
-- step_us: wall time of Engine.step; graph_gpu_us: the replay's device time between CUDA events
+- step_us: wall time of Engine.step; graph_gpu_us: a replay's device time between CUDA events
   recorded around it; idle_us = step_us - graph_gpu_us, the device waiting on the host;
-- before_replay_us: from the step's start to the replay call (admission, draft, noise and the
-  graph's input fill, of which fill_us is GraphedStep._fill); replay_call_us: the replay call
-  itself (the graph launch); readback_us: from its return to the host lists (the readback's copy,
-  the wait for the device, the lists); after_us: emitting, stop checks, metrics and the drafter's
-  commit;
+- wait_us: time the host spent waiting for the device (CUDA event synchronisation);
+  host_us = step_us - wait_us, the host's own work in the step (hidden behind the device's
+  when the next step was launched ahead);
+- launch_us: GraphedStep.launch (the graph's input fill, of which fill_us is GraphedStep._fill,
+  the replay call, and the queued readback); replay_call_us: the replay call itself;
+  readback_us: PendingStep.result, the wait for the device and the host lists;
 - python_top: the functions with the most own time per step from cProfile, in a separate pass
   whose overhead inflates every figure: read it for the ranking.
 
 Without graphs (a CPU target, or --no-graphs) the replay parts are absent and the step runs
-eagerly.
+eagerly (and is never launched ahead).
 
     python experiments/engine_host_profile.py --target k3-slice --context 2048 --steps 40 --out FILE
 """
@@ -41,26 +41,42 @@ from dspark.cuda_graphs import StepGraph
 from dspark.drafters.uniform import UniformDrafter
 from dspark.engine import Engine
 from dspark.files import write_atomic
-from dspark.graph_step import GraphedStep
+from dspark.graph_step import GraphedStep, PendingStep
 from dspark.provenance import provenance
 
 
 class StepClock:
     """Host timestamps of the parts of each step, and CUDA events around each replay, gathered
-    by wrapping the engine's step, GraphedStep.run/_fill and StepGraph.replay."""
+    by wrapping the engine's step, GraphedStep.launch/_fill, StepGraph.replay, PendingStep.result
+    and CUDA event synchronisation. A step's parts are those that happened during its call (with
+    launch-ahead: the next step's launch and this step's readback)."""
 
     def __init__(self):
         self.steps: list[dict] = []
         self.current: dict | None = None
 
-    def mark(self, name: str) -> None:
+    def add(self, name: str, seconds: float) -> None:
         if self.current is not None:
-            self.current[name] = time.perf_counter()
+            self.current[name] = self.current.get(name, 0.0) + seconds
+
+    def timed(self, name: str, fn):
+        clock = self
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.add(name, time.perf_counter() - t0)
+        return wrapper
 
     @contextlib.contextmanager
     def installed(self, engine: Engine):
         clock = self
-        step, run, fill, replay = engine.step, GraphedStep.run, GraphedStep._fill, StepGraph.replay
+        step, replay = engine.step, StepGraph.replay
+        patched = [(GraphedStep, "launch", "launch"), (GraphedStep, "_fill", "fill"),
+                   (PendingStep, "result", "readback"), (torch.cuda.Event, "synchronize", "wait")]
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patched]
 
         def timed_step():
             clock.current = {"start": time.perf_counter()}
@@ -71,50 +87,39 @@ class StepClock:
                 clock.steps.append(clock.current)
                 clock.current = None
 
-        def timed_run(graphs, *args, **kwargs):
-            result = run(graphs, *args, **kwargs)
-            clock.mark("run_end")
-            return result
-
-        def timed_fill(graphs, *args, **kwargs):
-            clock.mark("fill_start")
-            fill(graphs, *args, **kwargs)
-            clock.mark("fill_end")
-
         def timed_replay(graph):
-            clock.mark("replay_start")
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
+            t0 = time.perf_counter()
             out = replay(graph)
+            clock.add("replay_call", time.perf_counter() - t0)
             end.record()
-            clock.mark("replay_end")
             if clock.current is not None:
                 clock.current["events"] = (begin, end)
             return out
 
         engine.step = timed_step
-        GraphedStep.run, GraphedStep._fill, StepGraph.replay = timed_run, timed_fill, timed_replay
+        StepGraph.replay = timed_replay
+        for (owner, attr, name), (_, _, original) in zip(patched, saved):
+            setattr(owner, attr, clock.timed(name, original))
         try:
             yield self
         finally:
             del engine.step
-            GraphedStep.run, GraphedStep._fill, StepGraph.replay = run, fill, replay
+            StepGraph.replay = replay
+            for owner, attr, original in saved:
+                setattr(owner, attr, original)
 
     def summary(self) -> dict:
-        def median(parts):
-            values = [parts(s) for s in self.steps]
+        def median(part):
+            values = [part(s) for s in self.steps]
             values = [v for v in values if v is not None]
             return 1e6 * statistics.median(values) if values else None
 
-        def span(a, b):
-            return lambda s: s[b] - s[a] if a in s and b in s else None
-
-        out = {"steps": len(self.steps), "step_us": median(span("start", "end")),
-               "before_replay_us": median(span("start", "replay_start")),
-               "fill_us": median(span("fill_start", "fill_end")),
-               "replay_call_us": median(span("replay_start", "replay_end")),
-               "readback_us": median(span("replay_end", "run_end")),
-               "after_us": median(span("run_end", "end"))}
+        out = {"steps": len(self.steps), "step_us": median(lambda s: s["end"] - s["start"])}
+        for name in ("wait", "launch", "fill", "replay_call", "readback"):
+            out[f"{name}_us"] = median(lambda s, name=name: s.get(name))
+        out["host_us"] = median(lambda s: s["end"] - s["start"] - s.get("wait", 0.0))
         gpu = [s["events"][0].elapsed_time(s["events"][1]) * 1e3 for s in self.steps if "events" in s]
         if gpu:
             out["graph_gpu_us"] = statistics.median(gpu)
@@ -152,19 +157,24 @@ def run(args) -> dict:
     engine.step()  # prefill and the first step
     result = {**provenance(args.device, graphs=engine._graphs is not None), "target": args.target,
               "context": args.context, "k": k, "al": args.al, "phases": []}
-    phases = [("plain", SpecConfig(num_speculative_tokens=0, seed=0)),
-              (f"al{args.al:g}", SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
-                                            synthetic_acceptance_length=args.al, seed=0))]
-    for name, phase_spec in phases:
-        engine.set_acceptance(phase_spec)
-        for _ in range(args.warmup):
-            engine.step()
-        with StepClock().installed(engine) as clock:
-            for _ in range(args.steps):
+    specs = [("plain", SpecConfig(num_speculative_tokens=0, seed=0)),
+             (f"al{args.al:g}", SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
+                                           synthetic_acceptance_length=args.al, seed=0))]
+    for ahead in ((True, False) if engine._graphs is not None else (False,)):
+        for name, phase_spec in specs:
+            engine.set_acceptance(phase_spec)
+            engine.launch_ahead = ahead
+            for _ in range(args.warmup):
                 engine.step()
-        row = {"phase": name, **clock.summary(), "python_top": python_top(engine, args.steps, args.top)}
-        result["phases"].append(row)
-        write_atomic(args.out, json.dumps(result, indent=1))
+            launched_ahead = engine.metrics.num_launched_ahead
+            with StepClock().installed(engine) as clock:
+                for _ in range(args.steps):
+                    engine.step()
+            row = {"phase": name, "launch_ahead": ahead, **clock.summary(),
+                   "steps_launched_ahead": engine.metrics.num_launched_ahead - launched_ahead,
+                   "python_top": python_top(engine, args.steps, args.top)}
+            result["phases"].append(row)
+            write_atomic(args.out, json.dumps(result, indent=1))
     return result
 
 
@@ -189,11 +199,13 @@ def main(argv=None) -> int:
         print(f"engine_host_profile: --al={args.al}: must lie in [1, k + 1 = {args.k + 1}]", file=sys.stderr)
         return 2
     result = run(args)
-    print(f"{'phase':>6} {'step':>8} {'gpu':>8} {'idle':>7} {'before':>7} {'fill':>6} {'launch':>7} {'readback':>8} {'after':>6}  (us)")
+    columns = ("step_us", "graph_gpu_us", "idle_us", "host_us", "wait_us", "launch_us", "fill_us", "replay_call_us",
+               "readback_us")
+    print(f"{'phase':>6} {'ahead':>5} " + " ".join(f"{c[:-3]:>8}" for c in columns) + "  (us)")
     for r in result["phases"]:
-        cells = [r.get(c) for c in ("step_us", "graph_gpu_us", "idle_us", "before_replay_us", "fill_us",
-                                    "replay_call_us", "readback_us", "after_us")]
-        print(f"{r['phase']:>6} " + " ".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cells))
+        cells = [r.get(c) for c in columns]
+        print(f"{r['phase']:>6} {'yes' if r['launch_ahead'] else 'no':>5} "
+              + " ".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cells))
     return 0
 
 

@@ -22,9 +22,10 @@ def test_both_phases_are_timed_and_profiled(tmp_path):
     result = json.loads(out.read_text())
     assert result["graphs"] is False and [p["phase"] for p in result["phases"]] == ["plain", "al3.5"]
     for phase in result["phases"]:
-        assert phase["steps"] == 3 and phase["step_us"] > 0
-        # eager: no replay, so none of the parts around it
-        assert phase["replay_call_us"] is None and phase["after_us"] is None and "graph_gpu_us" not in phase
+        assert phase["steps"] == 3 and phase["step_us"] > 0 and phase["host_us"] == phase["step_us"]
+        # eager: no replay, so none of the parts around it, and no step launched ahead
+        assert phase["replay_call_us"] is None and phase["launch_us"] is None and "graph_gpu_us" not in phase
+        assert phase["launch_ahead"] is False and phase["steps_launched_ahead"] == 0
         top = phase["python_top"]
         own = [r["own_us"] for r in top]
         assert len(top) == 25 and own == sorted(own, reverse=True) and min(own) >= 0

@@ -4,12 +4,16 @@
   same shapes, so outputs and acceptance are identical token for token, greedy and seeded
   sampling, with requests of different lengths leaving mid-run (the batch moves from bucket 4
   to bucket 2 to bucket 1).
+- Steps launched ahead (before the step before them is read back) against steps read back first:
+  identical outputs, with EOS and max_tokens stops and a request entering mid-run.
 - Greedy speculative decoding against plain decoding: the GPU kernels are equal to a tolerance
   across T (a verify of 8 tokens and a decode of 1 use different GEMM splits), so the outputs
   must agree until a position where the two tokens the paths chose are within that tolerance
   of each other in plain decoding's logits there (MARGIN on logits of unit scale; bf16 GEMMs
   over 7168-wide rows differ by about 1e-2; the bound is not yet measured, hence generous).
 """
+from collections import Counter
+
 import pytest
 import torch
 
@@ -69,6 +73,54 @@ def test_a_batch_leaving_mid_run_replays_smaller_buckets(model):
     assert all(0 <= t < K3_SLICE.vocab_size for o in outs for t in o.token_ids)
     assert sorted(engine._free_slots) == [0, 1, 2, 3] and not engine.has_unfinished()
     assert {key.batch for key in engine._graphs.replays} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_steps_launched_ahead_emit_what_steps_read_back_first_emit(model, temperature, speculative):
+    """The same requests on two graphed engines, one launching each step before the one before it
+    is read back (launch_ahead, the default) and one reading every step back first: the same
+    kernels and the same draws from each request's generator, so each request's output is
+    identical token for token. One request stops at an EOS (seen one step late by the first
+    engine, whose next step's row for it is discarded), the others at max_tokens, and one enters
+    after the first step. The batch stays in the bucket of 4 until the EOS stop (the engines
+    reach it with different batch compositions there, and a row's result does not depend on the
+    other rows of the same graph, while another bucket's GEMM shapes could round differently)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompts = _prompts(gen, (5, 9, 7, 6))
+    spec = (SpecConfig(num_speculative_tokens=5, rejection_sample_method="synthetic", synthetic_acceptance_length=3.5)
+            if speculative else SpecConfig(num_speculative_tokens=0))
+
+    def run(ahead: bool, eos: tuple[int, ...]):
+        engine = Engine(K3Target(model, max_slots=4, max_seq_len=160),
+                        UniformDrafter(K3_SLICE.vocab_size) if speculative else None, spec,
+                        eos_token_ids=eos, cuda_graphs=True, launch_ahead=ahead)
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=not eos, seed=5 + n)
+                  for n in (40, 23, 31, 27)]
+        ids = [engine.add_request(p, q) for p, q in zip(prompts[:3], params[:3])]
+        outs = {}
+        step = 0
+        while engine.has_unfinished() or step < 2:
+            if step == 1:  # enters after the first step (with launch-ahead, while one is in flight)
+                ids.append(engine.add_request(prompts[3], params[3]))
+            for event in engine.step():
+                outs.setdefault(event.request_id, []).extend(event.new_token_ids)
+            step += 1
+        assert sorted(engine._free_slots) == [0, 1, 2, 3]
+        return [outs[i] for i in ids], engine.metrics.num_launched_ahead
+
+    first, _ = run(False, ())
+    # The EOS: a token of request 0's that occurs nowhere else in any output, past its 16th token.
+    seen = Counter(t for out in first for t in out)
+    picks = [t for t in first[0][16:] if seen[t] == 1]
+    if not picks:
+        pytest.skip("every token of request 0 past its 16th repeats somewhere: no EOS to pick")
+    eos = (picks[0],)
+    want, none_ahead = run(False, eos)
+    got, ahead = run(True, eos)
+    assert got == want
+    assert want[0] == first[0][: first[0].index(eos[0]) + 1] and [len(o) for o in want[1:]] == [23, 31, 27]
+    assert none_ahead == 0 and ahead > 5, f"{ahead} steps launched ahead"
 
 
 def _plain_logit_gap(model, prompt, emitted, position, a, b):

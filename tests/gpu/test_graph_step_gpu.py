@@ -3,7 +3,9 @@
 Same weights, same prompts, same drafts: the replay runs exactly the kernels of the eager step,
 so accepted counts, next tokens, logits-derived decisions and every piece of committed state
 must be bitwise equal, including a batch padded into a larger bucket and a request that leaves
-mid-run. A steady-state replay raises nothing under torch's sync-debug mode "error".
+mid-run; the graph advances each live slot's anchor on the device and leaves padding slots'
+anchors alone. Steady-state replays, two launched before either is read, raise nothing under
+torch's sync-debug mode "error".
 """
 import pytest
 import torch
@@ -95,8 +97,13 @@ def test_replay_equals_eager_step_with_padding_and_a_leaving_request(model, temp
         uniforms = torch.rand(B, K, generator=gen).cuda()
         noise = torch.empty(B, K3_SLICE.vocab_size).exponential_(generator=gen).cuda()
         want = _eager_step(eager, slots, pad, anchors, drafts, num_drafts, sampling, uniforms, noise)
-        got = runner.run(slots, free, anchors, drafts, num_drafts, None, sampling, uniforms, noise)
+        if step in (0, 3):  # the slots' anchors on the device; later steps find the graph's own
+            runner.set_anchors(torch.tensor(slots, device="cuda"), torch.tensor(anchors, device="cuda"))
+        pad_anchors = runner.anchors[pad].tolist()
+        got = runner.run(slots, free, drafts, num_drafts, None, sampling, uniforms, noise)
         assert (got.num_accepted, got.next_token) == want, f"step {step}: accepted/next differ"
+        assert runner.anchors[slots].tolist() == got.next_token, f"step {step}: the graph's anchors"
+        assert runner.anchors[pad].tolist() == pad_anchors, f"step {step}: a padding slot's anchor changed"
         assert got.drafts == drafts.tolist() and got.num_drafts == num_drafts.tolist()
         _assert_same_state(_state(graphed, slots), _state(eager, slots), f"step {step}")
         _assert_same_state(_state(graphed, pad), before_pad, f"step {step}: a padding slot changed")
@@ -111,11 +118,14 @@ def test_steady_state_replay_does_not_synchronise(model):
     drafts = torch.randint(0, K3_SLICE.vocab_size, (1, K), device="cuda")
     num = torch.full((1,), K, device="cuda")
     free = [s for s in range(SLOTS) if s != 1]
-    runner.run([1], free, [3], drafts, num, None, sampling, None, None)  # captures
+    runner.set_anchors(torch.tensor([1], device="cuda"), torch.tensor([3], device="cuda"))
+    runner.run([1], free, drafts, num, None, sampling, None, None)  # captures
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            got = runner.run([1], free, [3], drafts, num, None, sampling, None, None)
+            pending = [runner.launch([1], free, drafts, num, None, sampling, None, None) for _ in range(2)]
+            got = pending[0].result(), pending[1].result()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert 0 <= got.num_accepted[0] <= K and 0 <= got.next_token[0] < K3_SLICE.vocab_size
+    for one in got:
+        assert 0 <= one.num_accepted[0] <= K and 0 <= one.next_token[0] < K3_SLICE.vocab_size
