@@ -4,8 +4,9 @@ against the float64 reference under autograd: values and gradients, float32 and 
 Tolerance: the kernels sum float32 terms over the vocabulary in another order than float64:
 ce and l1 within 1e-3 absolute (O(1-10) values); the gradient within 1e-6 absolute for float32
 logits, and for bf16 logits (the gradient is written in the logits' dtype) within one bf16
-rounding: 2^-8 |ref| + 1e-7. The caching allocator is filled with NaN first, so an element
-the kernels do not write shows up."""
+rounding: 2^-8 |ref| + 1e-7; plus, where the draft and target probabilities are equal to
+within float32's error, the jump of the derivative of |p - t| there. The caching allocator is
+filled with NaN first, so an element the kernels do not write shows up."""
 import pytest
 import torch
 
@@ -38,4 +39,12 @@ def test_draft_loss_terms_match_float64(dtype):
     grad = grad.double()
     assert torch.isfinite(grad).all(), "gradient: unwritten (NaN) or non-finite"
     bound = (2.0**-8 * want_grad.abs() + 1e-7) if dtype == torch.bfloat16 else torch.full_like(want_grad, 1e-6)
-    assert ((grad - want_grad).abs() <= bound).all(), f"gradient: max error {(grad - want_grad).abs().max().item():.2e}"
+    # |p - t| has a kink at p = t: where float32's p (relative error ~1e-6 from exp(z - lse)) and
+    # float64's may fall on either side, either one-sided derivative is right; they differ by
+    # 2 p |up_l1|. (The first H200 run failed on such elements alone: 3e-6 apart in float32.)
+    p = torch.softmax(logits.double(), dim=-1)
+    kink = (p - probs.double()[which]).abs() <= 1e-5 * p
+    bound = bound + kink * 2 * p * up_l1.abs()[:, None]
+    over = (grad - want_grad).abs() > bound
+    assert not over.any(), (f"gradient: {int(over.sum())} elements out of bound, worst error "
+                            f"{((grad - want_grad).abs() - bound).max().item():.2e} past it")
