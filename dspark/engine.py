@@ -253,7 +253,9 @@ class Engine:
 
     def set_acceptance(self, spec: SpecConfig) -> None:
         """Switch k and the acceptance mode between steps, keeping the live requests (a phased
-        sweep measures every forced AL on one prefilled context). The drafter stays the same."""
+        sweep measures every forced AL on one prefilled context). The drafter stays the same.
+        A step already launched ahead keeps the settings it was launched with: drain() first to
+        switch at a step boundary."""
         spec = spec.validate()
         if spec.max_k > 0 and self.drafter is None:
             raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: speculation needs a drafter")
@@ -400,6 +402,18 @@ class Engine:
             self._inflight = self._launch(launched.reqs, ahead=True)
             self.metrics.num_launched_ahead += 1
         return events + self._complete(launched)
+
+    def drain(self) -> list[StepOutput]:
+        """Read back the step launched ahead, if any, and launch nothing after it: what it emits
+        (the events the next step() would have returned first). After it, every step launched
+        so far is counted in `metrics` and the next step starts from the host's state."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return []
+        if all(r.out.finished for r in launched.reqs):
+            launched.pending.result()
+            return []
+        return self._complete(launched)
 
     def _may_launch_ahead(self, launched: "_Launched") -> bool:
         """Whether the step after `launched` may be launched before `launched` is read back: a

@@ -167,6 +167,7 @@ def measure_phases(target, *, batch: int, k: int, als: list[float], context: int
                                SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=budget))
         engine.step()  # prefill (and one step), outside every phase
         for al in runs:
+            engine.drain()  # a step launched ahead belongs to the phase before
             if al is None:
                 engine.set_acceptance(SpecConfig(num_speculative_tokens=0, seed=seed))
             else:

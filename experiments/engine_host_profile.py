@@ -162,6 +162,7 @@ def run(args) -> dict:
                                            synthetic_acceptance_length=args.al, seed=0))]
     for ahead in ((True, False) if engine._graphs is not None else (False,)):
         for name, phase_spec in specs:
+            engine.drain()  # a step launched ahead belongs to the phase before
             engine.set_acceptance(phase_spec)
             engine.launch_ahead = ahead
             for _ in range(args.warmup):
@@ -170,6 +171,7 @@ def run(args) -> dict:
             with StepClock().installed(engine) as clock:
                 for _ in range(args.steps):
                     engine.step()
+            engine.drain()  # the last step launched one ahead: its CUDA events must be done
             row = {"phase": name, "launch_ahead": ahead, **clock.summary(),
                    "steps_launched_ahead": engine.metrics.num_launched_ahead - launched_ahead,
                    "python_top": python_top(engine, args.steps, args.top)}

@@ -103,7 +103,8 @@ def test_steps_launched_ahead_emit_what_steps_read_back_first_emit(model, temper
         while engine.has_unfinished() or step < 2:
             if step == 1:  # enters after the first step (with launch-ahead, while one is in flight)
                 ids.append(engine.add_request(prompts[3], params[3]))
-            for event in engine.step():
+            # A drain mid-run (as a phased sweep does between phases) reads the step launched ahead.
+            for event in engine.step() + (engine.drain() if step == 6 else []):
                 outs.setdefault(event.request_id, []).extend(event.new_token_ids)
             step += 1
         assert sorted(engine._free_slots) == [0, 1, 2, 3]
@@ -120,7 +121,8 @@ def test_steps_launched_ahead_emit_what_steps_read_back_first_emit(model, temper
     got, ahead = run(True, eos)
     assert got == want
     assert want[0] == first[0][: first[0].index(eos[0]) + 1] and [len(o) for o in want[1:]] == [23, 31, 27]
-    assert none_ahead == 0 and ahead > 5, f"{ahead} steps launched ahead"
+    # Not the last steps of a request that max_tokens may end, nor while one waits to enter.
+    assert none_ahead == 0 and ahead >= 3, f"{ahead} steps launched ahead"
 
 
 def _plain_logit_gap(model, prompt, emitted, position, a, b):
