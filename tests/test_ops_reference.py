@@ -124,6 +124,67 @@ def test_kda_rejects_bad_shapes(gen):
         run_verify(inp, [2])
 
 
+def kda_pools(gen, B, T, pool_rows, layers, layer):
+    """KDA inputs whose state and conv window are one layer's view of 5-D pools [S, layers, ...]
+    (rows of random values, the ones no request uses included), and B distinct slots in random order."""
+    inp = kda_inputs(gen, B, T)
+    pool = randn(gen, pool_rows, layers, H, D, D, scale=0.3)
+    conv_pool = randn(gen, pool_rows, layers, 3, W, 3)
+    inp["state"], inp["conv_state"] = pool[:, layer], conv_pool[:, layer]
+    slots = torch.randperm(pool_rows, generator=gen)[:B]
+    return inp, pool, conv_pool, slots
+
+
+def test_kda_on_slot_pools_equals_gathered_states_bitwise(gen):
+    """With slots, verify reads and commit advances rows slots[b] of per-layer pool views (a
+    slot stride of the whole 5-D pool), with the bits of the same ops on gathered contiguous
+    states; verify leaves the pools alone and commit touches only the slots' rows of its layer."""
+    B, T, layer = 3, 5, 1
+    inp, pool, conv_pool, slots = kda_pools(gen, B, T, pool_rows=7, layers=3, layer=layer)
+    assert not inp["state"].is_contiguous() and not inp["conv_state"].is_contiguous()
+    gathered = dict(inp, state=inp["state"].index_select(0, slots), conv_state=inp["conv_state"].index_select(0, slots))
+    pool_before, conv_before = pool.clone(), conv_pool.clone()
+    lengths = [T, 3, 0]
+    out, records = run_verify(gathered, lengths)
+    out_pool, records_pool = ops.kda_verify(**inp, lengths=torch.tensor(lengths), lower_bound=LOWER_BOUND, eps=EPS,
+                                            slots=slots)
+    assert torch.equal(pool, pool_before) and torch.equal(conv_pool, conv_before), "verify modified the pools"
+    assert torch.equal(out_pool, out)
+    for name in ("keys", "updates", "decays", "conv_inputs", "lengths"):
+        assert torch.equal(getattr(records_pool, name), getattr(records, name)), name
+
+    accepted = torch.tensor([4, 3, 0])
+    ops.kda_commit(gathered["state"], gathered["conv_state"], records, accepted)
+    ops.kda_commit(inp["state"], inp["conv_state"], records_pool, accepted, slots=slots)
+    expected, expected_conv = pool_before.clone(), conv_before.clone()
+    expected[:, layer].index_copy_(0, slots, gathered["state"])
+    expected_conv[:, layer].index_copy_(0, slots, gathered["conv_state"])
+    assert torch.equal(pool, expected), "state pool differs (slots' rows or rows outside slots)"
+    assert torch.equal(conv_pool, expected_conv), "conv pool differs (slots' rows or rows outside slots)"
+    assert not torch.equal(pool[slots[0], layer], pool_before[slots[0], layer]), "the accepted tokens moved nothing"
+
+
+@pytest.mark.parametrize("bad_slots", [torch.tensor([0, 1]), torch.tensor([[0, 1, 2]]),
+                                       torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0.0, 1.0, 2.0]),
+                                       [0, 1, 2], torch.tensor([0, 1, 7])])
+def test_kda_refuses_bad_slots_naming_the_field(gen, bad_slots):
+    inp, _, _, _ = kda_pools(gen, 3, 2, pool_rows=7, layers=2, layer=0)
+    with pytest.raises(ValueError, match="slots"):
+        ops.kda_verify(**inp, lengths=torch.tensor([2, 2, 2]), lower_bound=LOWER_BOUND, eps=EPS, slots=bad_slots)
+    records = run_verify(dict(inp, state=inp["state"][:3], conv_state=inp["conv_state"][:3]), [2, 2, 2])[1]
+    with pytest.raises(ValueError, match="slots"):
+        ops.kda_commit(inp["state"], inp["conv_state"], records, torch.tensor([1, 1, 1]), slots=bad_slots)
+
+
+def test_kda_commit_refuses_a_repeated_slot_and_a_pool_without_slots(gen):
+    inp, _, _, _ = kda_pools(gen, 2, 2, pool_rows=5, layers=2, layer=1)
+    records = run_verify(dict(inp, state=inp["state"][:2], conv_state=inp["conv_state"][:2]), [2, 2])[1]
+    with pytest.raises(ValueError, match="slots"):
+        ops.kda_commit(inp["state"], inp["conv_state"], records, torch.tensor([1, 1]), slots=torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="state"):  # 5 rows for 2 requests, and no slots to pick them
+        ops.kda_commit(inp["state"], inp["conv_state"], records, torch.tensor([1, 1]))
+
+
 # ---------------------------------------------------------------- MLA
 def test_mla_matches_unabsorbed_float64_and_is_token_invariant(gen):
     Hq, R, P, nope, vdim, T, L = 3, 16, 4, 8, 8, 4, 12

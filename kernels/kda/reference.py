@@ -17,6 +17,12 @@ inside verify, so the committed state is bitwise the sequentially decoded one.
 
 Token invariance: every request and token is computed with the shapes of one-token decoding
 ([3, W] conv, [H, D] vectors, [H, D, D] state), so a token's bits do not depend on T or B.
+
+Slot pools (docs/kernels.md §10.3): with `slots` [B] int64, state [S, H, D, D] and conv_state
+[S, 3, W, 3] are one layer's pools (any slot stride, e.g. a view of a target's 5-D pool), and
+request b reads (verify) or advances in place (commit) row slots[b]; rows not in `slots` are
+never touched. Without it, row b belongs to request b (S = B). The arithmetic on a row is the
+same either way, so pool and gathered states give the same bits.
 """
 from __future__ import annotations
 
@@ -45,6 +51,37 @@ def _check(name: str, tensor: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
 
 
+def check_slots(slots: torch.Tensor, batch: int, device: torch.device) -> None:
+    """The checks every implementation makes of `slots` (values are the caller's contract: the
+    kernels run inside CUDA graphs and read no device value on the host)."""
+    if not isinstance(slots, torch.Tensor):
+        raise ValueError(f"slots: expected a [{batch}] int64 tensor, got {type(slots).__name__}")
+    if tuple(slots.shape) != (batch,) or slots.dtype != torch.int64 or slots.device != device:
+        raise ValueError(f"slots: expected a [{batch}] int64 tensor on {device}, got {tuple(slots.shape)} "
+                         f"{slots.dtype} on {slots.device}")
+
+
+def _pool_rows(slots, batch: int, state: torch.Tensor, conv_state: torch.Tensor, *, distinct: bool) -> list[int]:
+    """The state row of each request: slots[b], read on the host as the reference reads lengths
+    (so it is never captured in a CUDA graph), or b without slots. `distinct`: commit writes the
+    rows, so two requests may not share one."""
+    pool = state.shape[0]
+    if conv_state.shape[0] != pool:
+        raise ValueError(f"conv_state: {conv_state.shape[0]} rows, the state has {pool}")
+    if slots is None:
+        if pool != batch:
+            raise ValueError(f"state: {pool} rows for {batch} requests (without slots, row b is request b's)")
+        return list(range(batch))
+    check_slots(slots, batch, state.device)
+    rows = [int(s) for s in slots.tolist()]
+    for row in rows:
+        if not 0 <= row < pool:
+            raise ValueError(f"slots: {row} outside the pool's rows [0, {pool})")
+    if distinct and len(set(rows)) != len(rows):
+        raise ValueError(f"slots: {rows} repeats a row; commit advances each row once")
+    return rows
+
+
 def _l2_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -52,7 +89,7 @@ def _l2_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
 @register("kda_verify", "reference", priority=0)
 def kda_verify(
     q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
-    state, lengths, *, lower_bound: float, eps: float, l2_eps: float = 1e-6,
+    state, lengths, *, lower_bound: float, eps: float, l2_eps: float = 1e-6, slots=None,
 ):
     B, T, W = q_in.shape
     H = beta_in.shape[-1]
@@ -62,11 +99,13 @@ def kda_verify(
     for name, tensor, shape in (
         ("k_in", k_in, (B, T, W)), ("v_in", v_in, (B, T, W)), ("f", f, (B, T, W)),
         ("beta_in", beta_in, (B, T, H)), ("gate_in", gate_in, (B, T, W)),
-        ("conv_weight", conv_weight, (3, W, CONV_TAPS)), ("conv_state", conv_state, (B, 3, W, CONV_TAPS - 1)),
+        ("conv_weight", conv_weight, (3, W, CONV_TAPS)),
+        ("conv_state", conv_state, (conv_state.shape[0], 3, W, CONV_TAPS - 1)),
         ("A_log", A_log, (H,)), ("dt_bias", dt_bias, (W,)), ("o_norm_weight", o_norm_weight, (D,)),
-        ("state", state, (B, H, D, D)), ("lengths", lengths, (B,)),
+        ("state", state, (state.shape[0], H, D, D)), ("lengths", lengths, (B,)),
     ):
         _check(name, tensor, shape)
+    rows = _pool_rows(slots, B, state, conv_state, distinct=False)
     if state.dtype != torch.float32:
         raise ValueError(f"state: dtype must be float32, got {state.dtype}")
     lengths_list = [int(n) for n in lengths]
@@ -92,8 +131,8 @@ def kda_verify(
     scale = D ** -0.5
 
     for b in range(B):
-        window = torch.cat([conv_state[b], conv_inputs[b]], dim=-1).to(compute)  # [3, W, 3 + T]
-        S = state[b].to(compute)
+        window = torch.cat([conv_state[rows[b]], conv_inputs[b]], dim=-1).to(compute)  # [3, W, 3 + T]
+        S = state[rows[b]].to(compute)
         for t in range(lengths_list[b]):
             x = window[..., t : t + CONV_TAPS]  # oldest first; tap 3 is the current input
             conv = taps[..., 0] * x[..., 0]
@@ -118,20 +157,23 @@ def kda_verify(
 
 
 @register("kda_commit", "reference", priority=0)
-def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records: KDARecords, num_tokens) -> None:
-    B = state.shape[0]
+def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records: KDARecords, num_tokens, slots=None) -> None:
+    B = records.keys.shape[0]
     _check("num_tokens", torch.as_tensor(num_tokens), (B,))
-    _check("conv_state", conv_state, (B,) + tuple(records.conv_inputs.shape[1:3]) + (CONV_TAPS - 1,))
+    _check("conv_state", conv_state, (conv_state.shape[0],) + tuple(records.conv_inputs.shape[1:3]) + (CONV_TAPS - 1,))
+    _check("state", state, (state.shape[0],) + tuple(records.keys.shape[2:]) + (records.keys.shape[-1],))
+    rows = _pool_rows(slots, B, state, conv_state, distinct=True)
     for b in range(B):
         n = int(num_tokens[b])
         if not 0 <= n <= int(records.lengths[b]):
             raise ValueError(f"num_tokens: {n} for request {b} outside [0, {int(records.lengths[b])}]")
         if n == 0:
             continue
-        S = state[b].to(records.keys.dtype)
+        row = rows[b]
+        S = state[row].to(records.keys.dtype)
         for t in range(n):  # the same two operations, in the same order, as in kda_verify
             S = records.decays[b, t].unsqueeze(-1) * S
             S = S + records.keys[b, t].unsqueeze(-1) * records.updates[b, t].unsqueeze(-2)
-        state[b].copy_(S)
-        window = torch.cat([conv_state[b], records.conv_inputs[b, :, :, :n]], dim=-1)
-        conv_state[b].copy_(window[..., -(CONV_TAPS - 1) :])
+        state[row].copy_(S)
+        window = torch.cat([conv_state[row], records.conv_inputs[b, :, :, :n]], dim=-1)
+        conv_state[row].copy_(window[..., -(CONV_TAPS - 1) :])
