@@ -19,16 +19,20 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
-               o_norm_weight, state, lengths, *, lower_bound: float, eps: float):
-    """KDA over T tokens per request from the committed state, output-only -> (o [B,T,W], records)."""
+               o_norm_weight, state, lengths, *, lower_bound: float, eps: float,
+               slots: torch.Tensor | None = None):
+    """KDA over T tokens per request from the committed state, output-only -> (o [B,T,W], records).
+    slots [B] int64: state and conv_state are pools and request b reads row slots[b]."""
     args = (q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
             o_norm_weight, state, lengths)
-    return select("kda_verify", *args).fn(*args, lower_bound=lower_bound, eps=eps)
+    return select("kda_verify", *args).fn(*args, lower_bound=lower_bound, eps=eps, slots=slots)
 
 
-def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records, num_tokens: torch.Tensor) -> None:
-    """In place: advance state/conv_state by the first num_tokens[b] positions of `records`."""
-    return select("kda_commit", state, conv_state).fn(state, conv_state, records, num_tokens)
+def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records, num_tokens: torch.Tensor,
+               slots: torch.Tensor | None = None) -> None:
+    """In place: advance state/conv_state by the first num_tokens[b] positions of `records`
+    (with slots [B] int64: rows slots[b] of the pools state/conv_state)."""
+    return select("kda_commit", state, conv_state).fn(state, conv_state, records, num_tokens, slots=slots)
 
 
 def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ compiled in) for T in {1, 8}, and the PTX is checked for what the design relies 
 memory for the register-resident state; in the V-split variant the cluster exchange for the
 head-wide RMSNorm ordered after its barrier; fast math without IEEE division slow paths; the
 TMA-unit state copy (bulk_state) armed on an mbarrier and waited for; per-block named barriers
-(group_sync).
+(group_sync); the slot-indexed builds' one load of the request's slot.
 The argument checks of the torch wrappers run on CPU tensors without compiling anything.
 """
 import re
@@ -93,6 +93,67 @@ def test_bulk_state_variants_copy_the_state_on_the_tma_unit(arch, block_v, tmp_p
         copy = ptx.index("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
         assert ptx.index("mbarrier.init") < copy < ptx.index("mbarrier.try_wait.parity")
         assert "mbarrier.arrive.expect_tx" in ptx
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
+def test_slot_indexed_builds_read_the_slot_once_after_the_pdl_wait(arch, tmp_path):
+    """The default verify and commit variants built for slot pools (K3Target's calls): each CTA
+    loads its request's slot, the build's only 64-bit global load, after the programmatic-launch
+    wait (a graph's previous node may write the slots) and before the state copy that starts at
+    the slot's row; the unindexed builds load no slot."""
+    options = ("--keep-ptx", f"--dump-dir {tmp_path}")
+    verify_options = kda_cute.default_variant(HEAD_DIM, "verify")
+    commit_options = kda_cute.default_variant(HEAD_DIM, "commit")
+    assert verify_options["pdl"] and verify_options["bulk_state"] and commit_options["pdl"]
+    verify_block_v, commit_block_v = verify_options.pop("block_v"), commit_options.pop("block_v")
+    for slot_indexed in (True, False):
+        verify = kda_cute.compile_verify(arch, HEAD_DIM, verify_block_v, 8, torch.bfloat16, torch.bfloat16,
+                                         extra_options=options, slot_indexed=slot_indexed, **verify_options)
+        commit = kda_cute.compile_commit(arch, HEAD_DIM, commit_block_v, torch.bfloat16, extra_options=options,
+                                         slot_indexed=slot_indexed, **commit_options)
+        for ptx in (_ptx_of(verify, tmp_path), _ptx_of(commit, tmp_path)):
+            assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+            assert ptx.count("ld.global.b64") == (1 if slot_indexed else 0)
+            if slot_indexed:
+                slot_load = ptx.index("ld.global.b64")
+                assert ptx.index("griddepcontrol.wait") < slot_load < ptx.index("cp.async.bulk")
+
+
+def _pools(B=2, S=5, layers=3, T=2, H=2, D=32):
+    """Per-layer views of 5-D pools [S, layers, ...] (what K3Target passes), B slots and records."""
+    W = H * D
+    args = _small_inputs(B=B, T=T, H=H, D=D)
+    args["state"] = torch.randn(S, layers, H, D, D)[:, 1]
+    args["conv_state"] = torch.randn(S, layers, 3, W, 3)[:, 1]
+    records = kda_cute.allocate_records(B, T, H, D, torch.float32, "cpu", args["lengths"])
+    return args, torch.tensor([4, 0]), records
+
+
+@pytest.mark.parametrize("slots", [torch.tensor([4]), torch.tensor([[4, 0]]), torch.tensor([4, 0], dtype=torch.int32),
+                                   torch.tensor([4.0, 0.0]), None])
+def test_slot_pools_are_checked_naming_the_field(slots):
+    """Bad slots (shape, dtype) and a pool passed without slots are refused before any compile;
+    slot values are the caller's contract (never read on the host)."""
+    args, _, records = _pools()
+    field = "slots" if slots is not None else "state.shape"
+    with pytest.raises(ValueError, match=field):
+        kda_cute.verify(*args.values(), lower_bound=-5.0, eps=1e-5, arch="sm_90a", slots=slots)
+    with pytest.raises(ValueError, match="slots" if slots is not None else "states.shape"):
+        kda_cute.commit(args["state"], args["conv_state"], records, torch.tensor([1, 1]), arch="sm_90a", slots=slots)
+
+
+def test_slot_pools_need_contiguous_rows_and_one_row_count():
+    args, slots, records = _pools()
+    rows_strided = torch.randn(5, 2, 32, 64)[..., :32]  # [S, H, D, D] whose rows are not contiguous
+    with pytest.raises(ValueError, match="state.stride"):
+        kda_cute.verify(*dict(args, state=rows_strided).values(), lower_bound=-5.0, eps=1e-5, arch="sm_90a",
+                        slots=slots)
+    with pytest.raises(ValueError, match="states.stride"):
+        kda_cute.commit(rows_strided, args["conv_state"], records, torch.tensor([1, 1]), arch="sm_90a", slots=slots)
+    with pytest.raises(ValueError, match="conv_state.shape"):
+        kda_cute.verify(*dict(args, conv_state=args["conv_state"][:4]).values(), lower_bound=-5.0, eps=1e-5,
+                        arch="sm_90a", slots=slots)
 
 
 @needs_cutlass

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ..cute_common import CompileCache, torch_to_cutlass_dtype
-from .reference import KDARecords
+from .reference import KDARecords, check_slots
 
 ROW_CHUNKS = 4  # default row_chunks: the warps a column's rows are split over; partial dots meet in smem
 MAX_TOKENS = 16  # verify width supported: T = 1..16 (k <= 15 drafts)
@@ -82,7 +82,7 @@ def _check_layout(head_dim: int, block_v: int, cols: int, row_chunks: int) -> No
 def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype: torch.dtype,
                    conv_dtype: torch.dtype, extra_options: tuple[str, ...] = (), *, cols: int = 1,
                    row_chunks: int = ROW_CHUNKS, fast_math: bool = False, bulk_state: bool = False,
-                   group_sync: bool = False, pdl: bool = False, probe: bool = False):
+                   group_sync: bool = False, pdl: bool = False, probe: bool = False, slot_indexed: bool = False):
     """The compiled verify kernel for one variant (cached; CPU-only compile works with any arch).
 
     cols / row_chunks: the thread layout (state columns per thread, warps a column's rows are
@@ -92,7 +92,9 @@ def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_d
     barriers), so blocks do not wait for each other; pdl: programmatic dependent launch (the
     kernel waits for its predecessor before any memory access and lets its successor launch
     after the prologue); probe: thread 0
-    of each CTA writes clock64 and %globaltimer at 5 phase boundaries into probe_out (diagnostic).
+    of each CTA writes clock64 and %globaltimer at 5 phase boundaries into probe_out (diagnostic);
+    slot_indexed: request b reads row slots[b] of the state and conv pools (else row b; the slots
+    argument is then never read).
     extra_options: more cute.compile flags, e.g. ("--keep-ptx",) to inspect the PTX (written to
     the current directory).
     """
@@ -101,31 +103,32 @@ def compile_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_d
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
     key = ("kda_verify", arch, head_dim, block_v, max_tokens, in_dtype, conv_dtype, cols, row_chunks, fast_math,
-           bulk_state, group_sync, pdl, probe, extra_options)
+           bulk_state, group_sync, pdl, probe, slot_indexed, extra_options)
 
     def build():
         from . import cute_kernel
 
         return cute_kernel.build_verify(
             arch, head_dim, block_v, max_tokens, torch_to_cutlass_dtype(in_dtype), torch_to_cutlass_dtype(conv_dtype),
-            cols, row_chunks, fast_math, bulk_state, group_sync, pdl, probe, extra_options)
+            cols, row_chunks, fast_math, bulk_state, group_sync, pdl, probe, slot_indexed, extra_options)
 
     return _cache.get(key, build)
 
 
 def compile_commit(arch: str, head_dim: int, block_v: int, conv_dtype: torch.dtype,
                    extra_options: tuple[str, ...] = (), *, cols: int = 1, row_chunks: int = ROW_CHUNKS,
-                   bulk_state: bool = False, pdl: bool = False):
+                   bulk_state: bool = False, pdl: bool = False, slot_indexed: bool = False):
     """The compiled commit kernel for one variant (cached), see compile_verify."""
     _check_head_dim(head_dim, block_v)
     _check_layout(head_dim, block_v, cols, row_chunks)
-    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, bulk_state, pdl, extra_options)
+    key = ("kda_commit", arch, head_dim, block_v, conv_dtype, cols, row_chunks, bulk_state, pdl, slot_indexed,
+           extra_options)
 
     def build():
         from . import cute_kernel
 
         return cute_kernel.build_commit(arch, head_dim, block_v, MAX_TOKENS, torch_to_cutlass_dtype(conv_dtype), cols,
-                                        row_chunks, bulk_state, pdl, extra_options)
+                                        row_chunks, bulk_state, pdl, slot_indexed, extra_options)
 
     return _cache.get(key, build)
 
@@ -160,6 +163,39 @@ def _require(cond: bool, field: str, value, what: str) -> None:
         raise ValueError(f"kda: {field}={value} {what}")
 
 
+def _rows_contiguous(x: torch.Tensor, leading: int) -> bool:
+    """Whether x's rows (its dims after the first `leading`) are contiguous, whatever the strides
+    of the leading dims: the kernels take pools with any slot (and layer) stride."""
+    expected = 1
+    for size, stride in zip(reversed(x.shape[leading:]), reversed(x.stride()[leading:])):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check_pools(state: torch.Tensor, conv_state: torch.Tensor, leading: int, batch: int, slots, bulk_state: bool,
+                 names: tuple[str, str]) -> None:
+    """The state and conv pools of a call: the same number of rows (dim `leading`), batch rows
+    without slots, contiguous rows, and for the TMA-unit copy (bulk_state) 16-byte aligned rows.
+    Slot values are the caller's contract (read on the device only)."""
+    rows = state.shape[leading]
+    _require(conv_state.shape[leading] == rows, f"{names[1]}.shape", tuple(conv_state.shape),
+             f"must have the state's {rows} rows in dim {leading}")
+    if slots is None:
+        _require(rows == batch, f"{names[0]}.shape", tuple(state.shape),
+                 f"must have {batch} rows in dim {leading} (one per request without slots)")
+    else:
+        check_slots(slots, batch, state.device)
+    for name, x in zip(names, (state, conv_state)):
+        _require(_rows_contiguous(x, leading + 1), f"{name}.stride", x.stride(),
+                 f"must have contiguous rows after dim {leading} (any stride before)")
+    if bulk_state:
+        aligned = state.data_ptr() % 16 == 0 and all(state.stride(d) % 4 == 0 for d in range(leading + 1))
+        _require(aligned, f"{names[0]}.stride", state.stride(),
+                 "must keep every row 16-byte aligned for the TMA-unit copy (bulk_state)")
+
+
 def allocate_records(batch: int, tokens: int, heads: int, head_dim: int, conv_dtype: torch.dtype,
                      device, lengths: torch.Tensor, leading: tuple[int, ...] = ()) -> KDARecords:
     """Uninitialised record buffers for verify; `leading` = (L,) stacks L layers for one commit."""
@@ -178,8 +214,12 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
            block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
            fast_math: bool | None = None, bulk_state: bool | None = None, group_sync: bool | None = None,
            pdl: bool | None = None, records: KDARecords | None = None, out: torch.Tensor | None = None,
-           probe: torch.Tensor | None = None, experimental_variant: bool = False):
+           probe: torch.Tensor | None = None, experimental_variant: bool = False, slots: torch.Tensor | None = None):
     """Output-only KDA verify, the reference kda_verify's contract. Returns (out, records).
+
+    slots [B] int64 on the state's device: state [S, H, D, D] and conv_state [S, 3, W, 3] are
+    pools with contiguous rows and any slot stride (a per-layer view of a target's pool), and
+    request b reads row slots[b]; the kernel looks the row up, so nothing is gathered.
 
     block_v, cols, row_chunks, fast_math, bulk_state, group_sync, pdl: kernel options (None = default_variant's);
     experimental_variant (benchmarks only): allow the options check_verified_variant refuses; probe: an
@@ -192,9 +232,9 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
     records.lengths is the `lengths` tensor itself, not a copy; commit does not read it.
     """
     _require(state.dim() == 4 and state.dtype == torch.float32, "state.shape", (tuple(state.shape), state.dtype),
-             "must be [B, H, D, D] fp32")
-    B, H, D, D2 = state.shape
-    _require(D == D2, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
+             "must be [S, H, D, D] fp32")
+    _, H, D, D2 = state.shape
+    _require(D == D2, "state.shape", tuple(state.shape), "must be [S, H, D, D]")
     variant = resolve_variant(D, "verify", block_v=block_v, cols=cols, row_chunks=row_chunks, fast_math=fast_math,
                               bulk_state=bulk_state, group_sync=group_sync, pdl=pdl)
     _check_head_dim(D, variant["block_v"])
@@ -202,9 +242,8 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
     if not experimental_variant:
         check_verified_variant(D, variant)
     W = H * D
-    _require(q_in.dim() == 3 and q_in.shape[0] == B and q_in.shape[2] == W, "q_in.shape", tuple(q_in.shape),
-             f"must be [B={B}, T, W={W}]")
-    T = q_in.shape[1]
+    _require(q_in.dim() == 3 and q_in.shape[2] == W, "q_in.shape", tuple(q_in.shape), f"must be [B, T, W={W}]")
+    B, T = q_in.shape[:2]
     _require(1 <= T <= MAX_TOKENS, "T", T, f"must be in 1..{MAX_TOKENS}")
     dtype = q_in.dtype
     for name, x in (("k_in", k_in), ("v_in", v_in), ("f", f), ("gate_in", gate_in)):
@@ -214,8 +253,12 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
              (tuple(beta_in.shape), beta_in.dtype), f"must be [{B}, {T}, {H}] {dtype}")
     _require(tuple(conv_weight.shape) == (3, W, 4) and conv_weight.dtype == torch.float32, "conv_weight.shape",
              (tuple(conv_weight.shape), conv_weight.dtype), f"must be [3, {W}, 4] fp32")
-    _require(tuple(conv_state.shape) == (B, 3, W, 3), "conv_state.shape", tuple(conv_state.shape),
-             f"must be [{B}, 3, {W}, 3]")
+    _require(conv_state.dim() == 4 and tuple(conv_state.shape[1:]) == (3, W, 3), "conv_state.shape",
+             tuple(conv_state.shape), f"must be [S, 3, {W}, 3]")
+    if slots is None and not (_rows_contiguous(state, 1) and _rows_contiguous(conv_state, 1)):
+        # read only: a copy of a batch's own states loses nothing (a pool's must not be copied)
+        state, conv_state = state.contiguous(), conv_state.contiguous()
+    _check_pools(state, conv_state, 0, B, slots, variant["bulk_state"], ("state", "conv_state"))
     _require(A_log.dim() == 1 and A_log.shape[0] >= H and A_log.dtype == torch.float32, "A_log.shape",
              (tuple(A_log.shape), A_log.dtype), f"must be fp32 with at least {H} entries")
     _require(tuple(dt_bias.shape) == (W,) and dt_bias.dtype == torch.float32, "dt_bias.shape",
@@ -249,13 +292,14 @@ def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log
     kernel = compile_verify(arch, D, variant["block_v"], MAX_TOKENS, dtype, conv_state.dtype, cols=variant["cols"],
                             row_chunks=variant["row_chunks"], fast_math=variant["fast_math"],
                             bulk_state=variant["bulk_state"], group_sync=variant["group_sync"], pdl=variant["pdl"],
-                            probe=probe is not None)
+                            probe=probe is not None, slot_indexed=slots is not None)
     c = torch.Tensor.contiguous
     row = _rows if STRIDED_INPUTS else c
-    kernel(row(q_in), row(k_in), row(v_in), row(f), row(beta_in), row(gate_in), c(conv_weight), c(conv_state), c(A_log),
-           c(dt_bias), c(o_norm_weight), c(state), lengths, out, records.keys, records.updates, records.decays,
-           records.conv_inputs, probe if probe is not None else _no_probe(state.device), float(lower_bound),
-           float(eps))
+    # without slots the build never reads its slots argument: lengths stands in (an int64 [B])
+    kernel(row(q_in), row(k_in), row(v_in), row(f), row(beta_in), row(gate_in), c(conv_weight), conv_state, c(A_log),
+           c(dt_bias), c(o_norm_weight), state, lengths, lengths if slots is None else slots, out, records.keys,
+           records.updates, records.decays, records.conv_inputs,
+           probe if probe is not None else _no_probe(state.device), float(lower_bound), float(eps))
     return out, records
 
 
@@ -279,25 +323,29 @@ def _num_tokens_tensor(num_tokens, batch: int, device) -> torch.Tensor:
 
 def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch: str,
                   block_v: int | None = None, cols: int | None = None, row_chunks: int | None = None,
-                  bulk_state: bool | None = None, pdl: bool | None = None) -> None:
+                  bulk_state: bool | None = None, pdl: bool | None = None, slots: torch.Tensor | None = None) -> None:
     """Commit the first num_tokens[b] verified positions of L stacked layers in one launch.
 
-    states [L, B, H, D, D] fp32 and conv_states [L, B, 3, W, 3], both contiguous and updated in
-    place; records with a leading L (keys/updates/decays [L, B, T, H, D], conv_inputs
-    [L, B, 3, W, T]); num_tokens [B] in 0..T, shared by the layers. Counts above T are clamped
-    to T on the device; the caller keeps them <= lengths (no host sync to check it here).
-    block_v, cols, row_chunks, bulk_state, pdl: kernel options (None = default_variant's).
+    states [L, B, H, D, D] fp32 and conv_states [L, B, 3, W, 3], updated in place; records with
+    a leading L (keys/updates/decays [L, B, T, H, D], conv_inputs [L, B, 3, W, T]); num_tokens
+    [B] in 0..T, shared by the layers. Counts above T are clamped to T on the device; the caller
+    keeps them <= lengths (no host sync to check it here). slots [B] int64: states
+    [L, S, H, D, D] and conv_states [L, S, 3, W, 3] are pools and request b advances row
+    slots[b] of each layer (rows not in slots are untouched). Rows are contiguous; the layer and
+    slot strides are free. block_v, cols, row_chunks, bulk_state, pdl: kernel options
+    (None = default_variant's).
     """
-    _require(states.dim() == 5 and states.dtype == torch.float32 and states.is_contiguous(), "states.shape",
-             (tuple(states.shape), states.dtype), "must be contiguous [L, B, H, D, D] fp32")
-    L, B, H, D, _ = states.shape
+    _require(states.dim() == 5 and states.dtype == torch.float32, "states.shape",
+             (tuple(states.shape), states.dtype), "must be [L, S, H, D, D] fp32")
+    L, _, H, D, _ = states.shape
     variant = resolve_variant(D, "commit", block_v=block_v, cols=cols, row_chunks=row_chunks, bulk_state=bulk_state,
                               pdl=pdl)
     _check_head_dim(D, variant["block_v"])
     _check_layout(D, variant["block_v"], variant["cols"], variant["row_chunks"])
     W = H * D
-    _require(tuple(conv_states.shape) == (L, B, 3, W, 3) and conv_states.is_contiguous(), "conv_states.shape",
-             tuple(conv_states.shape), f"must be contiguous [{L}, {B}, 3, {W}, 3]")
+    _require(conv_states.dim() == 5 and conv_states.shape[0] == L and tuple(conv_states.shape[2:]) == (3, W, 3),
+             "conv_states.shape", tuple(conv_states.shape), f"must be [{L}, S, 3, {W}, 3]")
+    B = records.keys.shape[1] if records.keys.dim() == 5 else -1
     T = records.keys.shape[2] if records.keys.dim() == 5 else -1
     for name in ("keys", "updates", "decays"):
         x = getattr(records, name)
@@ -306,21 +354,26 @@ def commit_layers(states, conv_states, records: KDARecords, num_tokens, *, arch:
     x = records.conv_inputs
     _require(tuple(x.shape) == (L, B, 3, W, T) and x.dtype == conv_states.dtype, "records.conv_inputs.shape",
              (tuple(x.shape), x.dtype), f"must be [{L}, {B}, 3, {W}, {T}] {conv_states.dtype}")
+    num_tokens = _num_tokens_tensor(num_tokens, B, states.device)
+    _check_pools(states, conv_states, 1, B, slots, variant["bulk_state"], ("states", "conv_states"))
     kernel = compile_commit(arch, D, variant["block_v"], conv_states.dtype, cols=variant["cols"],
-                            row_chunks=variant["row_chunks"], bulk_state=variant["bulk_state"], pdl=variant["pdl"])
+                            row_chunks=variant["row_chunks"], bulk_state=variant["bulk_state"], pdl=variant["pdl"],
+                            slot_indexed=slots is not None)
     c = torch.Tensor.contiguous
+    # without slots the build never reads its slots argument: num_tokens stands in (an int64 [B])
     kernel(states, conv_states, c(records.keys), c(records.updates), c(records.decays), c(records.conv_inputs),
-           _num_tokens_tensor(num_tokens, B, states.device))
+           num_tokens, num_tokens if slots is None else slots)
 
 
 def commit(state, conv_state, records: KDARecords, num_tokens, *, arch: str, block_v: int | None = None,
            cols: int | None = None, row_chunks: int | None = None, bulk_state: bool | None = None,
-           pdl: bool | None = None) -> None:
+           pdl: bool | None = None, slots: torch.Tensor | None = None) -> None:
     """One layer (the reference kda_commit's contract): bring state [B, H, D, D] and conv_state
-    [B, 3, W, 3] in place to the first num_tokens[b] verified positions; 0 leaves both untouched."""
-    _require(state.dim() == 4, "state.shape", tuple(state.shape), "must be [B, H, D, D]")
-    _require(conv_state.dim() == 4, "conv_state.shape", tuple(conv_state.shape), "must be [B, 3, W, 3]")
+    [B, 3, W, 3] in place to the first num_tokens[b] verified positions; 0 leaves both untouched.
+    With slots, rows slots[b] of the pools [S, H, D, D] and [S, 3, W, 3] (see commit_layers)."""
+    _require(state.dim() == 4, "state.shape", tuple(state.shape), "must be [S, H, D, D]")
+    _require(conv_state.dim() == 4, "conv_state.shape", tuple(conv_state.shape), "must be [S, 3, W, 3]")
     stacked = KDARecords(records.keys.unsqueeze(0), records.updates.unsqueeze(0), records.decays.unsqueeze(0),
                          records.conv_inputs.unsqueeze(0), records.lengths)
     commit_layers(state.unsqueeze(0), conv_state.unsqueeze(0), stacked, num_tokens, arch=arch, block_v=block_v,
-                  cols=cols, row_chunks=row_chunks, bulk_state=bulk_state, pdl=pdl)
+                  cols=cols, row_chunks=row_chunks, bulk_state=bulk_state, pdl=pdl, slots=slots)

@@ -2,7 +2,7 @@
 
 The recurrence is SIMT work (fp32 FMAs, warp shuffles, shared-memory broadcasts): no wgmma or
 tcgen05, so the same kernel body is compiled for Hopper and Blackwell; only the target differs
-(docs/docs/kernels.md §7 rows 4-5: one SIMT kernel for both). The host side (options,
+(docs/kernels.md §7 rows 4-5: one SIMT kernel for both). The host side (options,
 argument checks, compile cache, torch wrappers) is kda/cute_host.py.
 
 Verify (one launch per layer, output-only; docs/kimi-k3.md §2.1, §2.3 "output-only verify"):
@@ -16,6 +16,13 @@ Verify (one launch per layer, output-only; docs/kimi-k3.md §2.1, §2.3 "output-
 Commit (one launch for a stack of layers): replays the accepted prefix from the records
   (S <- exp(g) * S; S <- S + k u^T) and shifts the conv window by the accepted count. Records
   do not depend on block_v, so verify and commit pick theirs independently.
+
+Slot pools (slot_indexed builds; docs/kernels.md §10.3, §10.4): the state and conv window are
+  a target's per-slot pools, read (verify) and advanced in place (commit) at row slots[b] of
+  request b, so no gather or scatter copies surround the kernels. The row is looked up once per
+  CTA (state_row) and enters every state and conv address; the pools' slot (and layer) strides
+  are runtime values, 64-bit because a pool of all layers passes 2^31 elements. Unindexed builds
+  use row b and never read the slots argument.
 
 Thread layout of a state slice (options cols C, row_chunks RC): warp w owns state rows
 [kc*R, (kc+1)*R) with kc = w % RC and R = D / RC, and column block vc = w // RC; lane l owns
@@ -60,12 +67,20 @@ class StateSliceKernel:
     """What verify and commit share: the thread layout of a [head_dim x block_v] fp32 state slice
     (module docstring) and its copy from global to shared memory on the TMA unit (bulk_state)."""
 
-    def __init__(self, head_dim: int, block_v: int, cols: int, row_chunks: int, bulk_state: bool, pdl: bool):
+    def __init__(self, head_dim: int, block_v: int, cols: int, row_chunks: int, bulk_state: bool, pdl: bool,
+                 slot_indexed: bool):
         self.D, self.BV, self.C, self.RC = head_dim, block_v, cols, row_chunks
         self.NV = head_dim // block_v  # V-split CTAs per head (= cluster size)
         self.R = head_dim // row_chunks  # state rows per thread
         self.NT = row_chunks * block_v // cols  # threads per CTA
-        self.bulk_state, self.pdl = bulk_state, pdl
+        self.bulk_state, self.pdl, self.slot_indexed = bulk_state, pdl, slot_indexed
+
+    def state_row(self, slots: cute.Tensor, b):
+        """The pool row of request b: slots[b] in slot_indexed builds, else b; Int64, so that
+        row times the slot stride cannot overflow."""
+        if cutlass.const_expr(self.slot_indexed):
+            return slots[b]
+        return Int64(b)
 
     @cute.jit
     def setup_bulk_state(self, smem: SmemAllocator, tidx: Int32):
@@ -116,8 +131,8 @@ class KdaVerify(StateSliceKernel):
     """The verify kernel of one variant (options: kda/cute_host.compile_verify)."""
 
     def __init__(self, head_dim: int, block_v: int, max_tokens: int, conv_dtype, cols: int, row_chunks: int,
-                 fast_math: bool, bulk_state: bool, group_sync: bool, pdl: bool, probe: bool):
-        super().__init__(head_dim, block_v, cols, row_chunks, bulk_state, pdl)
+                 fast_math: bool, bulk_state: bool, group_sync: bool, pdl: bool, probe: bool, slot_indexed: bool):
+        super().__init__(head_dim, block_v, cols, row_chunks, bulk_state, pdl, slot_indexed)
         D, BV, C, RC, NT = head_dim, block_v, cols, row_chunks, self.NT
         self.TM, self.conv_dtype, self.fast_math, self.probe = max_tokens, conv_dtype, fast_math, probe
         self.NWARPS = NT // 32
@@ -154,15 +169,15 @@ class KdaVerify(StateSliceKernel):
         self, q_in: cute.Tensor, k_in: cute.Tensor, v_in: cute.Tensor, f: cute.Tensor,
         beta_in: cute.Tensor, gate_in: cute.Tensor, conv_weight: cute.Tensor, conv_state: cute.Tensor,
         a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm_weight: cute.Tensor, state: cute.Tensor,
-        lengths: cute.Tensor, out: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
+        lengths: cute.Tensor, slots: cute.Tensor, out: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
         rec_eg: cute.Tensor, rec_x: cute.Tensor, probe_out: cute.Tensor, lower_bound: Float32, eps: Float32,
         stream,
     ):
-        batch = state.shape[0]
+        batch = q_in.shape[0]  # the state is a pool of any number of rows in slot_indexed builds
         heads = state.shape[1]
         self.verify_kernel(
             q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, a_log, dt_bias,
-            o_norm_weight, state, lengths, out, rec_k, rec_u, rec_eg, rec_x, probe_out, lower_bound, eps,
+            o_norm_weight, state, lengths, slots, out, rec_k, rec_u, rec_eg, rec_x, probe_out, lower_bound, eps,
         ).launch(grid=[self.NV, heads, batch], block=[self.NT, 1, 1], cluster=self.CLUSTER, stream=stream,
                  use_pdl=self.pdl)
 
@@ -171,7 +186,7 @@ class KdaVerify(StateSliceKernel):
         self, q_in: cute.Tensor, k_in: cute.Tensor, v_in: cute.Tensor, f: cute.Tensor,
         beta_in: cute.Tensor, gate_in: cute.Tensor, conv_weight: cute.Tensor, conv_state: cute.Tensor,
         a_log: cute.Tensor, dt_bias: cute.Tensor, o_norm_weight: cute.Tensor, state: cute.Tensor,
-        lengths: cute.Tensor, out: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
+        lengths: cute.Tensor, slots: cute.Tensor, out: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
         rec_eg: cute.Tensor, rec_x: cute.Tensor, probe_out: cute.Tensor, lower_bound: Float32, eps: Float32,
     ):
         D, BV, TM, C, R = self.D, self.BV, self.TM, self.C, self.R
@@ -190,6 +205,7 @@ class KdaVerify(StateSliceKernel):
         T = q_in.shape[1]
         # positions at or beyond lengths[b] are padding: no records, zero output
         n_valid = cutlass.min(lengths[b].to(Int32), T)
+        row = self.state_row(slots, b)  # request b's row of the state and conv pools
 
         smem = SmemAllocator()
         conv_s, eg_s, part_s, beta_s, kq_s, ssq_s, tot_s, o_s = self.allocate_shared(smem)
@@ -197,21 +213,21 @@ class KdaVerify(StateSliceKernel):
         if cutlass.const_expr(self.bulk_state):
             # the slice streams into shared memory on the TMA unit while the prologue runs
             state_s, mbar = self.setup_bulk_state(smem, tidx)
-            self.start_state_copy(state.iterator + (b * state.shape[1] + h) * D * D + vs * BV, state_s, mbar.iterator,
-                                  lane, warp)
+            self.start_state_copy(state.iterator + cute.crd2idx((row, h, 0, vs * BV), state.layout), state_s,
+                                  mbar.iterator, lane, warp)
 
         # Every global load of the CTA is issued before the first use or store, so the prologue
         # costs one memory round trip: the gate and norm weight for the output, f / dt_bias /
         # beta for the decays, the conv inputs, taps and window, then the state.
         gate_pre, norm_weight, a_log_h, f_pre, bias, beta_raw = self.load_gate_and_decay_inputs(
             gate_in, o_norm_weight, a_log, dt_bias, f, beta_in, tidx, vs, h, b, T)
-        xs, taps = self.load_conv_inputs(q_in, k_in, v_in, conv_weight, conv_state, tidx, vs, h, b, T)
+        xs, taps = self.load_conv_inputs(q_in, k_in, v_in, conv_weight, conv_state, tidx, vs, h, b, row, T)
         # The state slice last: its 64 KB per head are the bulk of the loads and are first needed
         # by the recurrence, so the conv inputs above do not queue behind them.
         if cutlass.const_expr(not self.bulk_state):
             for i in cutlass.range_constexpr(R):
                 for c in cutlass.range_constexpr(C):
-                    S[i * C + c] = state[b, h, kc * R + i, vs * BV + v_first + 32 * c]
+                    S[i * C + c] = state[row, h, kc * R + i, vs * BV + v_first + 32 * c]
 
         self.conv_silu(xs, taps, conv_s, rec_x, tidx, vs, h, b, T)
         # Prologue 2: decay exp(g) per key channel, g = lb * sigmoid(exp(A_log[h]) (f + dt_bias)).
@@ -324,8 +340,9 @@ class KdaVerify(StateSliceKernel):
 
     @cute.jit
     def load_conv_inputs(self, q_in: cute.Tensor, k_in: cute.Tensor, v_in: cute.Tensor, conv_weight: cute.Tensor,
-                         conv_state: cute.Tensor, tidx: Int32, vs: Int32, h: Int32, b: Int32, T: Int32):
-        """This thread's conv channels: the T inputs, the 4 taps and the 3 window values each."""
+                         conv_state: cute.Tensor, tidx: Int32, vs: Int32, h: Int32, b: Int32, row: Int64, T: Int32):
+        """This thread's conv channels: the T inputs of request b, the 4 taps and the 3 window
+        values each (the window from pool row `row`)."""
         D, TM = self.D, self.TM
         xs = cute.make_rmem_tensor((self.CONV_ROUNDS * TM,), Float32)
         taps = cute.make_rmem_tensor((self.CONV_ROUNDS * 7,), Float32)  # 4 weights, 3 window values
@@ -348,7 +365,7 @@ class KdaVerify(StateSliceKernel):
                 for i in cutlass.range_constexpr(4):
                     taps[r * 7 + i] = conv_weight[proj, ch, i]
                 for i in cutlass.range_constexpr(3):
-                    taps[r * 7 + 4 + i] = conv_state[b, proj, ch, i].to(Float32)
+                    taps[r * 7 + 4 + i] = conv_state[row, proj, ch, i].to(Float32)
         return xs, taps
 
     @cute.jit
@@ -524,8 +541,8 @@ class KdaCommit(StateSliceKernel):
     """The commit kernel of one variant (options: kda/cute_host.compile_commit)."""
 
     def __init__(self, head_dim: int, block_v: int, max_tokens: int, cols: int, row_chunks: int, bulk_state: bool,
-                 pdl: bool):
-        super().__init__(head_dim, block_v, cols, row_chunks, bulk_state, pdl)
+                 pdl: bool, slot_indexed: bool):
+        super().__init__(head_dim, block_v, cols, row_chunks, bulk_state, pdl, slot_indexed)
         self.TM = max_tokens
         self.CONV_PER_CTA = 3 * head_dim // self.NV  # conv channels (q, k, v of this head) shifted by each CTA
         self.STAGE_ROUNDS = (max_tokens * head_dim + self.NT - 1) // self.NT  # k / exp(g) elements staged per thread
@@ -533,19 +550,19 @@ class KdaCommit(StateSliceKernel):
     @cute.jit
     def __call__(
         self, state: cute.Tensor, conv_state: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
-        rec_eg: cute.Tensor, rec_x: cute.Tensor, num_tokens: cute.Tensor, stream,
+        rec_eg: cute.Tensor, rec_x: cute.Tensor, num_tokens: cute.Tensor, slots: cute.Tensor, stream,
     ):
         layers = state.shape[0]
-        batch = state.shape[1]
+        batch = rec_u.shape[1]  # the state is a pool of any number of rows in slot_indexed builds
         heads = state.shape[2]
-        self.commit_kernel(state, conv_state, rec_k, rec_u, rec_eg, rec_x, num_tokens).launch(
+        self.commit_kernel(state, conv_state, rec_k, rec_u, rec_eg, rec_x, num_tokens, slots).launch(
             grid=[self.NV, heads, layers * batch], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
     def commit_kernel(
         self, state: cute.Tensor, conv_state: cute.Tensor, rec_k: cute.Tensor, rec_u: cute.Tensor,
-        rec_eg: cute.Tensor, rec_x: cute.Tensor, num_tokens: cute.Tensor,
+        rec_eg: cute.Tensor, rec_x: cute.Tensor, num_tokens: cute.Tensor, slots: cute.Tensor,
     ):
         D, BV, TM, C, R = self.D, self.BV, self.TM, self.C, self.R
         tidx, _, _ = cute.arch.thread_idx()
@@ -553,9 +570,10 @@ class KdaCommit(StateSliceKernel):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # the records come from the verify kernels before
             cute.arch.griddepcontrol_launch_dependents()
-        batch = state.shape[1]
+        batch = rec_u.shape[1]
         layer = layer_batch // batch
         b = layer_batch % batch
+        row = self.state_row(slots, b)  # request b's row of this layer's state and conv pools
         warp = tidx // 32
         lane = tidx % 32
         kc = warp % self.RC
@@ -574,13 +592,12 @@ class KdaCommit(StateSliceKernel):
             S = cute.make_rmem_tensor((R * C,), Float32)
             if cutlass.const_expr(self.bulk_state):
                 # the slice streams into shared memory on the TMA unit while the records load
-                heads = state.shape[2]
-                self.start_state_copy(state.iterator + ((layer * batch + b) * heads + h) * D * D + vs * BV, state_s,
-                                      mbar.iterator, lane, warp)
+                self.start_state_copy(state.iterator + cute.crd2idx((layer, row, h, 0, vs * BV), state.layout),
+                                      state_s, mbar.iterator, lane, warp)
             else:
                 for i in cutlass.range_constexpr(R):
                     for c in cutlass.range_constexpr(C):
-                        S[i * C + c] = state[layer, b, h, kc * R + i, v_first + 32 * c]
+                        S[i * C + c] = state[layer, row, h, kc * R + i, v_first + 32 * c]
             u_pre = cute.make_rmem_tensor((TM * C,), Float32)
             for t in cutlass.range_constexpr(TM):
                 if t < n:
@@ -594,7 +611,7 @@ class KdaCommit(StateSliceKernel):
                     k_pre[r] = rec_k[layer, b, t, h, (tidx + r * self.NT) % D]
                     eg_pre[r] = rec_eg[layer, b, t, h, (tidx + r * self.NT) % D]
 
-            self.shift_conv_window(conv_state, rec_x, tidx, vs, h, layer, b, n)
+            self.shift_conv_window(conv_state, rec_x, tidx, vs, h, layer, b, row, n)
             for r in cutlass.range_constexpr(self.STAGE_ROUNDS):
                 t = (tidx + r * self.NT) // D
                 if t < n:
@@ -616,20 +633,21 @@ class KdaCommit(StateSliceKernel):
                             S[i * C + c] = cute.math.fma(key, u_pre[t * C + c], S[i * C + c])
             for i in cutlass.range_constexpr(R):
                 for c in cutlass.range_constexpr(C):
-                    state[layer, b, h, kc * R + i, v_first + 32 * c] = S[i * C + c]
+                    state[layer, row, h, kc * R + i, v_first + 32 * c] = S[i * C + c]
 
     @cute.jit
     def shift_conv_window(self, conv_state: cute.Tensor, rec_x: cute.Tensor, tidx: Int32, vs: Int32, h: Int32,
-                          layer: Int32, b: Int32, n: Int32):
-        """conv window <- the last 3 of [window; first n inputs] (independent of the state)."""
+                          layer: Int32, b: Int32, row: Int64, n: Int32):
+        """conv window (pool row `row`) <- the last 3 of [window; request b's first n inputs]
+        (independent of the state)."""
         D = self.D
         for j in cutlass.range(tidx, self.CONV_PER_CTA, self.NT):
             ch_all = vs * self.CONV_PER_CTA + j
             proj = ch_all // D
             ch = h * D + ch_all % D
-            old0 = conv_state[layer, b, proj, ch, 0]
-            old1 = conv_state[layer, b, proj, ch, 1]
-            old2 = conv_state[layer, b, proj, ch, 2]
+            old0 = conv_state[layer, row, proj, ch, 0]
+            old1 = conv_state[layer, row, proj, ch, 1]
+            old2 = conv_state[layer, row, proj, ch, 2]
             for i in cutlass.range_constexpr(3):
                 src = n + i  # position in [window (3); inputs (T)]
                 value = old2
@@ -641,20 +659,23 @@ class KdaCommit(StateSliceKernel):
                     value = old2
                 else:
                     value = rec_x[layer, b, proj, ch, src - 3]
-                conv_state[layer, b, proj, ch, i] = value
+                conv_state[layer, row, proj, ch, i] = value
 
 
 def build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dtype, conv_dtype, cols: int,
                  row_chunks: int, fast_math: bool, bulk_state: bool, group_sync: bool, pdl: bool, probe: bool,
-                 extra_options):
-    """cute.compile of the verify kernel for symbolic B, T, W, H (head_dim is compiled in)."""
+                 slot_indexed: bool, extra_options):
+    """cute.compile of the verify kernel for symbolic B, T, W, H and pool rows S (head_dim is
+    compiled in)."""
     kernel = KdaVerify(head_dim, block_v, max_tokens, conv_dtype, cols, row_chunks, fast_math, bulk_state,
-                       group_sync, pdl, probe)
+                       group_sync, pdl, probe, slot_indexed)
     sym = cute.sym_int
-    B, T, W, H = sym(), sym(), sym(), sym()
+    B, T, W, H, S = sym(), sym(), sym(), sym(), sym()
     fake = cute.runtime.make_fake_compact_tensor
+    pool = cute.runtime.make_fake_tensor
     f32 = cutlass.Float32
     D = head_dim
+    wide = cute.sym_int64  # slot strides: a pool of all layers passes 2^31 elements
 
     def btw(dtype):
         return fake(dtype, (B, T, W), stride_order=(2, 1, 0))
@@ -670,10 +691,10 @@ def build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dty
     args = (
         rows(W), rows(W), rows(W), rows(W), rows(H), rows(W),
         fake(f32, (3, W, 4), stride_order=(2, 1, 0)),
-        fake(conv_dtype, (B, 3, W, 3), stride_order=(3, 2, 1, 0)),
+        pool(conv_dtype, (S, 3, W, 3), stride=(wide(), sym(), 3, 1)),  # rows [3, W, 3], any slot stride
         fake(f32, (sym(),)), fake(f32, (W,)), fake(f32, (D,)),
-        fake(f32, (B, H, D, D), stride_order=(3, 2, 1, 0)),
-        fake(cutlass.Int64, (B,)), btw(in_dtype), bthd(), bthd(), bthd(),
+        pool(f32, (S, H, D, D), stride=(wide(), D * D, D, 1)),  # rows [H, D, D], any slot stride
+        fake(cutlass.Int64, (B,)), fake(cutlass.Int64, (B,)), btw(in_dtype), bthd(), bthd(), bthd(),
         fake(conv_dtype, (B, 3, W, T), stride_order=(3, 2, 1, 0)),
         fake(cutlass.Int64, (sym(), sym(), sym(), sym()), stride_order=(3, 2, 1, 0)),
         Float32(0.0), Float32(0.0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -682,23 +703,26 @@ def build_verify(arch: str, head_dim: int, block_v: int, max_tokens: int, in_dty
 
 
 def build_commit(arch: str, head_dim: int, block_v: int, max_tokens: int, conv_dtype, cols: int, row_chunks: int,
-                 bulk_state: bool, pdl: bool, extra_options):
-    """cute.compile of the commit kernel for symbolic L, B, T, W, H (head_dim is compiled in)."""
-    kernel = KdaCommit(head_dim, block_v, max_tokens, cols, row_chunks, bulk_state, pdl)
+                 bulk_state: bool, pdl: bool, slot_indexed: bool, extra_options):
+    """cute.compile of the commit kernel for symbolic L, B, T, W, H and pool rows S (head_dim is
+    compiled in)."""
+    kernel = KdaCommit(head_dim, block_v, max_tokens, cols, row_chunks, bulk_state, pdl, slot_indexed)
     sym = cute.sym_int
-    L, B, T, W, H = sym(), sym(), sym(), sym(), sym()
+    L, B, T, W, H, S = sym(), sym(), sym(), sym(), sym(), sym()
     fake = cute.runtime.make_fake_compact_tensor
+    pool = cute.runtime.make_fake_tensor
     f32 = cutlass.Float32
     D = head_dim
+    wide = cute.sym_int64  # layer and slot strides: a pool of all layers passes 2^31 elements
 
     def lbthd():
         return fake(f32, (L, B, T, H, D), stride_order=(4, 3, 2, 1, 0))
 
     args = (
-        fake(f32, (L, B, H, D, D), stride_order=(4, 3, 2, 1, 0)),
-        fake(conv_dtype, (L, B, 3, W, 3), stride_order=(4, 3, 2, 1, 0)),
+        pool(f32, (L, S, H, D, D), stride=(wide(), wide(), D * D, D, 1)),  # rows [H, D, D]
+        pool(conv_dtype, (L, S, 3, W, 3), stride=(wide(), wide(), sym(), 3, 1)),  # rows [3, W, 3]
         lbthd(), lbthd(), lbthd(), fake(conv_dtype, (L, B, 3, W, T), stride_order=(4, 3, 2, 1, 0)),
-        fake(cutlass.Int64, (B,)),
+        fake(cutlass.Int64, (B,)), fake(cutlass.Int64, (B,)),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return cute.compile(kernel, *args, options=compile_options(arch, *extra_options))

@@ -20,11 +20,11 @@ def _arch(device: torch.device) -> str:
 
 
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
-               state, lengths, *, lower_bound, eps):
+               state, lengths, *, lower_bound, eps, slots=None):
     return cute_host.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
                             o_norm_weight, state, lengths, lower_bound=lower_bound, eps=eps,
-                            arch=_arch(state.device))
+                            arch=_arch(state.device), slots=slots)
 
 
-def kda_commit(state, conv_state, records, num_tokens):
-    cute_host.commit(state, conv_state, records, num_tokens, arch=_arch(state.device))
+def kda_commit(state, conv_state, records, num_tokens, slots=None):
+    cute_host.commit(state, conv_state, records, num_tokens, arch=_arch(state.device), slots=slots)

@@ -7,7 +7,9 @@ Tolerances (fp32 state, fp32 arithmetic with approximate exp and, by default, ap
 reciprocals in the sigmoids and L2 norms): committed state and records
 <= 1e-4 relative (Frobenius) error vs float64; the bf16 output <= 1e-2 (bf16 rounding alone
 is ~4e-3). The commit-vs-sequential-decode check is bitwise: T tokens verified at once and
-committed equals T one-token verify+commit steps exactly, state, conv window and outputs.
+committed equals T one-token verify+commit steps exactly, state, conv window and outputs. So is
+the slot-pool check: verify and commit by slot on per-layer views of 5-D pools of random rows
+equal the same kernels on the gathered rows, and rows outside the slots keep their values.
 """
 import pytest
 import torch
@@ -214,6 +216,87 @@ def test_one_launch_commits_a_stack_of_layers(verify_kw, commit_kw):
         state, conv_state = inputs["state"].clone(), inputs["conv_state"].clone()
         kda_cute.commit(state, conv_state, views[layer], accepted, arch=arch(), **commit_kw)
         assert torch.equal(states[layer], state) and torch.equal(conv_states[layer], conv_state)
+
+
+def random_pools(pool_rows, layers, conv_dtype, batch):
+    """5-D state and conv pools [S, layers, ...] of random values (K3Target's layout: a layer's
+    view has the slot stride of all layers) and `batch` distinct slots in random order."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    pool = torch.randn(pool_rows, layers, HEADS, HEAD_DIM, HEAD_DIM, device="cuda", generator=gen) * 0.1
+    conv_pool = torch.randn(pool_rows, layers, 3, HEADS * HEAD_DIM, 3, device="cuda", generator=gen).to(conv_dtype)
+    slots = torch.randperm(pool_rows, device="cuda", generator=gen)[:batch]
+    return pool, conv_pool, slots
+
+
+# the defaults and the candidate; register state loads (verify's experimental variant and a
+# commit without the TMA-unit copy: the slot enters the per-thread addresses instead of the bulk
+# copy's start); V-split CTAs whose bulk copies start mid-row
+SLOT_CASES = [({}, {}), CANDIDATE,
+              (dict(block_v=128, bulk_state=False, experimental_variant=True), dict(block_v=32, bulk_state=False)),
+              (dict(V_SPLIT, bulk_state=True), dict(block_v=64, bulk_state=True))]
+
+
+@pytest.mark.parametrize("verify_kw, commit_kw", SLOT_CASES)
+def test_slot_pools_equal_gathered_states_bitwise(verify_kw, commit_kw):
+    """verify and commit with slots on one layer's view of 5-D pools give the bits of the same
+    kernels on the slots' rows gathered into contiguous states: outputs, records, and the
+    committed rows; verify leaves the pools alone and commit changes only the slots' rows of its
+    layer (every other row keeps its random values)."""
+    batch, tokens, layer = 3, 8, 1
+    inputs = make_inputs(batch, tokens)
+    inputs["lengths"] = torch.tensor([8, 5, 1], device="cuda")
+    pool, conv_pool, slots = random_pools(6, 3, inputs["conv_state"].dtype, batch)
+    pooled = dict(inputs, state=pool[:, layer], conv_state=conv_pool[:, layer])
+    gathered = dict(inputs, state=pooled["state"].index_select(0, slots),
+                    conv_state=pooled["conv_state"].index_select(0, slots))
+    pool_before, conv_before = pool.clone(), conv_pool.clone()
+
+    out, records = cute_verify(gathered, records=poisoned_records(batch, tokens, inputs), **verify_kw)
+    out_pool, records_pool = cute_verify(pooled, records=poisoned_records(batch, tokens, inputs), slots=slots,
+                                         **verify_kw)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, pool_before) and torch.equal(conv_pool, conv_before), "verify wrote the pools"
+    assert not out.isnan().any() and torch.equal(out_pool, out)
+    for name in RECORD_FIELDS:
+        assert torch.equal(getattr(records_pool, name), getattr(records, name)), name
+
+    accepted = torch.tensor([3, 5, 0], device="cuda")
+    kda_cute.commit(gathered["state"], gathered["conv_state"], records, accepted, arch=arch(), **commit_kw)
+    kda_cute.commit(pooled["state"], pooled["conv_state"], records_pool, accepted, arch=arch(), slots=slots,
+                    **commit_kw)
+    expected, expected_conv = pool_before.clone(), conv_before.clone()
+    expected[:, layer].index_copy_(0, slots, gathered["state"])
+    expected_conv[:, layer].index_copy_(0, slots, gathered["conv_state"])
+    torch.cuda.synchronize()
+    assert not torch.equal(expected, pool_before), "the accepted tokens moved nothing"
+    assert torch.equal(pool, expected), "state pool: a slot's row differs or a row outside slots changed"
+    assert torch.equal(conv_pool, expected_conv), "conv pool: a slot's row differs or a row outside slots changed"
+
+
+@DEFAULT_AND_CANDIDATE
+def test_one_launch_commits_a_stack_of_layers_in_slot_pools(verify_kw, commit_kw):
+    """commit_layers on the 5-D pools seen layer-major ([L, S, ...] views: layer and slot strides
+    both free) equals one slot-indexed commit per layer, bitwise, rows outside slots untouched."""
+    layers, batch, tokens = 3, 2, 4
+    per_layer = [make_inputs(batch, tokens) for _ in range(layers)]
+    pool, conv_pool, slots = random_pools(5, layers, per_layer[0]["conv_state"].dtype, batch)
+    stacked = poisoned_records(batch, tokens, per_layer[0], leading=(layers,))
+    views = []
+    for layer, inputs in enumerate(per_layer):
+        view = reference.KDARecords(*(getattr(stacked, n)[layer] for n in RECORD_FIELDS), inputs["lengths"])
+        pooled = dict(inputs, state=pool[:, layer], conv_state=conv_pool[:, layer])
+        views.append(cute_verify(pooled, records=view, slots=slots, **verify_kw)[1])
+    accepted = torch.tensor([2, 4], device="cuda")
+    expected, expected_conv = pool.clone(), conv_pool.clone()
+    for layer in range(layers):
+        kda_cute.commit(expected[:, layer], expected_conv[:, layer], views[layer], accepted, arch=arch(), slots=slots,
+                        **commit_kw)
+    pool_before = pool.clone()
+    kda_cute.commit_layers(pool.transpose(0, 1), conv_pool.transpose(0, 1), stacked, accepted, arch=arch(),
+                           slots=slots, **commit_kw)
+    torch.cuda.synchronize()
+    assert not torch.equal(pool, pool_before)
+    assert torch.equal(pool, expected) and torch.equal(conv_pool, expected_conv)
 
 
 @pytest.mark.parametrize("batch, tokens", [(1, 8), (3, 1), (2, 16)])
