@@ -40,7 +40,8 @@ DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 class DecodeState:
     """The committed state a forward reads, for the B requests of a call.
 
-    kda: per KDA layer (state [B, H, D, D] fp32, conv window [B, 3, W, 3]); read only.
+    kda: per KDA layer the pools (state [slots, H, D, D] fp32, conv window [slots, 3, W, 3]),
+         request b's at row slots[b]; read only.
     mla: per MLA layer the latent cache [slots, max_len + 1, R + P] (the last row of each slot is
          a spare that padding positions write); rows of the new tokens are written at
          cache_lens[b] + j of slot slots[b].
@@ -156,7 +157,7 @@ class K3Model:
     def _w(self, i: int, suffix: str) -> torch.Tensor:
         return self.tensors[f"{layout.layer_prefix(i)}.{suffix}"]
 
-    def _kda(self, i, h, B, T, lengths, state, conv_state):
+    def _kda(self, i, h, B, T, lengths, state, conv_state, slots):
         cfg, a = self.cfg, "self_attn"
         W = cfg.kda_width
         fused, sizes = self.fused_inputs[i]
@@ -167,7 +168,7 @@ class K3Model:
             beta.reshape(B, T, cfg.kda_num_heads), g.reshape(B, T, W),
             self.conv_weights[i], conv_state, self._w(i, f"{a}.A_log")[: cfg.kda_num_heads],
             self._w(i, f"{a}.dt_bias"), self._w(i, f"{a}.o_norm.weight"), state, lengths,
-            lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps,
+            lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, slots=slots,
         )
         return ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight")), records
 
@@ -252,7 +253,7 @@ class K3Model:
                 block_prefix = None
             if cfg.layer_type(i) == "kda":
                 k = self.kda_index[i]
-                attn, rec = self._kda(i, h, B, T, lengths, *state.kda[k])
+                attn, rec = self._kda(i, h, B, T, lengths, *state.kda[k], state.slots)
                 records.append(rec)
             else:
                 attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens)

@@ -6,7 +6,9 @@ latent cache [slots, n_mla, max_seq_len, R + P] (model dtype) and the committed 
 
 verify is output-only: KDA layers record (k, u, exp g) per position and commit replays the
 accepted ones bitwise (kernels/kda/reference.py); MLA rows of the verified tokens are written
-past the committed length and commit only moves the length.
+past the committed length and commit only moves the length. The KDA ops take each layer's pools
+and the batch's slot index (docs/kernels.md §10.3, §10.4): verify reads and commit advances the
+slots' rows where they lie, with no gather or scatter of the state around them.
 
 No host synchronisation on the device: verify and commit read lengths, counts and tokens only
 where they already are on the host (lists, CPU tensors), so a CUDA step can be captured in a
@@ -64,6 +66,9 @@ class K3Target:
         dev = self.device
         self.kda_state = torch.zeros(max_slots, n_kda, H, D, D, dtype=torch.float32, device=dev)
         self.conv_state = torch.zeros(max_slots, n_kda, 3, W, cfg.kda_conv_size - 1, dtype=model.dtype, device=dev)
+        # Each KDA layer's pools, [max_slots, H, D, D] and [max_slots, 3, W, 3] views with the
+        # slot stride of the 5-D tensors, made once rather than per step (host time per call).
+        self._kda_pools = [(self.kda_state[:, k], self.conv_state[:, k]) for k in range(n_kda)]
         # One spare row per slot past max_seq_len: the padding positions of a ragged batch write
         # their rows there, so the rows of a whole [B, T] block go in with one scatter (no
         # per-request loop reading lengths on the host). Nothing ever reads the spare row.
@@ -72,7 +77,7 @@ class K3Target:
         self.mla_cache = self._mla_rows[:, :, :max_seq_len]
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=dev)
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
-        # The last verify: (slots, KDA state and conv gathered for them, records, host lengths or None, T).
+        # The last verify: (slots, KDA records, host lengths or None, T).
         self._pending = None
 
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,19 +145,15 @@ class K3Target:
         if tokens.device.type == "cpu" and host_lengths is not None:
             self._check_tokens(tokens, host_lengths)
         tokens = tokens.to(self.device, torch.long, non_blocking=True)
-        # The KDA state of the batch, layer-major so that each layer's [B, H, D, D] is contiguous
-        # for the kernels; commit advances it in place and writes it back in one scatter.
-        kda = self.kda_state.index_select(0, index).transpose(0, 1).contiguous()
-        conv = self.conv_state.index_select(0, index).transpose(0, 1).contiguous()
         state = DecodeState(
-            kda=[(kda[k], conv[k]) for k in range(kda.shape[0])],
+            kda=self._kda_pools,
             mla=[self._mla_rows[:, k] for k in range(self._mla_rows.shape[1])],
             slots=index,
             cache_lens=self.lengths.index_select(0, index),
         )
         with one_cpu_thread(self.device):  # per-token ops (numerics.py): see dspark.threads
             logits, taps, records = self.model.forward(tokens, lengths_t, state, tuple(tap_layers))
-        self._pending = (slots, kda, conv, records, host_lengths, T)
+        self._pending = (slots, records, host_lengths, T)
         return TargetOutput(logits=logits, taps=taps)
 
     def commit(self, slots, num_tokens) -> None:
@@ -161,11 +162,11 @@ class K3Target:
         stay on the device: then it is not read on the host."""
         if self._pending is None:
             raise ValueError("slots: commit without a preceding verify")
-        verified, kda, conv, records, lengths, width = self._pending
+        verified, records, lengths, width = self._pending
         if isinstance(verified, torch.Tensor):
             if slots is not verified:
                 raise ValueError("slots: after a verify of device slots, commit takes that same tensor")
-            self._commit_batch(verified, kda, conv, records, num_tokens.to(torch.long))
+            self._commit_batch(verified, records, num_tokens.to(torch.long))
             return
         slots = checked_slots(slots, self.max_slots)
         for slot in slots:
@@ -185,14 +186,13 @@ class K3Target:
         if slots != verified:  # counts over the whole verified batch: 0 (unchanged) for the others
             rows = long_tensor_on([verified.index(s) for s in slots], self.device)
             counts_t = torch.zeros(len(verified), dtype=torch.long, device=self.device).index_copy_(0, rows, counts_t)
-        self._commit_batch(self._slot_index(verified), kda, conv, records, counts_t)
+        self._commit_batch(self._slot_index(verified), records, counts_t)
 
-    def _commit_batch(self, index, kda, conv, records, counts: torch.Tensor) -> None:
-        """Advance the verified batch (device index) by counts [B] on the device, in place."""
-        for k, rec in enumerate(records):
-            ops.kda_commit(kda[k], conv[k], rec, counts)
-        self.kda_state.index_copy_(0, index, kda.transpose(0, 1))
-        self.conv_state.index_copy_(0, index, conv.transpose(0, 1))
+    def _commit_batch(self, index, records, counts: torch.Tensor) -> None:
+        """Advance the verified batch (device index) by counts [B] on the device, in place: each
+        KDA layer's pool rows index[b] and the committed lengths."""
+        for (state, conv), rec in zip(self._kda_pools, records):
+            ops.kda_commit(state, conv, rec, counts, slots=index)
         self.lengths.index_add_(0, index, counts)
         self._pending = None
 
