@@ -8,6 +8,7 @@ the frame of dspark's own code that made it (docs/architecture.md, "The step on 
 """
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 from typing import Callable
@@ -65,11 +66,21 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
+        # No garbage collection during the capture: a collection there may destroy an unreachable
+        # CUDA event, graph or pinned buffer (an earlier engine's), which CUDA refuses while a
+        # stream captures, and the process aborts (seen on the H200 mid-test). torch's capture
+        # no longer collects on entry by default, so collect here, then pause the collector.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(self.graph, pool=pool):
                 self.outputs = fn()
         except RuntimeError as e:
             raise CaptureError(f"{what}: CUDA-graph capture failed at {_own_frame(e.__traceback__)}: {e}") from e
+        finally:
+            if collecting:
+                gc.enable()
         self.what = what
 
     def replay(self):

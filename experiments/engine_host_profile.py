@@ -143,8 +143,10 @@ def python_top(engine: Engine, steps: int, top: int) -> list[dict]:
 
 def run(args) -> dict:
     k = args.k
-    # Each phase runs warm-up, timed and profiled steps; plain ones take 1 position, the others at most k + 1.
-    per_phase = args.warmup + 2 * args.steps
+    # Each phase runs warm-up, timed and profiled steps (and one drained step launched ahead);
+    # plain ones take 1 position, the others at most k + 1; each phase runs with and without
+    # launch-ahead.
+    per_phase = 2 * (args.warmup + 2 * args.steps + 1)
     target = build_target(args.target, max_slots=1, device=args.device,
                           max_seq_len=args.context + 1 + per_phase * (k + 2) + k + 2)
     spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
