@@ -490,10 +490,10 @@ def run(args) -> dict:
     from dspark.targets.gguf_assets import find_smollm2_gguf
 
     device = torch.device(args.device)
-    if args.fused_loss:
+    if args.reference_loss:
         from dspark.kernels import registry
 
-        registry.use("draft_loss_terms", "triton")
+        registry.use("draft_loss_terms", "reference")
     deadline = time.time() + args.time_limit if args.time_limit else math.inf
     work = _ignored_dir(Path(args.work_dir))
     out = Path(args.out)
@@ -600,8 +600,8 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--eval-plan", default="humaneval:greedy,mtbench:greedy,humaneval:t1,mtbench:t1",
                    help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
-    r.add_argument("--fused-loss", action="store_true",
-                   help="train with the Triton draft_loss_terms kernels (kernels/draft_loss; not yet the default)")
+    r.add_argument("--reference-loss", action="store_true",
+                   help="train with the torch reference of draft_loss_terms (default on CUDA: its Triton kernels)")
     r.add_argument("--only-self-distil", action="store_true",
                    help="stop after self-distillation (work-dir/sequences.npz), e.g. to bring the sequences back")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,

@@ -159,16 +159,17 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-chunk", type=int, default=128)
     ap.add_argument("--held-out-prompts", type=int, default=32, help="0: no held_out piece")
     ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, train")
-    ap.add_argument("--fused-loss", action="store_true", help="the training step with the Triton draft_loss_terms kernels")
+    ap.add_argument("--reference-loss", action="store_true",
+                    help="the training step with the torch reference of draft_loss_terms (default on CUDA: Triton)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu only checks that the script runs: its times mean nothing")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    if args.fused_loss:
+    if args.reference_loss:
         from dspark.kernels import registry
 
-        registry.use("draft_loss_terms", "triton")
+        registry.use("draft_loss_terms", "reference")
     if args.gguf:
         config, weights, _ = load_llama_gguf(args.gguf)
     else:
