@@ -14,6 +14,9 @@ and with every step read back before the next is launched. Per phase, medians ov
 - launch_us: GraphedStep.launch (the graph's input fill, of which fill_us is GraphedStep._fill,
   the replay call, and the queued readback); replay_call_us: the replay call itself;
   readback_us: PendingStep.result, the wait for the device and the host lists;
+- light: step_us, host_us, launch_us and readback_host_us (readback_us less wait_us) of a second
+  pass that times only the launch, the readback and the waits: the host's cost of "graph launch +
+  the one readback" without the other wrappers' own cost in it;
 - python_top: the functions with the most own time per step from cProfile, in a separate pass
   whose overhead inflates every figure: read it for the ranking.
 
@@ -71,11 +74,15 @@ class StepClock:
         return wrapper
 
     @contextlib.contextmanager
-    def installed(self, engine: Engine):
+    def installed(self, engine: Engine, light: bool = False):
+        """light: time only the launch, the readback and the waits (no CUDA events or wrappers
+        inside the launch, whose own cost would count in it)."""
         clock = self
         step, replay = engine.step, StepGraph.replay
-        patched = [(GraphedStep, "launch", "launch"), (GraphedStep, "_fill", "fill"),
-                   (PendingStep, "result", "readback"), (torch.cuda.Event, "synchronize", "wait")]
+        patched = [(GraphedStep, "launch", "launch"), (PendingStep, "result", "readback"),
+                   (torch.cuda.Event, "synchronize", "wait")]
+        if not light:
+            patched.append((GraphedStep, "_fill", "fill"))
         saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patched]
 
         def timed_step():
@@ -99,7 +106,8 @@ class StepClock:
             return out
 
         engine.step = timed_step
-        StepGraph.replay = timed_replay
+        if not light:
+            StepGraph.replay = timed_replay
         for (owner, attr, name), (_, _, original) in zip(patched, saved):
             setattr(owner, attr, clock.timed(name, original))
         try:
@@ -120,6 +128,7 @@ class StepClock:
         for name in ("wait", "launch", "fill", "replay_call", "readback"):
             out[f"{name}_us"] = median(lambda s, name=name: s.get(name))
         out["host_us"] = median(lambda s: s["end"] - s["start"] - s.get("wait", 0.0))
+        out["readback_host_us"] = median(lambda s: s["readback"] - s.get("wait", 0.0) if "readback" in s else None)
         gpu = [s["events"][0].elapsed_time(s["events"][1]) * 1e3 for s in self.steps if "events" in s]
         if gpu:
             out["graph_gpu_us"] = statistics.median(gpu)
@@ -146,7 +155,7 @@ def run(args) -> dict:
     # Each phase runs warm-up, timed and profiled steps (and one drained step launched ahead);
     # plain ones take 1 position, the others at most k + 1; each phase runs with and without
     # launch-ahead.
-    per_phase = 2 * (args.warmup + 2 * args.steps + 1)
+    per_phase = 2 * (args.warmup + 3 * args.steps + 1)
     target = build_target(args.target, max_slots=1, device=args.device,
                           max_seq_len=args.context + 1 + per_phase * (k + 2) + k + 2)
     spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
@@ -174,8 +183,12 @@ def run(args) -> dict:
                 for _ in range(args.steps):
                     engine.step()
             engine.drain()  # the last step launched one ahead: its CUDA events must be done
+            with StepClock().installed(engine, light=True) as light:
+                for _ in range(args.steps):
+                    engine.step()
             row = {"phase": name, "launch_ahead": ahead, **clock.summary(),
                    "steps_launched_ahead": engine.metrics.num_launched_ahead - launched_ahead,
+                   "light": {k: light.summary()[k] for k in ("step_us", "host_us", "launch_us", "readback_host_us")},
                    "python_top": python_top(engine, args.steps, args.top)}
             result["phases"].append(row)
             write_atomic(args.out, json.dumps(result, indent=1))
@@ -210,6 +223,9 @@ def main(argv=None) -> int:
         cells = [r.get(c) for c in columns]
         print(f"{r['phase']:>6} {'yes' if r['launch_ahead'] else 'no':>5} "
               + " ".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cells))
+    print("light pass (launch and readback only): " + "; ".join(
+        f"{r['phase']}{'' if r['launch_ahead'] else ' read back first'}: launch {r['light']['launch_us'] or 0:.1f} us, "
+        f"readback on the host {r['light']['readback_host_us'] or 0:.1f} us" for r in result["phases"]))
     return 0
 
 

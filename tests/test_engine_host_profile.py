@@ -26,6 +26,7 @@ def test_both_phases_are_timed_and_profiled(tmp_path):
         # eager: no replay, so none of the parts around it, and no step launched ahead
         assert phase["replay_call_us"] is None and phase["launch_us"] is None and "graph_gpu_us" not in phase
         assert phase["launch_ahead"] is False and phase["steps_launched_ahead"] == 0
+        assert phase["light"]["step_us"] > 0 and phase["light"]["launch_us"] is None
         top = phase["python_top"]
         own = [r["own_us"] for r in top]
         assert len(top) == 25 and own == sorted(own, reverse=True) and min(own) >= 0
