@@ -386,10 +386,7 @@ class Engine:
         return self._step()
 
     def _step(self) -> list[StepOutput]:
-        launched, self._inflight = self._inflight, None
-        if launched is not None and all(r.out.finished for r in launched.reqs):
-            launched.pending.result()  # every row ended a step earlier: wait for it, read nothing
-            launched = None
+        launched = self._take_inflight()
         events = []
         if launched is None:
             events = self._admit()
@@ -407,13 +404,17 @@ class Engine:
         """Read back the step launched ahead, if any, and launch nothing after it: what it emits
         (the events the next step() would have returned first). After it, every step launched
         so far is counted in `metrics` and the next step starts from the host's state."""
+        launched = self._take_inflight()
+        return self._complete(launched) if launched is not None else []
+
+    def _take_inflight(self) -> "_Launched | None":
+        """The step launched ahead, taken; None when there is none, or when every row of it ended
+        a step earlier (it is waited for, so that its buffers are free, and nothing is read)."""
         launched, self._inflight = self._inflight, None
-        if launched is None:
-            return []
-        if all(r.out.finished for r in launched.reqs):
+        if launched is not None and all(r.out.finished for r in launched.reqs):
             launched.pending.result()
-            return []
-        return self._complete(launched)
+            return None
+        return launched
 
     def _may_launch_ahead(self, launched: "_Launched") -> bool:
         """Whether the step after `launched` may be launched before `launched` is read back: a
