@@ -135,10 +135,13 @@ class _Launched:
     slots: list[int]
     proposal: Proposal
     kmax: int
-    graphed: bool
     t_start: float
     pending: PendingStep | None = None
     eager: GraphStepResult | None = None
+
+    @property
+    def graphed(self) -> bool:
+        return self.pending is not None
 
 
 class Engine:
@@ -395,7 +398,7 @@ class Engine:
             launched = self._launch(self._running)
         # The next step goes to the device before this one is read back, where nothing it needs
         # comes from this step's host results (docs/architecture.md, "The step on the GPU").
-        if launched.pending is not None and self._may_launch_ahead(launched):
+        if launched.graphed and self._may_launch_ahead(launched):
             self._inflight = self._launch(launched.reqs, ahead=True)
             self.metrics.num_launched_ahead += 1
         return events + self._complete(launched)
@@ -470,7 +473,7 @@ class Engine:
         # 3-4. verify and accept (with graphs: the target's commit too, in the same replay)
         uniforms, noise = self._draw_noise(reqs, sampling, max(kmax, 1), graphed)
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
-        launched = _Launched(reqs, slots, proposal, kmax, graphed, t_start)
+        launched = _Launched(reqs, slots, proposal, kmax, t_start)
         if graphed:
             launched.pending = self._graphs.launch(
                 slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise,
