@@ -269,7 +269,8 @@ def new_model(target, name: str, args) -> DSparkModel:
 
 def train_configs(args) -> dict[str, TrainConfig]:
     base = dict(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
-                warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, length_groups=args.length_groups, seed=42)
+                warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, recompute=args.recompute,
+                length_groups=args.length_groups, seed=42)
     return {"dspark": TrainConfig(**base),  # 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4
             "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
 
@@ -602,6 +603,9 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
     r.add_argument("--reference-loss", action="store_true",
                    help="train with the torch reference of draft_loss_terms (default on CUDA: its Triton kernels)")
+    r.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
+                   help="anchor chunks recompute their activations in backward (--no-recompute keeps them: "
+                        "faster, ~all chunks' logits in memory)")
     r.add_argument("--only-self-distil", action="store_true",
                    help="stop after self-distillation (work-dir/sequences.npz), e.g. to bring the sequences back")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,

@@ -113,7 +113,7 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=args.seq_len + 16, attention="batched")
     # The recipe's own drafter and training settings (its defaults), at this run's batch and chunk.
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--anchor-chunk", str(args.anchor_chunk),
-                       "--seed", str(args.seed)])
+                       "--recompute" if args.recompute else "--no-recompute", "--seed", str(args.seed)])
     model = recipe.new_model(target, "dspark", ns)
     if target.device.type == "cuda":
         model.autocast_dtype = torch.bfloat16
@@ -135,7 +135,11 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
         save()
         captured = capture(target, sequences, model.config.target_layer_ids)
         model.train()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         out["train"] = measured(step, 3)
+        if torch.cuda.is_available():
+            out["train"]["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         model.eval()
         save()
     if not args.held_out_prompts:
@@ -157,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=768, help="longest training sequence (lengths drawn in [half, this])")
     ap.add_argument("--anchor-chunk", type=int, default=128)
+    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
+                    help="as the recipe's --recompute: anchor chunks recompute their activations in backward")
     ap.add_argument("--held-out-prompts", type=int, default=32, help="0: no held_out piece")
     ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, train")
     ap.add_argument("--reference-loss", action="store_true",

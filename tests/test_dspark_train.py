@@ -154,9 +154,12 @@ def test_length_groups_batch_similar_lengths_and_keep_every_sequence_once_per_ep
     assert epoch_batches(supervised, plain_cfg, 2) != epoch_batches(supervised, plain_cfg, 3)
     with pytest.raises(ValueError, match="TrainConfig.length_groups=-1"):
         TrainConfig(length_groups=-1).validate()
+    with pytest.raises(ValueError, match="TrainConfig.recompute=1"):
+        TrainConfig(recompute=1).validate()
 
 
-def test_anchor_chunks_give_the_same_loss_and_gradients():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_anchor_chunks_give_the_same_loss_and_gradients(recompute):
     target = SyntheticTarget(seed=4)
     data = make_data(target, 4, seed=4)
     torch.manual_seed(3)
@@ -164,7 +167,7 @@ def test_anchor_chunks_give_the_same_loss_and_gradients():
     results = []
     for chunk in (0, 3):
         model.zero_grad(set_to_none=True)
-        cfg = TrainConfig(num_anchors=10, anchor_chunk=chunk)
+        cfg = TrainConfig(num_anchors=10, anchor_chunk=chunk, recompute=recompute)
         loss, metrics = train_step_loss(model, capture(target, data, model.config.target_layer_ids), data,
                                         [torch.ones_like(s) for s in data], cfg, torch.Generator().manual_seed(9))
         loss.backward()

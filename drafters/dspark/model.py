@@ -121,14 +121,21 @@ class BlockAttention(nn.Module):
         q = self.queries(x, positions)  # [B, A, G, H, dk]
         k_blk, v_blk = self.keys_values(self.kv_rows(x, positions))  # [B, A, G, H, dk|dv]
         k_ctx, v_ctx = self.keys_values(context_rows)  # [B, S, H, dk|dv]
-        scores_ctx = torch.einsum("baghd,bshd->bhags", q.float(), k_ctx.float()) * self.scale
-        scores_ctx = scores_ctx.masked_fill(~context_visible[:, None, :, None, :], float("-inf"))
-        scores_blk = torch.einsum("baghd,bajhd->bhagj", q.float(), k_blk.float()) * self.scale
-        probs = torch.cat([scores_ctx, scores_blk], dim=-1).softmax(dim=-1)  # block keys: never empty
-        num_ctx = context_rows.shape[1]
-        out = torch.einsum("bhags,bshd->baghd", probs[..., :num_ctx], v_ctx.float())
-        out = out + torch.einsum("bhagj,bajhd->baghd", probs[..., num_ctx:], v_blk.float())
-        return self.o_proj(out.flatten(-2).to(x.dtype))
+        B, A, G = q.shape[:3]
+        # One fused attention call (F.scaled_dot_product_attention) over every block slot at once:
+        # keys are the S context rows followed by the A * G block rows, and the mask lets a slot see
+        # the context rows before its anchor and the rows of its own block. Written as separate
+        # float32 einsums, the [B, H, A, G, S] scores and their masked, concatenated and soft-maxed
+        # copies were the bulk of a training step's memory traffic (experiments/notes/smollm2.md).
+        # The rows of other blocks are masked, not skipped, so trainers bound A per call (anchor_chunk).
+        queries = q.flatten(1, 2).transpose(1, 2)  # [B, H, A * G, dk]
+        keys = torch.cat([k_ctx, k_blk.flatten(1, 2)], dim=1).transpose(1, 2)  # [B, H, S + A * G, dk]
+        values = torch.cat([v_ctx, v_blk.flatten(1, 2)], dim=1).transpose(1, 2)
+        sees_context = context_visible[:, :, None, :].expand(-1, -1, G, -1).flatten(1, 2)  # [B, A * G, S]
+        own_block = torch.eye(A, dtype=torch.bool, device=x.device).repeat_interleave(G, 0).repeat_interleave(G, 1)
+        mask = torch.cat([sees_context, own_block.expand(B, -1, -1)], dim=-1)  # block keys: never empty
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).unflatten(1, (A, G)).flatten(-2).to(x.dtype))
 
 
 class MLAAttention(BlockAttention):

@@ -47,7 +47,8 @@ class TrainConfig:
     conf_weight: float = 1.0
     decay_gamma: float = 4.0  # all released configs use 4.0, not the block size (docs/dspark-algorithm.md §6.3)
     grad_clip: float = 1.0
-    anchor_chunk: int = 0  # > 0: run the blocks this many anchors at a time, recomputed in backward
+    anchor_chunk: int = 0  # > 0: run the blocks this many anchors at a time
+    recompute: bool = True  # chunks recompute their activations in backward (memory ~ one chunk's)
     # > 0: batches drawn from groups of this many batches sorted by supervised length (epoch_batches)
     length_groups: int = 0
     seed: int = 42
@@ -68,6 +69,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not isinstance(self.anchor_chunk, int) or self.anchor_chunk < 0:
             raise ValueError(f"TrainConfig.anchor_chunk={self.anchor_chunk!r}: must be an integer >= 0 (0 = all anchors at once)")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"TrainConfig.recompute={self.recompute!r}: must be a bool")
         if not isinstance(self.length_groups, int) or self.length_groups < 0:
             raise ValueError(f"TrainConfig.length_groups={self.length_groups!r}: must be an integer >= 0 (0 = random batches)")
         if not isinstance(self.save_every, int) or self.save_every < 0:
@@ -287,9 +290,11 @@ def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: Tr
     totals = None
     for start in range(0, num_blocks, chunk):
         args = (start, min(start + chunk, num_blocks), *context_rows)
-        # Chunks recompute their activations in backward: memory ~ one chunk of [A, G, V] logits
-        # and [H, A, G, S] scores instead of all anchors at once (docs/dspark-algorithm.md §6.2 uses 512 anchors).
-        part = checkpoint(blocks_sums, *args, use_reentrant=False) if chunk < num_blocks else blocks_sums(*args)
+        # With recompute, chunks recompute their activations in backward: memory ~ one chunk of
+        # [A, G, V] logits instead of all anchors at once (docs/dspark-algorithm.md §6.2 uses 512
+        # anchors). Without it, chunks only bound the attention's masked block rows (model.py).
+        recomputed = cfg.recompute and chunk < num_blocks
+        part = checkpoint(blocks_sums, *args, use_reentrant=False) if recomputed else blocks_sums(*args)
         totals = part if totals is None else tuple(t + p for t, p in zip(totals, part))
     return finish_loss(dict(zip(_SUM_KEYS, totals)), cfg)
 
@@ -473,6 +478,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in ("lr", "warmup_frac", "weight_decay", "grad_clip", "decay_gamma"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    parser.add_argument("--no-recompute", dest="recompute", action="store_false",
+                        help="anchor chunks keep their activations for backward (faster, more memory)")
     parser.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-seq-len", type=int, default=None,
@@ -518,7 +525,8 @@ def main(args: argparse.Namespace) -> int:
         masks = response_loss_masks(prompts, sequences)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_frac=args.warmup_frac,
                       weight_decay=args.weight_decay, num_anchors=args.num_anchors, decay_gamma=args.decay_gamma,
-                      grad_clip=args.grad_clip, anchor_chunk=args.anchor_chunk, seed=args.seed, save_every=args.save_every)
+                      grad_clip=args.grad_clip, anchor_chunk=args.anchor_chunk, recompute=args.recompute, seed=args.seed,
+                      save_every=args.save_every)
     history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=args.out, resume=args.resume,
                     progress=not args.no_progress)
     if history:
