@@ -312,10 +312,13 @@ def train_variant(args, name: str, target, sequences, masks, held_out, work: Pat
     while (step := trained_steps(out_dir)) < cfg.steps:
         if time.time() > deadline:
             raise StoppedEarly(f"train {name}: step {step} of {cfg.steps} (--time-limit)")
-        segment = min(args.eval_every, cfg.steps - step)
+        # Up to the next multiple of --eval-every (a run resumed mid-segment keeps the checks there).
+        segment = min(args.eval_every - step % args.eval_every, cfg.steps - step)
         with tf32_on_cuda(target.device):
             history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=out_dir, resume=step > 0,
-                            stop_after=segment, progress=True)
+                            stop_after=segment, deadline=deadline, progress=True)
+        if trained_steps(out_dir) < step + segment:  # the deadline passed inside the segment
+            raise StoppedEarly(f"train {name}: step {trained_steps(out_dir)} of {cfg.steps} (--time-limit)")
         drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len)
         rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
         entry["held_out"].append({"step": step + segment, "acceptance_length": rounds.acceptance_length,

@@ -1,6 +1,7 @@
 """DSpark drafter training (docs/dspark-algorithm.md §6) on the synthetic learnable target."""
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -126,6 +127,11 @@ def test_resumed_run_equals_unbroken_run(tmp_path):
     split = fresh()
     train(target, split, data, config=cfg, out_dir=tmp_path / "b", progress=False, stop_after=4)
     resumed = fresh()  # a new process: weights, optimizer and step come from the checkpoint
+    # A deadline already past ends the call after one step, with a checkpoint to resume from.
+    history = train(target, resumed, data, config=cfg, out_dir=tmp_path / "b", progress=False, resume=True,
+                    deadline=time.time() - 1)
+    assert [m["step"] for m in history] == [5]
+    resumed = fresh()
     train(target, resumed, data, config=cfg, out_dir=tmp_path / "b", progress=False, resume=True)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -358,6 +359,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
+    deadline: float | None = None,
     cache_captures: bool = False,
 ) -> list[dict]:
     """Train `model` in place for config.steps steps; returns the per-step metrics.
@@ -365,8 +367,9 @@ def train(
     With out_dir, checkpoints go to out_dir (every save_every steps and at the end) and the
     loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state.
     Data order and anchors depend only on (seed, step), so a resumed run equals an unbroken one.
-    stop_after ends this call after that many steps (saving a checkpoint to resume from), for
-    runs split across time-limited jobs. cache_captures keeps each sequence's target logits and
+    stop_after ends this call after that many steps, and deadline (a time.time() value) after
+    the first step that ends past it, each saving a checkpoint to resume from, for runs split
+    across time-limited jobs. cache_captures keeps each sequence's target logits and
     taps in memory after its first prefill (an offline target cache for small data sets and
     slow targets; memory = sum of S x (V + taps x d) floats).
     """
@@ -431,10 +434,13 @@ def train(
                 log.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", tau=f"{metrics['tau']:.2f}")
-            if out_dir is not None and (step == last_step or (cfg.save_every and step % cfg.save_every == 0)):
+            stopping = step == last_step or (deadline is not None and time.time() > deadline)
+            if out_dir is not None and (stopping or (cfg.save_every and step % cfg.save_every == 0)):
                 save_checkpoint(model, out_dir, trainer_state={
                     "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "train_config": asdict(cfg)})
+            if stopping:
+                break
         bar.close()
     finally:
         if log is not None:
