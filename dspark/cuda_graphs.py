@@ -18,6 +18,23 @@ import torch
 _OWN_FOLDERS = tuple(os.sep + name + os.sep for name in ("dspark", "kernels", "drafters"))
 
 
+_streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(device_index: int) -> torch.cuda.Stream:
+    """torch.cuda.current_stream(device_index), for code that records an event on it every step.
+    torch's own resolves the device through torch.cuda.is_available() (an environment lookup) and
+    builds a new Stream object per call: ~35 us per plain step in cProfile on the H200, more than the
+    replay call (experiments/results/h200/engine_host_profile.json, phase "plain": current_stream,
+    _get_device_index, streams.py __new__). This reads the stream from the same C
+    function torch's does and keeps one Stream object per stream."""
+    data = torch._C._cuda_getCurrentStream(device_index)
+    stream = _streams.get(data)
+    if stream is None:
+        stream = _streams[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+    return stream
+
+
 class CaptureError(RuntimeError):
     """The step cannot be captured into a CUDA graph; the message names the call that synchronised."""
 

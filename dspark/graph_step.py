@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cuda_graphs import StepGraph
+from .cuda_graphs import StepGraph, current_stream
 from .kernels import ops
 from .sampling import SamplingTensors, nonfinite_rows
 
@@ -143,6 +143,9 @@ class GraphedStep:
         self.target = target
         self.tap_layers = tuple(tap_layers)
         self.buckets = tuple(b for b in sorted(buckets) if b <= target.max_slots)
+        # The graphs replay on the current stream of the device they were captured on, where the
+        # readback's event is recorded.
+        self._device_index = target.device.index if target.device.index is not None else torch.cuda.current_device()
         self.enabled = torch.ones((), dtype=torch.long, device=target.device)
         self._steps: dict[GraphKey, tuple[StepGraph, _StaticStep]] = {}
         self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
@@ -224,7 +227,7 @@ class GraphedStep:
         parity = step.launches % 2
         step.launches += 1
         step.host_out[parity].copy_(packed, non_blocking=True)
-        step.done[parity].record()
+        step.done[parity].record(current_stream(self._device_index))
         return PendingStep(step, parity, B, num_accepted[:B], taps)
 
     def run(self, slots: list[int], free_slots: list[int], drafts: torch.Tensor, num_drafts: torch.Tensor,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import current_stream
+
 
 def long_tensor_on(values: list[int], device: torch.device) -> torch.Tensor:
     """A long tensor of `values` on `device` (pinned staging and an asynchronous copy on CUDA)."""
@@ -28,6 +30,8 @@ class LongStaging:
         self._pinned = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._view = self._pinned.numpy()
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        if self._copied is not None:  # the copy runs on the current stream of the buffer's device
+            self._device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def upload(self, values: list[int]) -> torch.Tensor:
         n = len(values)
@@ -40,5 +44,5 @@ class LongStaging:
         self._view[:n] = values
         out = torch.empty(n, dtype=torch.long, device=self.device)
         out.copy_(self._pinned[:n], non_blocking=True)
-        self._copied.record()
+        self._copied.record(current_stream(self._device_index))
         return out
