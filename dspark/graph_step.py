@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,8 +66,9 @@ class PendingStep:
             taps={layer: t[:B] for layer, t in self._taps.items()})
 
 
-@dataclass(frozen=True)
-class GraphKey:
+class GraphKey(NamedTuple):
+    # A tuple, not a frozen dataclass: launch builds and hashes one per step, which for a frozen
+    # dataclass costs microseconds of Python (six object.__setattr__ and a hash of a new tuple).
     batch: int  # the bucket
     tokens: int  # T = 1 + drafts verified
     all_greedy: bool  # SamplingTensors' host flags choose the acceptance kernels' variant
@@ -98,7 +100,7 @@ class _StaticStep:
         # copies its results into the other (the host may not have read the first yet).
         self.host_out = torch.empty(2, B, T + 3, dtype=torch.long, pin_memory=True)
         self.done = (torch.cuda.Event(), torch.cuda.Event())
-        self.launches = 0
+        self.launches = 0  # replays of this graph
 
     def __call__(self):
         owner, key = self.owner, self.key
@@ -143,12 +145,14 @@ class GraphedStep:
         self.target = target
         self.tap_layers = tuple(tap_layers)
         self.buckets = tuple(b for b in sorted(buckets) if b <= target.max_slots)
+        # bucket(batch) as a lookup: the engine asks twice per step.
+        self._bucket_of = {batch: next(b for b in self.buckets if b >= batch)
+                           for batch in range(1, self.buckets[-1] + 1)} if self.buckets else {}
         # The graphs replay on the current stream of the device they were captured on, where the
         # readback's event is recorded.
         self._device_index = target.device.index if target.device.index is not None else torch.cuda.current_device()
         self.enabled = torch.ones((), dtype=torch.long, device=target.device)
         self._steps: dict[GraphKey, tuple[StepGraph, _StaticStep]] = {}
-        self.replays: Counter[GraphKey] = Counter()  # replays per graph (what the steps actually ran)
         self._pool = None
         self._host_rows: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # bucket -> pinned buffer, its NumPy view
         self._rows_written: dict[int, tuple] = {}  # bucket -> (slots, padding slots) its buffer holds
@@ -169,10 +173,15 @@ class GraphedStep:
         launched after this call verifies tokens[b] first in slot slots[b]."""
         self.anchors.index_copy_(0, slots, tokens)
 
+    @property
+    def replays(self) -> Counter[GraphKey]:
+        """Replays per graph (what the steps actually ran)."""
+        return Counter({key: step.launches for key, (_, step) in self._steps.items() if step.launches})
+
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` requests (None: no graph does; the step runs
         eagerly)."""
-        return next((b for b in self.buckets if b >= batch), None)
+        return self._bucket_of.get(batch)
 
     def capture(self, batch: int, tokens: int, *, all_greedy: bool = True, filters: bool = False,
                 has_probs: bool = False, synthetic: bool = False) -> None:
@@ -216,14 +225,14 @@ class GraphedStep:
         key = GraphKey(Bk, T, bool(sampling.all_greedy), bool(sampling.filters), probs is not None,
                        cond_rates is not None)
         inputs = (slots, free_slots, drafts, num_drafts, probs, sampling, uniforms, noise, cond_rates)
-        if key not in self._steps:
+        found = self._steps.get(key)
+        if found is None:
             step = _StaticStep(self, key)
             self._fill(step, *inputs)
-            self._steps[key] = (self._capture(key, step), step)
-        graph, step = self._steps[key]
+            found = self._steps[key] = (self._capture(key, step), step)
+        graph, step = found
         self._fill(step, *inputs)
         packed, num_accepted, taps = graph.replay()
-        self.replays[key] += 1
         parity = step.launches % 2
         step.launches += 1
         step.host_out[parity].copy_(packed, non_blocking=True)
