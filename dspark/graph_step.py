@@ -35,7 +35,8 @@ BUCKETS = (1, 2, 4, 8)
 class GraphStepResult:
     """The host's view of one replayed step (lists over the real rows) and device views that the
     drafter's commit reads (rows of the bucket's static buffers, valid until the next replay of
-    the same graph is launched)."""
+    the same graph is launched; the same view objects, and taps dict, in every result of a graph
+    at a batch size: read-only)."""
 
     num_accepted: list[int]
     next_token: list[int]
@@ -50,20 +51,37 @@ class GraphStepResult:
 class PendingStep:
     """A launched step whose results have not been read: `result()` waits for its readback."""
 
-    def __init__(self, step: "_StaticStep", parity: int, batch: int, num_accepted: torch.Tensor,
-                 taps: dict[int, torch.Tensor]):
-        self._step, self._parity, self._batch = step, parity, batch
-        self._num_accepted, self._taps = num_accepted, taps
+    def __init__(self, step: "_StaticStep", parity: int, batch: int, outputs: "_Outputs"):
+        self._step, self._parity, self._batch, self._outputs = step, parity, batch, outputs
 
     def result(self) -> GraphStepResult:
-        step, B = self._step, self._batch
+        step, B, out = self._step, self._batch, self._outputs
         step.done[self._parity].synchronize()
-        rows = step.host_out[self._parity, :B].tolist()
+        # Read through the NumPy view made with the buffer: a torch slice and .tolist() are two
+        # calls of a few microseconds each (engine_host_profile.json), NumPy's well under one.
+        rows = step.host_view[self._parity, :B].tolist()
         return GraphStepResult(
             num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows], num_drafts=[r[2] for r in rows],
             nonfinite=[bool(r[3]) for r in rows], drafts=[r[4:] for r in rows],
-            num_accepted_device=self._num_accepted, tokens_device=step.tokens[:B],
-            taps={layer: t[:B] for layer, t in self._taps.items()})
+            num_accepted_device=out.num_accepted, tokens_device=out.tokens, taps=out.taps)
+
+
+class _Inputs(NamedTuple):
+    """A step's static input buffers over the first B rows (None: the graph has no such input)."""
+
+    drafts: torch.Tensor
+    num_drafts: torch.Tensor
+    uniforms: torch.Tensor  # [B, T - 1]
+    probs: torch.Tensor | None
+    noise: torch.Tensor
+
+
+class _Outputs(NamedTuple):
+    """A step's outputs over the first B rows, as GraphStepResult hands them on."""
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    taps: dict[int, torch.Tensor]
 
 
 class GraphKey(NamedTuple):
@@ -97,10 +115,30 @@ class _StaticStep:
                                         torch.ones(B, device=dev), key.all_greedy, key.filters)
         self.sampling_source = None
         # Two readback buffers and events: a step launched before the previous one is read back
-        # copies its results into the other (the host may not have read the first yet).
-        self.host_out = torch.empty(2, B, T + 3, dtype=torch.long, pin_memory=True)
+        # copies its results into the other (the host may not have read the first yet). Each
+        # buffer's view and the NumPy view are made once: every torch call, a slice too, costs the
+        # host microseconds per step (engine_host_profile.json).
+        host_out = torch.empty(2, B, T + 3, dtype=torch.long, pin_memory=True)
+        self.host_out, self.host_view = tuple(host_out), host_out.numpy()
         self.done = (torch.cuda.Event(), torch.cuda.Event())
         self.launches = 0  # replays of this graph
+        self._inputs: dict[int, _Inputs] = {}  # batch -> views, made on first use
+        self._outputs: dict[int, _Outputs] = {}
+
+    def inputs(self, B: int) -> _Inputs:
+        """The input buffers' views over the first B rows, made once per B."""
+        if B not in self._inputs:
+            self._inputs[B] = _Inputs(self.drafts[:B], self.num_drafts[:B], self.uniforms[:B, : self.key.tokens - 1],
+                                      self.probs[:B] if self.probs is not None else None, self.noise[:B])
+        return self._inputs[B]
+
+    def outputs(self, graph: StepGraph, B: int) -> _Outputs:
+        """The captured graph's outputs over the first B rows, made once per B (after the capture:
+        the tensors the graph writes are those of its captured run)."""
+        if B not in self._outputs:
+            _, num_accepted, taps = graph.outputs
+            self._outputs[B] = _Outputs(num_accepted[:B], self.tokens[:B], {layer: t[:B] for layer, t in taps.items()})
+        return self._outputs[B]
 
     def __call__(self):
         owner, key = self.owner, self.key
@@ -232,12 +270,12 @@ class GraphedStep:
             found = self._steps[key] = (self._capture(key, step), step)
         graph, step = found
         self._fill(step, *inputs)
-        packed, num_accepted, taps = graph.replay()
+        packed = graph.replay()[0]
         parity = step.launches % 2
         step.launches += 1
         step.host_out[parity].copy_(packed, non_blocking=True)
         step.done[parity].record(current_stream(self._device_index))
-        return PendingStep(step, parity, B, num_accepted[:B], taps)
+        return PendingStep(step, parity, B, step.outputs(graph, B))
 
     def run(self, slots: list[int], free_slots: list[int], drafts: torch.Tensor, num_drafts: torch.Tensor,
             probs: torch.Tensor | None, sampling: SamplingTensors, uniforms: torch.Tensor | None,
@@ -261,19 +299,21 @@ class GraphedStep:
             rows[0, B:] = rows_now[1]
             rows[1, :B], rows[1, B:] = 1, 0
             self._rows_written[Bk] = rows_now
+        views = step.inputs(B)  # the buffers' rows, sliced once (a slice is a torch call)
         if T > 1:  # at T = 1 there are no drafts, and num_drafts stays the zeros it was made as
-            step.drafts[:B].copy_(drafts)
-            step.num_drafts[:B].copy_(num_drafts)
+            views.drafts.copy_(drafts)
+            views.num_drafts.copy_(num_drafts)
         if step.sampling_source is not sampling:  # parameters change only when the batch does
             for name in ("temperature", "top_k", "top_p"):
                 getattr(step.sampling, name)[:B].copy_(getattr(sampling, name))
             step.sampling_source = sampling
         if probs is not None:
-            step.probs[:B].copy_(probs)
-        if uniforms is not None and T > 1:
-            step.uniforms[:B, : T - 1].copy_(uniforms[:, : T - 1])
+            views.probs.copy_(probs)
+        if uniforms is not None and T > 1:  # the engine's are T - 1 wide: no slice to make then
+            views.uniforms.copy_(uniforms if uniforms.shape[1] == T - 1 else uniforms[:, : T - 1])
         if noise is not None:
-            step.noise[:B].copy_(noise)
+            views.noise.copy_(noise)
+        # The same tensor holds the same rates: the engine makes each k's once and never writes them.
         if cond_rates is not None and step.rates_source is not cond_rates:
             step.cond_rates[: cond_rates.shape[0]].copy_(cond_rates)
             step.rates_source = cond_rates
