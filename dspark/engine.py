@@ -207,9 +207,14 @@ class Engine:
         self._no_uniforms = torch.zeros(1, 1, device=self.device)
         self._no_noise = torch.ones(1, 1, device=self.device)
         # The proposal of a step without drafts, as views (read-only everywhere downstream): no
-        # allocation and no kernel launch per plain-decoding step.
+        # allocation and no kernel launch per plain-decoding step; made once per batch size, as
+        # a slice is a torch call of a few microseconds of host time (engine_host_profile.json).
         self._no_drafts = torch.zeros(target.max_slots, 0, dtype=torch.long, device=self.device)
         self._zero_drafts = torch.zeros(target.max_slots, dtype=torch.long, device=self.device)
+        self._plain_proposals: dict[int, Proposal] = {}
+        # The batch's slots on the device, for the anchors of a step launched ahead (the batch of
+        # the step before it): uploaded when the batch changes, not every step.
+        self._slots_on_device: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._last_mark = 0.0
         self._last_step_end = 0.0
         self.launch_ahead = launch_ahead
@@ -463,7 +468,7 @@ class Engine:
         # tensor: from the host's lists, or after a step not yet read back, from the device copy.
         anchors = None
         if kmax > 0 and ahead:
-            anchors = self._graphs.anchors.index_select(0, self._anchor_staging.upload(slots))
+            anchors = self._graphs.anchors.index_select(0, self._slots_tensor(slots))
         elif kmax > 0 or not graphed:
             anchors = self._anchor_staging.upload([r.anchor for r in reqs])
         proposal = self._propose(reqs, k_req, kmax, anchors)
@@ -475,9 +480,10 @@ class Engine:
         rates = self._synthetic_cond_rates(kmax) if self._synthetic else None
         launched = _Launched(reqs, slots, proposal, kmax, t_start)
         if graphed:
+            # rates is kmax long; passed as it is (not as a slice, a new tensor each step) so that
+            # the graph sees the same tensor and copies the rates in only when they change.
             launched.pending = self._graphs.launch(
-                slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise,
-                rates[:kmax] if rates is not None else None)
+                slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise, rates)
             return launched
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
         out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
@@ -573,11 +579,21 @@ class Engine:
         """k for a step of this many requests (SpecConfig.k_for_batch)."""
         return self.spec.k_for_batch(batch_size)
 
+    def _slots_tensor(self, slots: list[int]) -> torch.Tensor:
+        """`slots` as a device tensor, uploaded only when they differ from the last call's (nothing
+        writes the tensor: it is an index)."""
+        key = tuple(slots)
+        if self._slots_on_device is None or self._slots_on_device[0] != key:
+            self._slots_on_device = (key, self._anchor_staging.upload(slots))
+        return self._slots_on_device[1]
+
     def _propose(self, reqs, k_req: list[int], kmax: int, anchors: torch.Tensor | None) -> Proposal:
         B = len(reqs)
         dev = self.device
         if kmax == 0:
-            return Proposal(self._no_drafts[:B], self._zero_drafts[:B])
+            if B not in self._plain_proposals:
+                self._plain_proposals[B] = Proposal(self._no_drafts[:B], self._zero_drafts[:B])
+            return self._plain_proposals[B]
         rows = [i for i in range(B) if k_req[i] > 0]
         sub = rows if len(rows) < B else None
         pick = (lambda xs: [xs[i] for i in rows]) if sub else (lambda xs: xs)
@@ -594,8 +610,8 @@ class Engine:
         policy = self._policy_batch1 if B == 1 else self._policy
         if policy is not None:
             num = torch.minimum(num, policy.verify_lengths(dataclasses.replace(prop, num_drafts=num)))
-        if sub is None:
-            return dataclasses.replace(prop, num_drafts=num)
+        if sub is None:  # the drafter's own where nothing capped it: a replace cost ~10 us in cProfile
+            return prop if num is prop.num_drafts else dataclasses.replace(prop, num_drafts=num)
         # Scatter the proposing rows back into the full batch; the others verify no drafts.
         idx = torch.tensor(rows, device=dev)
 
