@@ -25,7 +25,7 @@ def current_stream(device_index: int) -> torch.cuda.Stream:
     """torch.cuda.current_stream(device_index), for code that records an event on it every step.
     torch's own resolves the device through torch.cuda.is_available() (an environment lookup) and
     builds a new Stream object per call: ~35 us per plain step in cProfile on the H200, more than the
-    replay call (experiments/results/h200/engine_host_profile.json, phase "plain": current_stream,
+    replay call (experiments/results/h200/engine_host_profile_1c6ffd9.json, phase "plain": current_stream,
     _get_device_index, streams.py __new__). This reads the stream from the same C
     function torch's does and keeps one Stream object per stream."""
     data = torch._C._cuda_getCurrentStream(device_index)

@@ -208,7 +208,7 @@ class Engine:
         self._no_noise = torch.ones(1, 1, device=self.device)
         # The proposal of a step without drafts, as views (read-only everywhere downstream): no
         # allocation and no kernel launch per plain-decoding step; made once per batch size, as
-        # a slice is a torch call of a few microseconds of host time (engine_host_profile.json).
+        # a slice is a torch call of a few microseconds of host time (engine_host_profile_1c6ffd9.json).
         self._no_drafts = torch.zeros(target.max_slots, 0, dtype=torch.long, device=self.device)
         self._zero_drafts = torch.zeros(target.max_slots, dtype=torch.long, device=self.device)
         self._plain_proposals: dict[int, Proposal] = {}

@@ -58,7 +58,7 @@ class PendingStep:
         step, B, out = self._step, self._batch, self._outputs
         step.done[self._parity].synchronize()
         # Read through the NumPy view made with the buffer: a torch slice and .tolist() are two
-        # calls of a few microseconds each (engine_host_profile.json), NumPy's well under one.
+        # calls of a few microseconds each (engine_host_profile_1c6ffd9.json), NumPy's well under one.
         rows = step.host_view[self._parity, :B].tolist()
         return GraphStepResult(
             num_accepted=[r[0] for r in rows], next_token=[r[1] for r in rows], num_drafts=[r[2] for r in rows],
@@ -117,7 +117,7 @@ class _StaticStep:
         # Two readback buffers and events: a step launched before the previous one is read back
         # copies its results into the other (the host may not have read the first yet). Each
         # buffer's view and the NumPy view are made once: every torch call, a slice too, costs the
-        # host microseconds per step (engine_host_profile.json).
+        # host microseconds per step (engine_host_profile_1c6ffd9.json).
         host_out = torch.empty(2, B, T + 3, dtype=torch.long, pin_memory=True)
         self.host_out, self.host_view = tuple(host_out), host_out.numpy()
         self.done = (torch.cuda.Event(), torch.cuda.Event())
@@ -143,7 +143,7 @@ class _StaticStep:
     def __call__(self):
         owner, key = self.owner, self.key
         # The rows' upload is a node of the graph, not a copy call of the host's per step (~22 us of
-        # host time on the H200 while the device waited: engine_host_profile.json). The readback
+        # host time on the H200 while the device waited: engine_host_profile_1c6ffd9.json). The readback
         # stays a call after the replay: whether torch captures a device-to-host copy into pinned
         # memory in its default capture mode is an open question upstream (pytorch/pytorch#166765),
         # where a host-to-device one from pinned memory is shown to capture and replay.
@@ -289,7 +289,7 @@ class GraphedStep:
         B, Bk, T = len(slots), step.key.batch, step.key.tokens
         # Written through a NumPy view of the pinned buffer, made once (making it costs ~11 us): one
         # torch indexing op costs the host several microseconds (experiments/results/h200/
-        # engine_host_profile.json). Written only when the batch changed: a step launched before the
+        # engine_host_profile_1c6ffd9.json). Written only when the batch changed: a step launched before the
         # previous one ran finds it as it was, while that one's graph may still be about to copy it
         # in; when the batch changes every earlier launch was read back (launch's contract).
         rows_now = (tuple(slots), tuple(free_slots[: Bk - B]))

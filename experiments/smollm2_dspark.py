@@ -32,6 +32,9 @@ commands before the first call (the machine keeps /tmp only while it stays warm)
                python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 && python experiments/smollm2_dspark.py \
                  run --gguf /tmp/smollm2/smollm2.gguf --time-limit 420 --out $OUT/smollm2_dspark.json; \
                cp experiments/work/smollm2_dspark/sequences.npz $OUT/
+               (the H200 has no `gguf` package: carry a gguf wheel, e.g. `pip download gguf` into
+               experiments/stage/, and `pip install --no-deps --target /tmp/site` it first, with
+               /tmp/site on PYTHONPATH)
   later calls: the same `run ... --out $OUT/smollm2_dspark.json` line (it resumes: exit status 3 = stopped at
                --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
 `join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
