@@ -37,7 +37,9 @@ def build_target(name: str, *, max_slots: int = 8, max_seq_len: int = 4096, devi
     return load_target(name, max_slots=max_slots, max_seq_len=max_seq_len, dtype=dtype, device=device, seed=seed)
 
 
-def build_drafter(spec: SpecConfig, target):
+def build_drafter(spec: SpecConfig, target, cuda_graphs: bool = False):
+    """The SpecConfig's drafter for `target`; cuda_graphs: a DSpark drafter replays CUDA graphs of
+    its greedy drafts and commits (a probabilistic one stays eager)."""
     if spec.max_k == 0:
         return None
     if spec.drafter == "ngram":
@@ -48,7 +50,8 @@ def build_drafter(spec: SpecConfig, target):
         raise ValueError("SpecConfig.drafter_path=None: drafter='dspark' needs a checkpoint directory")
     from .drafters.dspark import load_drafter
 
-    drafter = load_drafter(spec.drafter_path, target, draft_sample_method=spec.draft_sample_method)
+    drafter = load_drafter(spec.drafter_path, target, draft_sample_method=spec.draft_sample_method,
+                           cuda_graphs=cuda_graphs and spec.draft_sample_method == "greedy")
     block = drafter.config.block_size
     if spec.max_k > block:
         raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: the DSpark drafter at "
@@ -76,4 +79,10 @@ def build_engine(spec: SpecConfig, target, **kwargs) -> Engine:
     if spec.max_k > most:
         raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: at most {most} for a target with "
                          f"max_seq_len={target.max_seq_len} (and never more than {MAX_SPECULATIVE_TOKENS})")
-    return Engine(target, build_drafter(spec, target), spec, eos_token_ids=eos_ids(target), **kwargs)
+    # The drafter's graphs follow the engine's: on wherever the engine's steps replay graphs by default.
+    profile = spec.batch1_profile
+    graphs = kwargs.get("cuda_graphs")
+    if graphs is None:
+        graphs = (target.device.type == "cuda" and getattr(target, "supports_cuda_graphs", False)
+                  and (profile is None or profile.cuda_graphs))
+    return Engine(target, build_drafter(spec, target, cuda_graphs=graphs), spec, eos_token_ids=eos_ids(target), **kwargs)

@@ -19,7 +19,9 @@ import torch
 from dspark.config import SamplingParams
 from dspark.protocols import Proposal
 from dspark.sampling import SamplingTensors, processed_probs
+from dspark.transfer import long_tensor_on
 
+from .graphs import DraftGraphs
 from .model import DSparkModel
 
 
@@ -44,7 +46,8 @@ class DSparkDrafter:
     dtype (W = 576 for the K3 drafter), like the target's MLA cache.
     """
 
-    def __init__(self, model: DSparkModel, max_slots: int, *, max_seq_len: int, draft_sample_method: str = "greedy"):
+    def __init__(self, model: DSparkModel, max_slots: int, *, max_seq_len: int, draft_sample_method: str = "greedy",
+                 cuda_graphs: bool = False):
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"DSparkDrafter.draft_sample_method={draft_sample_method!r}: must be 'greedy' or 'probabilistic'")
         if not isinstance(max_slots, int) or max_slots < 1:
@@ -55,11 +58,24 @@ class DSparkDrafter:
         self.tap_layers: tuple[int, ...] = tuple(self.config.target_layer_ids)
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
         self.draft_sample_method = draft_sample_method
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"DSparkDrafter.cuda_graphs=True: the model is on {self.device}; CUDA graphs need a CUDA device")
+            if draft_sample_method != "greedy":
+                raise ValueError(f"DSparkDrafter.cuda_graphs=True with draft_sample_method={draft_sample_method!r}: "
+                                 "only greedy drafting is graphed (probabilistic drafting samples with each request's "
+                                 "own generator)")
         dtype = model.context_proj.weight.dtype
-        self._cache = [torch.zeros(max_slots, max_seq_len, layer.self_attn.row_width, dtype=dtype, device=self.device)
+        # Every cache has one scratch row past max_seq_len: the device-side commit (_commit_rows)
+        # writes all T verified rows of a request and sends the ones it does not keep there.
+        self._cache = [torch.zeros(max_slots, max_seq_len + 1, layer.self_attn.row_width, dtype=dtype, device=self.device)
                        for layer in model.layers]
+        # The lengths on the host (checks, context buckets) and on the device (what a draft reads
+        # and a device-side commit advances), kept equal.
         self._lengths = [0] * max_slots
+        self._lengths_device = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._live: set[int] = set()
+        self._graphs = DraftGraphs(self) if cuda_graphs else None
 
     @property
     def config(self):
@@ -90,6 +106,10 @@ class DSparkDrafter:
             raise ValueError(f"taps: missing target layers {missing}; the drafter needs {list(self.tap_layers)}")
         return self.tap_layers
 
+    def _set_length(self, slot: int, length: int) -> None:
+        self._lengths[slot] = length
+        self._lengths_device[slot] = length  # a fill kernel: no synchronisation
+
     def _check_room(self, slot: int, length: int) -> None:
         if length > self.max_seq_len:
             raise ValueError(f"slot={slot}: context of {length} tokens exceeds max_seq_len={self.max_seq_len}")
@@ -110,7 +130,7 @@ class DSparkDrafter:
         rows = self.model.context_rows(fused, torch.arange(length, device=self.device))
         for cache, r in zip(self._cache, rows):
             cache[slot, :length] = r
-        self._lengths[slot] = length
+        self._set_length(slot, length)
         self._live.add(slot)
 
     @torch.no_grad()
@@ -155,6 +175,10 @@ class DSparkDrafter:
             self._check_room(slot, self._lengths[slot] + kept[i])
         if not any(kept):
             return
+        if self._graphs is not None and self._graphs.commit(slots, num_tokens, taps):
+            for slot, n in zip(slots, kept):
+                self._lengths[slot] += n
+            return
         # One fused pass over every verified row; only the kept ones are written.
         fused = self.model.fuse_taps({layer: taps[layer].to(self.device) for layer in self._need(taps)})  # [B, T, d]
         starts = torch.tensor([self._lengths[s] for s in slots], device=self.device)
@@ -163,20 +187,37 @@ class DSparkDrafter:
             start, n = self._lengths[slot], kept[i]
             for cache, r in zip(self._cache, rows):
                 cache[slot, start : start + n] = r[i, :n]
-            self._lengths[slot] = start + n
+            self._set_length(slot, start + n)
+
+    def _commit_rows(self, index: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
+        """commit on the device alone (what a commit graph captures): slots index [B], kept counts
+        [B], taps {layer: [B, T, d]}. Every verified row is computed, as in commit; the rows past a
+        request's kept count go to the scratch row (max_seq_len), and its device length advances
+        by its count. Distinct slots only (rows of one slot would race). The host's lengths are the
+        caller's to advance."""
+        model, T = self.model, next(iter(taps.values())).shape[1]
+        steps = torch.arange(T, device=self.device)
+        starts = self._lengths_device.index_select(0, index)
+        positions = starts[:, None] + steps
+        rows = model.context_rows(model.fuse_taps(taps), positions)
+        where = torch.where(steps < kept[:, None], positions, self.max_seq_len)
+        slots = index[:, None].expand(-1, T)
+        for cache, r in zip(self._cache, rows):
+            cache.index_put_((slots, where), r.to(cache.dtype))
+        self._lengths_device.index_copy_(0, index, starts + kept)
 
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             self._check_slot(slot, live=False)
             self._live.discard(slot)
-            self._lengths[slot] = 0
+            self._set_length(slot, 0)
 
     def crop(self, slot: int, length: int) -> None:
         """Roll a slot's context back to its first `length` tokens."""
         current = self.context_length(slot)
         if not 0 <= length <= current:
             raise ValueError(f"length={length}: outside [0, context length {current}] of slot {slot}")
-        self._lengths[slot] = length
+        self._set_length(slot, length)
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -190,23 +231,37 @@ class DSparkDrafter:
         """Draft a full block for every slot (docs/dspark-algorithm.md §3)."""
         if len(anchors) != len(slots) or len(sampling) != len(slots):
             raise ValueError(f"anchors ({len(anchors)}) and sampling ({len(sampling)}) need one entry per slot ({len(slots)})")
-        model, device, gamma = self.model, self.device, self.config.block_size
-        batch = len(slots)
         for s in slots:
             self._check_slot(s, live=True)
-        lengths = torch.tensor([self._lengths[s] for s in slots], device=device)
-        longest = int(lengths.max()) if batch else 0
-        index = torch.tensor(slots, dtype=torch.long, device=device)
-        context_rows = [cache[index, :longest] for cache in self._cache]  # padding is masked out
-        visible = (torch.arange(longest, device=device) < lengths[:, None]).unsqueeze(1)  # [B, 1, S]
-        anchors = anchors.to(device).long()
+        if self._graphs is not None:
+            graphed = self._graphs.draft(slots, anchors)
+            if graphed is not None:
+                return graphed
+        device = self.device
+        # The longest context from the host's lengths: reading it off the device would synchronise.
+        longest = max((self._lengths[s] for s in slots), default=0)
+        index = long_tensor_on(slots, device)
+        probabilistic = self.draft_sample_method == "probabilistic"
+        return self._draft_rows(index, anchors.to(device).long(), longest, sampling if probabilistic else None,
+                                generators)
+
+    def _draft_rows(self, index: torch.Tensor, anchors: torch.Tensor, context: int,
+                    sampling: list[SamplingParams] | None = None, generators: list[torch.Generator] = ()) -> Draft:
+        """The block of every row: slots index [B], anchors [B], reading the first `context`
+        cache rows (>= every row's length); sampling given: probabilistic drafting, else greedy.
+        With greedy drafting every op stays on the device (what a draft graph captures)."""
+        model, device, gamma = self.model, self.device, self.config.block_size
+        batch = index.shape[0]
+        lengths = self._lengths_device.index_select(0, index)
+        context_rows = [cache[:, :context].index_select(0, index) for cache in self._cache]  # rows past a length are masked out
+        visible = (torch.arange(context, device=device) < lengths[:, None]).unsqueeze(1)  # [B, 1, S]
         block = model.block_inputs(anchors).unsqueeze(1)  # [B, 1, G]
         positions = (lengths[:, None] + torch.arange(gamma, device=device)).unsqueeze(1)
         hidden = model.backbone(block, positions, context_rows, visible)[:, 0]  # [B, G, d]
         base = model.base_logits(hidden)  # [B, G, V]
 
-        probabilistic = self.draft_sample_method == "probabilistic"
-        sampled_rows = [i for i, p in enumerate(sampling) if probabilistic and not p.greedy]
+        probabilistic = sampling is not None
+        sampled_rows = [i for i, p in enumerate(sampling) if not p.greedy] if probabilistic else []
         if probabilistic:
             # The same temperature/top-k/top-p processing the target side uses (dspark.sampling);
             # greedy rows come back one-hot.
@@ -239,8 +294,9 @@ def shared_embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
     return accessor()
 
 
-def load_drafter(path, target, *, draft_sample_method: str = "greedy") -> DSparkDrafter:
-    """A DSparkDrafter from a checkpoint directory, sharing the target's embedding and lm_head."""
+def load_drafter(path, target, *, draft_sample_method: str = "greedy", cuda_graphs: bool = False) -> DSparkDrafter:
+    """A DSparkDrafter from a checkpoint directory, sharing the target's embedding and lm_head
+    (cuda_graphs: its greedy drafts and commits replay CUDA graphs, drafters/dspark/graphs.py)."""
     from .checkpoint import load_checkpoint
 
     embed, lm_head = shared_embeddings(target)
@@ -251,4 +307,5 @@ def load_drafter(path, target, *, draft_sample_method: str = "greedy") -> DSpark
                                 ("target_num_layers", c.target_num_layers, target.num_layers)):
         if mine != theirs:
             raise ValueError(f"drafter {path}: DSparkConfig.{field}={mine} does not match the target's {theirs}")
-    return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=draft_sample_method)
+    return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=draft_sample_method,
+                         cuda_graphs=cuda_graphs)

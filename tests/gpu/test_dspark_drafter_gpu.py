@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 
+from dspark.config import SamplingParams
+from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.drafters.dspark.train import TrainConfig, capture, train_step_loss
 from dspark_fixtures import SyntheticTarget, small_config
@@ -68,3 +70,94 @@ def test_a_step_without_recompute_equals_one_with_it():
     for name in g0:
         assert (g1[name] - g0[name]).norm() <= 1e-3 * g0[name].norm() + 1e-9, name
     assert any(g.abs().max() > 0 for g in g0.values())
+
+
+def test_graphed_drafts_and_commits_equal_eager_ones():
+    """The same float32 model behind an eager and a graphed drafter, through 20 rounds of batches
+    of 1, 3 (bucket 4, padded) and 5 (bucket 8) requests whose contexts cross the 64 and 128 buckets:
+    equal drafts, confidences to 1e-5, cache rows to 1e-5 (a padded bucket runs its GEMMs at other
+    shapes) and equal lengths; a graphed propose does not synchronise."""
+    target = SyntheticTarget(seed=13)
+    torch.manual_seed(13)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights()).cuda()
+    eager = DSparkDrafter(model, max_slots=8, max_seq_len=200)
+    graphed = DSparkDrafter(model, max_slots=8, max_seq_len=200, cuda_graphs=True)
+    d, T, greedy = target.hidden_size, 8, SamplingParams(temperature=0.0)
+    g = torch.Generator().manual_seed(13)
+    for slot in range(5):
+        n = 50 if slot == 0 else int(torch.randint(60, 80, (), generator=g))  # slot 0 alone first: bucket 64
+        prompt = torch.randint(0, target.vocab_size, (n,), generator=g)
+        taps = {layer: torch.randn(n, d, generator=g).cuda() for layer in eager.tap_layers}
+        for drafter in (eager, graphed):
+            drafter.start(slot, prompt, taps)
+    batches = [[0], [1, 2, 3], [4, 0, 2, 1, 3]]
+    for round_ in range(20):
+        slots = batches[round_ % 3]
+        B = len(slots)
+        anchors = torch.randint(0, target.vocab_size, (B,), generator=g).cuda()
+        gens = [torch.Generator()] * B
+        a = eager.propose(slots, anchors, 7, [greedy] * B, gens)
+        b = graphed.propose(slots, anchors, 7, [greedy] * B, gens)
+        assert torch.equal(a.tokens, b.tokens), round_
+        torch.testing.assert_close(b.confidence_logits, a.confidence_logits, rtol=1e-5, atol=1e-5)
+        kept = torch.randint(3, T + 1, (B,), generator=g).cuda()
+        taps = {layer: torch.randn(B, T, d, generator=g).cuda() for layer in eager.tap_layers}
+        tokens = torch.cat([anchors[:, None], a.tokens], dim=1)
+        eager.commit(slots, tokens, kept, taps)
+        graphed.commit(slots, tokens, kept, taps)
+        assert graphed._lengths == eager._lengths == graphed._lengths_device.tolist()
+        for x, y in zip(graphed._cache, eager._cache):
+            torch.testing.assert_close(x[:, :200], y[:, :200], rtol=1e-5, atol=1e-5)
+    assert max(eager._lengths) > 128
+    assert graphed._graphs.replays == {"draft": 20, "commit": 20}
+    assert {key[1] for key in graphed._graphs._drafts} >= {64, 128}
+    assert {key[0] for key in graphed._graphs._commits} == {1, 4, 8}
+    slots = [1, 2, 3]
+    anchors = torch.randint(0, target.vocab_size, (3,), generator=g).cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphed.propose(slots, anchors, 7, [greedy] * 3, [torch.Generator()] * 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_an_engine_with_a_graphed_drafter_runs_the_steps_of_one_with_an_eager_drafter():
+    """A float32 Llama target (random weights) on the GPU, three requests (bucket 4, then smaller
+    as they end at different lengths): the graphed drafter drafts what the eager one drafts, so
+    both engines run the same steps and emit the same tokens."""
+    from types import SimpleNamespace
+
+    from dspark.config import SpecConfig
+    from dspark.engine import Engine
+    from dspark.targets.llama import LlamaConfig, LlamaLayerWeights, LlamaTarget, LlamaWeights
+
+    c = LlamaConfig(vocab_size=300, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                    rope_theta=10000.0, rms_norm_eps=1e-5, context_length=512, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2)
+    g = torch.Generator().manual_seed(14)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.2).cuda()
+
+    hd = c.hidden_size // c.num_heads
+    layers = [LlamaLayerWeights(torch.ones(c.hidden_size, device="cuda"), r((c.num_heads + 2 * c.num_kv_heads) * hd, c.hidden_size),
+                                r(c.hidden_size, c.num_heads * hd), torch.ones(c.hidden_size, device="cuda"),
+                                r(2 * c.intermediate_size, c.hidden_size), r(c.hidden_size, c.intermediate_size))
+              for _ in range(c.num_layers)]
+    weights = LlamaWeights(r(c.vocab_size, c.hidden_size), layers, torch.ones(c.hidden_size, device="cuda"),
+                           r(c.vocab_size, c.hidden_size))
+    target = LlamaTarget(c, weights, max_slots=4, max_seq_len=256, attention="batched")
+    shape = SimpleNamespace(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers, max_seq_len=256)
+    torch.manual_seed(14)
+    model = DSparkModel(small_config(shape, "gqa"), *target.embedding_weights()).cuda()
+    prompts = [torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (30, 70, 45)]
+    outs, steps = [], []
+    for graphs in (False, True):
+        drafter = DSparkDrafter(model, 4, max_seq_len=256, cuda_graphs=graphs)
+        engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=7))
+        outs.append([o.token_ids for o in engine.generate(
+            prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33)])])
+        steps.append(engine.metrics.num_steps)
+    assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [40, 25, 33]
+    assert steps[0] == steps[1], steps
+    assert drafter._graphs.replays["draft"] == steps[1] and drafter._graphs.replays["commit"] >= steps[1] - 1

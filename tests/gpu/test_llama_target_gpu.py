@@ -54,16 +54,20 @@ def test_batched_cuda_matches_cpu_per_query_reference():
                 assert ((a.taps[layer][r, :n].cpu() - ref).norm() / ref.norm()).item() < 1e-4
 
 
-def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target():
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager_drafter", "graphed_drafter"])
+def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target(cuda_graphs):
     target = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=2, max_seq_len=256, attention="batched")
     cfg = recipe.drafter_config(target, "gpu_test", layers=1, markov_rank=32)  # the recipe's, dedicated mask id
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    drafter = DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()).cuda(), 2, max_seq_len=256)
+    drafter = DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()).cuda(), 2, max_seq_len=256,
+                            cuda_graphs=cuda_graphs)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (20, 12)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     plain = Engine(target, None, SpecConfig(num_speculative_tokens=0)).generate(prompts, params)
     spec = Engine(target, drafter, SpecConfig(num_speculative_tokens=7)).generate(prompts, params)
+    if cuda_graphs:  # two requests, then one: buckets 2 and 1, contexts past 64
+        assert drafter._graphs.replays["draft"] >= 7 and drafter._graphs.replays["commit"] >= 7, drafter._graphs.replays
     for prompt, p, s in zip(prompts, plain, spec):
         if p.token_ids == s.token_ids:
             continue

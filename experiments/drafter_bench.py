@@ -1,0 +1,134 @@
+"""The DSpark drafter's step on the GPU at K3 dims (issue 12): one greedy propose and one commit
+at batch 1, eager (every op launched from Python) against CUDA graphs (drafters/dspark/graphs.py).
+
+The K3 drafter preset (5 MLA layers, hidden 7168, vocab 163,840, block 7; random weights in
+bf16, the target's embedding and lm_head random too) with one request of --contexts committed
+tokens. Per mode and context, medians over --repeats of:
+- propose_ms / commit_ms: wall time of one call with a synchronize around it (what a step waits);
+- propose_host_us / commit_host_us: the time the call takes to return, the GPU busy behind a
+  sleep (what the host spends issuing it);
+- kernels per call, from the profiler (a graph replay counts its kernels too);
+- floor_ms: the bytes a propose must read (the five layers' weights, the lm_head once, the
+  Markov head's W2 once per block slot, the context rows; not the context projection, which
+  only commits use) over the --bandwidth-gbps read ceiling.
+After each commit the request is cropped back to its context, so every call sees the same one.
+
+    python experiments/drafter_bench.py --out experiments/results/h200/drafter_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from benchlib import provenance, write_json
+
+from dspark.config import SamplingParams
+from dspark.drafters.dspark.config import K3_DSPARK
+from dspark.drafters.dspark.drafter import DSparkDrafter
+from dspark.drafters.dspark.model import DSparkModel
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(median wall ms with a synchronize around each call, median host us of the call with the
+    GPU busy behind a sleep)."""
+    walls, hosts = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append(1e3 * (time.perf_counter() - t0))
+    for _ in range(repeats):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms: the call is issued while the GPU is busy
+        t0 = time.perf_counter()
+        fn()
+        hosts.append(1e6 * (time.perf_counter() - t0))
+        torch.cuda.synchronize()
+    return statistics.median(walls), statistics.median(hosts)
+
+
+def kernels_in(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--tokens", type=int, default=8, help="T verified per step: the commit's rows")
+    ap.add_argument("--kept", type=int, default=4, help="rows each commit keeps")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--bandwidth-gbps", type=float, default=4240.0, help="the read ceiling measured on the H200")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("drafter_bench: needs CUDA", file=sys.stderr)
+        return 2
+    c, dev, dtype = K3_DSPARK, torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(dev):
+        embed = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
+        lm_head = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
+        model = DSparkModel(c, embed, lm_head).to(dtype)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    # The lm_head once (one product for the whole block); the Markov head's W2 once per block slot
+    # (the slots are sequential: each product needs the previous slot's token).
+    w2 = model.markov_head.markov_w2.weight
+    head_bytes = lm_head.numel() * lm_head.element_size() + c.block_size * w2.numel() * w2.element_size()
+    result = {**provenance(), "settings": vars(args), "drafter": c.name, "rows": []}
+    for context in args.contexts:
+        row_bytes = sum(layer.self_attn.row_width for layer in model.layers) * context * 2
+        floor_ms = (layer_bytes + head_bytes + row_bytes) / (args.bandwidth_gbps * 1e6)
+        g = torch.Generator(device=dev).manual_seed(context)
+        prompt = torch.randint(0, c.vocab_size, (context,), generator=g, device=dev)
+        taps = {layer: torch.randn(context, c.target_hidden_size, generator=g, device=dev, dtype=dtype)
+                for layer in c.target_layer_ids}
+        step_taps = {layer: torch.randn(1, args.tokens, c.target_hidden_size, generator=g, device=dev, dtype=dtype)
+                     for layer in c.target_layer_ids}
+        anchor = torch.randint(0, c.vocab_size, (1,), generator=g, device=dev)
+        kept = torch.tensor([args.kept], device=dev)
+        for graphs in (False, True):
+            drafter = DSparkDrafter(model, 1, max_seq_len=context + 64, cuda_graphs=graphs)
+            drafter.start(0, prompt, taps)
+            tokens = torch.zeros(1, args.tokens, dtype=torch.long, device=dev)
+
+            def propose():
+                return drafter.propose([0], anchor, c.block_size, [GREEDY], [None])
+
+            def commit():
+                drafter.commit([0], tokens, kept, step_taps)
+                drafter.crop(0, context)
+
+            for _ in range(3):  # compiles, captures, warms up
+                propose()
+                commit()
+            propose_ms, propose_host = timed(propose, args.repeats)
+            commit_ms, commit_host = timed(commit, args.repeats)
+            row = {"context": context, "cuda_graphs": graphs, "propose_ms": propose_ms, "propose_host_us": propose_host,
+                   "propose_kernels": kernels_in(propose), "commit_ms": commit_ms, "commit_host_us": commit_host,
+                   "commit_kernels": kernels_in(commit), "propose_floor_ms": floor_ms,
+                   "propose_floor_fraction": floor_ms / propose_ms}
+            result["rows"].append(row)
+            write_json(args.out, result)
+            del drafter
+            torch.cuda.empty_cache()
+    print(f"{'context':>8} {'graphs':>6} {'propose ms':>10} {'host us':>8} {'kernels':>7} {'floor':>6} "
+          f"{'commit ms':>9} {'host us':>8} {'kernels':>7}")
+    for r in result["rows"]:
+        print(f"{r['context']:8d} {str(r['cuda_graphs']):>6} {r['propose_ms']:10.3f} {r['propose_host_us']:8.0f} "
+              f"{r['propose_kernels']:7d} {r['propose_floor_fraction']:6.0%} {r['commit_ms']:9.3f} "
+              f"{r['commit_host_us']:8.0f} {r['commit_kernels']:7d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

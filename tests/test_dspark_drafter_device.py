@@ -1,0 +1,83 @@
+"""The DSpark drafter's device-side draft and commit (what its CUDA graphs capture,
+drafters/dspark/graphs.py), run eagerly on the CPU against the host-driven paths."""
+import copy
+
+import pytest
+import torch
+
+from dspark.config import SamplingParams
+from dspark.drafters.dspark.drafter import DSparkDrafter
+from dspark.drafters.dspark.graphs import context_bucket
+from dspark.drafters.dspark.model import DSparkModel
+from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def drafter_with_requests(seed: int, lengths: list[int], max_seq_len: int = 96):
+    target = SyntheticTarget(seed=seed)
+    torch.manual_seed(seed)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
+    drafter = DSparkDrafter(model, max_slots=6, max_seq_len=max_seq_len)
+    d = target.hidden_size
+    for slot, n in enumerate(lengths):
+        drafter.start(slot, torch.randint(0, target.vocab_size, (n,)),
+                      {layer: torch.randn(n, d) for layer in drafter.tap_layers})
+    return target, drafter
+
+
+def test_a_draft_over_more_cache_rows_than_the_longest_context_drafts_the_same_block():
+    target, drafter = drafter_with_requests(1, [9, 23, 14])
+    slots, anchors = [2, 0, 1], torch.randint(0, target.vocab_size, (3,))
+    # Rows past every length hold values (a crop leaves them): they must stay masked.
+    drafter.crop(1, 20)
+    eager = drafter.draft(slots, anchors, [GREEDY] * 3, [torch.Generator()] * 3)
+    wide = drafter._draft_rows(torch.tensor(slots), anchors, 64)
+    assert torch.equal(wide.tokens, eager.tokens)
+    torch.testing.assert_close(wide.confidence_logits, eager.confidence_logits, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(wide.tokens, drafter._draft_rows(torch.tensor([0, 2, 1]), anchors, 64).tokens)
+
+
+@pytest.mark.parametrize("kept", [[3, 0, 8], [1, 5, 2]])
+def test_the_device_commit_equals_the_host_commit(kept):
+    target, host = drafter_with_requests(2, [11, 30, 7, 5])
+    device = copy.deepcopy(host)
+    slots, T = [2, 0, 1], 8
+    taps = {layer: torch.randn(3, T, target.hidden_size) for layer in host.tap_layers}
+    tokens = torch.randint(0, target.vocab_size, (3, T))
+    before = [c.clone() for c in host._cache]
+    host.commit(slots, tokens, torch.tensor(kept), taps)
+    device._commit_rows(torch.tensor(slots), torch.tensor(kept), taps)
+    expected = [11 + kept[1], 30 + kept[2], 7 + kept[0], 5, 0, 0]  # slots 2, 0, 1 keep kept[0], kept[1], kept[2]
+    assert device._lengths_device.tolist() == host._lengths_device.tolist() == host._lengths == expected
+    for a, b, old in zip(device._cache, host._cache, before):
+        # Every row a request holds is equal; only the scratch row (max_seq_len) may differ.
+        assert torch.equal(a[:, : host.max_seq_len], b[:, : host.max_seq_len])
+        assert torch.equal(a[3], old[3])  # a slot outside the batch is untouched
+    # The next draft reads the same context either way.
+    anchors = torch.randint(0, target.vocab_size, (3,))
+    device._lengths = list(host._lengths)  # the caller advances the host lengths
+    assert torch.equal(device.draft(slots, anchors, [GREEDY] * 3, [torch.Generator()] * 3).tokens,
+                       host.draft(slots, anchors, [GREEDY] * 3, [torch.Generator()] * 3).tokens)
+
+
+def test_device_lengths_follow_start_commit_crop_and_release():
+    target, drafter = drafter_with_requests(3, [6, 9])
+    T = 4
+    taps = {layer: torch.randn(1, T, target.hidden_size) for layer in drafter.tap_layers}
+    drafter.commit([1], torch.zeros(1, T, dtype=torch.long), torch.tensor([3]), taps)
+    drafter.crop(0, 2)
+    drafter.release([1])
+    assert drafter._lengths_device.tolist() == drafter._lengths == [2, 0, 0, 0, 0, 0]
+
+
+def test_graphs_need_a_cuda_model_and_greedy_drafting():
+    target = SyntheticTarget(seed=4)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
+    with pytest.raises(ValueError, match="cuda_graphs=True: the model is on cpu"):
+        DSparkDrafter(model, max_slots=2, max_seq_len=32, cuda_graphs=True)
+
+
+def test_context_buckets_are_powers_of_two_within_the_cache():
+    assert [context_bucket(n, 300) for n in (0, 1, 64, 65, 200, 256, 257, 300)] == [64, 64, 64, 128, 256, 256, 300, 300]
+    assert context_bucket(20, 32) == 32
