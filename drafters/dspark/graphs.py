@@ -17,6 +17,10 @@ each. Here each is one graph replay per step:
 Only greedy drafting is graphed (probabilistic drafting samples with each request's host
 generator). Batches larger than the largest bucket draft and commit eagerly. A draft's outputs
 are views of the graph's static outputs: valid until the next draft of the same graph.
+
+Not yet run on a GPU (the session that wrote it had no device time left), so it is opt-in
+(DSparkDrafter(cuda_graphs=True)); tests/gpu/test_dspark_drafter_gpu.py holds its checks and
+experiments/drafter_bench.py its measurement.
 """
 from __future__ import annotations
 
