@@ -10,8 +10,9 @@ GPU calls; rerun the same command and it continues):
      (response_loss_masks).
   2. training: DSpark (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and the DFlash
      ablation (CE only, no Markov correction, confidence head untrained; docs/dspark-algorithm.md §6.4) on
-     the same batches, AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32
-     logits and loss; held-out acceptance (calibrate.run_rounds: speculative decoding on the engine, every
+     the same batches in lockstep (each batch prefilled into the target once for both: train_together),
+     AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32 logits and loss;
+     --no-recompute keeps the anchor chunks' activations (faster, more memory); held-out acceptance (calibrate.run_rounds: speculative decoding on the engine, every
      draft verified) is measured every --eval-every steps.
   3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
      calibration prompts (docs/dspark-algorithm.md §5.2).
@@ -65,7 +66,7 @@ from tqdm import tqdm
 from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, report, run_rounds
-from dspark.drafters.dspark.train import TrainConfig, generate_sequences, response_loss_masks, train
+from dspark.drafters.dspark.train import TrainConfig, Trainer, generate_sequences, response_loss_masks, train_together
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.files import atomic_path, write_atomic
@@ -305,29 +306,52 @@ def tf32_on_cuda(device: torch.device):
         torch.set_float32_matmul_precision(before)
 
 
-def train_variant(args, name: str, target, sequences, masks, held_out, work: Path, results: dict, save, deadline) -> DSparkModel:
-    out_dir = work / name
-    cfg = train_configs(args)[name]
-    entry = results.setdefault("training", {}).setdefault(name, {"train_config": vars(cfg).copy(), "held_out": []})
-    model = new_model(target, name, args)
-    if target.device.type == "cuda":
-        model.autocast_dtype = torch.bfloat16
-    while (step := trained_steps(out_dir)) < cfg.steps:
+def train_variants(args, target, sequences, masks, held_out, work: Path, results: dict, save, deadline,
+                   variants: tuple[str, ...] = VARIANTS) -> dict:
+    """The variants (DSpark and the ablation) on the same batches, in lockstep (train_together: each batch is
+    prefilled into the target once for both) while they stand at the same step; one that is
+    behind (a run stopped between them) first catches up alone. Held-out acceptance at every
+    multiple of --eval-every and at the end."""
+    configs = train_configs(args)
+    models = {}
+    for name in variants:
+        results.setdefault("training", {}).setdefault(name, {"train_config": vars(configs[name]).copy(), "held_out": []})
+        models[name] = new_model(target, name, args)
+        if target.device.type == "cuda":
+            models[name].autocast_dtype = torch.bfloat16
+    while True:
+        steps = {name: trained_steps(work / name) for name in variants}
+        if all(steps[name] >= configs[name].steps for name in variants):
+            break
+        step = min(steps.values())
         if time.time() > deadline:
-            raise StoppedEarly(f"train {name}: step {step} of {cfg.steps} (--time-limit)")
-        # Up to the next multiple of --eval-every (a run resumed mid-segment keeps the checks there).
-        segment = min(args.eval_every - step % args.eval_every, cfg.steps - step)
+            raise StoppedEarly(f"train: step {step} of {configs[variants[0]].steps} (--time-limit)")
+        group = [name for name in variants if steps[name] == step]
+        ahead = [steps[name] for name in variants if steps[name] > step]
+        # Up to the next multiple of --eval-every (a run resumed mid-segment keeps the checks there),
+        # or to where the others stand.
+        segment = min(args.eval_every - step % args.eval_every, configs[group[0]].steps - step, *(s - step for s in ahead))
         with tf32_on_cuda(target.device):
-            history = train(target, model, sequences, loss_masks=masks, config=cfg, out_dir=out_dir, resume=step > 0,
-                            stop_after=segment, deadline=deadline, progress=True)
-        if trained_steps(out_dir) < step + segment:  # the deadline passed inside the segment
-            raise StoppedEarly(f"train {name}: step {trained_steps(out_dir)} of {cfg.steps} (--time-limit)")
-        drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len)
-        rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
-        entry["held_out"].append({"step": step + segment, "acceptance_length": rounds.acceptance_length,
-                                  "loss": history[-1]["loss"], "tau_train": history[-1]["tau"]})
+            trainers = {name: Trainer(models[name], sequences, masks, configs[name], work / name, resume=step > 0)
+                        for name in group}
+            try:
+                history = train_together(target, trainers, stop_after=segment, deadline=deadline)
+            finally:
+                for trainer in trainers.values():
+                    trainer.close()
+        if any(trained_steps(work / name) < step + segment for name in group):  # the deadline passed inside
+            raise StoppedEarly(f"train: step {min(trained_steps(work / n) for n in group)} of "
+                               f"{configs[group[0]].steps} (--time-limit)")
+        if (step + segment) % args.eval_every and step + segment < configs[group[0]].steps:
+            continue  # a catch-up segment that ended between checks
+        for name in group:
+            drafter = DSparkDrafter(models[name], target.max_slots, max_seq_len=target.max_seq_len)
+            rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
+            results["training"][name]["held_out"].append({
+                "step": step + segment, "acceptance_length": rounds.acceptance_length,
+                "loss": history[name][-1]["loss"], "tau_train": history[name][-1]["tau"]})
         save()
-    return restore(out_dir, target)
+    return {name: restore(work / name, target) for name in variants}
 
 
 # ---- 4. evaluation --------------------------------------------------------------------------------
@@ -551,8 +575,7 @@ def run(args) -> dict:
     held_out = calibration[: args.held_out_prompts]
 
     target = make_target(args.batch_size)
-    models = {name: train_variant(args, name, target, seqs, masks, held_out, work, results, save, deadline)
-              for name in VARIANTS}
+    models = train_variants(args, target, seqs, masks, held_out, work, results, save, deadline)
     results["training_data"] = {"sequences": len(seqs), "supervised_tokens": int(sum(int(m.sum()) for m in masks))}
     phase_done("train")
 

@@ -1,6 +1,6 @@
 """Which start trains the SmolLM2 DSpark drafter fastest: random layers, or the target's own (issue 13)?
 
-An A/B of the recipe's training (experiments/smollm2_dspark.py, `train_variant`: the same config,
+An A/B of the recipe's training (experiments/smollm2_dspark.py, `train_variants`: the same config,
 batches, precision and held-out checks) that differs only in how the drafter's decoder layers start
 (docs/dspark-algorithm.md §6.5). Every start trains on the same self-distilled sequences; recorded
 per start:
@@ -109,8 +109,8 @@ def run(args, recipe_argv: list[str]) -> dict:
         shutil.rmtree(work / name, ignore_errors=True)  # never resume a checkpoint of other settings
         trained: dict = {}
         began = time.time()
-        model = recipe.train_variant(recipe_args, "dspark", target, sequences[:cut], masks[:cut], held_prompts,
-                                     work / name, trained, lambda: None, deadline=float("inf"))
+        model = recipe.train_variants(recipe_args, target, sequences[:cut], masks[:cut], held_prompts, work / name,
+                                      trained, lambda: None, deadline=float("inf"), variants=("dspark",))["dspark"]
         entry = trained["training"]["dspark"]
         results["starts"][name] = {"init_layers": recipe_args.init_layers, "train_config": entry["train_config"],
                                    "held_out": entry["held_out"], "seconds": round(time.time() - began, 1),

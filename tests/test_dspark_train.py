@@ -1,4 +1,5 @@
 """DSpark drafter training (docs/dspark-algorithm.md §6) on the synthetic learnable target."""
+import dataclasses
 import json
 import math
 import time
@@ -10,6 +11,7 @@ from dspark.drafters.dspark import DSparkDrafter, DSparkModel
 from dspark.drafters.dspark.calibrate import run_rounds
 from dspark.drafters.dspark.train import (
     TrainConfig,
+    Trainer,
     build_blocks,
     dspark_loss,
     generate_sequences,
@@ -19,6 +21,7 @@ from dspark.drafters.dspark.train import (
     epoch_batches,
     train,
     train_step_loss,
+    train_together,
 )
 from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
 
@@ -241,3 +244,35 @@ def test_generated_sequences_stop_at_eos_and_the_mask_ends_with_it():
         longer = [torch.cat([m, torch.ones(3, dtype=torch.long)]) for m in masks]
         train(target, DSparkModel(small_config(target, "gqa"), *target.embedding_weights()), stopped, loss_masks=longer,
               config=TrainConfig(steps=1, batch_size=2, num_anchors=4), progress=False)
+
+
+def test_drafters_trained_together_equal_drafters_trained_apart(tmp_path):
+    """train_together (one capture per batch for every drafter, with the union of their taps)
+    gives each drafter what train() gives it alone, also when stopped and resumed midway."""
+    target = SyntheticTarget(seed=6)
+    data = make_data(target, 12, seed=6)
+    base = TrainConfig(steps=4, batch_size=4, num_anchors=8, lr=1e-3, seed=5)
+    configs = {"dspark": base, "ablation": dataclasses.replace(base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
+
+    def fresh():
+        torch.manual_seed(7)
+        return {"dspark": DSparkModel(small_config(target, "gqa"), *target.embedding_weights()),
+                "ablation": DSparkModel(small_config(target, "mla", target_layer_ids=(1, 2)), *target.embedding_weights())}
+
+    apart = fresh()
+    for name, model in apart.items():
+        train(target, model, data, config=configs[name], progress=False)
+    first = {name: Trainer(m, data, None, configs[name], tmp_path / name) for name, m in fresh().items()}
+    train_together(target, first, progress=False, stop_after=2)
+    for trainer in first.values():
+        trainer.close()
+    together = fresh()  # a new process: weights, optimizer and step come from the checkpoints
+    trainers = {name: Trainer(m, data, None, configs[name], tmp_path / name, resume=True) for name, m in together.items()}
+    history = train_together(target, trainers, progress=False)
+    assert {name: [h["step"] for h in steps] for name, steps in history.items()} == {"dspark": [3, 4], "ablation": [3, 4]}
+    for name in apart:
+        for (key, a), b in zip(apart[name].state_dict().items(), together[name].state_dict().values()):
+            assert torch.equal(a, b), (name, key)
+    other = Trainer(fresh()["dspark"], data, None, dataclasses.replace(base, seed=6))
+    with pytest.raises(ValueError, match="trainer 'other'.*lockstep needs the same batches"):
+        train_together(target, {"dspark": Trainer(fresh()["dspark"], data, None, base), "other": other}, progress=False)

@@ -348,6 +348,93 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
 
 
+class Trainer:
+    """One drafter's training state: AdamW with the warm-up + cosine schedule, the data order, the
+    checkpoints and the loss log. `train` and `train_together` drive it a step at a time.
+
+    With out_dir, checkpoints go to out_dir (every save_every steps and when a run stops) and the
+    loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state.
+    Data order and anchors depend only on (seed, step), so a resumed run equals an unbroken one.
+    """
+
+    def __init__(self, model: DSparkModel, sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] | None,
+                 config: TrainConfig, out_dir: str | Path | None = None, resume: bool = False):
+        cfg = self.config = config.validate()
+        if loss_masks is None:
+            loss_masks = [torch.ones_like(s) for s in sequences]
+        if len(loss_masks) != len(sequences):
+            raise ValueError(f"loss_masks: {len(loss_masks)} masks for {len(sequences)} sequences")
+        for i, (m, s) in enumerate(zip(loss_masks, sequences)):
+            if m.shape != s.shape:  # a mask longer than its sequence would supervise positions past its end
+                raise ValueError(f"loss_masks[{i}] has shape {tuple(m.shape)}: sequences[{i}] has {tuple(s.shape)}")
+        usable = [i for i, s in enumerate(sequences) if s.shape[0] >= 2]
+        self.sequences, self.loss_masks = [sequences[i] for i in usable], [loss_masks[i] for i in usable]
+        if not self.sequences:
+            raise ValueError("sequences: none has the 2 tokens an anchor needs")
+        self.model, self.out_dir = model, Path(out_dir) if out_dir is not None else None
+        model.train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: _lr_factor(s, cfg))
+        self.step = 0
+        if resume:
+            if self.out_dir is None:
+                raise ValueError("resume=True: needs out_dir")
+            state = load_trainer_state(self.out_dir)
+            if state is None:
+                raise ValueError(f"resume=True: no trainer state in {str(self.out_dir)!r}")
+            load_weights(model, read_tensors(self.out_dir))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step = state["step"]
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.out_dir / "train_log.jsonl", "a") if self.out_dir is not None else None
+        self._supervised = [int(m.sum()) for m in self.loss_masks]
+        self._batches = (0, epoch_batches(self._supervised, cfg, 0))  # (epoch, its batches)
+
+    def batch(self) -> list[int]:
+        """The indices (into self.sequences) of this step's batch."""
+        epoch, offset = divmod(self.step, len(self._batches[1]))
+        if self._batches[0] != epoch:
+            self._batches = (epoch, epoch_batches(self._supervised, self.config, epoch))
+        return self._batches[1][offset]
+
+    def run_step(self, captured, pick: list[int]) -> dict:
+        """One optimizer step on batch `pick` given its capture; returns its metrics."""
+        cfg = self.config
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (self.step + 1))
+        loss, metrics = train_step_loss(self.model, captured, [self.sequences[i] for i in pick],
+                                        [self.loss_masks[i] for i in pick], cfg, generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        metrics["step"] = self.step
+        if self._log is not None:
+            self._log.write(json.dumps(metrics) + "\n")
+            self._log.flush()
+        return metrics
+
+    def save(self, stopping: bool) -> None:
+        """A checkpoint, when the run stops here or at every save_every steps."""
+        if self.out_dir is not None and (stopping or (self.config.save_every and self.step % self.config.save_every == 0)):
+            save_checkpoint(self.model, self.out_dir, trainer_state={
+                "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "train_config": asdict(self.config)})
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+        self.model.eval()
+
+
+def _last_step(trainer: Trainer, stop_after: int | None) -> int:
+    return trainer.config.steps if stop_after is None else min(trainer.config.steps, trainer.step + stop_after)
+
+
 def train(
     target,
     model: DSparkModel,
@@ -362,94 +449,85 @@ def train(
     deadline: float | None = None,
     cache_captures: bool = False,
 ) -> list[dict]:
-    """Train `model` in place for config.steps steps; returns the per-step metrics.
+    """Train `model` in place for config.steps steps (Trainer: checkpoints, log, resume); returns
+    the per-step metrics.
 
-    With out_dir, checkpoints go to out_dir (every save_every steps and at the end) and the
-    loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state.
-    Data order and anchors depend only on (seed, step), so a resumed run equals an unbroken one.
     stop_after ends this call after that many steps, and deadline (a time.time() value) after
     the first step that ends past it, each saving a checkpoint to resume from, for runs split
     across time-limited jobs. cache_captures keeps each sequence's target logits and
     taps in memory after its first prefill (an offline target cache for small data sets and
     slow targets; memory = sum of S x (V + taps x d) floats).
     """
-    cfg = config.validate()
-    if loss_masks is None:
-        loss_masks = [torch.ones_like(s) for s in sequences]
-    if len(loss_masks) != len(sequences):
-        raise ValueError(f"loss_masks: {len(loss_masks)} masks for {len(sequences)} sequences")
-    for i, (m, s) in enumerate(zip(loss_masks, sequences)):
-        if m.shape != s.shape:  # a mask longer than its sequence would supervise positions past its end
-            raise ValueError(f"loss_masks[{i}] has shape {tuple(m.shape)}: sequences[{i}] has {tuple(s.shape)}")
-    usable = [i for i, s in enumerate(sequences) if s.shape[0] >= 2]
-    sequences, loss_masks = [sequences[i] for i in usable], [loss_masks[i] for i in usable]
-    if not sequences:
-        raise ValueError("sequences: none has the 2 tokens an anchor needs")
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
-    step = 0
-    if resume:
-        if out_dir is None:
-            raise ValueError("resume=True: needs out_dir")
-        state = load_trainer_state(out_dir)
-        if state is None:
-            raise ValueError(f"resume=True: no trainer state in {str(out_dir)!r}")
-        load_weights(model, read_tensors(out_dir))
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-    log = open(Path(out_dir) / "train_log.jsonl", "a") if out_dir is not None else None
+    trainer = Trainer(model, sequences, loss_masks, config, out_dir, resume)
     history = []
     cache: dict[int, tuple] | None = {} if cache_captures else None
+    taps = model.config.target_layer_ids
     try:
-        supervised = [int(m.sum()) for m in loss_masks]
-        batches = (0, epoch_batches(supervised, cfg, 0))  # (epoch, its batches)
-        per_epoch = len(batches[1])
-        bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="train-drafter")
-        last_step = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
-        while step < last_step:
-            epoch, offset = divmod(step, per_epoch)
-            if batches[0] != epoch:
-                batches = (epoch, epoch_batches(supervised, cfg, epoch))
-            pick = batches[1][offset]
-            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (step + 1))
-            batch = [sequences[i] for i in pick]
-            captured = _cached_capture(cache, pick, target, sequences, model.config.target_layer_ids) if cache is not None \
-                else capture(target, batch, model.config.target_layer_ids)
-            loss, metrics = train_step_loss(model, captured, batch, [loss_masks[i] for i in pick], cfg, generator)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            metrics["lr"] = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            metrics["step"] = step
+        last_step = _last_step(trainer, stop_after)
+        bar = tqdm(total=config.steps, initial=trainer.step, disable=not progress, desc="train-drafter")
+        while trainer.step < last_step:
+            pick = trainer.batch()
+            captured = _cached_capture(cache, pick, target, trainer.sequences, taps) if cache is not None \
+                else capture(target, [trainer.sequences[i] for i in pick], taps)
+            metrics = trainer.run_step(captured, pick)
             history.append(metrics)
-            if log is not None:
-                log.write(json.dumps(metrics) + "\n")
-                log.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", tau=f"{metrics['tau']:.2f}")
-            stopping = step == last_step or (deadline is not None and time.time() > deadline)
-            if out_dir is not None and (stopping or (cfg.save_every and step % cfg.save_every == 0)):
-                save_checkpoint(model, out_dir, trainer_state={
-                    "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "train_config": asdict(cfg)})
+            stopping = trainer.step == last_step or (deadline is not None and time.time() > deadline)
+            trainer.save(stopping)
             if stopping:
                 break
         bar.close()
     finally:
-        if log is not None:
-            log.close()
-    model.eval()
+        trainer.close()
     return history
 
 
-# ---- CLI: dspark train-drafter ----------------------------------------------------------------
+def train_together(
+    target,
+    trainers: dict[str, Trainer],
+    *,
+    progress: bool = True,
+    stop_after: int | None = None,
+    deadline: float | None = None,
+) -> dict[str, list[dict]]:
+    """train() for several drafters on the same batches, in lockstep: each step's batch is
+    prefilled into the target once (the union of their tap layers) and every drafter trains on
+    that capture. The trainers must stand at the same step over the same data with the same
+    batch order (seed, batch size, length groups); their own losses and schedules may differ.
+    Returns each trainer's per-step metrics."""
+    first = next(iter(trainers.values()))
+
+    def order(t: Trainer) -> tuple:
+        return t.step, t.config.seed, t.config.batch_size, t.config.length_groups, t.config.steps, len(t.sequences)
+
+    for name, t in trainers.items():
+        if order(t) != order(first):
+            raise ValueError(f"train_together: trainer {name!r} (step, seed, batch_size, length_groups, steps, "
+                             f"sequences) = {order(t)} differs from {order(first)}: lockstep needs the same batches")
+    taps = tuple(sorted({layer for t in trainers.values() for layer in t.model.config.target_layer_ids}))
+    history: dict[str, list[dict]] = {name: [] for name in trainers}
+    last_step = _last_step(first, stop_after)
+    bar = tqdm(total=first.config.steps, initial=first.step, disable=not progress, desc="train-drafters")
+    while first.step < last_step:
+        pick = first.batch()
+        logits, captured_taps = capture(target, [first.sequences[i] for i in pick], taps)
+        for name, t in trainers.items():
+            if t.batch() != pick:  # same configs and data give the same batches; this guards a mix-up
+                raise ValueError(f"train_together: trainer {name!r} draws another batch at step {t.step}")
+            own = {layer: captured_taps[layer] for layer in t.model.config.target_layer_ids}
+            history[name].append(t.run_step((logits, own), pick))
+        bar.update(1)
+        bar.set_postfix({name: f"{h[-1]['tau']:.2f}" for name, h in history.items()})
+        stopping = first.step == last_step or (deadline is not None and time.time() > deadline)
+        for t in trainers.values():
+            t.save(stopping)
+        if stopping:
+            break
+    bar.close()
+    return history
+
+
 def read_jsonl_sequences(path: str | Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Training data: one JSON object per line with "tokens" (or "input_ids") and an optional
     "loss_mask" (1 = supervised, e.g. assistant tokens)."""
