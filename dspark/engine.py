@@ -222,6 +222,7 @@ class Engine:
         # A drafter that keeps no state and proposes from its generators alone (the UniformDrafter)
         # has nothing to commit, and lets the next step launch before this one is read.
         self._drafter_stateless = bool(getattr(drafter, "stateless", False))
+        self._drafter_commits_on_device = bool(getattr(drafter, "commits_on_device", False))
         self._next_id = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -433,7 +434,7 @@ class Engine:
         policy = self._policy_batch1 if len(launched.reqs) == 1 else self._policy
         if not self.launch_ahead or self._observers or policy is not None:
             return False
-        if self.drafter is not None and not self._drafter_stateless:
+        if self.drafter is not None and not (self._drafter_stateless or self._drafter_commits_on_device):
             return False
         if self._waiting and self._free_slots:
             return False  # admission first
@@ -484,6 +485,9 @@ class Engine:
             # the graph sees the same tensor and copies the rates in only when they change.
             launched.pending = self._graphs.launch(
                 slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise, rates)
+            if self._drafter_commits_on_device:  # queued behind the step: a step launched ahead drafts on it
+                num_accepted, tokens, taps = launched.pending.device_outputs
+                self.drafter.commit_on_device(slots, tokens, num_accepted + 1, {layer: taps[layer] for layer in self.tap_layers})
             return launched
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
         out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
@@ -539,7 +543,9 @@ class Engine:
         # With graphs the replay committed the target's rows (finished ones are released below);
         # a stateless drafter has nothing to commit.
         drafter_commits = self.drafter is not None and not self._drafter_stateless
-        if keep and (drafter_commits or not graphed):
+        if keep and graphed and self._drafter_commits_on_device:  # committed at launch; the counts now
+            self.drafter.settle([slots[i] for i in keep], [result.num_accepted[i] + 1 for i in keep], launched.kmax + 1)
+        elif keep and (drafter_commits or not graphed):
             kept, keep_tokens = result.num_accepted_device + 1, result.tokens_device
             taps = {layer: result.taps[layer] for layer in self.tap_layers}
             if len(keep) < len(reqs):

@@ -54,6 +54,12 @@ class PendingStep:
     def __init__(self, step: "_StaticStep", parity: int, batch: int, outputs: "_Outputs"):
         self._step, self._parity, self._batch, self._outputs = step, parity, batch, outputs
 
+    @property
+    def device_outputs(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """(accepted counts [B], the verified tokens [B, T], taps {layer: [B, T, d]}) on the device,
+        for work queued behind the step before its readback (valid until the graph's next replay)."""
+        return self._outputs.num_accepted, self._outputs.tokens, self._outputs.taps
+
     def result(self) -> GraphStepResult:
         step, B, out = self._step, self._batch, self._outputs
         step.done[self._parity].synchronize()

@@ -107,6 +107,11 @@ class Drafter(Protocol):
     # checks): True says start/commit/release keep nothing and propose reads no host value of the
     # step before (anchors are a device tensor, written in stream order). The engine then skips
     # commit and may launch the next step before reading this one back.
+    # An optional attribute `commits_on_device` (False when absent): True says the drafter has
+    # `commit_on_device(slots, tokens, num_tokens, taps)`, a commit that reads none of its
+    # arguments on the host, and `settle(slots, kept, width)`, which gives it the kept counts once
+    # the host has read them. A graphed engine step then commits the drafter right after its
+    # launch, settles it after the readback, and may launch the next step before that readback.
 
     def start(self, slot: int, prompt: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
         """A request enters: its prompt [P] and the target's taps {layer: [P, d]} over it."""

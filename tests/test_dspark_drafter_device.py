@@ -81,3 +81,34 @@ def test_graphs_need_a_cuda_model_and_greedy_drafting():
 def test_context_buckets_are_powers_of_two_within_the_cache():
     assert [context_bucket(n, 300) for n in (0, 1, 64, 65, 200, 256, 257, 300)] == [64, 64, 64, 128, 256, 256, 300, 300]
     assert context_bucket(20, 32) == 32
+
+
+def test_commits_on_the_device_settled_later_equal_host_commits():
+    """Two commits queued before the host knows either count (a step launched ahead), then
+    settled: the same caches, lengths and next draft as two host commits. Until settled, the
+    host's lengths are upper bounds (+T per commit)."""
+    target, host = drafter_with_requests(6, [12, 20, 9])
+    device = copy.deepcopy(host)
+    slots, T = [1, 2], 8
+    rounds = [(torch.tensor([5, 1]), {layer: torch.randn(2, T, target.hidden_size) for layer in host.tap_layers}),
+              (torch.tensor([8, 3]), {layer: torch.randn(2, T, target.hidden_size) for layer in host.tap_layers})]
+    tokens = torch.randint(0, target.vocab_size, (2, T))
+    for kept, taps in rounds:
+        host.commit(slots, tokens, kept, taps)
+        device.commit_on_device(slots, tokens, kept, taps)
+    assert device._lengths == [12, 20 + 2 * T, 9 + 2 * T, 0, 0, 0]
+    assert device._lengths_device.tolist() == host._lengths == [12, 33, 13, 0, 0, 0]
+    for kept, _ in rounds:
+        device.settle(slots, kept.tolist(), T)
+    assert device._lengths == host._lengths
+    for a, b in zip(device._cache, host._cache):
+        assert torch.equal(a[:, : host.max_seq_len], b[:, : host.max_seq_len])
+    anchors = torch.randint(0, target.vocab_size, (3,))
+    assert torch.equal(device.draft([0, 1, 2], anchors, [GREEDY] * 3, [torch.Generator()] * 3).tokens,
+                       host.draft([0, 1, 2], anchors, [GREEDY] * 3, [torch.Generator()] * 3).tokens)
+    with pytest.raises(ValueError, match="kept=9 for slot 1"):
+        device.settle([1], [9], T)
+    with pytest.raises(ValueError, match="context of 97 tokens exceeds max_seq_len=96"):
+        device.commit_on_device([0], torch.zeros(1, 85, dtype=torch.long), torch.tensor([1]),
+                                {layer: torch.randn(1, 85, target.hidden_size) for layer in host.tap_layers})
+    assert not host.commits_on_device  # without graphs the engine commits after the readback

@@ -189,6 +189,36 @@ class DSparkDrafter:
                 cache[slot, start : start + n] = r[i, :n]
             self._set_length(slot, start + n)
 
+    @property
+    def commits_on_device(self) -> bool:
+        """dspark.protocols.Drafter's optional capability: with graphs, commit_on_device + settle."""
+        return self._graphs is not None
+
+    @torch.no_grad()
+    def commit_on_device(self, slots: list[int], tokens: torch.Tensor, num_tokens: torch.Tensor,
+                         taps: dict[int, torch.Tensor]) -> None:
+        """commit without reading num_tokens on the host, queued behind the step that makes them:
+        each slot's host length grows by the whole width T as an upper bound (what context
+        buckets and room checks read) until settle() gives the kept count."""
+        width = tokens.shape[1]
+        if len(num_tokens) != len(slots):
+            raise ValueError(f"num_tokens: {len(num_tokens)} entries for {len(slots)} slots")
+        for slot in slots:
+            self._check_slot(slot, live=True)
+            self._check_room(slot, self._lengths[slot] + width)
+        taps = {layer: taps[layer] for layer in self._need(taps)}
+        if self._graphs is None or not self._graphs.commit(slots, num_tokens, taps):
+            self._commit_rows(long_tensor_on(slots, self.device), num_tokens, taps)
+        for slot in slots:
+            self._lengths[slot] += width
+
+    def settle(self, slots: list[int], kept: list[int], width: int) -> None:
+        """The kept counts of a commit_on_device of this width, read back by the host."""
+        for slot, n in zip(slots, kept):
+            if not 0 <= n <= width:
+                raise ValueError(f"kept={n} for slot {slot}: outside [0, {width}]")
+            self._lengths[slot] += n - width
+
     def _commit_rows(self, index: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
         """commit on the device alone (what a commit graph captures): slots index [B], kept counts
         [B], taps {layer: [B, T, d]}. Every verified row is computed, as in commit; the rows past a

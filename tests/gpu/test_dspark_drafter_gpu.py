@@ -161,3 +161,33 @@ def test_an_engine_with_a_graphed_drafter_runs_the_steps_of_one_with_an_eager_dr
     assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [40, 25, 33]
     assert steps[0] == steps[1], steps
     assert drafter._graphs.replays["draft"] == steps[1] and drafter._graphs.replays["commit"] >= steps[1] - 1
+
+
+def test_a_graphed_drafter_on_a_graphed_target_launches_steps_ahead():
+    """k3-tiny on the GPU with its step graphs and a graphed DSpark drafter (random K3_TINY_DSPARK):
+    the drafter commits on the device right after each step's launch and settles at the readback,
+    so steps are launched ahead; the outputs equal those of the same engine reading every step
+    back first (the same kernels on the same batches), greedy, three requests ending at different
+    max_tokens."""
+    from dspark.build import build_target
+    from dspark.config import SpecConfig
+    from dspark.drafters.dspark.config import K3_TINY_DSPARK
+    from dspark.engine import Engine
+
+    g = torch.Generator().manual_seed(15)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 22, 26)]
+    runs = []
+    for ahead in (False, True):
+        target = build_target("k3-tiny", max_slots=4, max_seq_len=96, device="cuda", seed=0)
+        torch.manual_seed(15)
+        model = DSparkModel(K3_TINY_DSPARK, *target.embedding_weights()).to(device="cuda",
+                                                                             dtype=target.embedding_weights()[0].dtype)
+        drafter = DSparkDrafter(model, 4, max_seq_len=96, cuda_graphs=True)
+        engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=7), cuda_graphs=True, launch_ahead=ahead)
+        outs = [o.token_ids for o in engine.generate(prompts, params)]
+        runs.append((outs, engine.metrics.num_launched_ahead, dict(drafter._graphs.replays)))
+    (want, none_ahead, _), (got, ahead, replays) = runs
+    assert got == want and [len(o) for o in want] == [30, 22, 26]
+    assert none_ahead == 0 and ahead >= 3, f"{ahead} steps launched ahead"
+    assert replays["draft"] > 0 and replays["commit"] > 0, replays
