@@ -64,19 +64,27 @@ def _confidence(proposal: Proposal, owner: str) -> torch.Tensor:
     return c.double()
 
 
-def calibrated_confidence(confidence_logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:
-    """Sequential temperature scaling (docs/dspark-algorithm.md §5.2): c_j = σ(logit_j / T_j) for
-    block position j = 0..width-1 of confidence_logits [..., width] (σ(logit_j) without
-    temperatures). Order-preserving per position; computed in the logits' dtype."""
-    if temperatures is None:
-        return torch.sigmoid(confidence_logits)
+def temperature_tensor(temperatures: Sequence[float], width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The first `width` calibration temperatures as a tensor (checked: finite and > 0, enough
+    of them), for calibrated_confidence; a caller that scales every step keeps it."""
     temps = [float(t) for t in temperatures]
     if any(not math.isfinite(t) or t <= 0 for t in temps):
         raise ValueError(f"confidence temperatures={temps!r}: must be finite numbers > 0")
-    width = confidence_logits.shape[-1]
     if len(temps) < width:
         raise ValueError(f"confidence temperatures has {len(temps)} entries: the confidence logits have {width} positions")
-    t = torch.tensor(temps[:width], dtype=confidence_logits.dtype, device=confidence_logits.device)
+    return torch.tensor(temps[:width], dtype=dtype, device=device)
+
+
+def calibrated_confidence(confidence_logits: torch.Tensor,
+                          temperatures: Sequence[float] | torch.Tensor | None) -> torch.Tensor:
+    """Sequential temperature scaling (docs/dspark-algorithm.md §5.2): c_j = σ(logit_j / T_j) for
+    block position j = 0..width-1 of confidence_logits [..., width] (σ(logit_j) without
+    temperatures). Order-preserving per position; computed in the logits' dtype. The
+    temperatures may come as temperature_tensor's result: a CUDA graph cannot upload them."""
+    if temperatures is None:
+        return torch.sigmoid(confidence_logits)
+    t = temperatures if isinstance(temperatures, torch.Tensor) else temperature_tensor(
+        temperatures, confidence_logits.shape[-1], confidence_logits.dtype, confidence_logits.device)
     return torch.sigmoid(confidence_logits / t)
 
 

@@ -1,6 +1,7 @@
 """The DSpark drafter's device-side draft and commit (what its CUDA graphs capture,
 drafters/dspark/graphs.py), run eagerly on the CPU against the host-driven paths."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -112,3 +113,20 @@ def test_commits_on_the_device_settled_later_equal_host_commits():
         device.commit_on_device([0], torch.zeros(1, 85, dtype=torch.long), torch.tensor([1]),
                                 {layer: torch.randn(1, 85, target.hidden_size) for layer in host.tap_layers})
     assert not host.commits_on_device  # without graphs the engine commits after the readback
+
+
+def test_calibrated_confidences_use_temperatures_uploaded_once():
+    """A graphed draft cannot upload the calibration temperatures per call: the model keeps them
+    as a device tensor, made again only when they change, and scales as calibrated_confidence does."""
+    from dspark.policy import calibrated_confidence
+
+    target = SyntheticTarget(seed=7)
+    temps = (0.9, 1.1, 1.3, 1.0, 0.8, 1.5, 2.0)
+    model = DSparkModel(small_config(target, "gqa", confidence_temperatures=temps), *target.embedding_weights())
+    logits = torch.randn(3, 7)
+    torch.testing.assert_close(model.confidence_probs(logits), calibrated_confidence(logits, list(temps)), rtol=0, atol=0)
+    kept = model._temperatures[1]
+    model.confidence_probs(torch.randn(2, 7))
+    assert model._temperatures[1] is kept
+    model.config = dataclasses.replace(model.config, confidence_temperatures=(1.0,) * 7)
+    torch.testing.assert_close(model.confidence_probs(logits), torch.sigmoid(logits), rtol=0, atol=0)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.policy import calibrated_confidence
+from dspark.policy import calibrated_confidence, temperature_tensor
 
 from .config import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead
@@ -275,6 +275,7 @@ class DSparkModel(nn.Module):
         # Mixed precision for training: the backbone runs under autocast to this dtype; the
         # logits, the heads and the loss stay float32 (set by the trainer, not saved).
         self.autocast_dtype: torch.dtype | None = None
+        self._temperatures: tuple | None = None  # (key, tensor): confidence_probs' calibration temperatures
         self.context_proj = nn.Linear(c.num_taps * c.target_hidden_size, c.hidden_size, bias=False)
         self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
@@ -370,4 +371,10 @@ class DSparkModel(nn.Module):
 
     def confidence_probs(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """sigmoid(logit_k / T_k) with the calibrated per-position temperatures (docs/dspark-algorithm.md §5.2)."""
-        return calibrated_confidence(confidence_logits, self.config.confidence_temperatures)
+        temps = self.config.confidence_temperatures
+        if temps is not None:  # as a device tensor made once: a graphed draft may not upload them per call
+            key = (tuple(temps), confidence_logits.shape[-1], confidence_logits.dtype, confidence_logits.device)
+            if self._temperatures is None or self._temperatures[0] != key:
+                self._temperatures = (key, temperature_tensor(temps, *key[1:]))
+            temps = self._temperatures[1]
+        return calibrated_confidence(confidence_logits, temps)

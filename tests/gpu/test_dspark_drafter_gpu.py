@@ -79,7 +79,8 @@ def test_graphed_drafts_and_commits_equal_eager_ones():
     shapes) and equal lengths; a graphed propose does not synchronise."""
     target = SyntheticTarget(seed=13)
     torch.manual_seed(13)
-    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights()).cuda()
+    temps = (0.9, 1.1, 1.3, 1.0, 0.8, 1.5, 2.0)  # calibrated: the graph must not upload them
+    model = DSparkModel(small_config(target, "gqa", confidence_temperatures=temps), *target.embedding_weights()).cuda()
     eager = DSparkDrafter(model, max_slots=8, max_seq_len=200)
     graphed = DSparkDrafter(model, max_slots=8, max_seq_len=200, cuda_graphs=True)
     d, T, greedy = target.hidden_size, 8, SamplingParams(temperature=0.0)
