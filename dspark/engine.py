@@ -487,7 +487,7 @@ class Engine:
                 slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise, rates)
             if self._drafter_commits_on_device:  # queued behind the step: a step launched ahead drafts on it
                 num_accepted, tokens, taps = launched.pending.device_outputs
-                self.drafter.commit_on_device(slots, tokens, num_accepted + 1, {layer: taps[layer] for layer in self.tap_layers})
+                self.drafter.commit_on_device(slots, tokens, num_accepted + 1, taps)
             return launched
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1)
         out = self.target.verify(slots, tokens, 1 + num_drafts, self._verify_taps)
@@ -543,8 +543,9 @@ class Engine:
         # With graphs the replay committed the target's rows (finished ones are released below);
         # a stateless drafter has nothing to commit.
         drafter_commits = self.drafter is not None and not self._drafter_stateless
+        keep_slots = [slots[i] for i in keep]
         if keep and graphed and self._drafter_commits_on_device:  # committed at launch; the counts now
-            self.drafter.settle([slots[i] for i in keep], [result.num_accepted[i] + 1 for i in keep], launched.kmax + 1)
+            self.drafter.settle(keep_slots, [result.num_accepted[i] + 1 for i in keep], launched.kmax + 1)
         elif keep and (drafter_commits or not graphed):
             kept, keep_tokens = result.num_accepted_device + 1, result.tokens_device
             taps = {layer: result.taps[layer] for layer in self.tap_layers}
@@ -552,7 +553,6 @@ class Engine:
                 idx = torch.tensor(keep, device=self.device)
                 kept, keep_tokens = kept.index_select(0, idx), keep_tokens.index_select(0, idx)
                 taps = {layer: t.index_select(0, idx) for layer, t in taps.items()}
-            keep_slots = [slots[i] for i in keep]
             if not graphed:
                 self.target.commit(keep_slots, kept)
             if drafter_commits:

@@ -40,26 +40,28 @@ def test_a_draft_over_more_cache_rows_than_the_longest_context_drafts_the_same_b
 
 
 @pytest.mark.parametrize("kept", [[3, 0, 8], [1, 5, 2]])
-def test_the_device_commit_equals_the_host_commit(kept):
-    target, host = drafter_with_requests(2, [11, 30, 7, 5])
-    device = copy.deepcopy(host)
+def test_a_commit_writes_each_requests_kept_rows_after_its_context(kept):
+    """commit (the device-side _commit_rows under it) against the rows written one request at a
+    time: the same rows of the same batched pass, each request's first kept[i] at its length."""
+    target, drafter = drafter_with_requests(2, [11, 30, 7, 5])
     slots, T = [2, 0, 1], 8
-    taps = {layer: torch.randn(3, T, target.hidden_size) for layer in host.tap_layers}
+    taps = {layer: torch.randn(3, T, target.hidden_size) for layer in drafter.tap_layers}
     tokens = torch.randint(0, target.vocab_size, (3, T))
-    before = [c.clone() for c in host._cache]
-    host.commit(slots, tokens, torch.tensor(kept), taps)
-    device._commit_rows(torch.tensor(slots), torch.tensor(kept), taps)
+    reference = [c.clone() for c in drafter._cache]
+    model, starts = drafter.model, torch.tensor([drafter._lengths[s] for s in slots])
+    rows = model.context_rows(model.fuse_taps(taps), starts[:, None] + torch.arange(T))
+    for i, slot in enumerate(slots):
+        for cache, r in zip(reference, rows):
+            cache[slot, int(starts[i]) : int(starts[i]) + kept[i]] = r[i, : kept[i]].detach()
+    drafter.commit(slots, tokens, torch.tensor(kept), taps)
     expected = [11 + kept[1], 30 + kept[2], 7 + kept[0], 5, 0, 0]  # slots 2, 0, 1 keep kept[0], kept[1], kept[2]
-    assert device._lengths_device.tolist() == host._lengths_device.tolist() == host._lengths == expected
-    for a, b, old in zip(device._cache, host._cache, before):
-        # Every row a request holds is equal; only the scratch row (max_seq_len) may differ.
-        assert torch.equal(a[:, : host.max_seq_len], b[:, : host.max_seq_len])
-        assert torch.equal(a[3], old[3])  # a slot outside the batch is untouched
-    # The next draft reads the same context either way.
-    anchors = torch.randint(0, target.vocab_size, (3,))
-    device._lengths = list(host._lengths)  # the caller advances the host lengths
-    assert torch.equal(device.draft(slots, anchors, [GREEDY] * 3, [torch.Generator()] * 3).tokens,
-                       host.draft(slots, anchors, [GREEDY] * 3, [torch.Generator()] * 3).tokens)
+    assert drafter._lengths_device.tolist() == drafter._lengths == expected
+    for a, b in zip(drafter._cache, reference):
+        # Every row a request holds is equal (a slot outside the batch included); only the
+        # scratch row (max_seq_len) may differ.
+        assert torch.equal(a[:, : drafter.max_seq_len], b[:, : drafter.max_seq_len])
+    with pytest.raises(ValueError, match=r"slots=\[1, 1\]: a slot appears twice"):
+        drafter.commit([1, 1], tokens[:2], torch.tensor([1, 1]), {layer: t[:2] for layer, t in taps.items()})
 
 
 def test_device_lengths_follow_start_commit_crop_and_release():

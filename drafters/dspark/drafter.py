@@ -175,19 +175,9 @@ class DSparkDrafter:
             self._check_room(slot, self._lengths[slot] + kept[i])
         if not any(kept):
             return
-        if self._graphs is not None and self._graphs.commit(slots, num_tokens, taps):
-            for slot, n in zip(slots, kept):
-                self._lengths[slot] += n
-            return
-        # One fused pass over every verified row; only the kept ones are written.
-        fused = self.model.fuse_taps({layer: taps[layer].to(self.device) for layer in self._need(taps)})  # [B, T, d]
-        starts = torch.tensor([self._lengths[s] for s in slots], device=self.device)
-        rows = self.model.context_rows(fused, starts[:, None] + torch.arange(width, device=self.device))
-        for i, slot in enumerate(slots):
-            start, n = self._lengths[slot], kept[i]
-            for cache, r in zip(self._cache, rows):
-                cache[slot, start : start + n] = r[i, :n]
-            self._set_length(slot, start + n)
+        self._write_rows(slots, num_tokens, taps)
+        for slot, n in zip(slots, kept):
+            self._lengths[slot] += n
 
     @property
     def commits_on_device(self) -> bool:
@@ -206,9 +196,7 @@ class DSparkDrafter:
         for slot in slots:
             self._check_slot(slot, live=True)
             self._check_room(slot, self._lengths[slot] + width)
-        taps = {layer: taps[layer] for layer in self._need(taps)}
-        if self._graphs is None or not self._graphs.commit(slots, num_tokens, taps):
-            self._commit_rows(long_tensor_on(slots, self.device), num_tokens, taps)
+        self._write_rows(slots, num_tokens, taps)
         for slot in slots:
             self._lengths[slot] += width
 
@@ -218,6 +206,15 @@ class DSparkDrafter:
             if not 0 <= n <= width:
                 raise ValueError(f"kept={n} for slot {slot}: outside [0, {width}]")
             self._lengths[slot] += n - width
+
+    def _write_rows(self, slots: list[int], num_tokens: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
+        """Queue a commit's rows and device lengths (the host's lengths are the caller's): a
+        commit graph where a bucket holds the batch, else _commit_rows launched eagerly."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots={slots}: a slot appears twice; a commit advances each once")
+        taps = {layer: taps[layer].to(self.device) for layer in self._need(taps)}
+        if self._graphs is None or not self._graphs.commit(slots, num_tokens, taps):
+            self._commit_rows(long_tensor_on(slots, self.device), num_tokens.to(self.device), taps)
 
     def _commit_rows(self, index: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
         """commit on the device alone (what a commit graph captures): slots index [B], kept counts
