@@ -31,6 +31,13 @@ from .sampling import SamplingTensors, nonfinite_rows
 BUCKETS = (1, 2, 4, 8)
 
 
+def bucket_table(buckets, max_slots: int) -> tuple[tuple[int, ...], dict[int, int]]:
+    """The buckets that fit max_slots, sorted, and the smallest of them that holds each batch size
+    ({batch: bucket}; a batch past the largest has none): a lookup, as graphs ask every step."""
+    fitting = tuple(b for b in sorted(buckets) if b <= max_slots)
+    return fitting, {batch: next(b for b in fitting if b >= batch) for batch in range(1, max(fitting, default=0) + 1)}
+
+
 @dataclass
 class GraphStepResult:
     """The host's view of one replayed step (lists over the real rows) and device views that the
@@ -188,10 +195,7 @@ class GraphedStep:
                 raise ValueError(f"cuda_graphs=True: the target has no {name}()")
         self.target = target
         self.tap_layers = tuple(tap_layers)
-        self.buckets = tuple(b for b in sorted(buckets) if b <= target.max_slots)
-        # bucket(batch) as a lookup: the engine asks twice per step.
-        self._bucket_of = {batch: next(b for b in self.buckets if b >= batch)
-                           for batch in range(1, self.buckets[-1] + 1)} if self.buckets else {}
+        self.buckets, self._bucket_of = bucket_table(buckets, target.max_slots)
         # The graphs replay on the current stream of the device they were captured on, where the
         # readback's event is recorded.
         self._device_index = target.device.index if target.device.index is not None else torch.cuda.current_device()

@@ -4,8 +4,8 @@ Eagerly, one greedy draft is a few hundred small launches (the backbone, the lm_
 Markov loop's gather, product and argmax per block slot) and a commit a few dozen; the host issues
 each. Here each is one graph replay per step:
 
-- draft graphs are keyed by (batch bucket, context bucket): the bucket of the batch (1, 2, 4, 8,
-  as the engine's step graphs) and a power of two >= the longest context of the batch, the cache
+- draft graphs are keyed by (batch bucket, context bucket): the bucket of the batch (1, 2, 4, 8:
+  the engine's step graphs' dspark.graph_step.BUCKETS) and a power of two >= the longest context of the batch, the cache
   rows a replay reads (rows past a request's own length are masked, as in the eager draft). The
   slots and anchors are copied into the graph's static inputs; the lengths are read on the device.
 - commit graphs are keyed by (batch bucket, T) and run DSparkDrafter._commit_rows: every one of
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from dspark.cuda_graphs import StepGraph
+from dspark.graph_step import BUCKETS, bucket_table
 from dspark.transfer import LongStaging
 
-BUCKETS = (1, 2, 4, 8)
 MIN_CONTEXT = 64  # the smallest context bucket
 
 
@@ -82,7 +82,7 @@ class DraftGraphs:
 
     def __init__(self, drafter, buckets=BUCKETS):
         self.drafter = drafter
-        self.buckets = tuple(b for b in sorted(buckets) if b <= drafter.max_slots)
+        self.buckets, self._bucket_of = bucket_table(buckets, drafter.max_slots)
         self._drafts: dict[tuple[int, int], _Draft] = {}
         self._commits: dict[tuple[int, int], _Commit] = {}
         self._pool = None
@@ -90,7 +90,7 @@ class DraftGraphs:
         self.replays = {"draft": 0, "commit": 0}
 
     def bucket(self, batch: int) -> int | None:
-        return next((b for b in self.buckets if b >= batch), None)
+        return self._bucket_of.get(batch)
 
     def _padding(self, slots: list[int], count: int) -> list[int]:
         """`count` slots outside the batch (a padding row must not share a real row's slot)."""
