@@ -431,10 +431,6 @@ class Trainer:
         self.model.eval()
 
 
-def _last_step(trainer: Trainer, stop_after: int | None) -> int:
-    return trainer.config.steps if stop_after is None else min(trainer.config.steps, trainer.step + stop_after)
-
-
 def train(
     target,
     model: DSparkModel,
@@ -459,28 +455,11 @@ def train(
     slow targets; memory = sum of S x (V + taps x d) floats).
     """
     trainer = Trainer(model, sequences, loss_masks, config, out_dir, resume)
-    history = []
-    cache: dict[int, tuple] | None = {} if cache_captures else None
-    taps = model.config.target_layer_ids
     try:
-        last_step = _last_step(trainer, stop_after)
-        bar = tqdm(total=config.steps, initial=trainer.step, disable=not progress, desc="train-drafter")
-        while trainer.step < last_step:
-            pick = trainer.batch()
-            captured = _cached_capture(cache, pick, target, trainer.sequences, taps) if cache is not None \
-                else capture(target, [trainer.sequences[i] for i in pick], taps)
-            metrics = trainer.run_step(captured, pick)
-            history.append(metrics)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", tau=f"{metrics['tau']:.2f}")
-            stopping = trainer.step == last_step or (deadline is not None and time.time() > deadline)
-            trainer.save(stopping)
-            if stopping:
-                break
-        bar.close()
+        return train_together(target, {"drafter": trainer}, progress=progress, stop_after=stop_after,
+                              deadline=deadline, cache_captures=cache_captures)["drafter"]
     finally:
         trainer.close()
-    return history
 
 
 def train_together(
@@ -490,12 +469,14 @@ def train_together(
     progress: bool = True,
     stop_after: int | None = None,
     deadline: float | None = None,
+    cache_captures: bool = False,
 ) -> dict[str, list[dict]]:
     """train() for several drafters on the same batches, in lockstep: each step's batch is
     prefilled into the target once (the union of their tap layers) and every drafter trains on
     that capture. The trainers must stand at the same step over the same data with the same
     batch order (seed, batch size, length groups); their own losses and schedules may differ.
-    Returns each trainer's per-step metrics."""
+    stop_after, deadline and cache_captures as in train(). Returns each trainer's per-step
+    metrics; the caller closes the trainers."""
     first = next(iter(trainers.values()))
 
     def order(t: Trainer) -> tuple:
@@ -507,18 +488,19 @@ def train_together(
                              f"sequences) = {order(t)} differs from {order(first)}: lockstep needs the same batches")
     taps = tuple(sorted({layer for t in trainers.values() for layer in t.model.config.target_layer_ids}))
     history: dict[str, list[dict]] = {name: [] for name in trainers}
-    last_step = _last_step(first, stop_after)
-    bar = tqdm(total=first.config.steps, initial=first.step, disable=not progress, desc="train-drafters")
+    cache: dict[int, tuple] | None = {} if cache_captures else None
+    last_step = first.config.steps if stop_after is None else min(first.config.steps, first.step + stop_after)
+    bar = tqdm(total=first.config.steps, initial=first.step, disable=not progress, desc="train")
     while first.step < last_step:
         pick = first.batch()
-        logits, captured_taps = capture(target, [first.sequences[i] for i in pick], taps)
+        captured = _cached_capture(cache, pick, target, first.sequences, taps) if cache is not None \
+            else capture(target, [first.sequences[i] for i in pick], taps)
         for name, t in trainers.items():
             if t.batch() != pick:  # same configs and data give the same batches; this guards a mix-up
                 raise ValueError(f"train_together: trainer {name!r} draws another batch at step {t.step}")
-            own = {layer: captured_taps[layer] for layer in t.model.config.target_layer_ids}
-            history[name].append(t.run_step((logits, own), pick))
+            history[name].append(t.run_step(captured, pick))  # its taps: fuse_taps picks its own layers
         bar.update(1)
-        bar.set_postfix({name: f"{h[-1]['tau']:.2f}" for name, h in history.items()})
+        bar.set_postfix({name: f"loss {h[-1]['loss']:.4f} tau {h[-1]['tau']:.2f}" for name, h in history.items()})
         stopping = first.step == last_step or (deadline is not None and time.time() > deadline)
         for t in trainers.values():
             t.save(stopping)
