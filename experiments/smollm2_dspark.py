@@ -12,8 +12,9 @@ GPU calls; rerun the same command and it continues):
      ablation (CE only, no Markov correction, confidence head untrained; docs/dspark-algorithm.md §6.4) on
      the same batches in lockstep (each batch prefilled into the target once for both: train_together),
      AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32 logits and loss;
-     --no-recompute keeps the anchor chunks' activations (faster, more memory); held-out acceptance (calibrate.run_rounds: speculative decoding on the engine, every
-     draft verified) is measured every --eval-every steps.
+     --no-recompute keeps the anchor chunks' activations (faster, more memory); held-out acceptance
+     (calibrate.run_rounds: speculative decoding on the engine, every draft verified) is measured every
+     --eval-every steps.
   3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
      calibration prompts (docs/dspark-algorithm.md §5.2).
   4. batch-1 tokens/s of plain decoding and each drafter in the engine (--speed-prompts HumanEval prompts).
