@@ -19,7 +19,7 @@ import torch
 from dspark.config import SamplingParams
 from dspark.protocols import Proposal
 from dspark.sampling import SamplingTensors, processed_probs
-from dspark.transfer import long_tensor_on
+from dspark.transfer import LongStaging
 
 from .graphs import DraftGraphs
 from .model import DSparkModel
@@ -75,6 +75,9 @@ class DSparkDrafter:
         self._lengths = [0] * max_slots
         self._lengths_device = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._live: set[int] = set()
+        # The slot indices of a draft or a commit go up through one pinned buffer, not a new
+        # pinned tensor per call (dspark/transfer.py).
+        self._staging = LongStaging(max_slots, self.device)
         self._graphs = DraftGraphs(self) if cuda_graphs else None
 
     @property
@@ -214,7 +217,7 @@ class DSparkDrafter:
             raise ValueError(f"slots={slots}: a slot appears twice; a commit advances each once")
         taps = {layer: taps[layer].to(self.device) for layer in self._need(taps)}
         if self._graphs is None or not self._graphs.commit(slots, num_tokens, taps):
-            self._commit_rows(long_tensor_on(slots, self.device), num_tokens.to(self.device), taps)
+            self._commit_rows(self._staging.upload(slots), num_tokens.to(self.device), taps)
 
     def _commit_rows(self, index: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
         """commit on the device alone (what a commit graph captures): slots index [B], kept counts
@@ -267,7 +270,7 @@ class DSparkDrafter:
         device = self.device
         # The longest context from the host's lengths: reading it off the device would synchronise.
         longest = max((self._lengths[s] for s in slots), default=0)
-        index = long_tensor_on(slots, device)
+        index = self._staging.upload(slots)
         probabilistic = self.draft_sample_method == "probabilistic"
         return self._draft_rows(index, anchors.to(device).long(), longest, sampling if probabilistic else None,
                                 generators)

@@ -28,7 +28,6 @@ import torch
 
 from dspark.cuda_graphs import StepGraph
 from dspark.graph_step import BUCKETS, bucket_table
-from dspark.transfer import LongStaging
 
 MIN_CONTEXT = 64  # the smallest context bucket
 
@@ -86,7 +85,6 @@ class DraftGraphs:
         self._drafts: dict[tuple[int, int], _Draft] = {}
         self._commits: dict[tuple[int, int], _Commit] = {}
         self._pool = None
-        self._staging = LongStaging(2 * max(self.buckets, default=1), drafter.device)
         self.replays = {"draft": 0, "commit": 0}
 
     def bucket(self, batch: int) -> int | None:
@@ -109,7 +107,7 @@ class DraftGraphs:
         if graph is None:
             graph = self._drafts[key] = _Draft(self.drafter, Bk, context, self._pool)
             self._pool = graph.graph.pool
-        graph.index[:B].copy_(self._staging.upload(slots), non_blocking=True)
+        graph.index[:B].copy_(self.drafter._staging.upload(slots), non_blocking=True)
         graph.anchors[:B].copy_(anchors)
         graph.graph.replay()
         self.replays["draft"] += 1
@@ -128,7 +126,7 @@ class DraftGraphs:
         if graph is None:
             graph = self._commits[key] = _Commit(self.drafter, Bk, T, self._pool)
             self._pool = graph.graph.pool
-        graph.index.copy_(self._staging.upload(slots + self._padding(slots, Bk - B)), non_blocking=True)
+        graph.index.copy_(self.drafter._staging.upload(slots + self._padding(slots, Bk - B)), non_blocking=True)
         graph.kept[:B].copy_(num_tokens)
         if B < Bk:
             graph.kept[B:].zero_()
