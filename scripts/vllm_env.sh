@@ -10,6 +10,9 @@
 #    libraries (with the CUDA runtimes they pull) and the media decoders. Nothing the tests import
 #    needs them; torchvision/torchaudio/torchcodec would even break `from vllm.config import ...`
 #    on a CPU torch, and leaving the rest out keeps the environment at ~4 GB instead of ~6 GB;
+#  - xgrammar without its dependencies (NO_DEPS below), which keeps triton out: ~1 GB less;
+#  - no byte-code compiled at install (--no-compile): ~0.4 GB of __pycache__ for modules that the
+#    tests never import (an import compiles what it uses);
 #  - dspark itself without its dependencies (torch is already there), then the ones the tests use
 #    plus matplotlib (a declared dspark dependency).
 # pip's conflict report is switched off: it would list GPU_ONLY as missing on every install.
@@ -27,6 +30,10 @@ vllm_version=0.32.0
 GPU_ONLY="torchvision torchaudio torchcodec pynvvideocodec flashinfer-python tilelang tokenspeed-mla
 nvidia-cutlass-dsl humming-kernels quack-kernels nvidia-cudnn-frontend fastsafetensors instanttensor
 apache-tvm-ffi nvtx"
+# Installed without their own dependencies: xgrammar's are vLLM's too, but for triton (1 GB, only
+# for its GPU kernels; vLLM imports without it) and apache-tvm-ffi (left out above). The CI
+# machine's disk once ran out while this environment was built.
+NO_DEPS="xgrammar"
 
 # Quiet pip; drop the warnings about missing local index directories that this machine's global pip
 # configuration produces for every package.
@@ -39,22 +46,25 @@ pip_quiet() {
 # Written last, once vLLM's requirements are in: its presence marks a complete install.
 requirements="$venv/vllm-requirements.txt"
 if ! { [ -f "$requirements" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$vllm_version')" 2>/dev/null; }; then
-    pip_quiet install torch==2.13.0
-    pip_quiet install --no-deps "vllm==$vllm_version"
-    "$venv/bin/python" - "$GPU_ONLY" > "$requirements.partial" <<'PY'
+    pip_quiet install --no-compile torch==2.13.0
+    pip_quiet install --no-compile --no-deps "vllm==$vllm_version"
+    "$venv/bin/python" - "$GPU_ONLY" "$NO_DEPS" "$requirements.no-deps" > "$requirements.partial" <<'PY'
 import importlib.metadata, sys
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.utils import canonicalize_name
-left_out = set(sys.argv[1].split())
-for line in importlib.metadata.requires("vllm"):
-    requirement = Requirement(line)
-    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
-        continue
-    if canonicalize_name(requirement.name) not in left_out:
-        requirement.marker = None
-        print(requirement)
+left_out, no_deps = set(sys.argv[1].split()), set(sys.argv[2].split())
+with open(sys.argv[3], "w") as without_deps:
+    for line in importlib.metadata.requires("vllm"):
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name not in left_out:
+            requirement.marker = None
+            print(requirement, file=without_deps if name in no_deps else sys.stdout)
 PY
-    pip_quiet install --no-warn-conflicts -r "$requirements.partial"
+    pip_quiet install --no-compile --no-warn-conflicts -r "$requirements.partial"
+    pip_quiet install --no-compile --no-warn-conflicts --no-deps -r "$requirements.no-deps"
     mv "$requirements.partial" "$requirements"
 fi
 pip_quiet install --no-warn-conflicts --no-deps -e "$repo"
