@@ -31,7 +31,7 @@ from .kernels import ops, registry
 from .metrics import SpecMetrics
 from .protocols import Drafter, Proposal, Target
 from .graph_step import GraphedStep, GraphStepResult, PendingStep
-from .sampling import SamplingTensors, conditional_rates, nonfinite_rows
+from .sampling import DrawPool, SamplingTensors, conditional_rates, nonfinite_rows
 from .transfer import LongStaging, long_tensor_on
 
 
@@ -95,6 +95,7 @@ class _Request:
     prompt: torch.Tensor
     params: SamplingParams
     generator: torch.Generator
+    uniforms: DrawPool | None = None  # the acceptance's uniforms, drawn from `generator` (made at the first draw)
     slot: int = -1
     anchor: int = -1
     num_computed: int = 0  # tokens the target has committed (prompt + kept tokens)
@@ -223,6 +224,7 @@ class Engine:
         # has nothing to commit, and lets the next step launch before this one is read.
         self._drafter_stateless = bool(getattr(drafter, "stateless", False))
         self._drafter_commits_on_device = bool(getattr(drafter, "commits_on_device", False))
+        self._drafter_reads_anchors = bool(getattr(drafter, "reads_anchors", True))
         self._next_id = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -466,11 +468,13 @@ class Engine:
         k_req = self._drafts_allowed(reqs)
         kmax = max(k_req)
         # A graphed step reads each slot's anchor on the device; the drafter gets them as a device
-        # tensor: from the host's lists, or after a step not yet read back, from the device copy.
+        # tensor: from the host's lists, or after a step not yet read back, from the device copy
+        # (a drafter that never reads them gets None); an eager step verifies them.
+        drafter_anchors = kmax > 0 and self._drafter_reads_anchors
         anchors = None
-        if kmax > 0 and ahead:
+        if drafter_anchors and ahead:
             anchors = self._graphs.anchors.index_select(0, self._slots_tensor(slots))
-        elif kmax > 0 or not graphed:
+        elif drafter_anchors or not graphed:
             anchors = self._anchor_staging.upload([r.anchor for r in reqs])
         proposal = self._propose(reqs, k_req, kmax, anchors)
         num_drafts = proposal.num_drafts
@@ -605,7 +609,7 @@ class Engine:
         pick = (lambda xs: [xs[i] for i in rows]) if sub else (lambda xs: xs)
         prop = self.drafter.propose(
             pick([r.slot for r in reqs]),
-            anchors[torch.tensor(rows, device=dev)] if sub else anchors,
+            anchors[torch.tensor(rows, device=dev)] if sub and anchors is not None else anchors,
             kmax,
             pick([r.params for r in reqs]),
             pick([r.generator for r in reqs]),
@@ -629,7 +633,8 @@ class Engine:
             full[idx] = proposed
             return full
 
-        return Proposal(scatter(prop.tokens, anchors[:, None]), scatter(num, 0), scatter(prop.probs, 1.0),
+        # Rows without drafts verify none: their draft tokens are never read.
+        return Proposal(scatter(prop.tokens, 0), scatter(num, 0), scatter(prop.probs, 1.0),
                         scatter(prop.confidence, 0.0), scatter(prop.confidence_logits, 0.0))
 
     def _sampling_tensors(self, reqs: list[_Request]) -> SamplingTensors:
@@ -641,7 +646,7 @@ class Engine:
 
     def _draw_noise(self, reqs, sampling: SamplingTensors, k: int, graphed: bool = False):
         """Per-request randomness from each request's own generator, so a seeded request gives
-        the same output whatever else is in the batch: uniforms [B, k] and race noise [B, V].
+        the same output whatever else is in the batch: uniforms [B, >= k] and race noise [B, V].
         All-greedy standard acceptance uses neither. A graphed step gets None for what it does not
         read: greedy rows read no race noise, so an all-greedy batch's graph keeps the ones its
         noise buffer was made with (its key has all_greedy), and with standard acceptance it reads
@@ -651,9 +656,11 @@ class Engine:
             if graphed:
                 return None, None
             return self._no_uniforms.expand(len(reqs), k), self._no_noise.expand(len(reqs), V)
-        draws = [torch.rand(k, generator=r.generator, device=self.device) for r in reqs]
-        # A stack is a launch and ~30 us of host time on the H200 for what is a view at batch 1.
-        uniforms = draws[0][None] if len(draws) == 1 else torch.stack(draws)
+        # Each request's uniforms come max_k wide from its pool (64 steps per draw); k <= max_k
+        # columns are read (the graph's input copy and the samplers slice).
+        draws = [self._uniforms_row(r) for r in reqs]
+        # A cat is a launch and ~30 us of host time on the H200 for what is a view at batch 1.
+        uniforms = draws[0] if len(draws) == 1 else torch.cat(draws)
         if sampling.all_greedy and graphed:
             return uniforms, None
         noise = torch.ones(len(reqs), V, device=self.device)
@@ -661,6 +668,11 @@ class Engine:
             if not r.params.greedy:
                 noise[i].exponential_(generator=r.generator)
         return uniforms, noise
+
+    def _uniforms_row(self, r: _Request) -> torch.Tensor:
+        if r.uniforms is None:
+            r.uniforms = DrawPool.uniform(r.generator, max(self.spec.max_k, 1))
+        return r.uniforms.next()
 
     def _emit(self, r: _Request, tokens: list[int]) -> list[int]:
         """Append tokens to the output up to a stop condition; returns what was appended."""

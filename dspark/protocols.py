@@ -104,9 +104,11 @@ class Drafter(Protocol):
     # Target layers whose hidden states this drafter reads (empty for drafters that need none).
     tap_layers: tuple[int, ...]
     # An optional class attribute `stateless` (False when absent, so not a member the protocol
-    # checks): True says start/commit/release keep nothing and propose reads no host value of the
-    # step before (anchors are a device tensor, written in stream order). The engine then skips
-    # commit and may launch the next step before reading this one back.
+    # checks): True says commit keeps nothing and propose reads no host value of the step before
+    # (anchors are a device tensor, written in stream order). The engine then skips commit and may
+    # launch the next step before reading this one back.
+    # An optional attribute `reads_anchors` (True when absent): False says propose never reads its
+    # `anchors` argument, which the engine may then pass as None.
     # An optional attribute `commits_on_device` (False when absent): True says the drafter has
     # `commit_on_device(slots, tokens, num_tokens, taps)`, a commit that reads none of its
     # arguments on the host, and `settle(slots, kept, width)`, which gives it the kept counts once

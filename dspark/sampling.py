@@ -1,5 +1,6 @@
 """Request-level sampling helpers: the samplers' parameter tensors built from requests'
-SamplingParams, and the synthetic acceptance rates of the speed-measurement mode.
+SamplingParams, a request's random draws made many steps at a time, and the synthetic acceptance
+rates of the speed-measurement mode.
 
 The acceptance math itself (processed_probs, rejection_sample, synthetic_sample) is the
 reference of the acceptance ops, kernels/acceptance/reference.py; it is re-exported here.
@@ -15,7 +16,7 @@ from .kernels.acceptance import reference
 from .kernels.acceptance.reference import processed_probs, rejection_sample, synthetic_sample
 
 __all__ = [
-    "SamplingTensors", "processed_probs", "rejection_sample", "synthetic_sample",
+    "SamplingTensors", "DrawPool", "processed_probs", "rejection_sample", "synthetic_sample",
     "acceptance_length_to_rates", "conditional_rates",
 ]
 
@@ -33,6 +34,42 @@ class SamplingTensors(reference.SamplingTensors):
             all_greedy=all(p.greedy for p in params),
             filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
+
+
+class DrawPool:
+    """One generator's per-step draws of `width` values, made `steps` steps at a time: one launch
+    per `steps` steps instead of one per step. On the H200 a torch.rand or torch.randint call costs
+    the host 15-18 us, a third of a step's launch at AL 6 (experiments/results/h200/
+    engine_host_profile.json). `next()` hands out the next step's row, a [1, width] view made with
+    the pool (no torch call per step). The draws are the generator's alone, so a seeded request
+    reproduces whatever else is in its batch; they differ from drawing each step separately."""
+
+    def __init__(self, generator: torch.Generator, width: int, draw, steps: int = 64):
+        if width < 1 or steps < 1:
+            raise ValueError(f"DrawPool: width={width} and steps={steps} must be >= 1")
+        self.generator, self.width, self.steps = generator, width, steps
+        self._draw = draw  # (generator, count) -> a 1-D tensor of `count` draws
+        self._rows: tuple[torch.Tensor, ...] = ()
+        self._next = 0
+
+    @classmethod
+    def uniform(cls, generator: torch.Generator, width: int, steps: int = 64) -> "DrawPool":
+        """Uniforms in [0, 1) on the generator's device."""
+        return cls(generator, width, lambda g, n: torch.rand(n, generator=g, device=g.device), steps)
+
+    @classmethod
+    def tokens(cls, generator: torch.Generator, width: int, vocab_size: int, steps: int = 64) -> "DrawPool":
+        """Token ids uniform over [0, vocab_size) on the generator's device."""
+        return cls(generator, width,
+                   lambda g, n: torch.randint(0, vocab_size, (n,), generator=g, device=g.device), steps)
+
+    def next(self) -> torch.Tensor:
+        if self._next == len(self._rows):
+            self._rows = self._draw(self.generator, self.steps * self.width).view(self.steps, 1, self.width).unbind(0)
+            self._next = 0
+        row = self._rows[self._next]
+        self._next += 1
+        return row
 
 
 # ---- synthetic acceptance (speed measurement only) ------------------------------------------

@@ -1,0 +1,69 @@
+"""DrawPool (a request's draws made many steps at a time) and the UniformDrafter drawing from it."""
+import pytest
+import torch
+
+from dspark.drafters.uniform import UniformDrafter
+from dspark.sampling import DrawPool
+
+
+def test_rows_are_one_draw_cut_into_steps_and_a_refill_draws_the_next():
+    seed = int(torch.randint(0, 2**31, ()).item())
+    pool = DrawPool.uniform(torch.Generator().manual_seed(seed), width=3, steps=4)
+    rows = [pool.next() for _ in range(6)]
+    replay = torch.Generator().manual_seed(seed)
+    first, second = torch.rand(12, generator=replay), torch.rand(12, generator=replay)
+    assert all(r.shape == (1, 3) for r in rows)
+    torch.testing.assert_close(torch.cat(rows[:4]).flatten(), first, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(rows[4:]).flatten(), second[:6], rtol=0, atol=0)
+    assert len({tuple(r.flatten().tolist()) for r in rows}) == 6  # no row handed out twice
+
+
+def test_token_pool_stays_in_the_vocabulary():
+    pool = DrawPool.tokens(torch.Generator().manual_seed(1), width=7, vocab_size=5, steps=50)
+    draws = torch.cat([pool.next() for _ in range(50)])
+    assert draws.dtype == torch.long and draws.min() >= 0 and draws.max() < 5
+    assert set(draws.flatten().tolist()) == set(range(5))
+
+
+@pytest.mark.parametrize("width,steps", [(0, 4), (3, 0)])
+def test_a_pool_without_draws_is_refused(width, steps):
+    with pytest.raises(ValueError, match=f"width={width} and steps={steps}"):
+        DrawPool.uniform(torch.Generator(), width, steps)
+
+
+def _proposals(drafter, slots, seeds, k, steps):
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    return [drafter.propose(slots, None, k, None, generators).tokens for _ in range(steps)]
+
+
+def test_uniform_drafter_reads_no_anchors_and_a_request_drafts_the_same_alone_or_batched():
+    k, vocab = 5, 1000
+    batched = _proposals(UniformDrafter(vocab), [0, 1], [11, 12], k, steps=70)  # past one pool refill
+    alone = _proposals(UniformDrafter(vocab), [1], [12], k, steps=70)
+    assert UniformDrafter.reads_anchors is False
+    for both, one in zip(batched, alone):
+        assert both.shape == (2, k)
+        torch.testing.assert_close(both[1:], one, rtol=0, atol=0)
+    assert not torch.equal(batched[0][0], batched[0][1])  # two generators, two streams
+
+
+def test_uniform_drafter_starts_a_new_pool_for_a_new_request_in_a_slot():
+    drafter = UniformDrafter(1000)
+    first = _proposals(drafter, [0], [3], 4, steps=2)
+    drafter.release([0])
+    again = _proposals(drafter, [0], [3], 4, steps=2)  # same seed, fresh generator: same draws
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    other = _proposals(drafter, [0], [4], 4, steps=1)[0]  # a new generator in the slot, unreleased
+    fresh = _proposals(UniformDrafter(1000), [0], [4], 4, steps=1)[0]
+    torch.testing.assert_close(other, fresh, rtol=0, atol=0)
+
+
+def test_uniform_drafter_narrower_step_reads_the_first_columns():
+    drafter = UniformDrafter(1000)
+    generator = torch.Generator().manual_seed(9)
+    wide = drafter.propose([0], None, 6, None, [generator]).tokens
+    narrow = drafter.propose([0], None, 3, None, [generator]).tokens
+    replay = DrawPool.tokens(torch.Generator().manual_seed(9), 6, 1000)
+    torch.testing.assert_close(wide, replay.next(), rtol=0, atol=0)
+    torch.testing.assert_close(narrow, replay.next()[:, :3], rtol=0, atol=0)
