@@ -699,9 +699,11 @@ DEFAULT_LISTS = "device"
 # How moe_experts adds up each token's expert outputs: "torch" = gather them into [T, k, latent],
 # then one multiply and one reduction (expert_layout.weighted_sum); "triton" = one launch that
 # reads each pair's row where pass 2 wrote it and adds them in top-k order
-# (kernels/moe/triton.py:weighted_combine). "torch" until the H200 measures the step with the
-# other (experiments/step_bench.py --setting moe_combine=triton).
-COMBINE = "torch"
+# (kernels/moe/triton.py:weighted_combine). On the H200 the k3-slice step with "triton" ran 6
+# launches fewer and 0-30 us faster (T = 1: 2.763 against 2.766 ms, T = 8: 4.20 against 4.23 ms;
+# experiments/results/h200/step_bench_ab_combine_router.json); both match float64 on the GPU
+# (tests/gpu/test_moe_gpu.py, gpu_tests_8f29067.log). Fewer launches per layer is #12's goal.
+COMBINE = "triton"
 
 
 def expert_lists(latent: torch.Tensor, ids: torch.Tensor, num_experts: int) -> expert_layout.ExpertLists:
