@@ -39,7 +39,7 @@ def make_weights(cfg, gen):
     w1, s1 = codes(I, L)
     w3, s3 = codes(I, L)
     w2, s2 = codes(L, I)
-    return k3_moe.LatentMoEWeights(
+    return k3_moe.LatentMoEWeights.from_parts(
         gate=dense(E, D), score_bias=torch.zeros(E, device="cuda"), latent_down=dense(L, D),
         latent_norm=torch.ones(L, dtype=torch.bfloat16, device="cuda"), latent_up=dense(D, L),
         shared_gate=dense(S, D), shared_up=dense(S, D), shared_down=dense(D, S),
@@ -62,8 +62,8 @@ def main():
     parser.add_argument("--out", default="experiments/results/h200/moe_bench.json")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference block")
-    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+device", "tma+torch+overlap"],
-                        help="loader+lists[+overlap] (cute_sm90.DEFAULT_LOADER, DEFAULT_LISTS, k3_moe.OVERLAP_SHARED); "
+    parser.add_argument("--variants", nargs="+", default=["registers+torch", "tma+torch", "tma+device"],
+                        help="loader+lists (cute_sm90.DEFAULT_LOADER, DEFAULT_LISTS); "
                         "the first is the reference for the cross-check")
     args = parser.parse_args()
     cfg = K3
@@ -96,10 +96,9 @@ def main():
         reps = 2 * ROUTINGS
         outputs = {}
         for variant in args.variants:
-            loader, lists, *overlap = variant.split("+")
+            loader, lists = variant.split("+")
             # what routed_experts / the block use
             cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = loader, lists
-            k3_moe.OVERLAP_SHARED = overlap == ["overlap"]
             passes_done = any(v.split("+")[0] == loader for v in row.get("variants_done", []))
             try:
                 timings = measure_variant(weights, cfg, tokens, ids_sets, latents, xs, reps, rate, distinct,
@@ -117,8 +116,7 @@ def main():
         # check of whatever the GPU tests did not cover in this run)
         first = outputs[next(iter(outputs))]
         row["variants_rel_diff"] = {v: ((out - first).norm() / first.norm()).item() for v, out in outputs.items()}
-        cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = args.variants[0].split("+")[:2]
-        k3_moe.OVERLAP_SHARED = args.variants[0].endswith("+overlap")
+        cute_sm90.DEFAULT_LOADER, cute_sm90.DEFAULT_LISTS = args.variants[0].split("+")
         if not args.no_reference:
             with registry.scoped((("linear", "reference"), ("moe_route", "reference"), ("moe_experts", "reference"))):
                 # eager only (it syncs to the host per expert), 3 routings x 2 repeats after warm-up

@@ -220,7 +220,7 @@ def moe_weights(gen, cfg):
     E, Dm, Lt, I, S = cfg.num_experts, cfg.hidden_size, cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
     w1, w3, w2 = randn(gen, E, I, Lt, scale=Lt**-0.5), randn(gen, E, I, Lt, scale=Lt**-0.5), randn(gen, E, Lt, I, scale=I**-0.5)
     (p1, s1), (p3, s3), (p2, s2) = pack(w1), pack(w3), pack(w2)
-    return LatentMoEWeights(
+    return LatentMoEWeights.from_parts(
         gate=randn(gen, E, Dm, scale=Dm**-0.5), score_bias=randn(gen, E, scale=0.1),
         latent_down=randn(gen, Lt, Dm, scale=Dm**-0.5), latent_norm=1 + randn(gen, Lt, scale=0.1),
         latent_up=randn(gen, Dm, Lt, scale=Lt**-0.5), shared_gate=randn(gen, S, Dm, scale=Dm**-0.5),

@@ -58,7 +58,7 @@ def make_weights(cfg, gen) -> LatentMoEWeights:
     w1, s1 = random_mxfp4(gen, E, I, L)
     w3, s3 = random_mxfp4(gen, E, I, L)
     w2, s2 = random_mxfp4(gen, E, L, I)
-    return LatentMoEWeights(
+    return LatentMoEWeights.from_parts(
         gate=dense(E, D),
         score_bias=torch.zeros(E, device="cuda"),
         latent_down=dense(L, D),
@@ -204,7 +204,7 @@ def test_steps_past_16_tokens_take_several_slots_per_expert(weights, kind, token
 @pytest.mark.skipif(CAPABILITY not in ((9, 0), (10, 0), (10, 3)), reason="no CuTe DSL expert kernel for this GPU")
 @pytest.mark.parametrize("kind", ["random", "repeated"])
 def test_block_on_cuda_matches_the_cpu_reference(kind):
-    """kimi_k3/moe.py with the default CUDA kernels (and the shared experts on a side stream)
+    """kimi_k3/moe.py with the default CUDA kernels
     against the same block on the CPU in float32, where every op is its reference. 32 experts keep
     the CPU copy small; every other shape is K3's. The CPU reference runs once, on all the tokens:
     its rows do not depend on the rows beside them (kernels/linear/reference.py), so its first T

@@ -34,6 +34,8 @@ FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 MLA_INPUT_PROJECTIONS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.g_proj.weight")
 KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "g", "f_a", "b"))
 DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight",
+                              "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
 
 
 @dataclass
@@ -69,6 +71,7 @@ class K3Model:
         self.mla_absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}  # attention's fused input GEMM
         self.ffn_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}  # the dense FFN's gate|up GEMM
+        # (a MoE layer's shared gate|up GEMM is its LatentMoEWeights.shared_gate_up)
         self.kda_index = {i: k for k, i in enumerate(cfg.kda_layers)}
         self.mla_index = {i: k for k, i in enumerate(cfg.mla_layers)}
         for i in range(cfg.num_layers):
@@ -120,8 +123,7 @@ class K3Model:
             latent_down=tensors[f"{m}.routed_expert_down_proj.weight"],
             latent_norm=tensors[f"{m}.routed_expert_norm.weight"],
             latent_up=tensors[f"{m}.routed_expert_up_proj.weight"],
-            shared_gate=tensors[f"{m}.shared_experts.gate_proj.weight"],
-            shared_up=tensors[f"{m}.shared_experts.up_proj.weight"],
+            shared_gate_up=self._fuse_rows(i, SHARED_GATE_UP_PROJECTIONS)[0],
             shared_down=tensors[f"{m}.shared_experts.down_proj.weight"],
             w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),

@@ -18,26 +18,27 @@ from dspark.kernels import ops
 
 from .config import K3Config
 
-# Whether the shared experts run on a side stream, concurrently with the routed path (they need
-# only x). Eagerly that saved 36 us per block at T = 8 (experiments/notes/moe.md); inside the
-# CUDA graph of a whole k3-slice step it cost 0.36 ms per step (4.98 ms against 4.62 ms at T = 8,
-# experiments/results/h200/step_bench_ab_shared_overlap_{on,off}.json), so it is off.
-OVERLAP_SHARED = False
-
 
 @dataclass
 class LatentMoEWeights:
     """One MoE layer. Dense tensors in the model dtype (router bias fp32); routed experts are
     stacked MXFP4: w1/w3 [E, I, latent/2] + scales [E, I, latent/32], w2 [E, latent, I/2] +
-    scales [E, latent, I/32]."""
+    scales [E, latent, I/32].
+
+    The shared experts' gate [S, D] and up [S, D] projections are held as one tensor
+    `shared_gate_up` [2S, D] and run as one GEMM, as the dense FFN's are: at K3's size (12288 x
+    7168) the H200 ran it at 0.88-0.94 of the read ceiling with 4 splits
+    (experiments/results/h200/kernels_bench.json, "mla_g/shared_gate_up"), and a layer saves a
+    GEMM and its split-K reduction. latent_down stays apart: fused with them, the heuristic would
+    run the 15872-row matrix unsplit, one CTA per SM, which reached 0.74 of the ceiling on the
+    12288-row one. `from_parts` builds one from the separate matrices."""
 
     gate: torch.Tensor  # [E, D] router
     score_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
     latent_down: torch.Tensor  # [latent, D]
     latent_norm: torch.Tensor  # [latent]
     latent_up: torch.Tensor  # [D, latent]
-    shared_gate: torch.Tensor  # [S, D]
-    shared_up: torch.Tensor  # [S, D]
+    shared_gate_up: torch.Tensor  # [2S, D]: shared_gate | shared_up
     shared_down: torch.Tensor  # [D, S]
     w1_packed: torch.Tensor
     w1_scale: torch.Tensor
@@ -45,6 +46,25 @@ class LatentMoEWeights:
     w3_scale: torch.Tensor
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
+
+    def __post_init__(self):
+        shared = self.shared_down.shape[1]
+        if self.shared_gate_up.dim() != 2 or self.shared_gate_up.shape[0] != 2 * shared:
+            raise ValueError(f"LatentMoEWeights.shared_gate_up: expected [2 x {shared}, D] (shared_gate | "
+                             f"shared_up), got {tuple(self.shared_gate_up.shape)}")
+
+    @classmethod
+    def from_parts(cls, *, shared_gate, shared_up, **others) -> "LatentMoEWeights":
+        """From separate shared gate and up projections (copied into one tensor)."""
+        return cls(shared_gate_up=torch.cat([shared_gate, shared_up]), **others)
+
+    @property
+    def shared_gate(self) -> torch.Tensor:
+        return self.shared_gate_up[: self.shared_down.shape[1]]
+
+    @property
+    def shared_up(self) -> torch.Tensor:
+        return self.shared_gate_up[self.shared_down.shape[1] :]
 
     @property
     def experts(self) -> tuple[torch.Tensor, ...]:
@@ -56,39 +76,15 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> tor
     """The K3 latent-MoE FFN: x [M, D] -> [M, D] in x.dtype."""
     if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
         raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
-    overlap = OVERLAP_SHARED and x.is_cuda
-    if overlap:
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shared = shared_experts(x, weights, cfg)
     ids, route_weights = ops.moe_route(
         x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
     )
     latent = ops.linear(x, weights.latent_down)
     routed = ops.moe_experts(latent, ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
     routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
-    if overlap:
-        # Join. `shared` was allocated on the side stream and is read here on the main one; its
-        # memory can only be reused by later side-stream work, which always starts by waiting
-        # for the main stream (above), so no record_stream is needed.
-        main.wait_stream(side)
-    else:
-        shared = shared_experts(x, weights, cfg)
+    # The shared experts run in line: on a side stream, concurrently with the routed path, they
+    # cost 0.36 ms per k3-slice step inside the step's CUDA graph (the fork and join;
+    # experiments/results/h200/step_bench_ab_shared_overlap_{on,off}.json).
+    shared_gate, shared_up = ops.linear(x, weights.shared_gate_up).chunk(2, dim=-1)
+    shared = ops.linear(ops.situ_glu(shared_gate, shared_up, cfg.situ_beta, cfg.situ_linear_beta), weights.shared_down)
     return ops.linear(routed, weights.latent_up) + shared
-
-
-def shared_experts(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> torch.Tensor:
-    act = ops.situ_glu(ops.linear(x, weights.shared_gate), ops.linear(x, weights.shared_up), cfg.situ_beta,
-                       cfg.situ_linear_beta)
-    return ops.linear(act, weights.shared_down)
-
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
