@@ -9,10 +9,11 @@
 #  - vLLM itself without its dependencies, then its requirements less GPU_ONLY: the GPU kernel
 #    libraries (with the CUDA runtimes they pull) and the media decoders. Nothing the tests import
 #    needs them; torchvision/torchaudio/torchcodec would even break `from vllm.config import ...`
-#    on a CPU torch, and leaving the rest out keeps the environment at ~4 GB instead of ~6 GB;
+#    on a CPU torch;
 #  - xgrammar without its dependencies (NO_DEPS below), which keeps triton out: ~1 GB less;
 #  - no byte-code compiled at install (--no-compile): ~0.4 GB of __pycache__ for modules that the
-#    tests never import (an import compiles what it uses);
+#    tests never import (an import compiles what it uses). The environment is ~2.6 GB (~6 GB with
+#    everything);
 #  - dspark itself without its dependencies (torch is already there), then the ones the tests use
 #    plus matplotlib (a declared dspark dependency).
 # pip's conflict report is switched off: it would list GPU_ONLY as missing on every install.
@@ -28,11 +29,10 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vllm_version=0.32.0
 # vLLM requirements left out (canonical names); see above.
 GPU_ONLY="torchvision torchaudio torchcodec pynvvideocodec flashinfer-python tilelang tokenspeed-mla
-nvidia-cutlass-dsl humming-kernels quack-kernels nvidia-cudnn-frontend fastsafetensors instanttensor
-apache-tvm-ffi nvtx"
-# Installed without their own dependencies: xgrammar's are vLLM's too, but for triton (1 GB, only
-# for its GPU kernels; vLLM imports without it) and apache-tvm-ffi (left out above). The CI
-# machine's disk once ran out while this environment was built.
+nvidia-cutlass-dsl humming-kernels quack-kernels nvidia-cudnn-frontend fastsafetensors instanttensor nvtx"
+# Installed without their own dependencies: xgrammar's are vLLM's too (apache-tvm-ffi among them,
+# which xgrammar imports), but for triton (1 GB, only for its GPU kernels; the tests import vLLM
+# without it). The CI machine's disk once ran out while this environment was built.
 NO_DEPS="xgrammar"
 
 # Quiet pip; drop the warnings about missing local index directories that this machine's global pip
