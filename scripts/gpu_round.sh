@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run a batch of GPU jobs in one device call (one machine start for several people's work).
-# Each job is a bash script in .round/jobs/ (ignored by git, carried to the device) whose first
+# Each job is a bash script in $ROUND_JOBS (default .round/jobs/, ignored by git and carried to the
+# device; a round planned ahead is committed, e.g. experiments/rounds/step_and_drafter/) whose first
 # lines may hold "# limit: SECONDS" (default 120). A job runs from /tmp with REPO (the checkout)
 # and JOB_OUT (its output folder) set; its log and files come back in $OUT/round.tgz, one folder
 # per job. Jobs run in name order and a job that would outrun the call's budget is skipped.
@@ -12,18 +13,19 @@ set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOTAL=${1:-540}
 shift $(( $# > 0 ? 1 : 0 ))
-if (( $# > 0 )); then JOBS=("$@"); else JOBS=(); for j in "$REPO"/.round/jobs/*.sh; do JOBS+=("$(basename "$j" .sh)"); done; fi
+JOB_DIR=$(cd "$REPO" && cd "${ROUND_JOBS:-.round/jobs}" && pwd)
+if (( $# > 0 )); then JOBS=("$@"); else JOBS=(); for j in "$JOB_DIR"/*.sh; do JOBS+=("$(basename "$j" .sh)"); done; fi
 START=$(date +%s)
 source "$REPO/.gpu/env.sh"
 pip install -q --no-deps --target /tmp/extra "$REPO"/.gpu/wheels/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/extra:${PYTHONPATH:-}
 source "$REPO/scripts/device_env.sh"
-export DSPARK_GIT_COMMIT=$(cat "$REPO/.round/commit" 2>/dev/null || echo unknown)
+export DSPARK_GIT_COMMIT=${DSPARK_GIT_COMMIT:-$(cat "$REPO/.round/commit" 2>/dev/null || echo unknown)}
 WORK=/tmp/round_out
 rm -rf "$WORK" && mkdir -p "$WORK"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$WORK/nvidia-smi.txt" 2>&1
 for name in "${JOBS[@]}"; do
-  job="$REPO/.round/jobs/$name.sh"
+  job="$JOB_DIR/$name.sh"
   limit=$(sed -n 's/^# limit: *\([0-9]*\).*/\1/p' "$job" | head -1)
   limit=${limit:-120}
   left=$(( TOTAL - ($(date +%s) - START) ))
