@@ -86,6 +86,15 @@ def attn_res_mix_norm(current: torch.Tensor, checkpoints: torch.Tensor, mix_norm
     return select("attn_res_mix_norm", *args).fn(*args, eps)
 
 
+def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoints: torch.Tensor,
+                          mix_norm: torch.Tensor, mix_proj: torch.Tensor, out_norm: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """total = residual + delta ([M, d], one dtype), then (attn_res_mix_norm(total, checkpoints, ...),
+    total): the residual add fused into the norm that follows it."""
+    args = (residual, delta, checkpoints, mix_norm, mix_proj, out_norm)
+    return select("add_attn_res_mix_norm", *args).fn(*args, eps)
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU: b1*tanh(g/b1)*sigmoid(g) * b2*tanh(u/b2) in fp32, result in gate's dtype."""
     return select("situ_glu", gate, up).fn(gate, up, beta, linear_beta)

@@ -47,6 +47,14 @@ def main(seed: int) -> None:
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6,
                                             out=torch.full((M, d), float("nan")))
         close(got, want, f"attn_res_mix_norm with {num_checkpoints} checkpoints")
+        residual, delta = current[:, :d], torch.randn(M, d + 8, generator=gen)[:, 4 : 4 + d]  # strided delta rows
+        want_out, want_total = norm_ref.add_attn_res_mix_norm(
+            residual.double(), delta.double(), ckpts.double(), mix_norm.double(), mix_proj.double(), out_norm.double(), 1e-6)
+        got_out, got_total = norm_triton.add_attn_res_mix_norm(
+            residual, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=torch.full((M, d), float("nan")),
+            total=torch.full((M, d), float("nan")))
+        close(got_total, want_total, f"add_attn_res_mix_norm's sum with {num_checkpoints} checkpoints")
+        close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints")
     rows, n = 3, 1500  # two column blocks, the second partial
     gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
     gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre

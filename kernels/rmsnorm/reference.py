@@ -3,7 +3,7 @@
 Per row on the CPU (kernels/numerics.py), so a token's value does not depend on its batch.
 attn_res_mix_norm is the mix followed by the RMSNorm that always comes after it in K3 (the
 layer's input norm, the FFN's norm, the final norm): one op, so a GPU kernel does both in one
-pass over the candidates.
+pass over the candidates. add_attn_res_mix_norm also does the residual add that comes before it.
 """
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def attn_res_mix_norm(current: torch.Tensor, checkpoints: torch.Tensor, mix_norm
     """rms_norm(attn_res_mix(current, checkpoints), out_norm); checkpoints [C, M, d] (C >= 0)."""
     mixed = attn_res_mix(current, list(checkpoints.unbind(0)), mix_norm, mix_proj, eps)
     return _rms_norm(mixed, out_norm, eps)
+
+
+@register("add_attn_res_mix_norm", "reference", priority=0)
+def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoints: torch.Tensor,
+                          mix_norm: torch.Tensor, mix_proj: torch.Tensor, out_norm: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add before a norm, with it: total = residual + delta (in their dtype), then
+    (attn_res_mix_norm(total, checkpoints, ...), total). The model keeps `total` as its running
+    sum; a GPU kernel computes both in the norm's one pass over the row."""
+    total = residual + delta
+    return attn_res_mix_norm(total, checkpoints, mix_norm, mix_proj, out_norm, eps), total

@@ -1,4 +1,5 @@
-"""RMSNorm and the AttnRes mix + RMSNorm as one Triton launch each (contracts: reference.py).
+"""RMSNorm and the AttnRes mix + RMSNorm (with or without the residual add before it) as one
+Triton launch each (contracts: reference.py).
 
 Why: in a batch-1 step each of these was a chain of small torch kernels (casts, a mean, an
 rsqrt, products; the mix adds a score GEMV per candidate, a softmax and a weighted sum), about
@@ -44,16 +45,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 def attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_norm, eps: float,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    M, d = current.shape
     out = torch.empty(current.shape, dtype=current.dtype, device=current.device) if out is None else out
+    _mix_norm(current, None, None, checkpoints, mix_norm, mix_proj, out_norm, eps, out)
+    return out
+
+
+def add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_proj, out_norm, eps: float,
+                          out: torch.Tensor | None = None, total: torch.Tensor | None = None):
+    """out, total: optional contiguous buffers of residual's shape and dtype (tests poison them)."""
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if out is None else out
+    total = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if total is None else total
+    _mix_norm(residual, delta, total, checkpoints, mix_norm, mix_proj, out_norm, eps, out)
+    return out, total
+
+
+def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, eps, out) -> None:
+    M, d = current.shape
     block, warps = _launch_shape(d)
     candidates = triton_block(checkpoints.shape[0] + 1)
+    has_delta = delta is not None
+    if has_delta:
+        delta_args = (delta, delta.stride(0), total, total.stride(0))
+    else:  # not read: the kernel's HAS_DELTA branch is compiled out
+        delta_args = (current, current.stride(0), out, out.stride(0))
     if M:
         _kernels().attn_res_mix_norm_kernel[(M,)](
-            checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0),
+            checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            BLOCK=block, CANDIDATES=candidates, num_warps=warps)
-    return out
+            BLOCK=block, CANDIDATES=candidates, HAS_DELTA=has_delta, num_warps=warps)
 
 
 def _row_major(x: torch.Tensor) -> bool:
@@ -73,7 +92,14 @@ def supports_attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_nor
             and all(w.is_contiguous() and w.numel() == d for w in (mix_norm, mix_proj, out_norm)))
 
 
+def supports_add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_proj, out_norm) -> bool:
+    return (delta.shape == residual.shape and delta.dtype == residual.dtype and delta.dim() == 2
+            and delta.stride(-1) == 1 and supports_attn_res_mix_norm(residual, checkpoints, mix_norm, mix_proj, out_norm))
+
+
 register("rms_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_rms_norm)(rms_norm)
 register("attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_attn_res_mix_norm)(attn_res_mix_norm)
+register("add_attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_add_attn_res_mix_norm)(add_attn_res_mix_norm)

@@ -21,15 +21,18 @@ def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl
 
 
 @triton.jit
-def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, mix_norm_ptr,
-                             mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps, NUM_CKPT: tl.constexpr,
-                             BLOCK: tl.constexpr, CANDIDATES: tl.constexpr):
+def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dm, total_ptr,
+                             stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
+                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
+                             HAS_DELTA: tl.constexpr):
     """AttnRes mix over {checkpoints[0..NUM_CKPT), current} followed by RMSNorm, per row. The
     checkpoint count is a compile-time constant (a model has a handful: one build each), so the
-    candidate loops unroll."""
+    candidate loops unroll. HAS_DELTA: current is cur + delta, rounded to the output dtype as a
+    torch add would, and also stored to total (add_attn_res_mix_norm)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
+    dtype = out_ptr.dtype.element_ty
     which = tl.arange(0, CANDIDATES)
     score_w = (tl.load(mix_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                * tl.load(mix_proj_ptr + offs, mask=mask, other=0.0).to(tl.float32))
@@ -38,6 +41,10 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
         x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
         scores = tl.where(which == c, tl.sum(x * score_w, axis=0) * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps), scores)
     current = tl.load(cur_ptr + row * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        current = (current + tl.load(delta_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(total_ptr + row * stride_t + offs, current, mask=mask)
+        current = current.to(tl.float32)
     scores = tl.where(which == NUM_CKPT, tl.sum(current * score_w, axis=0) * tl.rsqrt(tl.sum(current * current, axis=0) / d + eps), scores)
     p = tl.exp(scores - tl.max(scores, axis=0))
     p = p / tl.sum(p, axis=0)
@@ -46,7 +53,6 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
         x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(tl.where(which == c, p, 0.0), axis=0) * x
     acc += tl.sum(tl.where(which == NUM_CKPT, p, 0.0), axis=0) * current
-    dtype = out_ptr.dtype.element_ty
     mixed = acc.to(dtype).to(tl.float32)  # the mix's output is a tensor of current's dtype
     y = (mixed * tl.rsqrt(tl.sum(mixed * mixed, axis=0) / d + eps)).to(dtype).to(tl.float32)
     w = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)

@@ -59,6 +59,15 @@ def test_rms_norm_and_mix_norm_match_references(gen, rows):
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=out)
         want = norm_ref.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
         _close(got, want, f"attn_res_mix_norm, {num_checkpoints} checkpoints", roundings=3)
+        delta = (torch.randn(rows, d, device="cuda", generator=gen) * 3).bfloat16()
+        out, total = _poisoned(current), _poisoned(current)
+        got, got_total = norm_triton.add_attn_res_mix_norm(current, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6,
+                                                           out=out, total=total)
+        want, want_total = norm_ref.add_attn_res_mix_norm(current, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
+        assert torch.equal(got_total, want_total), "add_attn_res_mix_norm: the sum differs from torch's bf16 add"
+        _close(got, want, f"add_attn_res_mix_norm, {num_checkpoints} checkpoints", roundings=3)
+        assert registry.select("add_attn_res_mix_norm", current, delta, ckpts, mix_norm, mix_proj,
+                               out_norm).name == "triton"
 
 
 def test_situ_glu_and_sigmoid_gate_match_references(gen):

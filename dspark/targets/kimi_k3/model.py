@@ -237,16 +237,22 @@ class K3Model:
         prefix = hidden  # running sum of the current block (docs/kimi-k3.md §7)
         eps = cfg.rms_norm_eps
 
-        def mix_norm(current, num_checkpoints, mix_norm_weight, mix_proj_weight, norm_weight):
-            """RMSNorm of the AttnRes mix of {checkpoints, current} (of current alone before any seal)."""
+        def mix_norm(current, num_checkpoints, mix_norm_weight, mix_proj_weight, norm_weight, delta=None):
+            """(RMSNorm of the AttnRes mix of {checkpoints, current + delta} (of current alone before any
+            seal), current + delta): a residual add still to be done is done in the norm's pass."""
+            if delta is not None:
+                return ops.add_attn_res_mix_norm(current, delta, checkpoints[:num_checkpoints], mix_norm_weight,
+                                                 mix_proj_weight, norm_weight, eps)
             if num_checkpoints == 0:
-                return ops.rms_norm(current, norm_weight, eps)
+                return ops.rms_norm(current, norm_weight, eps), current
             return ops.attn_res_mix_norm(current, checkpoints[:num_checkpoints], mix_norm_weight, mix_proj_weight,
-                                         norm_weight, eps)
+                                         norm_weight, eps), current
 
+        ffn_out = None  # the last FFN's output, not yet added to prefix: the next norm adds it
         for i in range(cfg.num_layers):
-            h = mix_norm(prefix, sealed, self._w(i, "self_attention_res_norm.weight"),
-                         self._w(i, "self_attention_res_proj.weight"), self._w(i, "input_layernorm.weight"))
+            h, prefix = mix_norm(prefix, sealed, self._w(i, "self_attention_res_norm.weight"),
+                                 self._w(i, "self_attention_res_proj.weight"), self._w(i, "input_layernorm.weight"),
+                                 delta=ffn_out)
             before_prefix, before_sealed = prefix, sealed
             block_prefix = prefix
             if i % cfg.attn_res_block_size == 0:  # seal: the block so far becomes a checkpoint
@@ -259,17 +265,20 @@ class K3Model:
                 records.append(rec)
             else:
                 attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens)
-            prefix = attn if block_prefix is None else block_prefix + attn
+            # The block's sum with this attention: attn alone after a seal, else block_prefix + attn.
+            base, delta = (attn, None) if block_prefix is None else (block_prefix, attn)
             ffn_mix = (self._w(i, "mlp_res_norm.weight"), self._w(i, "mlp_res_proj.weight"),
                        self._w(i, "post_attention_layernorm.weight"))
             if FFN_MIX_INCLUDES_LAYER_ATTENTION:
-                y = mix_norm(prefix, sealed, *ffn_mix)
+                y, prefix = mix_norm(base, sealed, *ffn_mix, delta=delta)
             else:
-                y = mix_norm(before_prefix, before_sealed, *ffn_mix)
-            prefix = prefix + self._ffn(i, y)
-            if i in tap_layers:
+                prefix = base if delta is None else base + delta
+                y, _ = mix_norm(before_prefix, before_sealed, *ffn_mix)
+            ffn_out = self._ffn(i, y)
+            if i in tap_layers:  # a tap reads the sum now
+                prefix, ffn_out = prefix + ffn_out, None
                 taps[i] = prefix.view(B, T, -1)
-        final = mix_norm(prefix, sealed, self.tensors[layout.OUTPUT_RES_NORM], self.tensors[layout.OUTPUT_RES_PROJ],
-                         self.tensors[layout.FINAL_NORM])
+        final, _ = mix_norm(prefix, sealed, self.tensors[layout.OUTPUT_RES_NORM], self.tensors[layout.OUTPUT_RES_PROJ],
+                            self.tensors[layout.FINAL_NORM], delta=ffn_out)
         logits = ops.linear(final, self.tensors[layout.LM_HEAD]).float()
         return logits.view(B, T, -1), taps, records
