@@ -227,6 +227,7 @@ SWITCHES = {
     "router_low_precision_gemm": ("dspark.kernels.moe.triton", "LOW_PRECISION_GEMM", {"0": False, "1": True}),
     "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
     "moe_combine": ("dspark.kernels.moe.cute_sm90", "COMBINE", {"torch": "torch", "triton": "triton"}),
+    "token_gather": ("dspark.kernels.moe.expert_layout", "TOKEN_GATHER", {"torch": "torch", "triton": "triton"}),
 }
 
 
@@ -237,7 +238,8 @@ def applied(setting: str):
     built; `router_low_precision_gemm=0|1` multiplies the router's bf16 tokens and weight as they
     are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1` passes the KDA inputs to
     the kernel as strided slices or as contiguous copies; `moe_combine=torch|triton` adds up each
-    token's expert outputs in three torch launches or one Triton launch."""
+    token's expert outputs in three torch launches or one Triton launch; `token_gather=torch|triton`
+    builds the expert kernels' token operand in three torch launches or one Triton launch."""
     import importlib
 
     from dspark.kernels import registry

@@ -12,6 +12,7 @@ from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
 from dspark.kernels.draft_loss import reference as loss_ref
 from dspark.kernels.draft_loss import triton as loss_triton
+from dspark.kernels.moe import expert_layout
 from dspark.kernels.moe import triton as moe_triton
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
@@ -65,6 +66,7 @@ def main(seed: int) -> None:
           act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
     check_route(gen)
     check_combine(gen)
+    check_gather_tokens(gen)
     check_draft_loss(gen)
     print("triton kernels: all checks passed")
 
@@ -100,6 +102,23 @@ def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, to
     out = torch.full((tokens, width), float("nan"), device=device)
     got = moe_triton.weighted_combine(rows.to(device), position.to(device), weights.to(device), out=out)
     close(got.cpu(), want, f"weighted_combine T={tokens} k={top_k} width={width}")
+
+
+def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 640) -> None:
+    """gather_tokens against expert_layout's torch composition (permute_k, the scale, the row
+    gather), for both kernels' K orders: equal, as both only move values and scale them by a
+    power of two. Strided x rows; the slots' token rows drawn at random, repeats included; the
+    output poisoned with NaN. width: a multiple of 128 that leaves the last column block partial."""
+    for order in ("sm90", "sm100"):
+        x = (torch.randn(6, width + 16, generator=gen) * 3)[:, 8 : 8 + width].to(device=device, dtype=dtype)
+        slot_tokens = torch.randint(0, 6, (5, 8), generator=gen).to(device)
+        lists = expert_layout.ExpertLists(None, slot_tokens, None)
+        want = (expert_layout.permute_k(x, order) * 2.0**expert_layout.B_SCALE_LOG2)[slot_tokens]
+        out = torch.full((5, 8, width), float("nan"), dtype=dtype, device=device)
+        got = moe_triton.gather_tokens(x, lists.slot_tokens, expert_layout.permutation(order, x.device),
+                                       expert_layout.B_SCALE_LOG2, out=out)
+        if not torch.equal(got, want):
+            sys.exit(f"gather_tokens ({order} order): differs from permute_k + scale + gather")
 
 
 def check_selection(ids, weights, logits: torch.Tensor, bias: torch.Tensor, top_k: int, what: str) -> None:

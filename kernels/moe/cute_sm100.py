@@ -348,9 +348,8 @@ def compile_expert_gemm(
 
 
 def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torch.Tensor:
-    """x [T, K] bf16 -> B operand [S, 16, K]: gathered per slot, octet-permuted, times 2^63."""
-    prepared = expert_layout.permute_k(x, "sm100") * 2.0**expert_layout.B_SCALE_LOG2
-    return prepared[lists.slot_tokens]
+    """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted (sm100 order), times 2^63."""
+    return expert_layout.tokens_for_kernel(x, lists, "sm100")
 
 
 def expert_pass(packed_a, scale_a, packed_b, scale_b, lists: expert_layout.ExpertLists, xb: torch.Tensor,

@@ -584,10 +584,8 @@ def expert_pass(
 
 
 def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torch.Tensor:
-    """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted, times 2^63."""
-    # permute and scale the T rows first (tiny), then one gather writes the [S, tokens, K] operand
-    prepared = expert_layout.permute_k(x) * 2.0**expert_layout.B_SCALE_LOG2
-    return prepared[lists.slot_tokens]
+    """x [T, K] bf16 -> the B operand [S, tokens, K]: gathered per slot, K-permuted (sm90 order), times 2^63."""
+    return expert_layout.tokens_for_kernel(x, lists, "sm90")
 
 
 LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16

@@ -61,18 +61,41 @@ _permutations: dict[tuple[str, torch.device], torch.Tensor] = {}
 def permute_k(x: torch.Tensor, order: str = "sm90") -> torch.Tensor:
     """x [..., K] -> x with K permuted within every period: the 128-chunk order of the Hopper
     kernel (`chunk_permutation`, order "sm90") or the octet order of the Blackwell one ("sm100")."""
-    perm_of = {"sm90": chunk_permutation, "sm100": octet_permutation}
-    if order not in perm_of:
-        raise ValueError(f"order={order!r}: expected one of {sorted(perm_of)}")
     k = x.shape[-1]
-    # one copy per device, made outside any CUDA-graph capture (a host copy cannot be captured)
-    index = _permutations.get((order, x.device))
-    if index is None:
-        index = _permutations[(order, x.device)] = perm_of[order]().to(x.device)
+    index = permutation(order, x.device)
     period = index.numel()
     if k % period:
         raise ValueError(f"x: last dimension {k} is not a multiple of {period}")
     return x.unflatten(-1, (k // period, period))[..., index].flatten(-2)
+
+
+def permutation(order: str, device: torch.device) -> torch.Tensor:
+    """permute_k's index within one period, on `device`: one copy per device, made outside any
+    CUDA-graph capture (a host copy cannot be captured)."""
+    perm_of = {"sm90": chunk_permutation, "sm100": octet_permutation}
+    if order not in perm_of:
+        raise ValueError(f"order={order!r}: expected one of {sorted(perm_of)}")
+    index = _permutations.get((order, device))
+    if index is None:
+        index = _permutations[(order, device)] = perm_of[order]().to(device)
+    return index
+
+
+def tokens_for_kernel(x: torch.Tensor, lists: "ExpertLists", order: str) -> torch.Tensor:
+    """x [T, K] bf16 -> the expert kernels' B operand [S, tokens, K]: each slot's token rows,
+    K-permuted (permute_k's `order`) and times 2^B_SCALE_LOG2. On CUDA one Triton launch
+    (kernels/moe/triton.py:gather_tokens) where TOKEN_GATHER says so; else permute and scale the T
+    rows (tiny), then one gather writes the operand (three launches)."""
+    if TOKEN_GATHER == "triton" and x.is_cuda:
+        from . import triton as moe_triton
+
+        return moe_triton.gather_tokens(x, lists.slot_tokens, permutation(order, x.device), B_SCALE_LOG2)
+    return (permute_k(x, order) * 2.0**B_SCALE_LOG2)[lists.slot_tokens]
+
+
+# How tokens_for_kernel builds the B operand on CUDA: "triton" = one launch, "torch" = three.
+# experiments/step_bench.py --setting token_gather=torch|triton times either.
+TOKEN_GATHER = "triton"
 
 
 @dataclass

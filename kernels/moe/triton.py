@@ -70,3 +70,27 @@ def weighted_combine(rows: torch.Tensor, position: torch.Tensor, route_weights: 
             rows, rows.stride(0), position.contiguous(), route_weights.contiguous(), out, out.stride(0), width,
             TOP_K=top_k, BLOCK=COMBINE_BLOCK, num_warps=4)
     return out
+
+
+GATHER_BLOCK = 512  # operand columns per program
+
+
+def gather_tokens(x: torch.Tensor, slot_tokens: torch.Tensor, perm: torch.Tensor, scale_log2: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert kernels' B operand in one launch (expert_layout.tokens_for_kernel's contract):
+    out[s, t, c * P + j] = x[slot_tokens[s, t], c * P + perm[j]] * 2^scale_log2 for x [T, K]
+    (rows may be strided), slot_tokens [S, tokens] and a permutation perm of period P dividing K.
+    The scale is a power of two, exact in x's dtype. out: an optional contiguous [S, tokens, K]
+    output of x's dtype (tests poison it first)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x: needs [T, K] with contiguous columns, got shape {tuple(x.shape)} stride {x.stride()}")
+    K, period = x.shape[1], perm.numel()
+    if K % period:
+        raise ValueError(f"x: last dimension {K} is not a multiple of the permutation's period {period}")
+    S, tokens = slot_tokens.shape
+    out = torch.empty(S, tokens, K, dtype=x.dtype, device=x.device) if out is None else out
+    if S * tokens:
+        kernel_module(__package__).gather_tokens_kernel[(S * tokens, -(-K // GATHER_BLOCK))](
+            x, x.stride(0), slot_tokens.contiguous(), perm.contiguous(), out, K, float(2.0**scale_log2),
+            PERIOD=period, BLOCK=GATHER_BLOCK, num_warps=4)
+    return out

@@ -1,5 +1,6 @@
-"""Triton kernels of the K3 MoE (imported on first use): the router's selection and the weighted
-combination of each token's expert outputs."""
+"""Triton kernels of the K3 MoE (imported on first use): the router's selection, the expert
+kernels' B operand (the slots' token rows, K-permuted and scaled) and the weighted combination of
+each token's expert outputs."""
 import triton
 import triton.language as tl
 
@@ -45,3 +46,17 @@ def combine_kernel(rows_ptr, stride_r, position_ptr, weights_ptr, out_ptr, strid
         weight = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
         acc += weight * tl.load(rows_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + cols, acc, mask=inside)
+
+
+@triton.jit
+def gather_tokens_kernel(x_ptr, stride_x, slot_tokens_ptr, perm_ptr, out_ptr, K, scale,
+                         PERIOD: tl.constexpr, BLOCK: tl.constexpr):
+    """out row r (= slot * tokens + t), columns of block pid 1: x[slot_tokens[r]] read through the
+    K permutation (period PERIOD), times scale; one program per (row, column block)."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < K
+    token = tl.load(slot_tokens_ptr + r)
+    source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
+    v = tl.load(x_ptr + token * stride_x + source, mask=inside, other=0.0)
+    tl.store(out_ptr + r * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)

@@ -111,3 +111,13 @@ def test_router_selection_matches_float64():
         order = ids.argsort(-1)
         torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_ids.argsort(-1)),
                                    rtol=1e-5, atol=0)
+
+
+def test_gather_tokens_equals_the_torch_composition():
+    """kernels/moe/triton.py:gather_tokens (the expert kernels' B operand in one launch) in bf16
+    at K3's latent width, both K orders: equal to permute_k + scale + gather
+    (tests/triton_interpret_checks.py:check_gather_tokens)."""
+    from triton_interpret_checks import check_gather_tokens
+
+    check_gather_tokens(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda", torch.bfloat16,
+                        width=3584)
