@@ -74,9 +74,10 @@ def synthetic_sample(target_logits, draft_tokens, num_drafts, cond_rates, sampli
         target_logits, draft_tokens, num_drafts, cond_rates, sampling, uniforms, race_noise)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """K3's RMSNorm over the last dimension: normalise in fp32, round to x's dtype, scale."""
-    return select("rms_norm", x, weight).fn(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """K3's RMSNorm over the last dimension: normalise in fp32, round to x's dtype, scale; the
+    result cast to out_dtype where given (the cast in the same launch on the GPU)."""
+    return select("rms_norm", x, weight).fn(x, weight, eps, out_dtype)
 
 
 def attn_res_mix_norm(current: torch.Tensor, checkpoints: torch.Tensor, mix_norm: torch.Tensor,

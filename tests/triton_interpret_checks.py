@@ -38,6 +38,11 @@ def main(seed: int) -> None:
         out = torch.full((5, width), float("nan"))
         got = norm_triton.rms_norm(x, weight, 1e-6, out=out)
         close(got, norm_ref.rms_norm(x.double(), weight.double(), 1e-6), f"rms_norm width {width}")
+        out = torch.full((5, width), float("nan"), dtype=torch.float64)
+        got = norm_triton.rms_norm(x, weight, 1e-6, out_dtype=torch.float64, out=out)
+        if got.dtype != torch.float64:
+            sys.exit(f"rms_norm out_dtype: got {got.dtype}")
+        close(got, norm_ref.rms_norm(x.double(), weight.double(), 1e-6), f"rms_norm width {width} into float64")
     M, d = 4, 96
     for num_checkpoints in (0, 1, 3):
         current = torch.randn(M, d, generator=gen) * 3

@@ -16,8 +16,9 @@ from ..registry import register
 
 
 @register("rms_norm", "reference", priority=0)
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    y = _rms_norm(x, weight, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def attn_res_mix(current: torch.Tensor, checkpoints: list[torch.Tensor], norm_weight: torch.Tensor,

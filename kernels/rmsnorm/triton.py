@@ -32,10 +32,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out: an optional contiguous buffer of x's shape and dtype (tests poison it first)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """out: an optional contiguous buffer of x's shape and out_dtype (default x's; tests poison it
+    first). The kernel rounds as the reference does in x's dtype and casts when it stores."""
     rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if out is None else out.view(rows.shape)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device) if out is None else out.view(rows.shape)
     block, warps = _launch_shape(rows.shape[1])
     if rows.shape[0]:
         _kernels().rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1],

@@ -51,6 +51,11 @@ def test_rms_norm_and_mix_norm_match_references(gen, rows):
     out = _poisoned(torch.empty(rows, d, dtype=torch.bfloat16, device="cuda"))
     _close(norm_triton.rms_norm(x, weight, 1e-6, out=out), norm_ref.rms_norm(x, weight, 1e-6), "rms_norm")
     assert registry.select("rms_norm", x, weight).name == "triton"
+    routed = torch.randn(rows, 3584, device="cuda", generator=gen) * 2  # the MoE's fp32 sum, normed into bf16
+    latent_norm = weight[:3584]
+    out = _poisoned(torch.empty(rows, 3584, dtype=torch.bfloat16, device="cuda"))
+    got = norm_triton.rms_norm(routed, latent_norm, 1e-6, out_dtype=torch.bfloat16, out=out)
+    _close(got, norm_ref.rms_norm(routed, latent_norm, 1e-6).bfloat16(), "rms_norm fp32 -> bf16", roundings=1)
     current = (torch.randn(rows, d, device="cuda", generator=gen) * 3).bfloat16()
     for num_checkpoints in (1, 4, 9):
         ckpts = (torch.randn(num_checkpoints, rows, d, device="cuda", generator=gen) * 2).bfloat16()

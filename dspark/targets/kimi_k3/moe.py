@@ -81,7 +81,7 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> tor
     )
     latent = ops.linear(x, weights.latent_down)
     routed = ops.moe_experts(latent, ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
-    routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps).to(x.dtype)
+    routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps, out_dtype=x.dtype)
     # The shared experts run in line: on a side stream, concurrently with the routed path, they
     # cost 0.36 ms per k3-slice step inside the step's CUDA graph (the fork and join;
     # experiments/results/h200/step_bench_ab_shared_overlap_{on,off}.json).
