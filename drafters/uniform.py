@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.protocols import Proposal
+from dspark.protocols import Proposal, full_draft_counts
 from dspark.sampling import DrawPool
 
 
@@ -26,9 +26,6 @@ class UniformDrafter:
     def __init__(self, vocab_size: int, confidence: list[float] | None = None):
         self.vocab_size = vocab_size
         self.confidence = None if confidence is None else torch.tensor(confidence, dtype=torch.float32)
-        # Draft counts by (batch, k, device), made once: read-only downstream, and a sweep should
-        # not pay a fill launch per step for a drafter that is meant to cost nothing.
-        self._counts: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         # Each slot's draws, 64 steps per launch (dspark.sampling.DrawPool), for the request whose
         # generator made them: a new request in the slot brings a new generator.
         self._pools: dict[int, DrawPool] = {}
@@ -49,10 +46,7 @@ class UniformDrafter:
         if tokens.shape[1] != k:
             tokens = tokens[:, :k]
         device = tokens.device
-        key = (len(slots), k, device)
-        if key not in self._counts:
-            self._counts[key] = torch.full((len(slots),), k, dtype=torch.long, device=device)
-        num = self._counts[key]
+        num = full_draft_counts(len(slots), k, device)
         if self.confidence is None:
             return Proposal(tokens, num)
         conf = self.confidence[:k].to(device).expand(len(slots), -1).clone()

@@ -26,6 +26,7 @@ import torch
 
 from .cuda_graphs import StepGraph, current_stream
 from .kernels import ops
+from .protocols import is_full_draft_counts
 from .sampling import SamplingTensors, nonfinite_rows
 
 BUCKETS = (1, 2, 4, 8)
@@ -124,6 +125,7 @@ class _StaticStep:
         self.probs = torch.ones(B, T - 1, V, device=dev) if key.has_probs else None
         self.cond_rates = torch.ones(max(T - 1, 1), device=dev) if key.synthetic else None
         self.rates_source = None
+        self.counts_source = None  # the full_draft_counts tensor num_drafts holds a copy of, if any
         self.sampling = SamplingTensors(torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
                                         torch.ones(B, device=dev), key.all_greedy, key.filters)
         self.sampling_source = None
@@ -312,7 +314,11 @@ class GraphedStep:
         views = step.inputs(B)  # the buffers' rows, sliced once (a slice is a torch call)
         if T > 1:  # at T = 1 there are no drafts, and num_drafts stays the zeros it was made as
             views.drafts.copy_(drafts)
-            views.num_drafts.copy_(num_drafts)
+            # Every row drafting k is one immutable tensor per batch size (full_draft_counts): a copy
+            # of it stays valid, and a copy call costs the host ~10 us on the H200.
+            if num_drafts is not step.counts_source:
+                views.num_drafts.copy_(num_drafts)
+                step.counts_source = num_drafts if is_full_draft_counts(num_drafts) else None
         if step.sampling_source is not sampling:  # parameters change only when the batch does
             for name in ("temperature", "top_k", "top_p"):
                 getattr(step.sampling, name)[:B].copy_(getattr(sampling, name))

@@ -99,6 +99,28 @@ class Proposal:
     confidence_logits: torch.Tensor | None = None
 
 
+_full_counts: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_full_count_ids: set[int] = set()
+
+
+def full_draft_counts(batch: int, k: int, device: torch.device) -> torch.Tensor:
+    """num_drafts for a step where every request drafts k: a [batch] long tensor of k, made once
+    per (batch, k, device) and never written. A drafter that returns it spares a fill launch per
+    step, and the engine's graph step copies it into its inputs only when it changes
+    (`is_full_draft_counts`)."""
+    key = (batch, k, torch.device(device))
+    counts = _full_counts.get(key)
+    if counts is None:
+        counts = _full_counts[key] = torch.full((batch,), k, dtype=torch.long, device=device)
+        _full_count_ids.add(id(counts))
+    return counts
+
+
+def is_full_draft_counts(counts: torch.Tensor) -> bool:
+    """Whether `counts` is one of full_draft_counts' tensors (immutable, so a copy of it stays valid)."""
+    return id(counts) in _full_count_ids
+
+
 @runtime_checkable
 class Drafter(Protocol):
     # Target layers whose hidden states this drafter reads (empty for drafters that need none).

@@ -67,3 +67,15 @@ def test_uniform_drafter_narrower_step_reads_the_first_columns():
     replay = DrawPool.tokens(torch.Generator().manual_seed(9), 6, 1000)
     torch.testing.assert_close(wide, replay.next(), rtol=0, atol=0)
     torch.testing.assert_close(narrow, replay.next()[:, :3], rtol=0, atol=0)
+
+
+def test_uniform_drafter_counts_are_the_shared_full_counts():
+    from dspark.protocols import full_draft_counts, is_full_draft_counts
+
+    drafter = UniformDrafter(50)
+    generators = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    first = drafter.propose([0, 1, 2], None, 4, None, generators).num_drafts
+    again = drafter.propose([0, 1, 2], None, 4, None, generators).num_drafts
+    assert first is again is full_draft_counts(3, 4, torch.device("cpu")) and is_full_draft_counts(first)
+    assert first.tolist() == [4, 4, 4]
+    assert not is_full_draft_counts(first.clone()) and full_draft_counts(2, 4, "cpu").tolist() == [4, 4]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SamplingParams
-from dspark.protocols import Proposal
+from dspark.protocols import Proposal, full_draft_counts
 from dspark.sampling import SamplingTensors, processed_probs
 from dspark.transfer import LongStaging
 
@@ -152,7 +152,7 @@ class DSparkDrafter:
         draft = self.draft(slots, anchors, sampling, generators)
         return Proposal(
             tokens=draft.tokens[:, :k],
-            num_drafts=torch.full((len(slots),), k, dtype=torch.long, device=draft.tokens.device),
+            num_drafts=full_draft_counts(len(slots), k, draft.tokens.device),
             probs=draft.probs[:, :k] if draft.probs is not None else None,
             confidence=draft.confidence[:, :k],
             confidence_logits=draft.confidence_logits[:, :k],
