@@ -4,7 +4,10 @@ One engine as the sweep builds it (UniformDrafter, CUDA graphs where the target 
 request with a `--context`-token prompt, then phases of `--steps` steps: plain decoding (k = 0)
 and forced acceptance length `--al` at k = `--k` (synthetic acceptance), each with steps launched
 ahead (the engine's default: a step goes to the device before the one before it is read back)
-and with every step read back before the next is launched. Per phase, medians over its steps:
+and with every step read back before the next is launched. `--drafter dspark` drafts with a
+DSpark drafter of random weights at the target's width instead (K3's preset for k3 and k3-slice),
+its greedy drafts and commits as CUDA graphs on a CUDA target: the whole DSpark loop's host cost
+at the forced acceptance length. Per phase, medians over its steps:
 
 - step_us: wall time of Engine.step; graph_gpu_us: a replay's device time between CUDA events
   recorded around it; idle_us = step_us - graph_gpu_us, the device waiting on the host;
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import json
 import pstats
 import statistics
@@ -150,6 +154,31 @@ def python_top(engine: Engine, steps: int, top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_us"])[:top]
 
 
+def make_drafter(name: str, target):
+    """--drafter: the UniformDrafter (its drafts cost nothing), or a DSpark drafter with random
+    weights at the preset of the target's width and vocabulary, tapping layers spread over the
+    target's (never its last), sharing its embedding and lm_head."""
+    if name == "uniform":
+        return UniformDrafter(target.vocab_size)
+    from dspark.drafters.dspark import K3_DSPARK, K3_TINY_DSPARK, DSparkDrafter, DSparkModel, shared_embeddings
+
+    width = getattr(target, "hidden_size", None)
+    base = next((c for c in (K3_DSPARK, K3_TINY_DSPARK)
+                 if (c.target_hidden_size, c.vocab_size) == (width, target.vocab_size)), None)
+    if base is None:
+        raise ValueError(f"--drafter=dspark: no DSpark preset drafts for a target of hidden size {width} "
+                         f"and vocabulary {target.vocab_size}")
+    n = target.num_layers
+    count = min(len(base.target_layer_ids), n - 1)
+    taps = tuple(sorted({round(i * (n - 2) / max(1, count - 1)) for i in range(count)}))
+    config = dataclasses.replace(base, target_num_layers=n, target_layer_ids=taps).validate()
+    embed, lm_head = shared_embeddings(target)
+    torch.manual_seed(0)
+    model = DSparkModel(config, embed, lm_head).to(device=embed.device, dtype=embed.dtype)
+    return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len,
+                         cuda_graphs=embed.device.type == "cuda")
+
+
 def run(args) -> dict:
     k = args.k
     # Each phase runs warm-up, timed and profiled steps (and one drained step launched ahead);
@@ -160,14 +189,14 @@ def run(args) -> dict:
                           max_seq_len=args.context + 1 + per_phase * (k + 2) + k + 2)
     spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
                       synthetic_acceptance_length=float(k + 1), seed=0)
-    engine = Engine(target, UniformDrafter(target.vocab_size), spec, eos_token_ids=eos_ids(target),
+    engine = Engine(target, make_drafter(args.drafter, target), spec, eos_token_ids=eos_ids(target),
                     cuda_graphs=False if args.no_graphs else None)
     prompt = torch.randint(0, target.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
     engine.add_request(prompt.tolist(), SamplingParams(temperature=0.0, ignore_eos=True,
                                                        max_tokens=target.max_seq_len - args.context - 1))
     engine.step()  # prefill and the first step
     result = {**provenance(args.device, graphs=engine._graphs is not None), "target": args.target,
-              "context": args.context, "k": k, "al": args.al, "phases": []}
+              "drafter": args.drafter, "context": args.context, "k": k, "al": args.al, "phases": []}
     specs = [("plain", SpecConfig(num_speculative_tokens=0, seed=0)),
              (f"al{args.al:g}", SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
                                            synthetic_acceptance_length=args.al, seed=0))]
@@ -206,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-graphs", action="store_true", help="eager steps even where graphs are possible")
+    p.add_argument("--drafter", choices=("uniform", "dspark"), default="uniform",
+                   help="uniform: drafts that cost nothing; dspark: a random-weight DSpark drafter at the target's width")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     for name in ("context", "k", "steps", "top"):
@@ -215,7 +246,11 @@ def main(argv=None) -> int:
     if not 1.0 <= args.al <= args.k + 1:
         print(f"engine_host_profile: --al={args.al}: must lie in [1, k + 1 = {args.k + 1}]", file=sys.stderr)
         return 2
-    result = run(args)
+    try:
+        result = run(args)
+    except ValueError as error:
+        print(f"engine_host_profile: {error}", file=sys.stderr)
+        return 2
     columns = ("step_us", "graph_gpu_us", "idle_us", "host_us", "wait_us", "launch_us", "fill_us", "replay_call_us",
                "readback_us")
     print(f"{'phase':>6} {'ahead':>5} " + " ".join(f"{c[:-3]:>8}" for c in columns) + "  (us)")

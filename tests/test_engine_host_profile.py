@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "engine_host_profile.py"
 
 
@@ -15,12 +17,14 @@ def _load_module():
     return module
 
 
-def test_both_phases_are_timed_and_profiled(tmp_path):
+@pytest.mark.parametrize("drafter", ["uniform", "dspark"])
+def test_both_phases_are_timed_and_profiled(tmp_path, drafter):
     out = tmp_path / "profile.json"
     assert _load_module().main(["--target", "k3-tiny", "--device", "cpu", "--context", "12", "--steps", "3",
-                                "--warmup", "1", "--al", "3.5", "--k", "3", "--out", str(out)]) == 0
+                                "--warmup", "1", "--al", "3.5", "--k", "3", "--drafter", drafter, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["graphs"] is False and [p["phase"] for p in result["phases"]] == ["plain", "al3.5"]
+    assert result["drafter"] == drafter
     for phase in result["phases"]:
         assert phase["steps"] == 3 and phase["step_us"] > 0 and phase["host_us"] == phase["step_us"]
         # eager: no replay, so none of the parts around it, and no step launched ahead
@@ -38,3 +42,10 @@ def test_a_bad_option_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--al=9.0" in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_dspark_drafter_for_a_target_without_a_preset_is_one_line(tmp_path, capsys):
+    assert _load_module().main(["--target", "toy", "--device", "cpu", "--context", "4", "--drafter", "dspark",
+                                "--k", "3", "--al", "2", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--drafter=dspark" in err and "vocabulary 64" in err
