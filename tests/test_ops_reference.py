@@ -260,6 +260,22 @@ def test_latent_moe_matches_dense_float64_loop_and_is_token_invariant(gen):
         assert torch.equal(latent_moe(x[m : m + 1], wts, cfg)[0], out[m]), f"token {m} not invariant"
 
 
+# ---------------------------------------------------------------- linear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_reference_is_row_invariant_and_matches_float64(gen, dtype):
+    """Each row of the CPU reference equals the same row computed alone, bit for bit. The case
+    that broke it: the CPU's bf16 bmm rounded one element of about 1 in 150 two-row products
+    differently from the one-row product (2 of 20 seeds of test_k3_target's bf16 rollback test);
+    2000 draws miss such a difference with probability ~(1 - 1/150)^2000 < 1e-5."""
+    for _ in range(2000):
+        x, w = randn(gen, 2, 64, dtype=dtype), randn(gen, 64, 64, scale=0.15, dtype=dtype)
+        y = ops.linear(x, w)
+        for i in range(2):
+            assert torch.equal(ops.linear(x[i : i + 1], w), y[i : i + 1]), f"row {i} of a {dtype} product"
+    want = x.double() @ w.double().t()
+    assert ((y.double() - want).abs() <= 1e-5 + 8e-3 * want.abs()).all()
+
+
 # ---------------------------------------------------------------- per-head linear (MLA absorption)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_linear_heads_matches_float64_and_is_token_invariant(gen, dtype, tol):
