@@ -38,9 +38,9 @@ class SamplingTensors(reference.SamplingTensors):
 
 class DrawPool:
     """One generator's per-step draws of `width` values, made `steps` steps at a time: one launch
-    per `steps` steps instead of one per step. On the H200 a torch.rand or torch.randint call costs
-    the host 15-18 us, a third of a step's launch at AL 6 (experiments/results/h200/
-    engine_host_profile.json). `next()` hands out the next step's row, a [1, width] view made with
+    per `steps` steps instead of one per step. On the H200 a torch.rand or torch.randint call took
+    the host 15-18 us under cProfile, which inflates every call; without it a whole AL 6 launch took
+    63 us (experiments/results/h200/engine_host_profile.json). `next()` hands out the next step's row, a [1, width] view made with
     the pool (no torch call per step). The draws are the generator's alone, so a seeded request
     reproduces whatever else is in its batch; they differ from drawing each step separately."""
 
