@@ -287,7 +287,7 @@ class DSparkDrafter:
         visible = (torch.arange(context, device=device) < lengths[:, None]).unsqueeze(1)  # [B, 1, S]
         block = model.block_inputs(anchors).unsqueeze(1)  # [B, 1, G]
         positions = (lengths[:, None] + torch.arange(gamma, device=device)).unsqueeze(1)
-        hidden = model.backbone(block, positions, context_rows, visible)[:, 0]  # [B, G, d]
+        hidden = model.backbone(block, positions, context_rows, visible, inference=True)[:, 0]  # [B, G, d]
         base = model.base_logits(hidden)  # [B, G, V]
 
         probabilistic = sampling is not None

@@ -7,7 +7,9 @@ G = block size (gamma), S = context rows, d = hidden size, V = vocab, W = one ca
 Attention is swappable: every attention module turns a (normed) hidden row into one flat cache
 row of width W (`kv_rows`), expands cache rows into per-head keys/values (`keys_values`) and
 builds queries (`queries`); `BlockAttention.forward` does the rest (context keys strictly before
-each block's anchor, bidirectional inside the block, docs/dspark-algorithm.md §2.3).
+each block's anchor, bidirectional inside the block, docs/dspark-algorithm.md §2.3). A drafting
+pass (`inference=True`) may compute the same function another way: MLA attends in its latent
+space there instead of expanding every context row per head (docs/dspark-algorithm.md §2.3).
 """
 from __future__ import annotations
 
@@ -117,6 +119,7 @@ class BlockAttention(nn.Module):
         positions: torch.Tensor,  # [B, A, G]
         context_rows: torch.Tensor,  # [B, S, W]
         context_visible: torch.Tensor,  # [B, A, S] bool: row j is before block a's anchor
+        inference: bool = False,  # a drafting pass; the layouts here have no faster exact form for it
     ) -> torch.Tensor:
         q = self.queries(x, positions)  # [B, A, G, H, dk]
         k_blk, v_blk = self.keys_values(self.kv_rows(x, positions))  # [B, A, G, H, dk|dv]
@@ -131,11 +134,29 @@ class BlockAttention(nn.Module):
         queries = q.flatten(1, 2).transpose(1, 2)  # [B, H, A * G, dk]
         keys = torch.cat([k_ctx, k_blk.flatten(1, 2)], dim=1).transpose(1, 2)  # [B, H, S + A * G, dk]
         values = torch.cat([v_ctx, v_blk.flatten(1, 2)], dim=1).transpose(1, 2)
-        sees_context = context_visible[:, :, None, :].expand(-1, -1, G, -1).flatten(1, 2)  # [B, A * G, S]
-        own_block = torch.eye(A, dtype=torch.bool, device=x.device).repeat_interleave(G, 0).repeat_interleave(G, 1)
-        mask = torch.cat([sees_context, own_block.expand(B, -1, -1)], dim=-1)  # block keys: never empty
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=self.scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_block_mask(context_visible, G)[:, None],
+                                             scale=self.scale)
         return self.o_proj(out.transpose(1, 2).unflatten(1, (A, G)).flatten(-2).to(x.dtype))
+
+
+def _block_mask(context_visible: torch.Tensor, G: int) -> torch.Tensor:
+    """[B, A * G, S + A * G] bool: a block slot sees the context rows before its anchor, then the
+    rows of its own block (never an empty row) and none of the other blocks'."""
+    B, A, _ = context_visible.shape
+    sees_context = context_visible[:, :, None, :].expand(-1, -1, G, -1).flatten(1, 2)  # [B, A * G, S]
+    own_block = torch.eye(A, dtype=torch.bool, device=context_visible.device).repeat_interleave(G, 0).repeat_interleave(G, 1)
+    return torch.cat([sees_context, own_block.expand(B, -1, -1)], dim=-1)
+
+
+def _product_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b ([B, M, K] x [B, K, N]) in float32 or wider: bf16/fp16 operands are multiplied into a
+    float32 result (cuBLAS with a float32 output on CUDA; widened first on the CPU, which has no
+    such kernel), so attention scores are not rounded to bf16 before the softmax."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        if a.is_cuda:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        return torch.bmm(a.float(), b.float())
+    return torch.bmm(a, b)
 
 
 class MLAAttention(BlockAttention):
@@ -178,6 +199,30 @@ class MLAAttention(BlockAttention):
             return q
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         return torch.cat([q_nope, self.rotary(q_pe, positions)], dim=-1)
+
+    def forward(self, x, positions, context_rows, context_visible, inference: bool = False):
+        if not inference:
+            return super().forward(x, positions, context_rows, context_visible)
+        return self._latent_forward(x, positions, context_rows, context_visible)
+
+    def _latent_forward(self, x, positions, context_rows, context_visible):
+        """BlockAttention.forward with W_UK folded into the queries and W_UV applied after the
+        weighted sum (docs/dspark-algorithm.md §2.3): the cache rows serve as the one key/value
+        head shared by every query head, so the heads are folded into the query rows."""
+        B, A, G = x.shape[:3]
+        H, r = self.num_heads, self.kv_lora_rank
+        q_nope, q_pe = self.queries(x, positions).split([self.nope, self.rope_dim], dim=-1)  # [B, A, G, H, *]
+        w_k, w_v = self.kv_b_proj.weight.unflatten(0, (H, self.nope + self.v_dim)).split([self.nope, self.v_dim], dim=1)
+        q_latent = torch.einsum("baghn,hnr->baghr", q_nope, w_k.to(q_nope.dtype))
+        queries = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1).reshape(B, A * G * H, self.row_width)
+        block_rows = self.kv_rows(x, positions).flatten(1, 2)  # [B, A * G, W]
+        rows = torch.cat([context_rows.to(queries.dtype), block_rows.to(queries.dtype)], dim=1)  # [B, S + A * G, W]
+        scores = _product_float32(queries, rows.transpose(1, 2)) * self.scale  # [B, A * G * H, S + A * G]
+        mask = _block_mask(context_visible, G)[:, :, None, :].expand(-1, -1, H, -1).reshape(scores.shape)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        latent_out = _product_float32(probs.to(rows.dtype), rows[..., :r])  # [B, A * G * H, r]
+        out = torch.einsum("baghr,hvr->baghv", latent_out.to(queries.dtype).view(B, A, G, H, r), w_v.to(queries.dtype))
+        return self.o_proj(out.flatten(-2).to(x.dtype))
 
 
 class GQAAttention(BlockAttention):
@@ -240,8 +285,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, positions, context_rows, context_visible):
-        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows, context_visible)
+    def forward(self, x, positions, context_rows, context_visible, inference: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows, context_visible, inference)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -340,13 +385,16 @@ class DSparkModel(nn.Module):
         positions: torch.Tensor,  # [B, A, G]: anchor position + (k - 1)
         context_rows: list[torch.Tensor],  # per layer [B, S, W]
         context_visible: torch.Tensor,  # [B, A, S]
+        inference: bool = False,
     ) -> torch.Tensor:
-        """One parallel pass over every block; returns the final-normed hidden [B, A, G, d]."""
+        """One parallel pass over every block; returns the final-normed hidden [B, A, G, d].
+        inference: a drafting pass (no gradients needed), which an attention layout may compute in
+        a cheaper but equal way (MLA's latent attention, docs/dspark-algorithm.md §2.3)."""
         x = self.embed_block(block_tokens).to(self.context_proj.weight.dtype)
         with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             for layer, rows in zip(self.layers, context_rows):
-                x = layer(x, positions, rows, context_visible)
+                x = layer(x, positions, rows, context_visible, inference)
         return self.final_norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
