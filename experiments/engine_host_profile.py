@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import dataclasses
 import json
 import pstats
 import statistics
@@ -160,18 +159,14 @@ def make_drafter(name: str, target):
     target's (never its last), sharing its embedding and lm_head."""
     if name == "uniform":
         return UniformDrafter(target.vocab_size)
-    from dspark.drafters.dspark import K3_DSPARK, K3_TINY_DSPARK, DSparkDrafter, DSparkModel, shared_embeddings
+    from dspark.drafters.dspark import DSparkDrafter, DSparkModel, shared_embeddings
+    from dspark.drafters.dspark.config import preset_for_target
 
-    width = getattr(target, "hidden_size", None)
-    base = next((c for c in (K3_DSPARK, K3_TINY_DSPARK)
-                 if (c.target_hidden_size, c.vocab_size) == (width, target.vocab_size)), None)
-    if base is None:
-        raise ValueError(f"--drafter=dspark: no DSpark preset drafts for a target of hidden size {width} "
-                         f"and vocabulary {target.vocab_size}")
-    n = target.num_layers
-    count = min(len(base.target_layer_ids), n - 1)
-    taps = tuple(sorted({round(i * (n - 2) / max(1, count - 1)) for i in range(count)}))
-    config = dataclasses.replace(base, target_num_layers=n, target_layer_ids=taps).validate()
+    try:
+        config = preset_for_target(getattr(target, "hidden_size", None), target.vocab_size,
+                                   getattr(target, "num_layers", 0))
+    except ValueError as error:
+        raise ValueError(f"--drafter=dspark: {error}") from None
     embed, lm_head = shared_embeddings(target)
     torch.manual_seed(0)
     model = DSparkModel(config, embed, lm_head).to(device=embed.device, dtype=embed.dtype)

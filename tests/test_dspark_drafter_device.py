@@ -132,3 +132,18 @@ def test_calibrated_confidences_use_temperatures_uploaded_once():
     assert model._temperatures[1] is kept
     model.config = dataclasses.replace(model.config, confidence_temperatures=(1.0,) * 7)
     torch.testing.assert_close(model.confidence_probs(logits), torch.sigmoid(logits), rtol=0, atol=0)
+
+
+def test_the_preset_for_a_target_taps_its_layers_spread_and_never_the_last():
+    from dspark.drafters.dspark.config import K3_DSPARK, K3_TINY_DSPARK, preset_for_target
+
+    slice_config = preset_for_target(K3_DSPARK.target_hidden_size, K3_DSPARK.vocab_size, 4, drafter_layers=1)
+    assert slice_config.target_layer_ids == (0, 1, 2) and slice_config.num_layers == 1
+    assert slice_config.hidden_size == K3_DSPARK.hidden_size and slice_config.target_num_layers == 4
+    tiny = preset_for_target(K3_TINY_DSPARK.target_hidden_size, K3_TINY_DSPARK.vocab_size, 9)
+    assert tiny.target_layer_ids == (0, 4, 7)  # 9 layers: spread over 0..7, the last (8) untapped
+    assert tiny.num_layers == K3_TINY_DSPARK.num_layers
+    with pytest.raises(ValueError, match="hidden size 100 and vocabulary 64"):
+        preset_for_target(100, 64, 4)
+    with pytest.raises(ValueError, match="num_layers=1"):
+        preset_for_target(K3_DSPARK.target_hidden_size, K3_DSPARK.vocab_size, 1)

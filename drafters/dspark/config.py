@@ -275,6 +275,22 @@ K3_TINY_DSPARK = dataclasses.replace(
 PRESETS: dict[str, DSparkConfig] = {c.name: c for c in (K3_DSPARK, K3_TINY_DSPARK)}
 
 
+def preset_for_target(hidden_size: int, vocab_size: int, num_layers: int, *, drafter_layers: int | None = None) -> DSparkConfig:
+    """The preset drafting for a target of this width and vocabulary (K3's for k3 and k3-slice,
+    k3-tiny's for k3-tiny), its taps spread over the target's `num_layers` layers (never the last:
+    its output is the logits' input, not a tap), with `drafter_layers` backbone layers if given:
+    what a benchmark or test with random drafter weights drafts with."""
+    base = next((c for c in PRESETS.values() if (c.target_hidden_size, c.vocab_size) == (hidden_size, vocab_size)), None)
+    if base is None:
+        raise ValueError(f"no DSpark preset drafts for a target of hidden size {hidden_size} and vocabulary {vocab_size}")
+    if num_layers < 2:
+        raise ValueError(f"num_layers={num_layers}: the target needs a layer besides its last to tap")
+    count = min(len(base.target_layer_ids), num_layers - 1)
+    taps = tuple(sorted({round(i * (num_layers - 2) / max(1, count - 1)) for i in range(count)}))
+    return dataclasses.replace(base, target_num_layers=num_layers, target_layer_ids=taps,
+                               num_layers=drafter_layers or base.num_layers).validate()
+
+
 def get_preset(name: str) -> DSparkConfig:
     try:
         return PRESETS[name]
