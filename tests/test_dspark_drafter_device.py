@@ -134,6 +134,26 @@ def test_calibrated_confidences_use_temperatures_uploaded_once():
     torch.testing.assert_close(model.confidence_probs(logits), torch.sigmoid(logits), rtol=0, atol=0)
 
 
+def test_a_graphs_slot_index_is_uploaded_only_when_the_slots_change():
+    """DraftGraphs copies a batch's slots into a graph's index only when the index holds others:
+    an upload per step made the host wait for the step in flight (drafters/dspark/graphs.py)."""
+    from types import SimpleNamespace
+
+    from dspark.drafters.dspark.graphs import DraftGraphs
+
+    _, drafter = drafter_with_requests(3, [5, 7, 9])
+    graphs = DraftGraphs(drafter)
+    uploads = []
+    upload = drafter._staging.upload
+    drafter._staging.upload = lambda values: uploads.append(list(values)) or upload(values)
+    graph = SimpleNamespace(index=torch.full((4,), -1, dtype=torch.long), slots=None)
+    for slots in ([2, 0], [2, 0], [2, 0, 1], [2, 0, 1], [1, 0, 2]):
+        graphs._copy_slots(graph, slots)
+        assert graph.index[:len(slots)].tolist() == slots
+    assert uploads == [[2, 0], [2, 0, 1], [1, 0, 2]]
+    assert graph.index[3].item() == -1  # rows past the batch are left alone
+
+
 def test_the_preset_for_a_target_taps_its_layers_spread_and_never_the_last():
     from dspark.drafters.dspark.config import K3_DSPARK, K3_TINY_DSPARK, preset_for_target
 
