@@ -9,15 +9,18 @@ DSpark drafter of random weights at the target's width instead (K3's preset for 
 its greedy drafts and commits as CUDA graphs on a CUDA target: the whole DSpark loop's host cost
 at the forced acceptance length. Per phase, medians over its steps:
 
-- step_us: wall time of Engine.step; graph_gpu_us: a replay's device time between CUDA events
-  recorded around it; idle_us = step_us - graph_gpu_us, the device waiting on the host;
-- wait_us: time the host spent waiting for the device (CUDA event synchronisation);
+- step_us: wall time of Engine.step; graph_gpu_us: the engine step graph's device time between
+  CUDA events recorded around its replay; drafter_gpu_us: likewise for the DSpark drafter's draft
+  and commit graphs of the step (absent for other drafters); idle_us = step_us - both, the device
+  waiting on the host;
+- wait_us: time the host spent waiting for the device (CUDA event synchronisation), of which
+  readback_wait_us inside the readback (the rest: a staging buffer waiting for its last copy);
   host_us = step_us - wait_us, the host's own work in the step (hidden behind the device's
   when the next step was launched ahead);
 - launch_us: GraphedStep.launch (the graph's input fill, of which fill_us is GraphedStep._fill,
   the replay call, and the queued readback); replay_call_us: the replay call itself;
   readback_us: PendingStep.result, the wait for the device and the host lists;
-- light: step_us, host_us, launch_us and readback_host_us (readback_us less wait_us) of a second
+- light: step_us, host_us, launch_us and readback_host_us (readback_us less readback_wait_us) of a second
   pass that times only the launch, the readback and the waits: the host's cost of "graph launch +
   the one readback" without the other wrappers' own cost in it;
 - python_top: the functions with the most own time per step from cProfile, in a separate pass
@@ -60,19 +63,24 @@ class StepClock:
     def __init__(self):
         self.steps: list[dict] = []
         self.current: dict | None = None
+        self._inside: list[str] = []  # the timed parts now running, outermost first
 
     def add(self, name: str, seconds: float) -> None:
         if self.current is not None:
             self.current[name] = self.current.get(name, 0.0) + seconds
+            if name == "wait" and "readback" in self._inside:
+                self.current["readback_wait"] = self.current.get("readback_wait", 0.0) + seconds
 
     def timed(self, name: str, fn):
         clock = self
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
+            clock._inside.append(name)
             try:
                 return fn(*args, **kwargs)
             finally:
+                clock._inside.pop()
                 clock.add(name, time.perf_counter() - t0)
         return wrapper
 
@@ -104,8 +112,9 @@ class StepClock:
             out = replay(graph)
             clock.add("replay_call", time.perf_counter() - t0)
             end.record()
-            if clock.current is not None:
-                clock.current["events"] = (begin, end)
+            if clock.current is not None:  # the engine's step graph, or one of the drafter's
+                kind = "step" if graph.what.startswith("engine step") else "drafter"
+                clock.current.setdefault("events", []).append((kind, begin, end))
             return out
 
         engine.step = timed_step
@@ -128,14 +137,22 @@ class StepClock:
             return 1e6 * statistics.median(values) if values else None
 
         out = {"steps": len(self.steps), "step_us": median(lambda s: s["end"] - s["start"])}
-        for name in ("wait", "launch", "fill", "replay_call", "readback"):
+        for name in ("wait", "readback_wait", "launch", "fill", "replay_call", "readback"):
             out[f"{name}_us"] = median(lambda s, name=name: s.get(name))
         out["host_us"] = median(lambda s: s["end"] - s["start"] - s.get("wait", 0.0))
-        out["readback_host_us"] = median(lambda s: s["readback"] - s.get("wait", 0.0) if "readback" in s else None)
-        gpu = [s["events"][0].elapsed_time(s["events"][1]) * 1e3 for s in self.steps if "events" in s]
-        if gpu:
-            out["graph_gpu_us"] = statistics.median(gpu)
-            out["idle_us"] = out["step_us"] - out["graph_gpu_us"]
+        out["readback_host_us"] = median(
+            lambda s: s["readback"] - s.get("readback_wait", 0.0) if "readback" in s else None)
+
+        def device_us(step: dict, kinds: tuple[str, ...]) -> float:
+            return sum(b.elapsed_time(e) * 1e3 for kind, b, e in step["events"] if kind in kinds)
+
+        timed = [s for s in self.steps if "events" in s]
+        if timed:
+            out["graph_gpu_us"] = statistics.median(device_us(s, ("step",)) for s in timed)
+            if any(kind == "drafter" for s in timed for kind, _, _ in s["events"]):
+                out["drafter_gpu_us"] = statistics.median(device_us(s, ("drafter",)) for s in timed)
+            out["idle_us"] = statistics.median(
+                1e6 * (s["end"] - s["start"]) - device_us(s, ("step", "drafter")) for s in timed)
         return out
 
 
@@ -246,13 +263,14 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"engine_host_profile: {error}", file=sys.stderr)
         return 2
-    columns = ("step_us", "graph_gpu_us", "idle_us", "host_us", "wait_us", "launch_us", "fill_us", "replay_call_us",
-               "readback_us")
-    print(f"{'phase':>6} {'ahead':>5} " + " ".join(f"{c[:-3]:>8}" for c in columns) + "  (us)")
+    columns = ("step_us", "graph_gpu_us", "drafter_gpu_us", "idle_us", "host_us", "wait_us", "readback_wait_us",
+               "launch_us", "fill_us", "replay_call_us", "readback_us")
+    widths = [max(8, len(c) - 3) for c in columns]
+    print(f"{'phase':>6} {'ahead':>5} " + " ".join(f"{c[:-3]:>{w}}" for c, w in zip(columns, widths)) + "  (us)")
     for r in result["phases"]:
         cells = [r.get(c) for c in columns]
         print(f"{r['phase']:>6} {'yes' if r['launch_ahead'] else 'no':>5} "
-              + " ".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cells))
+              + " ".join(f"{c:{w}.1f}" if c is not None else f"{'-':>{w}}" for c, w in zip(cells, widths)))
     print("light pass (launch and readback only): " + "; ".join(
         f"{r['phase']}{'' if r['launch_ahead'] else ' read back first'}: launch {r['light']['launch_us'] or 0:.1f} us, "
         f"readback on the host {r['light']['readback_host_us'] or 0:.1f} us" for r in result["phases"]))

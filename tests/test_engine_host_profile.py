@@ -49,3 +49,24 @@ def test_a_dspark_drafter_for_a_target_without_a_preset_is_one_line(tmp_path, ca
                                 "--k", "3", "--al", "2", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--drafter=dspark" in err and "vocabulary 64" in err
+
+
+def test_only_waits_inside_the_readback_count_against_it():
+    """A wait outside PendingStep.result (a staging buffer's) is the step's but not the readback's:
+    readback_host_us = readback less the waits inside it. With both waits counted against the
+    readback it went negative (engine_host_profile_dspark.json at a7cdf4d)."""
+    import time
+
+    clock = _load_module().StepClock()
+    wait = clock.timed("wait", lambda seconds: time.sleep(seconds))
+    readback = clock.timed("readback", lambda: wait(0.02))
+    for _ in range(3):
+        clock.current = {"start": time.perf_counter()}
+        wait(0.03)
+        readback()
+        clock.current["end"] = time.perf_counter()
+        clock.steps.append(clock.current)
+    summary = clock.summary()
+    assert summary["wait_us"] >= 50_000 and 20_000 <= summary["readback_wait_us"] < 30_000
+    assert 0 <= summary["readback_host_us"] < 5_000
+    assert summary["host_us"] < 5_000
