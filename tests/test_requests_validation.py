@@ -150,6 +150,21 @@ def test_nan_guard_ignores_padding_beyond_a_requests_verified_positions():
 # ---- k against the drafter and the context (checked when the engine is built) -------------
 
 
+def test_a_dspark_drafter_built_for_a_cpu_target_drafts_eagerly(tmp_path):
+    """build_drafter's graphs default follows the target's device: none on the CPU (the CUDA side
+    is tests/gpu/test_dspark_drafter_gpu.py), and asking for them there is the drafter's error."""
+    from dspark.build import build_drafter
+    from dspark.drafters.dspark import DSparkModel, save_checkpoint
+    from dspark_fixtures import SyntheticTarget, small_config
+
+    target = SyntheticTarget(seed=4, max_slots=2, max_seq_len=64)
+    save_checkpoint(DSparkModel(small_config(target), *target.embedding_weights()), tmp_path)
+    spec = SpecConfig(num_speculative_tokens=2, drafter="dspark", drafter_path=str(tmp_path))
+    assert build_drafter(spec, target)._graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs=True: the model is on cpu"):
+        build_drafter(spec, target, cuda_graphs=True)
+
+
 def test_k_above_the_dspark_block_size_is_refused_at_build(tmp_path):
     from dspark.build import build_engine
     from dspark.drafters.dspark import DSparkModel, save_checkpoint

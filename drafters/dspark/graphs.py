@@ -18,11 +18,11 @@ Only greedy drafting is graphed (probabilistic drafting samples with each reques
 generator). Batches larger than the largest bucket draft and commit eagerly. A draft's outputs
 are views of the graph's static outputs: valid until the next draft of the same graph.
 
-Opt-in (DSparkDrafter(cuda_graphs=True)). On the H200 at a7cdf4d the graphed drafts and commits
-equalled the eager ones and an engine ran the same steps with either
-(experiments/results/h200/gpu_tests_a7cdf4d.log), and a K3-width propose cost the host 0.50 ms
-instead of 9.5 ms (drafter_bench.json); the launch-ahead test had built an uncapturable target
-and has not yet run as rewritten, so the graphs stay opt-in until it has.
+Turned on by DSparkDrafter(cuda_graphs=True), which dspark.build.build_drafter passes for a CUDA
+target unless the batch-1 profile turns graphs off. On the H200 at adee188 the graphed drafts
+and commits equalled the eager ones, an engine ran the same steps with either, and a graphed
+drafter on a graphed target launched steps ahead (experiments/results/h200/gpu_tests_adee188.log);
+a K3-width propose cost the host 1.2 ms instead of 20.8 ms (drafter_bench.json).
 """
 from __future__ import annotations
 

@@ -228,3 +228,21 @@ def test_a_graphed_drafter_on_a_graphed_target_launches_steps_ahead():
     assert got == want and [len(o) for o in want] == [30, 22, 26]
     assert none_ahead == 0 and ahead >= 3, f"{ahead} steps launched ahead"
     assert replays["draft"] > 0 and replays["commit"] > 0, replays
+
+
+def test_a_dspark_drafter_built_for_a_cuda_target_replays_graphs_unless_told_not_to(tmp_path):
+    """build_drafter on a CUDA target: graphed greedy drafting by default; eager when the batch-1
+    profile turns graphs off, when asked, or when drafting samples (the graphs draft greedily)."""
+    from dspark.build import build_drafter
+    from dspark.config import Profile, SpecConfig
+    from dspark.drafters.dspark import save_checkpoint
+
+    target = SyntheticTarget(seed=4, max_slots=2, max_seq_len=64)
+    save_checkpoint(DSparkModel(small_config(target), *target.embedding_weights()), tmp_path)
+    # The drafter reads only the target's device, sizes and shared embeddings.
+    target.device, target.embedding, target.lm_head = torch.device("cuda"), target.embedding.cuda(), target.lm_head.cuda()
+    spec = dict(num_speculative_tokens=2, drafter="dspark", drafter_path=str(tmp_path))
+    assert build_drafter(SpecConfig(**spec), target)._graphs is not None
+    assert build_drafter(SpecConfig(**spec), target, cuda_graphs=False)._graphs is None
+    assert build_drafter(SpecConfig(**spec, batch1_profile=Profile(cuda_graphs=False)), target)._graphs is None
+    assert build_drafter(SpecConfig(**spec, draft_sample_method="probabilistic"), target)._graphs is None
