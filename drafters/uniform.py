@@ -39,8 +39,15 @@ class UniformDrafter:
             pool = self._pools[slot] = DrawPool.tokens(generator, k, self.vocab_size)
         return pool
 
+    @staticmethod
+    def draft_pool_shape(k: int) -> tuple[int, int]:
+        """(steps, width) of the pools a slot first drafting k tokens draws from: what an engine
+        captures its graphs for (dspark.graph_step, GraphKey.draft_pools)."""
+        return DrawPool.STEPS, k
+
     def propose(self, slots, anchors, k, sampling, generators) -> Proposal:
-        draws = [self._pool(s, g, k).next() for s, g in zip(slots, generators)]
+        pools = tuple(self._pool(s, g, k) for s, g in zip(slots, generators))
+        draws = [pool.next() for pool in pools]
         # At batch 1 the pool's row itself (a cat is a launch and ~30 us of host time on the H200).
         tokens = draws[0] if len(draws) == 1 else torch.cat(draws)
         if tokens.shape[1] != k:
@@ -48,9 +55,9 @@ class UniformDrafter:
         device = tokens.device
         num = full_draft_counts(len(slots), k, device)
         if self.confidence is None:
-            return Proposal(tokens, num)
+            return Proposal(tokens, num, token_pools=pools)
         conf = self.confidence[:k].to(device).expand(len(slots), -1).clone()
-        return Proposal(tokens, num, confidence=conf)
+        return Proposal(tokens, num, confidence=conf, token_pools=pools)
 
     def commit(self, slots, tokens, num_tokens, taps) -> None:
         pass

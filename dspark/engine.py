@@ -225,6 +225,7 @@ class Engine:
         self._drafter_stateless = bool(getattr(drafter, "stateless", False))
         self._drafter_commits_on_device = bool(getattr(drafter, "commits_on_device", False))
         self._drafter_reads_anchors = bool(getattr(drafter, "reads_anchors", True))
+        self._uniform_width = max(self.spec.max_k, 1)  # of each request's uniforms pool
         self._next_id = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -236,9 +237,15 @@ class Engine:
         """The common graphs ahead of the first step: every batch bucket at T = 1 and T = k + 1,
         with all-greedy sampling (other shapes and sampling flavours are captured when first
         needed; a capture changes no state, docs/architecture.md)."""
+        pool_shape = getattr(self.drafter, "draft_pool_shape", None)
         for batch in self._graphs.buckets:
             for tokens in sorted({1, self.spec.k_for_batch(batch) + 1}):
-                self._graphs.capture(batch, tokens, synthetic=self._synthetic and tokens > 1)
+                drafts = tokens > 1
+                self._graphs.capture(
+                    batch, tokens, synthetic=self._synthetic and drafts,
+                    draft_pools=pool_shape(tokens - 1) if pool_shape is not None and drafts else None,
+                    # synthetic acceptance reads each request's uniforms, from its pool (_uniforms_row)
+                    uniform_pools=(DrawPool.STEPS, self._uniform_width) if self._synthetic and drafts else None)
 
     @staticmethod
     def _check_profile(profile) -> tuple[tuple[str, str], ...]:
@@ -487,8 +494,11 @@ class Engine:
         if graphed:
             # rates is kmax long; passed as it is (not as a slice, a new tensor each step) so that
             # the graph sees the same tensor and copies the rates in only when they change.
+            # The draws' pools go with them: the graph reads their rows on the device (DrawMirror).
             launched.pending = self._graphs.launch(
-                slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise, rates)
+                slots, self._free_slots, proposal.tokens, num_drafts, proposal.probs, sampling, uniforms, noise, rates,
+                draft_pools=proposal.token_pools,
+                uniform_pools=None if uniforms is None else tuple(r.uniforms for r in reqs))
             if self._drafter_commits_on_device:  # queued behind the step: a step launched ahead drafts on it
                 num_accepted, tokens, taps = launched.pending.device_outputs
                 self.drafter.commit_on_device(slots, tokens, num_accepted + 1, taps)
@@ -671,7 +681,7 @@ class Engine:
 
     def _uniforms_row(self, r: _Request) -> torch.Tensor:
         if r.uniforms is None:
-            r.uniforms = DrawPool.uniform(r.generator, max(self.spec.max_k, 1))
+            r.uniforms = DrawPool.uniform(r.generator, self._uniform_width)
         return r.uniforms.next()
 
     def _emit(self, r: _Request, tokens: list[int]) -> list[int]:

@@ -27,7 +27,7 @@ import torch
 from .cuda_graphs import StepGraph, current_stream
 from .kernels import ops
 from .protocols import is_full_draft_counts
-from .sampling import SamplingTensors, nonfinite_rows
+from .sampling import DrawMirror, SamplingTensors, nonfinite_rows, pool_shape
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -107,6 +107,10 @@ class GraphKey(NamedTuple):
     filters: bool
     has_probs: bool  # dense draft probabilities (probabilistic drafting)
     synthetic: bool  # forced acceptance (synthetic_sample) instead of rejection sampling
+    # (steps, width) of the DrawPools the drafts / uniforms are rows of, read on the device from a
+    # DrawMirror; None: copied into the graph's input buffer before each replay.
+    draft_pools: tuple[int, int] | None = None
+    uniform_pools: tuple[int, int] | None = None
 
 
 class _StaticStep:
@@ -164,25 +168,39 @@ class _StaticStep:
         # where a host-to-device one from pinned memory is shown to capture and replay.
         self.rows.copy_(self.host_rows, non_blocking=True)
         slots, valid = self.rows
+        live = valid * owner.enabled
+        if key.draft_pools is not None:
+            self.drafts.copy_(owner.mirror("drafts", key.draft_pools).take(slots, live)[:, : key.tokens - 1])
         anchors = owner.anchors.index_select(0, slots)
         num_drafts = self.num_drafts * valid
         self.tokens = torch.cat([anchors[:, None], self.drafts], dim=1)  # an output: the drafter commits it
         lengths = (1 + num_drafts) * valid
         out = owner.target.verify(slots, self.tokens, lengths, owner.tap_layers)
-        uniforms = self.uniforms[:, : key.tokens - 1]
+        if key.uniform_pools is not None:
+            uniforms = owner.mirror("uniforms", key.uniform_pools).take(slots, live)[:, : key.tokens - 1]
+        else:
+            uniforms = self.uniforms[:, : key.tokens - 1]
         if key.synthetic:
             num_accepted, next_token = ops.synthetic_sample(
                 out.logits, self.drafts, num_drafts, self.cond_rates, self.sampling, uniforms, self.noise)
         else:
             num_accepted, next_token = ops.rejection_sample(
                 out.logits, self.drafts, num_drafts, self.probs, self.sampling, uniforms, self.noise)
-        live = valid * owner.enabled
         owner.target.commit(slots, (num_accepted + 1) * live)
         owner.anchors.index_copy_(0, slots, torch.where(live.bool(), next_token, anchors))
         nonfinite = nonfinite_rows(out.logits, lengths).long()
         packed = torch.cat([num_accepted[:, None], next_token[:, None], num_drafts[:, None], nonfinite[:, None],
                             self.drafts], dim=1)
         return packed, num_accepted, out.taps
+
+
+def _mirrored_shape(pools, tokens: int) -> tuple[int, int] | None:
+    """The (steps, width) of a DrawMirror that can stand for these pools' rows in a step of T =
+    tokens (None: the rows are copied in: no pools, no drafts, pools of two shapes or too narrow)."""
+    if pools is None or tokens == 1:
+        return None
+    shape = pool_shape(pools)
+    return shape if shape is not None and shape[1] >= tokens - 1 else None
 
 
 class GraphedStep:
@@ -209,6 +227,16 @@ class GraphedStep:
         # Each slot's anchor: written by the engine where a request's first token is sampled (and by
         # an eager step), read and advanced by every replay.
         self.anchors = torch.zeros(target.max_slots, dtype=torch.long, device=target.device)
+        self._mirrors: dict[tuple[str, tuple[int, int]], DrawMirror] = {}
+
+    def mirror(self, kind: str, shape: tuple[int, int]) -> DrawMirror:
+        """The device copy of the slots' DrawPools of this kind ("drafts": token ids, "uniforms")
+        and (steps, width), shared by every graph that reads them."""
+        found = self._mirrors.get((kind, shape))
+        if found is None:
+            dtype = torch.long if kind == "drafts" else torch.float32
+            found = self._mirrors[(kind, shape)] = DrawMirror(self.target.max_slots, *shape, dtype, self.target.device)
+        return found
 
     def host_rows(self, bucket: int) -> tuple[torch.Tensor, np.ndarray]:
         """The bucket's pinned [2, bucket] buffer of slots and row flags, and its NumPy view
@@ -234,10 +262,11 @@ class GraphedStep:
         return self._bucket_of.get(batch)
 
     def capture(self, batch: int, tokens: int, *, all_greedy: bool = True, filters: bool = False,
-                has_probs: bool = False, synthetic: bool = False) -> None:
+                has_probs: bool = False, synthetic: bool = False, draft_pools: tuple[int, int] | None = None,
+                uniform_pools: tuple[int, int] | None = None) -> None:
         """Capture one graph ahead of use (an engine does its common shapes at start). The
         buffers start zeroed: every row verifies 0 tokens, so this touches no state."""
-        key = GraphKey(batch, tokens, all_greedy, filters, has_probs, synthetic)
+        key = GraphKey(batch, tokens, all_greedy, filters, has_probs, synthetic, draft_pools, uniform_pools)
         if self.bucket(batch) != batch:
             raise ValueError(f"capture of batch {batch}, T={tokens}: not a bucket of this target "
                              f"(buckets {self.buckets})")
@@ -256,12 +285,16 @@ class GraphedStep:
 
     def launch(self, slots: list[int], free_slots: list[int], drafts: torch.Tensor, num_drafts: torch.Tensor,
                probs: torch.Tensor | None, sampling: SamplingTensors, uniforms: torch.Tensor | None,
-               noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None) -> "PendingStep":
+               noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None, *, draft_pools=None,
+               uniform_pools=None) -> "PendingStep":
         """Launch one step for requests in `slots` (padding rows take `free_slots`), each verifying
         its slot's anchor first, and queue its readback; nothing waits for the device. drafts
         [B, T - 1], num_drafts [B], probs [B, T - 1, V] or None, uniforms [B, >= T - 1] and noise
         [B, V] or None (all-greedy standard acceptance reads neither), cond_rates [T - 1] for
-        synthetic acceptance (None: rejection sampling) are device tensors.
+        synthetic acceptance (None: rejection sampling) are device tensors. draft_pools /
+        uniform_pools: the DrawPools whose latest draws the rows of drafts / uniforms are (one per
+        request), or None; when given (and of one shape), the graph reads the rows from its
+        DrawMirror instead of having them copied in.
 
         At most two launches may be unread at a time (the readback buffers alternate), and a
         launch for another set of slots must come after every earlier one was read (the slots'
@@ -272,8 +305,14 @@ class GraphedStep:
             raise ValueError(f"batch of {B}: no CUDA-graph bucket holds it (buckets {self.buckets})")
         if len(free_slots) < Bk - B:
             raise ValueError(f"batch of {B} in bucket {Bk}: needs {Bk - B} free slots for padding, have {len(free_slots)}")
+        draft_shape = _mirrored_shape(draft_pools, T)
+        uniform_shape = _mirrored_shape(uniform_pools, T) if uniforms is not None else None
         key = GraphKey(Bk, T, bool(sampling.all_greedy), bool(sampling.filters), probs is not None,
-                       cond_rates is not None)
+                       cond_rates is not None, draft_shape, uniform_shape)
+        if draft_shape is not None:
+            self.mirror("drafts", draft_shape).prepare(slots, draft_pools)
+        if uniform_shape is not None:
+            self.mirror("uniforms", uniform_shape).prepare(slots, uniform_pools)
         inputs = (slots, free_slots, drafts, num_drafts, probs, sampling, uniforms, noise, cond_rates)
         found = self._steps.get(key)
         if found is None:
@@ -291,10 +330,11 @@ class GraphedStep:
 
     def run(self, slots: list[int], free_slots: list[int], drafts: torch.Tensor, num_drafts: torch.Tensor,
             probs: torch.Tensor | None, sampling: SamplingTensors, uniforms: torch.Tensor | None,
-            noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None) -> GraphStepResult:
+            noise: torch.Tensor | None, cond_rates: torch.Tensor | None = None, *, draft_pools=None,
+            uniform_pools=None) -> GraphStepResult:
         """launch(...) and wait for its result."""
-        return self.launch(slots, free_slots, drafts, num_drafts, probs, sampling, uniforms, noise,
-                           cond_rates).result()
+        return self.launch(slots, free_slots, drafts, num_drafts, probs, sampling, uniforms, noise, cond_rates,
+                           draft_pools=draft_pools, uniform_pools=uniform_pools).result()
 
     def _fill(self, step: _StaticStep, slots, free_slots, drafts, num_drafts, probs, sampling,
               uniforms, noise, cond_rates) -> None:
@@ -313,7 +353,8 @@ class GraphedStep:
             self._rows_written[Bk] = rows_now
         views = step.inputs(B)  # the buffers' rows, sliced once (a slice is a torch call)
         if T > 1:  # at T = 1 there are no drafts, and num_drafts stays the zeros it was made as
-            views.drafts.copy_(drafts)
+            if step.key.draft_pools is None:
+                views.drafts.copy_(drafts)
             # Every row drafting k is one immutable tensor per batch size (full_draft_counts): a copy
             # of it stays valid, and a copy call took the host ~10 us on the H200 under cProfile.
             if num_drafts is not step.counts_source:
@@ -325,7 +366,7 @@ class GraphedStep:
             step.sampling_source = sampling
         if probs is not None:
             views.probs.copy_(probs)
-        if uniforms is not None and T > 1:  # the engine's are T - 1 wide: no slice to make then
+        if uniforms is not None and T > 1 and step.key.uniform_pools is None:  # T - 1 wide: no slice then
             views.uniforms.copy_(uniforms if uniforms.shape[1] == T - 1 else uniforms[:, : T - 1])
         if noise is not None:
             views.noise.copy_(noise)

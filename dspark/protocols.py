@@ -90,6 +90,9 @@ class Proposal:
                 (dspark.policy.calibrated_confidence), or None. The verification policies read it.
     confidence_logits: [B, k] the confidence head's raw logits before calibration, or None
                 (what calibration fits its temperatures on).
+    token_pools: when row b of tokens is (the first k columns of) the latest draw of
+                token_pools[b], a dspark.sampling.DrawPool: a graphed step then reads the rows on
+                the device (DrawMirror) instead of having tokens copied in; None otherwise.
     """
 
     tokens: torch.Tensor
@@ -97,6 +100,7 @@ class Proposal:
     probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
     confidence_logits: torch.Tensor | None = None
+    token_pools: tuple | None = None
 
 
 _full_counts: dict[tuple[int, int, torch.device], torch.Tensor] = {}

@@ -44,32 +44,90 @@ class DrawPool:
     the pool (no torch call per step). The draws are the generator's alone, so a seeded request
     reproduces whatever else is in its batch; they differ from drawing each step separately."""
 
-    def __init__(self, generator: torch.Generator, width: int, draw, steps: int = 64):
+    STEPS = 64
+
+    def __init__(self, generator: torch.Generator, width: int, draw, steps: int = STEPS):
         if width < 1 or steps < 1:
             raise ValueError(f"DrawPool: width={width} and steps={steps} must be >= 1")
         self.generator, self.width, self.steps = generator, width, steps
         self._draw = draw  # (generator, count) -> a 1-D tensor of `count` draws
+        self.block: torch.Tensor | None = None  # [steps, width]: the current draw, cut into rows
         self._rows: tuple[torch.Tensor, ...] = ()
         self._next = 0
 
     @classmethod
-    def uniform(cls, generator: torch.Generator, width: int, steps: int = 64) -> "DrawPool":
+    def uniform(cls, generator: torch.Generator, width: int, steps: int = STEPS) -> "DrawPool":
         """Uniforms in [0, 1) on the generator's device."""
         return cls(generator, width, lambda g, n: torch.rand(n, generator=g, device=g.device), steps)
 
     @classmethod
-    def tokens(cls, generator: torch.Generator, width: int, vocab_size: int, steps: int = 64) -> "DrawPool":
+    def tokens(cls, generator: torch.Generator, width: int, vocab_size: int, steps: int = STEPS) -> "DrawPool":
         """Token ids uniform over [0, vocab_size) on the generator's device."""
         return cls(generator, width,
                    lambda g, n: torch.randint(0, vocab_size, (n,), generator=g, device=g.device), steps)
 
     def next(self) -> torch.Tensor:
         if self._next == len(self._rows):
-            self._rows = self._draw(self.generator, self.steps * self.width).view(self.steps, 1, self.width).unbind(0)
+            self.block = self._draw(self.generator, self.steps * self.width).view(self.steps, self.width)
+            self._rows = self.block.view(self.steps, 1, self.width).unbind(0)
             self._next = 0
         row = self._rows[self._next]
         self._next += 1
         return row
+
+    @property
+    def latest_row(self) -> int:
+        """The index in `block` of the row the last next() handed out."""
+        if self.block is None:
+            raise RuntimeError("DrawPool.latest_row: nothing drawn yet")
+        return self._next - 1
+
+
+def pool_shape(pools) -> tuple[int, int] | None:
+    """(steps, width) shared by every pool, or None when they differ (a mirror holds one shape)."""
+    shape = (pools[0].steps, pools[0].width)
+    return shape if all((p.steps, p.width) == shape for p in pools) else None
+
+
+class DrawMirror:
+    """Each slot's current DrawPool block kept on the device beside the index of the row its next
+    step reads: a CUDA graph takes one row per slot and advances the index itself, so the host copies
+    a block once per `steps` steps instead of copying every step's rows into the graph's inputs (a
+    copy call per input and step, ~5-10 us of host time each on the H200,
+    docs/architecture.md, "The step on the GPU"). The rows taken are the pools' own, value for value.
+
+    `prepare` (host, before each launch) says which pool each real row reads; `take` (device,
+    captured) reads the rows and advances the live ones. Between them the host keeps what the
+    device will hold after the launches already queued, and enqueues a block copy or an index
+    write only where a pool moved on without it: a refill, a new request in the slot, or a step
+    that read the pool's rows eagerly."""
+
+    def __init__(self, slots: int, steps: int, width: int, dtype: torch.dtype, device):
+        # One spare row past the last: a padding row's slot may hold an index of `steps` (its last
+        # request took every row), and what a padding row reads is never used.
+        self.steps, self.width = steps, width
+        self.blocks = torch.zeros(slots, steps + 1, width, dtype=dtype, device=device)
+        self.next_row = torch.zeros(slots, dtype=torch.long, device=device)
+        self._expected: dict[int, tuple[torch.Tensor, int]] = {}  # slot -> (block, index) once queued work ran
+
+    def prepare(self, slots: list[int], pools) -> None:
+        """Row b of the next launch is pools[b]'s latest draw (each pool of this mirror's shape)."""
+        for slot, pool in zip(slots, pools):
+            block, row = pool.block, pool.latest_row
+            expected = self._expected.get(slot)
+            if expected is None or expected[0] is not block:
+                self.blocks[slot, : self.steps].copy_(block)
+                self.next_row[slot].fill_(row)
+            elif expected[1] != row:
+                self.next_row[slot].fill_(row)
+            self._expected[slot] = (block, row + 1)
+
+    def take(self, slots: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """[B, width]: row next_row[slot] of each slot's block; the index of each row with live = 1
+        advances (live = 0: padding rows, warm-up and capture). Device work only."""
+        rows = self.blocks[slots, self.next_row.index_select(0, slots)]
+        self.next_row.index_add_(0, slots, live)
+        return rows
 
 
 # ---- synthetic acceptance (speed measurement only) ------------------------------------------

@@ -79,3 +79,75 @@ def test_uniform_drafter_counts_are_the_shared_full_counts():
     assert first is again is full_draft_counts(3, 4, torch.device("cpu")) and is_full_draft_counts(first)
     assert first.tolist() == [4, 4, 4]
     assert not is_full_draft_counts(first.clone()) and full_draft_counts(2, 4, "cpu").tolist() == [4, 4]
+
+
+def test_uniform_drafter_names_the_pools_its_rows_are_the_latest_draws_of():
+    drafter = UniformDrafter(1000)
+    generators = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    for _ in range(3):
+        prop = drafter.propose([3, 1], None, 4, None, generators)
+        assert len(prop.token_pools) == 2
+        for row, pool in zip(prop.tokens, prop.token_pools):
+            torch.testing.assert_close(row, pool.block[pool.latest_row, :4], rtol=0, atol=0)
+    assert UniformDrafter.draft_pool_shape(4) == (DrawPool.STEPS, 4) == (prop.token_pools[0].steps, 4)
+
+
+def _mirror(steps, width, dtype=torch.float32):
+    from dspark.sampling import DrawMirror
+
+    mirror = DrawMirror(8, steps, width, dtype, "cpu")
+    mirror.blocks.fill_(-7)  # poisoned: a row the host failed to copy would show
+    mirror.next_row.fill_(steps)
+    return mirror
+
+
+def test_mirror_takes_each_pools_rows_through_refills_padding_and_warm_up():
+    steps, width = 4, 3
+    seeds = torch.randint(0, 2**31, (2,)).tolist()
+    pools = [DrawPool.uniform(torch.Generator().manual_seed(s), width, steps) for s in seeds]
+    mirror = _mirror(steps, width)
+    slots, padding = [5, 2], 7  # the bucket of 4 holds two real rows and a padding slot twice
+    index = torch.tensor(slots + [padding, 0])
+    live = torch.tensor([1, 1, 0, 0])
+    for step in range(11):  # two refills of each pool
+        rows = [p.next() for p in pools]
+        mirror.prepare(slots, pools)
+        if step == 3:  # a capture's warm-up reads with live 0: it takes the row again afterwards
+            mirror.take(index, torch.zeros(4, dtype=torch.long))
+        got = mirror.take(index, live)
+        torch.testing.assert_close(got[:2], torch.cat(rows), rtol=0, atol=0)
+    assert mirror.next_row[padding] == steps  # never advanced, never out of its block's rows
+
+
+def test_mirror_follows_rows_read_eagerly_and_a_new_request_in_the_slot():
+    steps, width = 5, 2
+    pool = DrawPool.tokens(torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))), width, 1000, steps)
+    mirror = _mirror(steps, width, torch.long)
+    index, live = torch.tensor([4]), torch.tensor([1])
+
+    def graphed(p):
+        row = p.next()
+        mirror.prepare([4], [p])
+        torch.testing.assert_close(mirror.take(index, live), row, rtol=0, atol=0)
+
+    graphed(pool)
+    for _ in range(3):  # eager steps read rows the device never took
+        pool.next()
+    graphed(pool)
+    pool.next()  # the next eager read refills the pool: a block the device lacks
+    graphed(pool)
+    newcomer = DrawPool.tokens(torch.Generator().manual_seed(1), width, 1000, steps)
+    graphed(newcomer)  # a fresh pool in the slot, at row 0 of its first block
+    graphed(newcomer)
+
+
+def test_a_graph_step_copies_rows_in_unless_one_mirror_shape_holds_every_pool():
+    from dspark.graph_step import _mirrored_shape
+
+    g = torch.Generator()
+    wide, narrow = DrawPool.uniform(g, 7), DrawPool.uniform(g, 3)
+    assert _mirrored_shape([wide, DrawPool.uniform(g, 7)], tokens=8) == (DrawPool.STEPS, 7)
+    assert _mirrored_shape([wide], tokens=4) == (DrawPool.STEPS, 7)  # the first 3 columns are read
+    assert _mirrored_shape([wide, narrow], tokens=4) is None  # two shapes: one mirror cannot hold both
+    assert _mirrored_shape([narrow], tokens=8) is None  # narrower than the drafts
+    assert _mirrored_shape([wide], tokens=1) is None and _mirrored_shape(None, tokens=8) is None

@@ -60,6 +60,27 @@ def test_graph_engine_equals_eager_engine(model, temperature, speculative):
     assert [len(t) for t, _ in outs[0]] == [30, 12]
 
 
+def test_replays_read_the_draws_on_the_device_through_pool_refills(model):
+    """At synthetic AL 1.5 a request takes ~100 steps for 150 tokens: its uniforms pool and the
+    UniformDrafter's token pool each refill (64 steps a draw), and the graphs read both from their
+    DrawMirror (GraphKey.draft_pools / uniform_pools), with no copy of the rows; the output equals
+    the eager engine's, which reads the same pools' rows as tensors."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompt = _prompts(gen, (6,))[0]
+    spec = SpecConfig(num_speculative_tokens=7, rejection_sample_method="synthetic", synthetic_acceptance_length=1.5)
+    outs = []
+    for graphs in (True, False):
+        engine = Engine(K3Target(model, max_slots=2, max_seq_len=192), UniformDrafter(K3_SLICE.vocab_size), spec,
+                        cuda_graphs=graphs)
+        out = engine.generate([prompt], SamplingParams(temperature=0.9, max_tokens=150, ignore_eos=True, seed=3))[0]
+        outs.append((out.token_ids, out.num_accepted_drafts))
+        if graphs:
+            pooled = {key: n for key, n in engine._graphs.replays.items() if key.tokens == 8}
+            assert sum(pooled.values()) > 64, pooled
+            assert all(key.draft_pools == (64, 7) and key.uniform_pools == (64, 7) for key in pooled), pooled
+    assert outs[0] == outs[1] and len(outs[0][0]) == 150
+
+
 def test_a_batch_leaving_mid_run_replays_smaller_buckets(model):
     """Four requests of different lengths: buckets 4, 2 and 1 in turn, padding rows on free slots;
     every request gets its tokens and the engine ends with every slot free."""

@@ -13,7 +13,7 @@ import torch
 from dspark.config import SamplingParams
 from dspark.graph_step import GraphedStep
 from dspark.kernels import ops
-from dspark.sampling import SamplingTensors
+from dspark.sampling import DrawPool, SamplingTensors
 from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -129,3 +129,39 @@ def test_steady_state_replay_does_not_synchronise(model):
         torch.cuda.set_sync_debug_mode("default")
     for one in got:
         assert 0 <= one.num_accepted[0] <= K and 0 <= one.next_token[0] < K3_SLICE.vocab_size
+
+
+def test_replays_reading_draws_from_their_mirror_through_refills_do_not_synchronise(model):
+    """Drafts and uniforms as DrawPool rows (pools of 3 steps: a refill and a block copy every
+    third step) at T = 4 with synthetic acceptance: steady-state launches, two before either is
+    read, raise nothing under sync-debug "error", and each step verified the pool's rows."""
+    _, target = _targets(model)
+    target.prefill([2], [torch.randint(0, K3_SLICE.vocab_size, (9,))])
+    runner = GraphedStep(target)
+    sampling = SamplingTensors.from_params([SamplingParams(temperature=0.0)], "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    token_pool = DrawPool.tokens(gen, K, K3_SLICE.vocab_size, steps=3)
+    uniform_pool = DrawPool.uniform(gen, K + 2, steps=3)  # wider than the drafts: the first K are read
+    num = torch.full((1,), K, device="cuda")
+    rates = torch.tensor([1.0, 0.5, 0.0], device="cuda")
+    free = [s for s in range(SLOTS) if s != 2]
+    runner.set_anchors(torch.tensor([2], device="cuda"), torch.tensor([3], device="cuda"))
+
+    def launch():
+        drafts, uniforms = token_pool.next(), uniform_pool.next()
+        return runner.launch([2], free, drafts, num, None, sampling, uniforms, None, rates,
+                             draft_pools=(token_pool,), uniform_pools=(uniform_pool,)), drafts
+
+    launch()[0].result()  # captures
+    checked = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            steps = [launch() for _ in range(2)]
+            checked += [(pending.result(), drafts) for pending, drafts in steps]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for got, drafts in checked:  # the rows the graph verified are the pools' (read back, no sync)
+        assert got.drafts[0] == drafts[0].tolist()
+    assert runner.replays and all(key.draft_pools == (3, K) and key.uniform_pools == (3, K + 2)
+                                  for key in runner.replays)
