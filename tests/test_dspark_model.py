@@ -64,6 +64,29 @@ def test_batched_blocks_match_per_block_float64_reference(attention_type, infere
                 torch.testing.assert_close(hidden[b, a].double(), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("attention_type", ATTENTION)
+def test_a_pass_sharing_its_rope_tables_and_mask_equals_layers_making_their_own(attention_type, inference):
+    """backbone makes one BlockPass (RoPE tables, block mask) for every layer; each layer making
+    its own from positions and visibility (shared=None) must give the same hidden bit for bit."""
+    target = SyntheticTarget(seed=4)
+    model = make_model(target, attention_type, seed=int(torch.randint(0, 2**31, ())))
+    B, A, S, G = 2, 3, 16, model.config.block_size
+    taps = {layer: torch.randn(B, S, target.hidden_size) for layer in model.config.target_layer_ids}
+    anchors = torch.stack([torch.randperm(S - 1)[:A].sort().values + 1 for _ in range(B)])
+    block = model.block_inputs(torch.randint(0, target.vocab_size, (B, A)))
+    positions = anchors[..., None] + torch.arange(G)
+    visible = torch.arange(S) < anchors[..., None]
+    with torch.no_grad():
+        rows = model.context_rows(model.fuse_taps(taps), torch.arange(S).expand(B, S))
+        x = model.embed_block(block)
+        for layer, layer_rows in zip(model.layers, rows):
+            x = layer(x, positions, layer_rows, visible, inference)
+        own = model.final_norm(x)
+        shared = model.backbone(block, positions, rows, visible, inference=inference)
+    assert torch.equal(shared, own)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_mla_latent_attention_equals_the_expanded_one(dtype):
     """The drafting pass's latent MLA attention (W_UK folded into the queries, W_UV after the sum)

@@ -32,6 +32,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == self.weight.dtype:
+            # torch's fused CUDA kernel, one launch for the same math (fp32 statistics and scale,
+            # one rounding at the end) where the torch ops below are nine launches: 21 norms in
+            # a K3 drafter's propose (experiments/notes/step.md). Mixed dtypes (autocast training)
+            # keep the ops below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
@@ -80,13 +86,18 @@ class Rotary(nn.Module):
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq.float()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [..., heads, dim], positions [...] (long) -> rotated x."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [..., 1, dim/2] of positions [...]: what forward multiplies by, which every
+        layer of one pass shares (the layers' Rotary modules are built from one config)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # [..., dim/2]
-        cos = (angles.cos() * self.cos_sin_scale).unsqueeze(-2)
-        sin = (angles.sin() * self.cos_sin_scale).unsqueeze(-2)
+        return (angles.cos() * self.cos_sin_scale).unsqueeze(-2), (angles.sin() * self.cos_sin_scale).unsqueeze(-2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
+        """x [..., heads, dim], positions [...] (long) -> rotated x; tables: tables(positions),
+        made once for several calls."""
+        cos, sin = self.tables(positions) if tables is None else tables
         xf = x.float()
         if self.interleaved:
             even, odd = xf[..., 0::2], xf[..., 1::2]
@@ -104,13 +115,14 @@ class BlockAttention(nn.Module):
     scale: float
     row_width: int  # W, the width of one cached context row
 
-    def kv_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def kv_rows(self, x: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
+        """rope (here and in queries): Rotary.tables(positions), when made once for every layer."""
         raise NotImplementedError
 
     def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(
@@ -120,9 +132,11 @@ class BlockAttention(nn.Module):
         context_rows: torch.Tensor,  # [B, S, W]
         context_visible: torch.Tensor,  # [B, A, S] bool: row j is before block a's anchor
         inference: bool = False,  # a drafting pass; the layouts here have no faster exact form for it
+        shared: "BlockPass | None" = None,  # what the pass's layers share, made once (None: made here)
     ) -> torch.Tensor:
-        q = self.queries(x, positions)  # [B, A, G, H, dk]
-        k_blk, v_blk = self.keys_values(self.kv_rows(x, positions))  # [B, A, G, H, dk|dv]
+        shared = shared or BlockPass(self.rotary, positions, context_visible, x.shape[2])
+        q = self.queries(x, positions, shared.rope)  # [B, A, G, H, dk]
+        k_blk, v_blk = self.keys_values(self.kv_rows(x, positions, shared.rope))  # [B, A, G, H, dk|dv]
         k_ctx, v_ctx = self.keys_values(context_rows)  # [B, S, H, dk|dv]
         B, A, G = q.shape[:3]
         # One fused attention call (F.scaled_dot_product_attention) over every block slot at once:
@@ -134,9 +148,29 @@ class BlockAttention(nn.Module):
         queries = q.flatten(1, 2).transpose(1, 2)  # [B, H, A * G, dk]
         keys = torch.cat([k_ctx, k_blk.flatten(1, 2)], dim=1).transpose(1, 2)  # [B, H, S + A * G, dk]
         values = torch.cat([v_ctx, v_blk.flatten(1, 2)], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_block_mask(context_visible, G)[:, None],
-                                             scale=self.scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=shared.mask[:, None], scale=self.scale)
         return self.o_proj(out.transpose(1, 2).unflatten(1, (A, G)).flatten(-2).to(x.dtype))
+
+
+class BlockPass:
+    """What every layer of one pass over the blocks shares, made once instead of per layer (in a
+    K3 drafter's propose, ~100 of its ~670 launches were these, repeated five times:
+    experiments/notes/step.md): the RoPE tables of the block positions and the block mask, and
+    the mask's per-head form for the latent attention."""
+
+    def __init__(self, rotary: "Rotary | None", positions: torch.Tensor, context_visible: torch.Tensor, G: int):
+        self.rope = rotary.tables(positions) if rotary is not None else None
+        self.mask = _block_mask(context_visible, G)  # [B, A * G, S + A * G]
+        self._hidden_per_head: dict[int, torch.Tensor] = {}
+
+    def hidden_per_head(self, heads: int) -> torch.Tensor:
+        """[B, A * G * heads, S + A * G] bool: True where a (slot, head) score row may not look."""
+        found = self._hidden_per_head.get(heads)
+        if found is None:
+            B, rows, keys = self.mask.shape
+            found = ~self.mask[:, :, None, :].expand(-1, -1, heads, -1).reshape(B, rows * heads, keys)
+            self._hidden_per_head[heads] = found
+        return found
 
 
 def _block_mask(context_visible: torch.Tensor, G: int) -> torch.Tensor:
@@ -180,10 +214,10 @@ class MLAAttention(BlockAttention):
         self.rotary = Rotary(c.qk_rope_head_dim, c.rope_theta, c.rope_interleaved, c.rope_scaling) if c.use_rope else None
         self.scale = c.qk_head_dim**-0.5 * (self.rotary.attention_scale if self.rotary else 1.0)
 
-    def kv_rows(self, x, positions):
+    def kv_rows(self, x, positions, rope=None):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.rotary is not None:
-            k_pe = self.rotary(k_pe.unsqueeze(-2), positions).squeeze(-2)
+            k_pe = self.rotary(k_pe.unsqueeze(-2), positions, rope).squeeze(-2)
         return torch.cat([self.kv_a_layernorm(latent), k_pe], dim=-1)
 
     def keys_values(self, rows):
@@ -193,33 +227,33 @@ class MLAAttention(BlockAttention):
         k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
         return k, v
 
-    def queries(self, x, positions):
+    def queries(self, x, positions, rope=None):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).unflatten(-1, (self.num_heads, self.nope + self.rope_dim))
         if self.rotary is None:
             return q
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        return torch.cat([q_nope, self.rotary(q_pe, positions)], dim=-1)
+        return torch.cat([q_nope, self.rotary(q_pe, positions, rope)], dim=-1)
 
-    def forward(self, x, positions, context_rows, context_visible, inference: bool = False):
+    def forward(self, x, positions, context_rows, context_visible, inference: bool = False, shared=None):
         if not inference:
-            return super().forward(x, positions, context_rows, context_visible)
-        return self._latent_forward(x, positions, context_rows, context_visible)
+            return super().forward(x, positions, context_rows, context_visible, shared=shared)
+        return self._latent_forward(x, positions, context_rows, context_visible, shared)
 
-    def _latent_forward(self, x, positions, context_rows, context_visible):
+    def _latent_forward(self, x, positions, context_rows, context_visible, shared=None):
         """BlockAttention.forward with W_UK folded into the queries and W_UV applied after the
         weighted sum (docs/dspark-algorithm.md §2.3): the cache rows serve as the one key/value
         head shared by every query head, so the heads are folded into the query rows."""
         B, A, G = x.shape[:3]
         H, r = self.num_heads, self.kv_lora_rank
-        q_nope, q_pe = self.queries(x, positions).split([self.nope, self.rope_dim], dim=-1)  # [B, A, G, H, *]
+        shared = shared or BlockPass(self.rotary, positions, context_visible, G)
+        q_nope, q_pe = self.queries(x, positions, shared.rope).split([self.nope, self.rope_dim], dim=-1)  # [B, A, G, H, *]
         w_k, w_v = self.kv_b_proj.weight.unflatten(0, (H, self.nope + self.v_dim)).split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("baghn,hnr->baghr", q_nope, w_k.to(q_nope.dtype))
         queries = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1).reshape(B, A * G * H, self.row_width)
-        block_rows = self.kv_rows(x, positions).flatten(1, 2)  # [B, A * G, W]
+        block_rows = self.kv_rows(x, positions, shared.rope).flatten(1, 2)  # [B, A * G, W]
         rows = torch.cat([context_rows.to(queries.dtype), block_rows.to(queries.dtype)], dim=1)  # [B, S + A * G, W]
         scores = _product_float32(queries, rows.transpose(1, 2)) * self.scale  # [B, A * G * H, S + A * G]
-        mask = _block_mask(context_visible, G)[:, :, None, :].expand(-1, -1, H, -1).reshape(scores.shape)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(shared.hidden_per_head(H), float("-inf")).softmax(dim=-1)
         latent_out = _product_float32(probs.to(rows.dtype), rows[..., :r])  # [B, A * G * H, r]
         out = torch.einsum("baghr,hvr->baghv", latent_out.to(queries.dtype).view(B, A, G, H, r), w_v.to(queries.dtype))
         return self.o_proj(out.flatten(-2).to(x.dtype))
@@ -244,10 +278,10 @@ class GQAAttention(BlockAttention):
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_interleaved, c.rope_scaling) if c.use_rope else None
         self.scale = c.head_dim**-0.5 * (self.rotary.attention_scale if self.rotary else 1.0)
 
-    def kv_rows(self, x, positions):
+    def kv_rows(self, x, positions, rope=None):
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         if self.rotary is not None:
-            k = self.rotary(k, positions)
+            k = self.rotary(k, positions, rope)
         return torch.cat([k.flatten(-2), self.v_proj(x)], dim=-1)
 
     def keys_values(self, rows):
@@ -255,9 +289,9 @@ class GQAAttention(BlockAttention):
         group = self.num_heads // self.num_kv_heads
         return k.repeat_interleave(group, dim=-2), v.repeat_interleave(group, dim=-2)
 
-    def queries(self, x, positions):
+    def queries(self, x, positions, rope=None):
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
-        return self.rotary(q, positions) if self.rotary is not None else q
+        return self.rotary(q, positions, rope) if self.rotary is not None else q
 
 
 ATTENTION_TYPES: dict[str, type[BlockAttention]] = {"mla": MLAAttention, "gqa": GQAAttention}
@@ -285,8 +319,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, positions, context_rows, context_visible, inference: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows, context_visible, inference)
+    def forward(self, x, positions, context_rows, context_visible, inference: bool = False, shared=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows, context_visible, inference, shared)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -362,7 +396,9 @@ class DSparkModel(nn.Module):
 
     def context_rows(self, fused: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer cache rows of fused context [..., d] at positions [...] -> [..., W] each."""
-        return [layer.self_attn.kv_rows(fused, positions) for layer in self.layers]
+        rotary = self.layers[0].self_attn.rotary if len(self.layers) else None
+        rope = rotary.tables(positions) if rotary is not None else None  # one set for every layer
+        return [layer.self_attn.kv_rows(fused, positions, rope) for layer in self.layers]
 
     # ---- block -------------------------------------------------------------------------------
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
@@ -391,10 +427,12 @@ class DSparkModel(nn.Module):
         inference: a drafting pass (no gradients needed), which an attention layout may compute in
         a cheaper but equal way (MLA's latent attention, docs/dspark-algorithm.md §2.3)."""
         x = self.embed_block(block_tokens).to(self.context_proj.weight.dtype)
+        shared = BlockPass(self.layers[0].self_attn.rotary if len(self.layers) else None, positions,
+                           context_visible, block_tokens.shape[-1])
         with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             for layer, rows in zip(self.layers, context_rows):
-                x = layer(x, positions, rows, context_visible, inference)
+                x = layer(x, positions, rows, context_visible, inference, shared)
         return self.final_norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -246,3 +246,25 @@ def test_a_dspark_drafter_built_for_a_cuda_target_replays_graphs_unless_told_not
     assert build_drafter(SpecConfig(**spec), target, cuda_graphs=False)._graphs is None
     assert build_drafter(SpecConfig(**spec, batch1_profile=Profile(cuda_graphs=False)), target)._graphs is None
     assert build_drafter(SpecConfig(**spec, draft_sample_method="probabilistic"), target)._graphs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_drafters_rmsnorm_on_cuda_matches_float64(dtype):
+    """RMSNorm takes torch's fused CUDA kernel when x and the weight share a dtype: fp32 statistics
+    and scale, one rounding to x's dtype at the end, as the CPU ops compute. Against float64 within
+    one rounding of the output (bf16: 2^-8 relative; fp32: 1e-5); a missing eps, weight or square
+    root is off by far more."""
+    from dspark.drafters.dspark.model import RMSNorm
+
+    d = 7168
+    norm = RMSNorm(d, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d) * 0.5 + 1.0)
+    x = torch.randn(13, d, dtype=torch.float64) * 3.0
+    x[0] *= 1e-3  # a row small enough for eps to matter
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    gpu = norm.to(device="cuda", dtype=dtype)
+    got = gpu(x.to(device="cuda", dtype=dtype)).double().cpu()
+    # the input's own rounding to bf16 moves the result by up to the same again
+    tol = 2 * 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
