@@ -1,0 +1,2 @@
+# limit: 120
+python3 "$REPO/experiments/drafter_bench.py" --out "$JOB_OUT/drafter_bench.json"
