@@ -237,13 +237,13 @@ class Engine:
         """The common graphs ahead of the first step: every batch bucket at T = 1 and T = k + 1,
         with all-greedy sampling (other shapes and sampling flavours are captured when first
         needed; a capture changes no state, docs/architecture.md)."""
-        pool_shape = getattr(self.drafter, "draft_pool_shape", None)
+        drafter_pool_shape = getattr(self.drafter, "draft_pool_shape", None)
         for batch in self._graphs.buckets:
             for tokens in sorted({1, self.spec.k_for_batch(batch) + 1}):
                 drafts = tokens > 1
                 self._graphs.capture(
                     batch, tokens, synthetic=self._synthetic and drafts,
-                    draft_pools=pool_shape(tokens - 1) if pool_shape is not None and drafts else None,
+                    draft_pools=drafter_pool_shape(tokens - 1) if drafter_pool_shape is not None and drafts else None,
                     # synthetic acceptance reads each request's uniforms, from its pool (_uniforms_row)
                     uniform_pools=(DrawPool.STEPS, self._uniform_width) if self._synthetic and drafts else None)
 

@@ -27,7 +27,7 @@ import torch
 from .cuda_graphs import StepGraph, current_stream
 from .kernels import ops
 from .protocols import is_full_draft_counts
-from .sampling import DrawMirror, SamplingTensors, nonfinite_rows, pool_shape
+from .sampling import DrawMirror, SamplingTensors, nonfinite_rows
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -199,8 +199,10 @@ def _mirrored_shape(pools, tokens: int) -> tuple[int, int] | None:
     tokens (None: the rows are copied in: no pools, no drafts, pools of two shapes or too narrow)."""
     if pools is None or tokens == 1:
         return None
-    shape = pool_shape(pools)
-    return shape if shape is not None and shape[1] >= tokens - 1 else None
+    shape = (pools[0].steps, pools[0].width)  # a mirror holds one shape
+    if any((p.steps, p.width) != shape for p in pools):
+        return None
+    return shape if shape[1] >= tokens - 1 else None
 
 
 class GraphedStep:

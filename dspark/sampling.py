@@ -83,12 +83,6 @@ class DrawPool:
         return self._next - 1
 
 
-def pool_shape(pools) -> tuple[int, int] | None:
-    """(steps, width) shared by every pool, or None when they differ (a mirror holds one shape)."""
-    shape = (pools[0].steps, pools[0].width)
-    return shape if all((p.steps, p.width) == shape for p in pools) else None
-
-
 class DrawMirror:
     """Each slot's current DrawPool block kept on the device beside the index of the row its next
     step reads: a CUDA graph takes one row per slot and advances the index itself, so the host copies
@@ -105,7 +99,7 @@ class DrawMirror:
     def __init__(self, slots: int, steps: int, width: int, dtype: torch.dtype, device):
         # One spare row past the last: a padding row's slot may hold an index of `steps` (its last
         # request took every row), and what a padding row reads is never used.
-        self.steps, self.width = steps, width
+        self.steps = steps
         self.blocks = torch.zeros(slots, steps + 1, width, dtype=dtype, device=device)
         self.next_row = torch.zeros(slots, dtype=torch.long, device=device)
         self._expected: dict[int, tuple[torch.Tensor, int]] = {}  # slot -> (block, index) once queued work ran

@@ -394,9 +394,13 @@ class DSparkModel(nn.Module):
         features = torch.cat([taps[layer] for layer in self.config.target_layer_ids], dim=-1)
         return self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
 
+    def _rotary(self) -> "Rotary | None":
+        """The layers' RoPE (every layer's is built from one config, so one serves a whole pass)."""
+        return self.layers[0].self_attn.rotary if len(self.layers) else None
+
     def context_rows(self, fused: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer cache rows of fused context [..., d] at positions [...] -> [..., W] each."""
-        rotary = self.layers[0].self_attn.rotary if len(self.layers) else None
+        rotary = self._rotary()
         rope = rotary.tables(positions) if rotary is not None else None  # one set for every layer
         return [layer.self_attn.kv_rows(fused, positions, rope) for layer in self.layers]
 
@@ -427,8 +431,7 @@ class DSparkModel(nn.Module):
         inference: a drafting pass (no gradients needed), which an attention layout may compute in
         a cheaper but equal way (MLA's latent attention, docs/dspark-algorithm.md §2.3)."""
         x = self.embed_block(block_tokens).to(self.context_proj.weight.dtype)
-        shared = BlockPass(self.layers[0].self_attn.rotary if len(self.layers) else None, positions,
-                           context_visible, block_tokens.shape[-1])
+        shared = BlockPass(self._rotary(), positions, context_visible, block_tokens.shape[-1])
         with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             for layer, rows in zip(self.layers, context_rows):
