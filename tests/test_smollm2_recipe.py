@@ -19,24 +19,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
 import smollm2_dspark as recipe  # noqa: E402
 import smollm2_init_ab as init_ab  # noqa: E402
+import staging  # noqa: E402
 
 
-def test_staging_in_two_halves_round_trips_and_fails_clearly(tmp_path):
+def test_the_gguf_is_staged_in_two_halves_that_each_fit_a_call(tmp_path):
     source = tmp_path / "model.gguf"
     source.write_bytes(os.urandom(1001))
     stage, keep = tmp_path / "stage", tmp_path / "keep"
     manifest = recipe.split_gguf(source, stage)
-    assert (stage / "part1").stat().st_size == 500 and manifest["bytes"] == 1001
+    assert [p["name"] for p in manifest["parts"]] == ["smollm2.gguf.part1", "smollm2.gguf.part2"]
+    assert (stage / "smollm2.gguf.part1").stat().st_size == 500 and manifest["bytes"] == 1001
     assert (stage / ".gitignore").read_text() == "*\n"
-    with pytest.raises(recipe.RecipeError, match="first half .* is gone"):
-        recipe.join_gguf(keep, stage)
-    recipe.keep_part1(keep, stage)
-    joined = recipe.join_gguf(keep, stage)
-    assert joined.read_bytes() == source.read_bytes()
-    (stage / "part2").write_bytes(os.urandom(501))  # a half from another split
-    with pytest.raises(recipe.RecipeError, match="sha256"):
-        recipe.join_gguf(keep, stage)
-    assert not joined.exists()
+    (stage / "smollm2.gguf.part2").rename(tmp_path / "part2")  # the first call carries part 1 only
+    staging.keep(stage, keep)
+    with pytest.raises(staging.StagingError, match="smollm2.gguf.part2 of smollm2.gguf gone"):
+        staging.join(recipe.GGUF_NAME, keep, stage)
+    (tmp_path / "part2").rename(stage / "smollm2.gguf.part2")  # the second call carries part 2
+    assert staging.join(recipe.GGUF_NAME, keep, stage).read_bytes() == source.read_bytes()
 
 
 def test_init_layers_option_names_the_value():
@@ -65,7 +64,7 @@ def tiny_data(path: Path, tok) -> None:
                         source_names=np.array(["test"]), meta=np.array("{}"))
 
 
-def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
+def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     try:
         gguf = find_smollm2_gguf()
     except MissingAssetError as error:
@@ -91,7 +90,7 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert result["vllm_export"]["exported"], result["vllm_export"]
     assert result["complete"] and result["self_distillation"]["sequences"] == 4
     for name in recipe.VARIANTS:
-        assert [h["step"] for h in result["training"][name]["held_out"]] == [2]
+        assert [(h["step"], h["total_step"]) for h in result["training"][name]["held_out"]] == [(2, 2)]
         assert recipe.trained_steps(tmp_path / "work" / name) == 2
     for set_name, mode in (("humaneval", "greedy"), ("mtbench", "t1")):
         boot = result["eval"][set_name][mode]["bootstrap"]
@@ -105,6 +104,26 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert len(result["calibration"]["temperatures"]) == 7 and set(result["tokens_per_s_batch1"]) >= {"plain", "ngram"}
     with np.load(tmp_path / "work" / "sequences.npz") as seqs:
         assert seqs["tokens"].dtype == np.uint16 and len(seqs["offsets"]) == 5
+
+    # A second leg (as a later session runs it): the pack's parts joined, both drafters continued from them in
+    # a fresh work folder, on other batches (seed 43), its steps counted after the first leg's.
+    assert recipe.main(["pack", "--work-dir", str(tmp_path / "work"), "--keep-dir", str(tmp_path / "keep")]) == 0
+    pack = staging.join(recipe.PACK_NAME, tmp_path / "keep")
+    (tmp_path / "work2").mkdir()
+    (tmp_path / "work2" / "sequences.npz").write_bytes((tmp_path / "work" / "sequences.npz").read_bytes())
+    leg2 = [a if a != str(tmp_path / "work") else str(tmp_path / "work2") for a in argv]
+    leg2 = [a if a != str(out) else str(tmp_path / "leg2.json") for a in leg2] + ["--start-from", str(pack)]
+    assert recipe.main(leg2 + ["--only-train"]) == 0
+    second = json.loads((tmp_path / "leg2.json").read_text())
+    assert second["start_from"]["legs"]["dspark"][0]["steps"] == 2 and not second["complete"] and "eval" not in second
+    for name in recipe.VARIANTS:
+        assert [(h["step"], h["total_step"]) for h in second["training"][name]["held_out"]] == [(2, 4)]
+        assert second["training"][name]["train_config"]["seed"] == 43
+    capsys.readouterr()
+    assert recipe.main(leg2 + ["--init-layers", "29"]) == 2  # a leg continues its pack: no other start
+    assert "--init-layers starts the first leg only" in capsys.readouterr().err
+    assert recipe.main([a for a in leg2 if a not in ("--start-from", str(pack))]) == 2  # nor a fresh one
+    assert "rerun with the same --start-from" in capsys.readouterr().err
 
 
 def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
