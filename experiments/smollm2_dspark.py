@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -301,12 +301,15 @@ def read_pack(path: Path) -> dict:
     """A pack's lineage and tensors: {"file", "sha256", "variants": {name: {"config", "legs", "tensors"}}}."""
     if not path.is_file():
         raise RecipeError(f"--start-from={str(path)!r}: no such file (join its parts first)")
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        if "dspark_pack" not in meta:
-            raise RecipeError(f"--start-from={str(path)!r}: not a drafter pack (no dspark_pack metadata)")
-        lineage = json.loads(meta["dspark_pack"])
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except SafetensorError as error:  # truncated or not safetensors at all
+        raise RecipeError(f"--start-from={str(path)!r}: not a safetensors file ({error})") from None
+    if "dspark_pack" not in meta:
+        raise RecipeError(f"--start-from={str(path)!r}: not a drafter pack (no dspark_pack metadata)")
+    lineage = json.loads(meta["dspark_pack"])
     missing = [name for name in VARIANTS if name not in lineage]
     if missing:
         raise RecipeError(f"--start-from={str(path)!r}: holds no {missing[0]}")
@@ -555,7 +558,7 @@ def goals(evals: dict) -> dict:
 def vllm_export_check(checkpoint: Path, out: Path, embed_tokens: torch.Tensor) -> dict:
     """Export the calibrated drafter in the DeepSpec Qwen3 layout vLLM's DSpark loader reads
     (with the target's embedding: the dedicated mask id needs its own row in the export)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from dspark.vllm.export import export_drafter
 

@@ -101,6 +101,9 @@ def test_a_pack_that_does_not_fit_the_run_is_refused_by_name(tmp_path):
     with pytest.raises(recipe.RecipeError, match="not a drafter pack"):
         save_checkpoint(variant("dspark", 4), tmp_path / "plain")
         recipe.read_pack(tmp_path / "plain" / "model.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "keep" / recipe.PACK_NAME).read_bytes()[:1000])
+    with pytest.raises(recipe.RecipeError, match="not a safetensors file"):
+        recipe.read_pack(tmp_path / "cut.safetensors")
     with pytest.raises(recipe.RecipeError, match="no such file"):
         recipe.read_pack(tmp_path / "nothing.safetensors")
     with pytest.raises(recipe.RecipeError, match="holds no trained dspark"):
