@@ -71,7 +71,7 @@ def keep(stage: Path, keep_dir: Path) -> list[str]:
     returns the names copied."""
     manifests = sorted(stage.glob(manifest_name("*"))) if stage.is_dir() else []
     if not manifests:
-        raise StagingError(f"keep: no manifest in {stage}; carry the staged parts with their NAME.manifest.json")
+        raise StagingError(f"no manifest in {stage}; carry the staged parts with their NAME.manifest.json")
     keep_dir.mkdir(parents=True, exist_ok=True)
     copied = []
     for path in manifests:
@@ -82,7 +82,7 @@ def keep(stage: Path, keep_dir: Path) -> list[str]:
                 copied.append(part["name"])
         shutil.copyfile(path, keep_dir / path.name)
     if not copied:
-        raise StagingError(f"keep: {stage} holds manifests but none of their parts; carry the parts into this call")
+        raise StagingError(f"{stage} holds manifests but none of their parts; carry the parts into this call")
     return copied
 
 
@@ -101,7 +101,7 @@ def join(name: str, keep_dir: Path, stage: Path | None = None) -> Path:
     folders = [keep_dir] + ([stage] if stage is not None else [])
     found = [f / manifest_name(name) for f in folders if (f / manifest_name(name)).is_file()]
     if not found:
-        raise StagingError(f"join: no {manifest_name(name)} in {' or '.join(map(str, folders))}; "
+        raise StagingError(f"no {manifest_name(name)} in {' or '.join(map(str, folders))}; "
                            "run keep in a call that carries it")
     manifest = _read_manifest(found[0])
     paths, missing = [], []
@@ -111,7 +111,7 @@ def join(name: str, keep_dir: Path, stage: Path | None = None) -> Path:
             missing.append(part["name"])
         paths.append(where)
     if missing:
-        raise StagingError(f"join: {', '.join(missing)} of {name} gone or never kept (the machine was replaced "
+        raise StagingError(f"{', '.join(missing)} of {name} gone or never kept (the machine was replaced "
                            f"or cleaned since); carry {'them' if len(missing) > 1 else 'it'} and run keep again")
     keep_dir.mkdir(parents=True, exist_ok=True)
     out, joining = keep_dir / name, keep_dir / (name + ".joining")
@@ -121,12 +121,12 @@ def join(name: str, keep_dir: Path, stage: Path | None = None) -> Path:
             for part, path in zip(manifest["parts"], paths):
                 chunk = path.read_bytes()
                 if len(chunk) != part["bytes"] or _sha256(chunk) != part["sha256"]:
-                    raise StagingError(f"join: {path} is not the {part['name']} of this manifest (another split's?); "
+                    raise StagingError(f"{path} is not the {part['name']} of this manifest (another split's?); "
                                        "split again and restage every part")
                 digest.update(chunk)
                 f.write(chunk)
         if digest.hexdigest() != manifest["sha256"]:
-            raise StagingError(f"join: the joined {name} has sha256 {digest.hexdigest()}, "
+            raise StagingError(f"the joined {name} has sha256 {digest.hexdigest()}, "
                                f"the manifest {manifest['sha256']}")
     except BaseException:
         joining.unlink(missing_ok=True)
