@@ -713,9 +713,7 @@ class Engine:
         t0 = time.perf_counter()
         slots = [r.slot for r in new]
         out = self.target.prefill(slots, [r.prompt.to(self.device) for r in new], self.tap_layers)
-        last = torch.tensor([len(r.prompt) - 1 for r in new], device=self.device)
-        rows = torch.arange(len(new), device=self.device)
-        logits = out.logits[rows, last][:, None]  # [B, 1, V]
+        logits = out.logits  # [B, 1, V]: after each prompt's last token
         _check_finite(new, nonfinite_rows(logits).tolist())
         sampling = SamplingTensors.from_params([r.params for r in new], self.device)
         _, noise = self._draw_noise(new, sampling, 1)

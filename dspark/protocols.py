@@ -28,9 +28,12 @@ import torch
 class TargetOutput:
     """What `prefill` and `verify` return.
 
-    logits: [B, T, V] float32, the next-token logits after each fed position.
+    logits: [B, T, V] float32, the next-token logits after each fed position (verify), or
+            [B, 1, V] after each prompt's last token (prefill).
     taps:   {layer: [B, T, d]} the residual stream after that (0-based) decoder layer, only for
-            the layers the caller asked for (a drafter's tap layers); -1 means the embeddings.
+            the layers the caller asked for (a drafter's tap layers); -1 means the embeddings
+            and num_layers the LM head's input (after the final norm), from which a trainer
+            computes the target's distribution at every position.
     """
 
     logits: torch.Tensor
@@ -49,10 +52,11 @@ class Target(Protocol):
     def prefill(
         self, slots: list[int], prompts: list[torch.Tensor], tap_layers: tuple[int, ...] = ()
     ) -> TargetOutput:
-        """Run whole prompts into fresh slots and commit them.
+        """Run whole prompts into fresh slots and commit them, in chunks of a bounded number of
+        tokens (dspark/targets/prefill.py), so memory follows the chunk, not the prompt.
 
-        Returns logits [B, Pmax, V] and taps [B, Pmax, d] padded to the longest prompt; the
-        engine samples the first output token from logits[r, len(prompts[r]) - 1].
+        Returns logits [B, 1, V] after each prompt's last token (the engine samples the first
+        output token from them) and taps [B, Pmax, d] padded to the longest prompt.
         """
 
     def verify(
@@ -63,7 +67,7 @@ class Target(Protocol):
         tap_layers: tuple[int, ...] = (),
     ) -> TargetOutput:
         """Feed tokens [B, T] (request r uses tokens[r, :lengths[r]]) after each slot's committed
-        prefix without changing the committed state. The first token of each row is the anchor
+        prefix (empty for a free slot) without changing the committed state. The first token of each row is the anchor
         (the last sampled token, not yet seen by the target); the rest are drafts."""
 
     def commit(self, slots: list[int], num_tokens: torch.Tensor) -> None:

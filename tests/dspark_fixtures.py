@@ -69,14 +69,16 @@ class SyntheticTarget:
                 raise ValueError(f"slot={slot}: in use")
             self._committed[slot] = prompt.clone()
             rows.append(self.forward(prompt))
-        return self._batch(rows, tap_layers)
+        out = self._batch(rows, tap_layers)
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        return TargetOutput(out.logits[torch.arange(len(prompts)), last][:, None], out.taps)  # [B, 1, V]
 
     def verify(self, slots, tokens, lengths, tap_layers=()):
         rows = []
         for i, slot in enumerate(slots):
             new = tokens[i, : int(lengths[i])]
             self._pending[slot] = new.clone()
-            logits, taps = self.forward(torch.cat([self._committed[slot], new]))
+            logits, taps = self.forward(torch.cat([self._committed.get(slot, new[:0]), new]))  # free: empty prefix
             n = new.shape[0]
             rows.append((logits[-n:], {layer: t[-n:] for layer, t in taps.items()}))
         return self._batch(rows, tap_layers, tokens.shape[1])  # [B, T, ...] as Target.verify promises

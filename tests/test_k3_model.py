@@ -109,14 +109,23 @@ def reference_logits(model, tokens):
     return final @ t["language_model.lm_head.weight"].T
 
 
-def test_prefill_matches_float64_forward(model):
+def test_forward_and_prefill_match_float64_forward(model):
+    """Every position's logits (a verify on an empty slot), the LM head's input tap times the head,
+    and prefill's last-position logits all agree with the float64 transcription."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     tokens = torch.randint(0, K3_TINY.vocab_size, (7,), generator=gen)
-    target = K3Target(model, max_slots=1, max_seq_len=16)
-    logits = target.prefill([0], [tokens]).logits[0]
     expected = reference_logits(model, tokens)
+    target = K3Target(model, max_slots=1, max_seq_len=16)
+    out = target.verify([0], tokens[None], [7], (K3_TINY.num_layers,))
+    logits = out.logits[0]
     torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).unique().numel() > 1, "degenerate logits"
+    _, lm_head = target.embedding_weights()
+    from_tap = out.taps[K3_TINY.num_layers][0].double() @ lm_head.double().t()
+    torch.testing.assert_close(from_tap, expected, rtol=1e-4, atol=1e-4)
+    last = target.prefill([0], [tokens]).logits
+    assert last.shape == (1, 1, K3_TINY.vocab_size)
+    assert torch.equal(last[0, 0], logits[-1])  # the CPU's ops are token-invariant
 
 
 def test_batched_elementwise_path_matches_row_by_row(model, monkeypatch):
@@ -124,8 +133,10 @@ def test_batched_elementwise_path_matches_row_by_row(model, monkeypatch):
     the CPU's row-by-row path to rounding."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prompts = [torch.randint(0, K3_TINY.vocab_size, (n,), generator=gen) for n in (6, 4)]
-    rows = K3Target(model, max_slots=2, max_seq_len=16).prefill([0, 1], prompts).logits
+    tokens = torch.zeros(2, 6, dtype=torch.long)
+    tokens[0], tokens[1, :4] = prompts
+    rows = K3Target(model, max_slots=2, max_seq_len=16).verify([0, 1], tokens, [6, 4]).logits
     monkeypatch.setattr(numerics, "splits_rows", lambda device: False)
-    batched = K3Target(model, max_slots=2, max_seq_len=16).prefill([0, 1], prompts).logits
+    batched = K3Target(model, max_slots=2, max_seq_len=16).verify([0, 1], tokens, [6, 4]).logits
     torch.testing.assert_close(batched[0], rows[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(batched[1, :4], rows[1, :4], rtol=1e-4, atol=1e-4)

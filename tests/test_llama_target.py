@@ -264,13 +264,18 @@ def test_decoder_layer_tensors_start_drafter_layers_that_compute_the_target_laye
 def test_prefill_matches_float64_reference(model, rng):
     target, tok, gguf_file = model
     prompt = torch.cat([tok.encode_chat([{"role": "user", "content": "Name a fruit."}])[-12:], _random_tokens(rng, 4, target.vocab_size)])
-    taps = (-1, 0, 14, 29)
+    taps = (-1, 0, 14, 29, 30)  # 30 = num_layers: the LM head's input
     out = target.prefill([2], [prompt], taps)
     target.release([2])
     expected, residual = _reference_forward(gguf_file, target.config, prompt)
     # float32 against float64 through 30 layers: logits are O(10); measured error ~3e-5, bound 1e-3.
-    err = (out.logits[0].double() - expected).abs().max().item()
+    # Prefill gives the last position's logits; the head input tap gives every position's.
+    err = (out.logits[0].double() - expected[-1:]).abs().max().item()
+    assert out.logits.shape == (1, 1, target.vocab_size) and err < 1e-3, (SEED, err)
+    every = out.taps[30][0].double() @ target.weights.output.double().t()
+    err = (every - expected).abs().max().item()
     assert err < 1e-3, (SEED, err)
+    taps = taps[:-1]
     # Taps are the residual stream after each layer (-1: embeddings), relative error ~1e-6, bound 1e-5.
     for layer in taps:
         ref = residual[layer]
@@ -281,7 +286,7 @@ def test_prefill_matches_float64_reference(model, rng):
 def _greedy(target, tok, slot, question, max_new):
     prompt = tok.encode_chat([{"role": "user", "content": question}])
     out = target.prefill([slot], [prompt])
-    token = int(out.logits[0, len(prompt) - 1].argmax())
+    token = int(out.logits[0, 0].argmax())
     generated = [token]
     while token != tok.eos_token_id and len(generated) < max_new:
         step = target.verify([slot], torch.tensor([[token]]), torch.tensor([1]))
@@ -318,7 +323,7 @@ def test_verify_is_token_invariant_bitwise(model, rng):
     alone = target.prefill([2], [prompt_a], taps)
     target.release([2])
     both = target.prefill([0, 1], [prompt_a, prompt_b], taps)
-    assert torch.equal(both.logits[0, :9], alone.logits[0]) and torch.equal(both.taps[29][0], alone.taps[29][0])
+    assert torch.equal(both.logits[0], alone.logits[0]) and torch.equal(both.taps[29][0], alone.taps[29][0])
     assert target.cache_lengths[:2] == [9, 6]
 
     # Poison the cache past the committed prefix: a read of an unwritten row would show as NaN.
@@ -386,7 +391,7 @@ def test_bad_input_raises_value_error_naming_the_field(model):
     # A free slot verifies against an empty prefix (the engine profiles verify that way).
     free = target.verify([0], prompt[None], torch.tensor([3]))
     assert target.cache_lengths[0] == 0
-    assert torch.equal(free.logits, target.prefill([0], [prompt]).logits)
+    assert torch.equal(free.logits[:, -1:], target.prefill([0], [prompt]).logits)
     with pytest.raises(ValueError, match="slots"):
         target.prefill([0], [prompt])
     with pytest.raises(ValueError, match="slots"):
@@ -402,7 +407,7 @@ def test_bad_input_raises_value_error_naming_the_field(model):
     with pytest.raises(ValueError, match=r"lengths\[0\]"):
         target.verify([0], torch.ones(1, MAX_SEQ, dtype=torch.long), torch.tensor([MAX_SEQ]))
     with pytest.raises(ValueError, match="tap_layers"):
-        target.verify([0], torch.tensor([[1]]), torch.tensor([1]), tap_layers=(30,))
+        target.verify([0], torch.tensor([[1]]), torch.tensor([1]), tap_layers=(31,))  # 30 is the head input
     target.verify([0], torch.tensor([[1, 2]]), torch.tensor([2]))
     with pytest.raises(ValueError, match=r"num_tokens\[0\]"):
         target.commit([0], torch.tensor([3]))
@@ -433,7 +438,8 @@ def test_batched_attention_path_matches_the_per_query_reference(model, rng):
 
     def close(a, b, lengths, what):
         for r, n in enumerate(lengths):  # rows past a request's length are padding
-            err = (a.logits[r, :n] - b.logits[r, :n]).abs().max().item()
+            logit_rows = min(n, a.logits.shape[1])  # prefill: the last position's only
+            err = (a.logits[r, :logit_rows] - b.logits[r, :logit_rows]).abs().max().item()
             assert err < 1e-2, (SEED, what, r, err)
             for layer in taps:
                 ref = b.taps[layer][r, :n]

@@ -173,15 +173,20 @@ def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg
 # ---- target side ------------------------------------------------------------------------------
 @torch.no_grad()
 def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
-    """Online capture: prefill the sequences (in chunks of at most max_slots), return the target's
-    logits [B, S, V] and taps {layer: [B, S, d]}, and release the slots."""
+    """Online capture of the target's logits [B, S, V] at every position and taps
+    {layer: [B, S, d]}, in chunks of at most max_slots sequences. Prefill returns only the last
+    position's logits, so each chunk is a verify on free slots (an empty prefix, nothing
+    committed), which returns every position's."""
     logits, taps = [], {layer: [] for layer in tap_layers}
     width = max(s.shape[0] for s in sequences)
     for start in range(0, len(sequences), target.max_slots):
         chunk = sequences[start : start + target.max_slots]
         slots = list(range(len(chunk)))
+        lengths = [s.shape[0] for s in chunk]
+        tokens = _pad(chunk).to(target.device)
+        target.release(slots)
         try:
-            out = target.prefill(slots, [s.to(target.device) for s in chunk], tap_layers)
+            out = target.verify(slots, tokens, lengths, tap_layers)
         finally:
             target.release(slots)
         pad = width - out.logits.shape[1]

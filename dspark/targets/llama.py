@@ -27,6 +27,7 @@ from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 
 from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf, optional_int
+from .prefill import checked_chunk_tokens, prefill_in_chunks
 from .slots import checked_slots
 
 
@@ -224,7 +225,11 @@ class LlamaTarget:
         max_slots: int,
         max_seq_len: int,
         attention: str = "per_query",
+        prefill_chunk_tokens: int = 8192,
     ):
+        """prefill_chunk_tokens: the most prompt tokens (over the batch) one prefill forward feeds
+        (dspark/targets/prefill.py)."""
+        self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
         self.attention = attention
@@ -273,12 +278,8 @@ class LlamaTarget:
                 raise ValueError(f"prompts[{r}]: must be a 1-D long tensor, got {getattr(prompt, 'shape', prompt)!r}")
             if not 1 <= len(prompt) <= self.max_seq_len:
                 raise ValueError(f"prompts[{r}] length={len(prompt)}: must be in [1, max_seq_len={self.max_seq_len}]")
-            rows.append(self._check_token_ids(f"prompts[{r}]", prompt))
-        output = self._forward(slots, rows, [0] * len(slots), self._check_taps(tap_layers))
-        for slot, prompt in zip(slots, prompts):
-            self.cache_lengths[slot] = len(prompt)
-            self.pending[slot] = None
-        return output
+            self._check_token_ids(f"prompts[{r}]", prompt)
+        return prefill_in_chunks(self, slots, prompts, self._check_taps(tap_layers), self.prefill_chunk_tokens)
 
     def verify(self, slots, tokens, lengths, tap_layers=()) -> TargetOutput:
         slots = checked_slots(slots, self.max_slots)
@@ -388,7 +389,10 @@ class LlamaTarget:
             x = x + linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
             if layer_index in tap_layers:
                 flat_taps[layer_index] = x
-        logits = linear(_rms_norm(x, w.output_norm, c.rms_norm_eps), w.output)
+        final = _rms_norm(x, w.output_norm, c.rms_norm_eps)
+        if self.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
+            flat_taps[self.num_layers] = final
+        logits = linear(final, w.output)
         width = width or max(counts)
         places = (request, column, len(counts), width)
         return TargetOutput(logits=self._pad(logits, *places), taps={l: self._pad(t, *places) for l, t in flat_taps.items()})
@@ -473,8 +477,8 @@ class LlamaTarget:
     def _check_taps(self, tap_layers) -> tuple[int, ...]:
         taps = tuple(tap_layers)
         for layer in taps:
-            if not isinstance(layer, int) or not -1 <= layer < self.num_layers:
-                raise ValueError(f"tap_layers={taps}: layer {layer!r} outside [-1, {self.num_layers})")
+            if not isinstance(layer, int) or not -1 <= layer <= self.num_layers:
+                raise ValueError(f"tap_layers={taps}: layer {layer!r} outside [-1, {self.num_layers}]")
         return taps
 
 

@@ -58,12 +58,11 @@ class MarkovTarget:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.prev[idx] = self.vocab_size
-        self.length[idx] = 0
+        self.release(slots)
         out = self._run(slots, tokens, lengths, tap_layers)
         self.commit(slots, lengths)
-        return out
+        last = (lengths - 1)[:, None, None].expand(-1, 1, out.logits.shape[-1])
+        return TargetOutput(out.logits.gather(1, last), out.taps)  # the protocol's [B, 1, V]
 
     def verify(self, slots, tokens, lengths, tap_layers=()):
         return self._run(slots, tokens, lengths, tap_layers)

@@ -48,7 +48,8 @@ def test_batched_cuda_matches_cpu_per_query_reference():
         target.outs.append(target.verify([1, 0], drafts.to(target.device), torch.tensor([6, 4]), taps))
     for a, b, lengths in zip(cuda.outs, cpu.outs, ((17, 9), (6, 4))):
         for r, n in enumerate(lengths):
-            torch.testing.assert_close(a.logits[r, :n].cpu(), b.logits[r, :n], rtol=0, atol=2e-3)
+            rows = min(n, a.logits.shape[1])  # prefill: the last position's logits only
+            torch.testing.assert_close(a.logits[r, :rows].cpu(), b.logits[r, :rows], rtol=0, atol=2e-3)
             for layer in taps:
                 ref = b.taps[layer][r, :n]
                 assert ((a.taps[layer][r, :n].cpu() - ref).norm() / ref.norm()).item() < 1e-4

@@ -280,5 +280,7 @@ class K3Model:
                 taps[i] = prefix.view(B, T, -1)
         final, _ = mix_norm(prefix, sealed, self.tensors[layout.OUTPUT_RES_NORM], self.tensors[layout.OUTPUT_RES_PROJ],
                             self.tensors[layout.FINAL_NORM], delta=ffn_out)
+        if cfg.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
+            taps[cfg.num_layers] = final.view(B, T, -1)
         logits = ops.linear(final, self.tensors[layout.LM_HEAD]).float()
         return logits.view(B, T, -1), taps, records

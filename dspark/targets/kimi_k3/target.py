@@ -25,6 +25,7 @@ import torch
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 from dspark.threads import one_cpu_thread
+from dspark.targets.prefill import checked_chunk_tokens, prefill_in_chunks
 from dspark.targets.slots import checked_slots
 from dspark.transfer import long_tensor_on
 
@@ -46,8 +47,11 @@ class K3Target:
     # so an engine may capture them in a CUDA graph (dspark/graph_step.py)
     supports_cuda_graphs = True
 
-    def __init__(self, model: K3Model, max_slots: int, max_seq_len: int):
+    def __init__(self, model: K3Model, max_slots: int, max_seq_len: int, prefill_chunk_tokens: int = 2048):
+        """prefill_chunk_tokens: the most prompt tokens (over the batch) one prefill forward feeds
+        (dspark/targets/prefill.py)."""
         cfg = model.cfg
+        self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
         if max_slots < 1:
             raise ValueError(f"max_slots={max_slots}: must be >= 1")
         if not 1 <= max_seq_len <= cfg.max_position_embeddings:
@@ -140,8 +144,8 @@ class K3Target:
                 raise ValueError(f"lengths: expected {len(slots)} entries, got shape {tuple(lengths.shape)}")
             lengths_t = lengths.to(torch.long)
         for layer in tap_layers:
-            if not -1 <= layer < self.num_layers:
-                raise ValueError(f"tap_layers: {layer} outside [-1, {self.num_layers})")
+            if not -1 <= layer <= self.num_layers:
+                raise ValueError(f"tap_layers: {layer} outside [-1, {self.num_layers}]")
         if tokens.device.type == "cpu" and host_lengths is not None:
             self._check_tokens(tokens, host_lengths)
         tokens = tokens.to(self.device, torch.long, non_blocking=True)
@@ -206,14 +210,7 @@ class K3Target:
             if len(p) > self.max_seq_len:
                 raise ValueError(f"prompts: prompt {r} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
         self.release(slots)
-        longest = max(len(p) for p in prompts)
-        tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            tokens[r, : len(p)] = p.cpu()
-        lengths = [len(p) for p in prompts]
-        out = self.verify(slots, tokens, lengths, tap_layers)
-        self.commit(slots, lengths)
-        return out
+        return prefill_in_chunks(self, slots, prompts, tuple(tap_layers), self.prefill_chunk_tokens)
 
     def release(self, slots) -> None:
         """Forget the slots' state. MLA rows need no clearing: a row is read only below its
