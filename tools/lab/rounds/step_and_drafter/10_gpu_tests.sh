@@ -1,6 +1,6 @@
 # limit: 300
 # From /tmp (gpu_round.sh's cwd): run from the checkout, python would import its dspark/ folder,
-# which lacks the kernels/ and drafters/ links that scripts/device_env.sh lays out.
+# which lacks the kernels/ and drafters/ links that tools/lab/device_env.sh lays out.
 T="$REPO/tests/gpu"
 python3 -m pytest -v -p no:cacheprovider --rootdir /tmp \
   "$T/test_moe_gpu.py" "$T/test_engine_graphs_gpu.py" "$T/test_graph_step_gpu.py" "$T/test_transfer_gpu.py" \
