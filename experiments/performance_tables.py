@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import re
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,10 +72,15 @@ def script_of(command: str, data: dict) -> str:
     return ""
 
 
-def provenance_time(block: dict) -> float:
-    if block.get("created"):
-        return datetime.datetime.fromisoformat(block["created"]).timestamp()
-    return float(block.get("started_unix") or 0.0)
+def provenance_time(block: dict, path: Path) -> float:
+    """When the result was made (ISO "created", else "started_unix"), 0 when it does not say."""
+    try:
+        if block.get("created"):
+            return datetime.datetime.fromisoformat(block["created"]).timestamp()
+        return float(block.get("started_unix") or 0.0)
+    except (TypeError, ValueError) as error:
+        warn(f"{path}: provenance time unreadable ({error}); taken as oldest")
+        return 0.0
 
 
 def read_result(path: Path, root: Path) -> Result | None:
@@ -93,7 +97,7 @@ def read_result(path: Path, root: Path) -> Result | None:
     if device == "cuda":  # provenance of files written before device_name existed
         device = ""
     return Result(path=str(path.relative_to(root)), data=data, script=script_of(command, data),
-                  device=device, created=provenance_time(block), provenance=block)
+                  device=device, created=provenance_time(block, path), provenance=block)
 
 
 def load_results(results_dir: Path, root: Path = REPO) -> list[Result]:

@@ -38,7 +38,7 @@ def step_bench(target="k3-slice", created="2026-12-04T13:12:00+00:00", commit="a
                      "eager_ms": eager, "graph_ms": graph, "floor_ms": floor, "mode": "graph", "ms": graph,
                      "floor_fraction": floor / graph})
     rows.append({**rows[-1], "setting": "moe_combine=torch", "ms": 99.0, "graph_ms": 99.0})  # an A/B row: not shown
-    command = f"python3 /work/main/experiments/step_bench.py --batch 1 --out /tmp/round_out/x/step_bench.json"
+    command = "python3 /work/main/experiments/step_bench.py --batch 1 --out /tmp/round_out/x/step_bench.json"
     return {**provenance(commit, created, command, device), "target": target, "rows": rows}
 
 
@@ -146,11 +146,13 @@ def test_a_file_without_a_needed_field_is_named_and_skipped(tmp_path, capsys):
     write(tmp_path, "h200/step_bench.json", broken)
     write(tmp_path, "h200/torn.json", {})
     (tmp_path / "experiments/results/h200/torn.json").write_text('{"rows": [')  # a torn file
+    write(tmp_path, "h200/odd_time.json", {**step_bench(target="k3-other"), "created": "yesterday"})
     write(tmp_path, "h200/sweep-k3-slice-gpu/sweep.json", sweep())
     text = render(tmp_path)
     err = capsys.readouterr().err
     assert "experiments/results/h200/step_bench.json: no field 'floor_ms'" in err and "torn.json: not readable JSON" in err
-    assert "The step against its floor" not in text and "Tokens/s against" in text
+    assert "odd_time.json: provenance time unreadable" in err
+    assert "`k3-slice` step" not in text and "`k3-other` step" in text and "Tokens/s against" in text
 
 
 def test_the_sweep_table_gives_speedups_over_plain_and_the_torch_reference(tmp_path):
