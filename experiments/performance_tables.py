@@ -271,7 +271,9 @@ def sweep_sections(results: list[Result]) -> list[str]:
             sections.append(section(title, r.device, [r] + ([base] if base else []), table(SWEEP_HEADER, rows),
                                     "AL is forced (vLLM's synthetic acceptance: only the accept decision is "
                                     "forced, the verification is real). `x torch reference`: against the same "
-                                    "point with every op on its plain torch reference."))
+                                    "point with every op on its plain torch reference (the sweep "
+                                    "`experiments/h200_torch_baseline.sh` runs, with `DSPARK_KERNELS` forcing "
+                                    "the references)."))
     return sections
 
 
