@@ -19,7 +19,7 @@ def long_tensor_on(values: list[int], device: torch.device) -> torch.Tensor:
 class LongStaging:
     """long_tensor_on for a caller that uploads a short list every step: one pinned buffer, written
     through a NumPy view, instead of a new pinned tensor per call (on the H200's host a pin_memory
-    call took ~36 us and a torch.tensor ~24 us: experiments/results/h200/engine_host_profile_1c6ffd9.json).
+    call and a torch.tensor each cost tens of microseconds: experiments/notes/step.md).
     Each upload returns a new device tensor, so a consumer may keep it. Before the buffer is written
     again the previous copy out of it must be done: an event recorded after it says so (normally
     long done, as every engine step reads its results back)."""

@@ -9,7 +9,7 @@
 #   OUT=/some/dir DSPARK_GIT_COMMIT=<commit> bash experiments/h200_torch_baseline.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-source "$root/scripts/device_env.sh"
+source "$root/tools/lab/device_env.sh"
 cd /tmp  # not the checkout: its dspark/ folder (without kernels/) would shadow the laid-out package
 export DSPARK_KERNELS="linear=reference,kda_verify=reference,kda_commit=reference"
 timeout "${SWEEP_SECONDS:-520}" python3 -m dspark.cli sweep --target k3-slice --device cuda --batch 1 --k 7 \

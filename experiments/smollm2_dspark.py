@@ -26,7 +26,7 @@ GPU calls; rerun the same command and it continues):
 Results go atomically to --out after every phase.
 
 The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves
-(experiments/staging.py); write all the commands before the first call (the machine keeps /tmp only while it
+(tools/lab/staging.py); write all the commands before the first call (the machine keeps /tmp only while it
 stays warm):
   here:        python experiments/smollm2_dspark.py split     (experiments/stage/smollm2.gguf.part{1,2} + manifest)
   GPU call 1:  carry [experiments/stage/smollm2.gguf.part1, experiments/stage/smollm2.gguf.manifest.json]
@@ -82,9 +82,10 @@ from dspark.files import atomic_path, write_atomic
 from dspark.provenance import provenance
 from dspark.targets.gguf_assets import file_sha256
 
-import staging
-
 REPO = Path(__file__).resolve().parents[1]
+# The staging helpers live with the lab's other device logistics (tools/lab/README.md).
+sys.path.insert(0, str(REPO / "tools" / "lab"))
+import staging  # noqa: E402
 STAGE_DIR = REPO / "experiments" / "stage"
 GGUF_NAME = "smollm2.gguf"
 PACK_NAME = "drafters.safetensors"
@@ -113,7 +114,7 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 
-# ---- staging (experiments/staging.py) ------------------------------------------------------------
+# ---- staging (tools/lab/staging.py) --------------------------------------------------------------
 def split_gguf(source: Path, stage: Path = STAGE_DIR) -> dict:
     """The GGUF in two halves under stage/smollm2.gguf.part{1,2}: each half (46.9 MiB) fits beside the tree
     in one call."""
@@ -268,7 +269,7 @@ def train_configs(args, legs_before: int = 0) -> dict[str, TrainConfig]:
 # ---- drafters carried from one session to the next ------------------------------------------------
 # A session's device time holds ~1,400-2,500 lockstep steps, and its machine is gone when it ends. A pack keeps
 # what training made, both variants' trained parameters in bf16 (the ablation's frozen heads left out), with
-# each one's legs (steps, seed, commit); it travels in returnable parts (experiments/staging.py) and a later
+# each one's legs (steps, seed, commit); it travels in returnable parts (tools/lab/staging.py) and a later
 # session's `run --start-from` continues from it. AdamW's moments are not kept: each leg warms up again.
 def pack_drafters(work: Path, keep_dir: Path) -> dict:
     """keep_dir/drafters.safetensors from the variants trained in `work`, split into parts that come back

@@ -10,7 +10,7 @@ Overrides, strongest first:
      only to code running in that context (a contextvars.ContextVar), so two engines in one
      process keep their own kernel choices,
   2. `use(op, impl)` / the process-wide `overrides` mapping (what a config file sets),
-  3. the environment: DSPARK_KERNELS="linear=reference,latent_moe=cute_sm90",
+  3. the environment: DSPARK_KERNELS="linear=reference,moe_experts=cute_sm90",
   4. the default choice by priority.
 An override naming an implementation that does not exist, or cannot run on the device, is an
 error that names the op and the implementation: nothing silently falls back.

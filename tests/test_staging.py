@@ -1,4 +1,4 @@
-"""experiments/staging.py: a file cut into parts that travel in separate device calls, kept, and joined
+"""tools/lab/staging.py: a file cut into parts that travel in separate device calls, kept, and joined
 only when every part is the manifest's."""
 import json
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "lab"))
 import staging  # noqa: E402
 
 

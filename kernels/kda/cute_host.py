@@ -14,9 +14,9 @@ MAX_TOKENS = 16  # verify width supported: T = 1..16 (k <= 15 drafts)
 # Whether verify takes its [B, T, width] inputs with their own row strides (the kernel is compiled
 # for any), so the column slices of the model's fused input GEMM go in without a copy; False
 # copies them (5 launches per KDA layer whenever the slices are not contiguous: T > 1 or B > 1).
-# On the H200 (experiments/results/h200/step_bench_77f9fb8.json, setting kda_strided_inputs=1, k3-slice
-# at 8k): B = 1, T = 8 4.44 -> 4.40 ms; B = 4, T = 1 4.00 -> 3.85 ms; bitwise equal outputs
-# (tests/gpu/test_kda_gpu.py).
+# The k3-slice step was faster with strided inputs at every batch measured on the H200
+# (experiments/step_bench.py --setting kda_strided_inputs=0 times the copies; experiments/notes/step.md),
+# and the outputs are bitwise equal (tests/gpu/test_kda_gpu.py).
 STRIDED_INPUTS = True
 
 _cache = CompileCache()

@@ -1,6 +1,6 @@
 """Absorbed-MLA multi-token verify attention for Hopper (sm_90a) in CuTe DSL: TMA + WGMMA.
 
-Design (docs/docs/kernels.md §2, §7 row 6; docs/kimi-k3.md §3 absorbed form;
+Design (docs/kernels.md §2, §7 row 6; docs/kimi-k3.md §3 absorbed form;
 measurements: experiments/notes/mla.md):
 - One CTA = 64 query rows (heads x tokens of one request, rows r = j*H + h) x one KV split.
   Grid (row tiles, splits, B). Two math warpgroups split O by columns (256 each, 128 fp32

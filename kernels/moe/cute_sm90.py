@@ -689,18 +689,18 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 # How moe_experts builds its expert lists for up to one slot per expert (at most `token_tile`
 # rows): "device" = the one-launch list kernel above, "torch" = expert_layout.build_expert_lists
 # (~16 small kernels: a sort, a scan, scatters). The list kernel equals the torch lists on the
-# H200 (tests/gpu/test_moe_gpu.py, experiments/results/h200/gpu_tests_tail_685c19f.log), so it is
-# the default; experiments/step_bench.py --setting moe_lists=torch times the other.
+# H200 (tests/gpu/test_moe_gpu.py; experiments/notes/moe.md), so it is the default;
+# experiments/step_bench.py --setting moe_lists=torch times the other.
 DEFAULT_LISTS = "device"
 
 
 # How moe_experts adds up each token's expert outputs: "torch" = gather them into [T, k, latent],
 # then one multiply and one reduction (expert_layout.weighted_sum); "triton" = one launch that
 # reads each pair's row where pass 2 wrote it and adds them in top-k order
-# (kernels/moe/triton.py:weighted_combine). On the H200 the k3-slice step with "triton" ran 6
-# launches fewer and 0-30 us faster (T = 1: 2.763 against 2.766 ms, T = 8: 4.20 against 4.23 ms;
-# experiments/results/h200/step_bench_ab_combine_router.json); both match float64 on the GPU
-# (tests/gpu/test_moe_gpu.py, gpu_tests_8f29067.log). Fewer launches per layer is #12's goal.
+# (kernels/moe/triton.py:weighted_combine). On the H200 the k3-slice step with "triton" ran
+# fewer launches and was no slower (experiments/step_bench.py --setting moe_combine=torch times the
+# other; experiments/notes/step.md); both match float64 on the GPU (tests/gpu/test_moe_gpu.py).
+# Fewer launches per layer is #12's goal.
 COMBINE = "triton"
 
 
