@@ -7,8 +7,9 @@ same size; at the SmolLM2 recipe's sizes that is ~2.8 GB per tensor per 128-anch
 the head's two products are one GEMM, [hidden ; prev_embedding] [lm_head ; markov_w2]^T over
 K = d + r, recomputed tile by tile wherever the logits are needed:
 
-  forward   head_lse_kernel (log-sum-exp and z[label]), then head_l1_kernel (the L1 distance and
+  forward   head_lse_kernel (log-sum-exp), then head_l1_kernel (the L1 distance and
             S = sum_v sign(p_v - t_v) p_v, which the backward needs): 2 GEMMs' worth of tiles;
+            z[label] = x . w[label] row by row in torch;
   backward  head_grad_kernel writes dL/dz in bf16 into a buffer of at most GRAD_BUFFER_BYTES,
             rows in chunks (1 GEMM's worth), and cuBLAS (bf16 in, float32 out) multiplies each
             chunk out: d[hidden ; prev] = dz [lm_head ; markov_w2], d markov_w2 += dz^T prev.
@@ -90,31 +91,33 @@ def _forward(x, w, target_probs, rows, labels, splits: int | None):
     V = w.shape[0]
     splits, width = vocab_splits(n, V, x.device, splits, kernels.MAX_BLOCK_V)
     part = torch.empty(4, splits, n, dtype=torch.float32, device=x.device)
-    label_logit = torch.empty(n, dtype=torch.float32, device=x.device)
 
     def grid(meta):
         return (_cdiv(n, meta["BLOCK_M"]), splits)
 
-    kernels.head_lse_kernel[grid](x, x.stride(0), w, w.stride(0), labels, part[0], part[1], label_logit,
-                                  n, V, Kp, width, BLOCK_K=BLOCK_K)
+    x_desc, w_desc = kernels.descriptor(x), kernels.descriptor(w)
+    kernels.head_lse_kernel[grid](x_desc, w_desc, part[0], part[1], n, V, Kp, width, BLOCK_K=BLOCK_K)
     top = part[0].max(dim=0).values
     lse = top + torch.log((part[1] * torch.exp(part[0] - top)).sum(dim=0))
-    kernels.head_l1_kernel[grid](x, x.stride(0), w, w.stride(0), target_probs, target_probs.stride(0), rows, lse,
-                                 part[2], part[3], n, V, Kp, width, BLOCK_K=BLOCK_K)
+    kernels.head_l1_kernel[grid](x_desc, w_desc, target_probs, target_probs.stride(0), rows, lse, part[2], part[3],
+                                 n, V, Kp, width, BLOCK_K=BLOCK_K)
+    # z[label] = x . w[label]: products of bf16 values are exact in float32, summed in float32.
+    label_logit = (x.float() * w[labels].float()).sum(dim=1)
     return lse, lse - label_logit, part[2].sum(dim=0), part[3].sum(dim=0)
 
 
 def _grad_logits(x, w, target_probs, rows, labels, lse, mass, grad_ce, grad_l1, out: torch.Tensor) -> None:
-    """out [m, V] (bf16) = dL/dz of rows x [m, Kp]."""
+    """out [m, V] (bf16, rows 16-byte aligned) = dL/dz of rows x [m, Kp]."""
+    kernels = _kernels()
     m, Kp = x.shape
     V = w.shape[0]
 
     def grid(meta):
         return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(V, meta["BLOCK_V"]),)
 
-    _kernels().head_grad_kernel[grid](x, x.stride(0), w, w.stride(0), target_probs, target_probs.stride(0), rows,
-                                      labels, lse, mass, grad_ce, grad_l1, out, out.stride(0), m, V, Kp,
-                                      BLOCK_K=BLOCK_K, GROUP_M=GROUP_M)
+    kernels.head_grad_kernel[grid](kernels.descriptor(x), kernels.descriptor(w), target_probs, target_probs.stride(0),
+                                   rows, labels, lse, mass, grad_ce, grad_l1, kernels.descriptor(out), m, V, Kp,
+                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M)
 
 
 def grad_chunk_rows(n: int, V: int, limit: int | None = None) -> int:
@@ -154,10 +157,11 @@ class _DraftHeadLoss(torch.autograd.Function):
         d_x = torch.empty(n, cols.stop - cols.start, dtype=torch.float32, device=x.device)
         d_w2 = torch.zeros(V, r, dtype=torch.float32, device=x.device) if needs_w2 else None
         chunk = grad_chunk_rows(n, V, ctx.chunk_rows)
-        buffer = torch.empty(min(chunk, n), V, dtype=torch.bfloat16, device=x.device)
+        # Rows padded to 8 elements: TMA stores need 16-byte aligned rows.
+        buffer = torch.empty(min(chunk, n), _cdiv(V, 8) * 8, dtype=torch.bfloat16, device=x.device)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            grad_z = buffer[: stop - start]
+            grad_z = buffer[: stop - start, :V]
             _grad_logits(x[start:stop], w, target_probs, rows[start:stop], labels[start:stop], lse[start:stop],
                          mass[start:stop], grad_ce[start:stop], grad_l1[start:stop], grad_z)
             if cols.stop > cols.start:
