@@ -134,10 +134,9 @@ def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labe
                      grad_ce_ptr, grad_l1_ptr, grad_desc, n, V, Kp,
                      BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One [BLOCK_M, BLOCK_V] tile of dL/dz = g_ce (p - [v = label]) + g_l1 p (sign(p - t) - S)
-    per program, stored in bf16 (docs/dspark-algorithm.md §6.3); the descriptor clips the tile
-    at the matrix's edges. Programs run in groups
-    of GROUP_M row blocks sweeping the vocabulary together, so the w tiles they share (and their
-    x rows) are read from L2."""
+    per program, stored in bf16 (docs/dspark-algorithm.md §6.3); the descriptor clips the tile at
+    the matrix's edges. Programs run in groups of GROUP_M row blocks sweeping the vocabulary
+    together, so the w tiles they share (and their x rows) are read from L2."""
     pid = tl.program_id(0)
     row_blocks = tl.cdiv(n, BLOCK_M)
     per_group = GROUP_M * tl.cdiv(V, BLOCK_V)

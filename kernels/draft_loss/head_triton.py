@@ -15,8 +15,9 @@ K = d + r, recomputed tile by tile wherever the logits are needed:
             chunk out: d[hidden ; prev] = dz [lm_head ; markov_w2], d markov_w2 += dz^T prev.
 
 Memory beyond the inputs: the bf16 operands (N x Kp and V x Kp, kept for the backward), four
-float32 numbers per row and vocabulary split, the gradient buffer (rows_chunk x V bf16 <=
-GRAD_BUFFER_BYTES), and the float32 gradients themselves; never an [N, V] float32 tensor.
+float32 numbers per row and vocabulary split, for a moment x and w[labels] in float32 (N x Kp
+each, for z[label]), the gradient buffer (rows_chunk x V bf16 <= GRAD_BUFFER_BYTES), and the
+float32 gradients themselves; never an [N, V] float32 tensor.
 
 Numerics: every operand is rounded to bf16 once (relative error <= 2^-8; float32 inputs
 included); the products are exact in float32 and summed in float32, so z is float32 and never
