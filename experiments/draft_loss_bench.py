@@ -123,9 +123,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=256, help="r, the Markov head's rank")
     parser.add_argument("--target-rows", type=int, default=12288, help="M")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmups", type=int, default=3)
+    parser.add_argument("--warmups", type=int, default=3, help="calls before timing (the autotuner runs in the first)")
     args = parser.parse_args()
-    for name in ("slots", "vocab", "hidden", "rank", "target_rows", "repeats"):
+    for name in ("slots", "vocab", "hidden", "rank", "target_rows", "repeats", "warmups"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not torch.cuda.is_available():
@@ -157,6 +157,7 @@ def main() -> None:
     result["fused"]["kernels"] = kernel_breakdown(fused)
     write_json(args.out, result)
     result["today"] = measure(today, args.repeats, args.warmups)
+    result["today"]["kernels"] = kernel_breakdown(today)
     with torch.no_grad():
         got, ref = fused(backward=False), today(backward=False)
     result["fused_vs_today_max_abs"] = {name: (g - w).abs().max().item() for name, g, w in zip(("ce", "l1"), got, ref)}
