@@ -113,3 +113,14 @@ def draft_loss_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, row
     draft_logits [N, V] (the DSpark loss's vocabulary-wide terms)."""
     args = (draft_logits, target_probs, rows, labels)
     return select("draft_loss_terms", *args).fn(*args)
+
+
+def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
+                    markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_loss_terms of the draft logits z = hidden lm_head^T + prev_embedding markov_w2^T
+    ([N, d], [V, d], [N, r], [V, r]) without materialising them: (ce [N], l1 [N]) float32,
+    differentiable in hidden, prev_embedding and markov_w2 (lm_head is frozen: one requiring
+    grad is a ValueError). target_probs [M, V] float32 or bf16; contract: kernels/draft_loss/head_reference.py."""
+    args = (hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels)
+    return select("draft_head_loss", *args).fn(*args)

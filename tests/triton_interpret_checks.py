@@ -10,6 +10,8 @@ import torch
 
 from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.draft_loss import head_reference as loss_head_ref
+from dspark.kernels.draft_loss import head_triton as loss_head_triton
 from dspark.kernels.draft_loss import reference as loss_ref
 from dspark.kernels.draft_loss import triton as loss_triton
 from dspark.kernels.moe import expert_layout
@@ -178,6 +180,166 @@ def draft_loss_with_gradient(fn, logits, target_probs, rows, labels, up_ce, up_l
     return ce.detach(), l1.detach(), leaf.grad
 
 
+F32_U, BF16_U = 2.0**-24, 2.0**-8  # unit roundoffs (round to nearest)
+# The interpreter converts float32 to bf16 by truncation (triton/runtime/interpreter.py, _convert_float
+# without a rounding mode): twice the error of the GPU's rounding to nearest.
+INTERPRETER_BF16_U = 2.0**-7
+# Unit roundoff of float32 accumulation in matrix products: tensor cores truncate rather than round,
+# and align the terms of their multi-term adds to the largest with few extra bits (Fasi, Higham,
+# Mikaitis and Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021): 4u covers both.
+ACC_U = 4 * F32_U
+
+
+class _PoisonedTorch:
+    """torch, except that `empty` fills what it returns with NaN (floats) or -1 (integers): set
+    as a kernel wrapper's `torch`, every buffer it allocates reads as poison where nothing wrote."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        out = torch.empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+
+def head_loss_with_gradients(fn, operands, target_probs, rows, labels, up_ce, up_l1, wanted=(True, True, True),
+                             **options):
+    """(ce, l1, d hidden, d prev_embedding, d markov_w2): fn's terms on leaf copies of the operands
+    (hidden, prev_embedding, lm_head, markov_w2; lm_head stays frozen) and the gradients of
+    sum(up_ce * ce + up_l1 * l1) (random upstream gradients reach both terms' backward) for the
+    leaves `wanted` says require grad (None for the others)."""
+    hidden, prev, lm_head, w2 = (t.detach().clone() for t in operands)
+    leaves = [t.requires_grad_(True) for t, want in zip((hidden, prev, w2), wanted) if want]
+    ce, l1 = fn(hidden, prev, lm_head, w2, target_probs, rows, labels, **options)
+    grads = iter(torch.autograd.grad((ce.double() * up_ce).sum() + (l1.double() * up_l1).sum(), leaves))
+    return (ce.detach(), l1.detach(), *(next(grads) if want else None for want in wanted))
+
+
+def head_loss_expected(operands, target_probs, rows, labels, up_ce, up_l1, vocab_steps: int,
+                       dz_rounding: float = BF16_U):
+    """The float64 reference (head_reference under autograd) on the bf16-rounded operands, as
+    (ce, l1, d hidden, d prev_embedding, d markov_w2), and a bound on each for the bf16 kernel,
+    derived from its arithmetic (u = 2^-24, float32's unit roundoff; ACC_U for matrix products):
+      z: a float32 dot over K terms, |dz| <= 1.01 K ACC_U (|x| |w|^T);
+      sums over the vocabulary: float32, in at most vocab_steps sequential or tree steps, so
+        relative error <= vocab_steps u; exp: 2^-20 relative, and u |argument|;
+      lse, then ce = lse - z[label]; p = exp(z - lse) to relative error dz + dlse + rounding;
+      l1 and S = sum sign(p - t) p: the sum of |dp| plus the sums' rounding, and for S 2 p where
+        |p - t| <= |dp| (sign(p - t) may flip there: the kink of |.|);
+      dL/dz: the same errors through g_ce (p - onehot) + g_l1 p (sign - S), then one bf16
+        rounding (dz_rounding relative: 2^-8 rounding to nearest on the GPU; INTERPRETER_BF16_U
+        under the interpreter);
+      d[hidden ; prev] = dz w and d markov_w2 = dz^T prev: the dz error times |w| (|prev|) plus
+        float32 accumulation over V (over the rows), 1.01 V ACC_U |dz| |w|; and one more bf16
+        rounding where the gradient's dtype is bf16 (check_head_close).
+    Every operand in `operands` is float64 already holding bf16 values."""
+    hidden, prev, lm_head, w2 = operands
+    want = head_loss_with_gradients(loss_head_ref.draft_head_loss, operands, target_probs.double(), rows, labels,
+                                    up_ce, up_l1)
+    d = hidden.shape[1]
+    x, w = torch.cat([hidden, prev], dim=1), torch.cat([lm_head, w2], dim=1)
+    target = (target_probs if rows is None else target_probs[rows]).double()
+    z = x @ w.t()
+    lse = z.logsumexp(dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    onehot = torch.nn.functional.one_hot(labels, w.shape[0]).double()
+    zerr = 1.01 * x.shape[1] * ACC_U * (x.abs() @ w.abs().t())
+    rounding = (vocab_steps + 8) * F32_U + 2.0**-20 + 4 * F32_U * (z.abs().amax(-1, keepdim=True) + lse.abs())
+    lse_err = zerr.amax(-1, keepdim=True) + rounding
+    ce_err = lse_err[:, 0] + (zerr * onehot).sum(-1) + F32_U * want[0].abs()
+    p_err = 1.01 * p * (zerr + lse_err + rounding)
+    diff = p - target
+    kink = diff.abs() <= p_err + F32_U * p
+    mass = (torch.sign(diff) * p).sum(-1, keepdim=True)
+    l1_err = p_err.sum(-1) * (1 + vocab_steps * F32_U) + (vocab_steps + 1) * F32_U * want[1]
+    mass_err = p_err.sum(-1, keepdim=True) + (vocab_steps + 1) * F32_U + (2 * p * kink).sum(-1, keepdim=True)
+    g_ce, g_l1 = up_ce.abs()[:, None], up_l1.abs()[:, None]
+    dz = up_ce[:, None] * (p - onehot) + up_l1[:, None] * p * (torch.sign(diff) - mass)
+    dz_f32_err = (g_ce * p_err + g_l1 * (p_err * (1 + mass.abs()) + p * mass_err + 2 * p * kink)
+                  + 4 * F32_U * (g_ce * (p + onehot) + g_l1 * p * (1 + mass.abs())))
+    dz_err = dz_rounding * dz.abs() + (1 + dz_rounding) * dz_f32_err
+    dz_abs = dz.abs() + dz_err
+    x_err = dz_err @ w.abs() + 1.01 * w.shape[0] * ACC_U * (dz_abs @ w.abs())
+    w2_err = dz_err.t() @ prev.abs() + 1.01 * x.shape[0] * ACC_U * (dz_abs.t() @ prev.abs())
+    bounds = [ce_err, l1_err, x_err[:, :d], x_err[:, d:], w2_err]
+    return want, bounds
+
+
+def check_head_close(got, want, bounds, grad_dtypes, what: str) -> None:
+    """Each of (ce, l1, d hidden, d prev_embedding, d markov_w2) finite (no poison left) and within
+    its bound, plus one rounding to the gradient's dtype where that is bf16 (2^-8 relative)."""
+    names = ("ce", "l1", "d hidden", "d prev_embedding", "d markov_w2")
+    for name, g, w, bound, dtype in zip(names, got, want, bounds, (torch.float32,) * 2 + tuple(grad_dtypes)):
+        if g is None:  # a gradient not asked for
+            continue
+        if g.shape != w.shape or not torch.isfinite(g).all():
+            sys.exit(f"{what}: {name}: shape {tuple(g.shape)} vs {tuple(w.shape)} or non-finite (unwritten) values")
+        if dtype == torch.bfloat16:
+            bound = bound * (1 + BF16_U) + BF16_U * w.abs()
+        excess = (g.double() - w).abs() - bound
+        if (excess > 0).any():
+            worst = int(excess.argmax())
+            sys.exit(f"{what}: {name}: {int((excess > 0).sum())} of {excess.numel()} values out of bound; worst "
+                     f"at flat index {worst}: got {g.flatten()[worst].item():.6e}, want {w.flatten()[worst].item():.6e}, "
+                     f"bound {bound.flatten()[worst].item():.3e}")
+
+
+def head_loss_inputs(gen, positions, target_rows, vocab, d, r, operand_dtype, target_dtype):
+    """Random operands at the scales of a trained head (logits of a few units), target rows of a
+    peaked softmax, labels and target rows drawn with repeats; on gen's device."""
+    def normal(*shape):
+        return torch.randn(*shape, generator=gen, device=gen.device)
+
+    hidden, prev = normal(positions, d) * 2, normal(positions, r)
+    lm_head, w2 = normal(vocab, d) * (1.5 / d**0.5), normal(vocab, r) * (1.0 / r**0.5)
+    operands = tuple(t.to(operand_dtype) for t in (hidden, prev, lm_head, w2))
+    target = torch.softmax(normal(target_rows, vocab) * 2.5, dim=-1).to(target_dtype)
+    rows = torch.randint(0, target_rows, (positions,), generator=gen, device=gen.device)
+    labels = torch.randint(0, vocab, (positions,), generator=gen, device=gen.device)
+    return operands, target, rows, labels
+
+
+def check_draft_head_loss(gen: torch.Generator) -> None:
+    """draft_head_loss's Triton kernels (head_triton) against the float64 reference under autograd,
+    values and gradients, within head_loss_expected's bounds. Awkward sizes: 37 positions (row
+    blocks of 16: the last partial), V = 300 (tiles of 64: the last partial; 2 vocabulary
+    splits of 192 and 108 columns), K = 56 + 24 = 80 (two K steps, the second zero-padded),
+    backward chunks of 16 rows (the last partial); bf16 and float32 operands, rows given and
+    None, bf16 and float32 targets, and every subset of the gradients the backward computes
+    apart (all; prev_embedding's alone; hidden's and markov_w2's; markov_w2's alone). Every
+    buffer the wrapper allocates starts as NaN."""
+    positions, target_rows, vocab, d, r = 37, 11, 300, 56, 24
+    cases = ((torch.bfloat16, torch.bfloat16, True, (True, True, True)),
+             (torch.bfloat16, torch.float32, False, (False, True, False)),
+             (torch.float32, torch.bfloat16, False, (True, False, True)),
+             (torch.float32, torch.float32, True, (False, False, True)))
+    real_torch = loss_head_triton.torch
+    for operand_dtype, target_dtype, given_rows, wanted in cases:
+        operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, r, operand_dtype,
+                                                          target_dtype)
+        if not given_rows:
+            target, rows = target[rows], None
+        up_ce, up_l1 = (torch.randn(positions, generator=gen, dtype=torch.float64) for _ in range(2))
+        loss_head_triton.torch = _PoisonedTorch()
+        try:
+            got = head_loss_with_gradients(loss_head_triton.draft_head_loss, operands, target, rows, labels,
+                                           up_ce, up_l1, wanted, splits=2, chunk_rows=16)
+        finally:
+            loss_head_triton.torch = real_torch
+        rounded = tuple(t.to(torch.bfloat16).double() for t in operands)
+        want, bounds = head_loss_expected(rounded, target, rows, labels, up_ce, up_l1, vocab_steps=vocab // 64 + 64,
+                                          dz_rounding=INTERPRETER_BF16_U)
+        grad_dtypes = (operands[0].dtype, operands[1].dtype, operands[3].dtype)
+        check_head_close(got, want, bounds, grad_dtypes,
+                         f"draft_head_loss ({operand_dtype} operands, {target_dtype} target, "
+                         f"{'rows' if given_rows else 'no rows'}, gradients of {wanted})")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    if sys.argv[2:] == ["draft_head_loss"]:  # only this op's check (tests/test_draft_loss_head.py)
+        check_draft_head_loss(torch.Generator().manual_seed(int(sys.argv[1])))
+        print("draft_head_loss: all checks passed")
+    else:
+        main(int(sys.argv[1]))
 

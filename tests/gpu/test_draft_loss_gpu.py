@@ -7,7 +7,10 @@ relative error of 1e-5 in float32's softmax moves it by, for bf16 logits (the gr
 written in the logits' dtype) plus one bf16 rounding, 2^-8 |ref|; and where the draft and
 target probabilities are equal to within float32's error, plus the jump of the derivative of
 |p - t| there. The caching allocator is filled with NaN first, so an element the kernels do
-not write shows up."""
+not write shows up.
+
+draft_head_loss (the head's GEMM fused in): the bounds are derived from its kernels' float32 and
+bf16 arithmetic (tests/triton_interpret_checks.py, head_loss_expected); see its test."""
 import pytest
 import torch
 
@@ -54,3 +57,48 @@ def test_draft_loss_terms_match_float64(dtype):
     over = (grad - want_grad).abs() > bound
     assert not over.any(), (f"gradient: {int(over.sum())} elements out of bound, worst error "
                             f"{((grad - want_grad).abs() - bound).max().item():.2e} past it")
+
+
+@pytest.mark.parametrize("operand_dtype,target_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_draft_head_loss_matches_float64_at_the_recipe_sizes(operand_dtype, target_dtype):
+    """ops.draft_head_loss (the Triton implementation, the default on CUDA) at the SmolLM2
+    recipe's step: N = 32,768 slots, d = 576, r = 256, V = 49,152, M = 12,288 target rows. The
+    upstream gradients are random on 512 random slots and zero elsewhere, so the float64
+    reference (on the bf16-rounded operands) is needed for those slots only: their ce, l1 and
+    gradient rows, and markov_w2's whole gradient, within head_loss_expected's bounds (derived
+    from the kernels' float32 and bf16 arithmetic); every other slot's gradient rows must be
+    exactly zero. Every buffer the wrapper allocates starts as NaN, so an unwritten element shows."""
+    from triton_interpret_checks import (_PoisonedTorch, check_head_close, head_loss_expected, head_loss_inputs,
+                                         head_loss_with_gradients)
+
+    from dspark.kernels import ops, registry
+    from dspark.kernels.draft_loss import head_triton
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    N, M, V, d, r, checked = 32768, 12288, 49152, 576, 256, 512
+    operands, target, rows, labels = head_loss_inputs(gen, N, M, V, d, r, operand_dtype, target_dtype)
+    picked = torch.randperm(N, generator=gen, device="cuda")[:checked]
+    up_ce, up_l1 = (torch.zeros(N, dtype=torch.float64, device="cuda") for _ in range(2))
+    up_ce[picked] = torch.randn(checked, generator=gen, dtype=torch.float64, device="cuda")
+    up_l1[picked] = torch.randn(checked, generator=gen, dtype=torch.float64, device="cuda")
+    assert registry.select("draft_head_loss", *operands, target, rows, labels).name == "triton"
+    real_torch = head_triton.torch
+    head_triton.torch = _PoisonedTorch()
+    try:
+        got = head_loss_with_gradients(ops.draft_head_loss, operands, target, rows, labels, up_ce, up_l1)
+    finally:
+        head_triton.torch = real_torch
+    others = torch.ones(N, dtype=torch.bool, device="cuda")
+    others[picked] = False
+    for grad, what in ((got[2], "d hidden"), (got[3], "d prev_embedding")):
+        assert torch.equal(grad[others], torch.zeros_like(grad[others])), f"seed {seed}: {what} of unweighted slots"
+    rounded = tuple(t.to(torch.bfloat16).double() for t in operands)
+    sub = (rounded[0][picked], rounded[1][picked], rounded[2], rounded[3])
+    want, bounds = head_loss_expected(sub, target[rows[picked]], None, labels[picked], up_ce[picked], up_l1[picked],
+                                      vocab_steps=V // 64 + 64)
+    got = (got[0][picked], got[1][picked], got[2][picked], got[3][picked], got[4])
+    try:
+        check_head_close(got, want, bounds, (operand_dtype,) * 3, f"seed {seed}")
+    except SystemExit as failure:  # the shared checks exit with their message (they also run as a script)
+        pytest.fail(str(failure))
