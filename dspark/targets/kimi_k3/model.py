@@ -38,6 +38,16 @@ SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight"
                               "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
 
 
+def _stack_of_views(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[len(tensors), ...]: the stack the tensors are consecutive views of, as it is, when they are
+    (weights.expert_stack_views: random and loaded checkpoints); else a stacked copy."""
+    base = tensors[0]._base
+    if (base is not None and base.is_contiguous() and tuple(base.shape) == (len(tensors), *tensors[0].shape)
+            and all(t._base is base and t.data_ptr() == base[j].data_ptr() for j, t in enumerate(tensors))):
+        return base
+    return torch.stack(tensors)
+
+
 @dataclass
 class DecodeState:
     """The committed state a forward reads, for the B requests of a call.
@@ -58,8 +68,9 @@ class DecodeState:
 class K3Model:
     def __init__(self, cfg: K3Config, tensors: dict[str, torch.Tensor]):
         """Build from checkpoint-layout tensors. Takes ownership of `tensors`: the per-expert
-        entries are removed as each layer's experts are stacked, so the routed experts (most
-        of the bytes) are never held twice."""
+        entries are removed as each layer's experts are stacked; when they are views of one
+        stack per layer (weights.expert_stack_views) the stack is taken as it is, so the routed
+        experts (most of the bytes) are never held twice."""
         layout.check_tensors(cfg, tensors)
         self.cfg = cfg
         self.dtype = tensors[layout.EMBED].dtype
@@ -111,11 +122,8 @@ class K3Model:
         experts = [layout.expert_prefix(i, e) for e in range(self.cfg.num_experts)]
 
         def stacked(w, part):
-            names = [f"{x}.{w}.{part}" for x in experts]
-            result = torch.stack([tensors[n] for n in names])
-            for n in names:
-                del tensors[n]
-            return result
+            experts_of_kind = [tensors.pop(f"{x}.{w}.{part}") for x in experts]
+            return _stack_of_views(experts_of_kind)
 
         return LatentMoEWeights(
             gate=tensors[f"{m}.gate.weight"],

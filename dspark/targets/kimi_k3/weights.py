@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -42,6 +43,30 @@ def layer_prefix(i: int) -> str:
 
 def expert_prefix(i: int, e: int) -> str:
     return f"{layer_prefix(i)}.block_sparse_moe.experts.{e}"
+
+
+# A routed expert's tensor: layer, expert, weight (w1/w2/w3), part (weight_packed/weight_scale).
+EXPERT_NAME = re.compile(re.escape(PREFIX) + r"\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)")
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def expert_shapes(cfg: K3Config) -> dict[str, tuple[int, int]]:
+    """"{w}.{part}" -> shape of one routed expert's MXFP4 tensor: w1, w3 [I, latent], w2 [latent, I] as
+    packed codes [N, K/2] and scales [N, K/32] (docs/kimi-k3.md §1.3)."""
+    inter, latent = cfg.moe_intermediate_size, cfg.latent_size
+    shapes = {}
+    for w, (n, k) in zip(EXPERT_WEIGHTS, ((inter, latent), (inter, latent), (latent, inter))):
+        shapes[f"{w}.weight_packed"] = (n, k // 2)
+        shapes[f"{w}.weight_scale"] = (n, k // GROUP_SIZE)
+    return shapes
+
+
+def expert_stack_views(cfg: K3Config, i: int, stacks: dict[str, torch.Tensor], experts: range) -> dict[str, torch.Tensor]:
+    """The checkpoint-layout names of layer i's experts as views of its stacks [len(experts), ...]:
+    a model built from them takes the stacks as they are (K3Model._stack_moe), so the routed
+    experts, most of the bytes, are never held twice (a per-expert tensor stacked by copying
+    leaves its freed block in the caching allocator, which cannot serve the larger stack)."""
+    return {f"{expert_prefix(i, e)}.{key}": stack[j] for key, stack in stacks.items() for j, e in enumerate(experts)}
 
 
 def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -93,7 +118,7 @@ def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
             add(f"{p}.mlp.up_proj.weight", cfg.intermediate_size, D)
             add(f"{p}.mlp.down_proj.weight", D, cfg.intermediate_size)
         else:
-            m, Lt, I, S = f"{p}.block_sparse_moe", cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+            m, Lt, S = f"{p}.block_sparse_moe", cfg.latent_size, cfg.shared_intermediate_size
             add(f"{m}.gate.weight", cfg.num_experts, D)
             add(f"{m}.gate.e_score_correction_bias", cfg.num_experts)
             add(f"{m}.routed_expert_down_proj.weight", Lt, D)
@@ -103,10 +128,8 @@ def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
             add(f"{m}.shared_experts.up_proj.weight", S, D)
             add(f"{m}.shared_experts.down_proj.weight", D, S)
             for e in range(cfg.num_experts):
-                x = expert_prefix(i, e)
-                for w, (n, k) in (("w1", (I, Lt)), ("w3", (I, Lt)), ("w2", (Lt, I))):
-                    specs[f"{x}.{w}.weight_packed"] = ((n, k // 2), "u8")
-                    specs[f"{x}.{w}.weight_scale"] = ((n, k // GROUP_SIZE), "u8")
+                for key, shape in expert_shapes(cfg).items():
+                    specs[f"{expert_prefix(i, e)}.{key}"] = (shape, "u8")
     return specs
 
 
@@ -115,43 +138,52 @@ def tensor_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- random init
-def _random_mxfp4(shape, fan_in: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform random E2M1 codes with one power-of-two scale chosen so the weight's std is about
-    fan_in^-1/2 (uniform codes have an rms of sqrt(mean(m^2)) over the 8 magnitudes)."""
-    n, k = shape
+def _random_expert_stacks(cfg: K3Config, experts: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """One layer's routed experts drawn straight into their stacks [experts, ...]: uniform random
+    E2M1 codes with one power-of-two scale per weight chosen so its std is about fan_in^-1/2
+    (uniform codes have an rms of sqrt(mean(m^2)) over the 8 magnitudes)."""
     code_rms = math.sqrt(sum(m * m for m in E2M1_MAGNITUDES) / len(E2M1_MAGNITUDES))
-    exponent = round(math.log2(fan_in**-0.5 / code_rms))
-    packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
-    scale = torch.full((n, k // GROUP_SIZE), exponent + E8M0_BIAS, dtype=torch.uint8, device=device)
-    return packed, scale
+    shapes = expert_shapes(cfg)
+    stacks = {}
+    for w in EXPERT_WEIGHTS:
+        n, half_k = shapes[f"{w}.weight_packed"]
+        exponent = round(math.log2((2 * half_k) ** -0.5 / code_rms))
+        stacks[f"{w}.weight_packed"] = torch.randint(0, 256, (experts, n, half_k), generator=gen, device=device,
+                                                     dtype=torch.uint8)
+        stacks[f"{w}.weight_scale"] = torch.full((experts, *shapes[f"{w}.weight_scale"]), exponent + E8M0_BIAS,
+                                                 dtype=torch.uint8, device=device)
+    return stacks
 
 
 def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """A random checkpoint whose activations stay O(1): linear weights ~ N(0, 1/fan_in) on
-    RMS-normalised inputs, norms near 1, logits of unit scale (varied argmax)."""
+    RMS-normalised inputs, norms near 1, logits of unit scale (varied argmax). Each MoE layer's
+    experts are views of one stack per tensor kind (expert_stack_views)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, (shape, kind) in tensor_specs(cfg).items():
         if kind == "u8":
-            if name.endswith(".weight_scale"):
-                continue  # written with its weight_packed
-            base = name[: -len(".weight_packed")]
-            n, half_k = shape
-            packed, scale = _random_mxfp4((n, half_k * 2), half_k * 2, gen, device)
-            tensors[name], tensors[f"{base}.weight_scale"] = packed, scale
+            if name not in tensors:  # the layer's first expert tensor: draw all of them
+                layer = int(EXPERT_NAME.fullmatch(name).group(1))
+                stacks = _random_expert_stacks(cfg, cfg.num_experts, gen, device)
+                tensors.update(expert_stack_views(cfg, layer, stacks, range(cfg.num_experts)))
             continue
 
-        def normal(std):
-            return torch.randn(shape, generator=gen, device=device) * std
+        target = tensor_dtype(kind, dtype)
+
+        def normal(std, mean=0.0):
+            # drawn in the tensor's own dtype: a float32 draw of the embedding or lm_head would
+            # leave a transient twice their size in the caching allocator
+            return torch.empty(shape, dtype=target, device=device).normal_(mean, std, generator=gen)
 
         if name.endswith(("norm.weight", "layernorm.weight")):
-            value = 1.0 + normal(0.1)
+            value = normal(0.1, mean=1.0)
         elif name.endswith("_conv1d.weight"):
             value = normal(0.5)
         elif name.endswith(".A_log"):
             # FLA's init: A in [1, 16]; entries past the head count are storage padding (zero).
-            value = torch.zeros(shape, device=device)
+            value = torch.zeros(shape, dtype=target, device=device)
             heads = cfg.kda_num_heads
             value[:heads] = torch.log(1 + 15 * torch.rand(heads, generator=gen, device=device))
         elif name.endswith(".dt_bias"):
@@ -162,7 +194,7 @@ def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict
             value = normal(1.0)
         else:  # projections [out, in], including the AttnRes pseudo-queries [1, D]
             value = normal(shape[-1] ** -0.5)
-        tensors[name] = value.to(tensor_dtype(kind, dtype))
+        tensors[name] = value
     return tensors
 
 
@@ -354,10 +386,21 @@ def load_checkpoint(path, dtype: torch.dtype, device) -> tuple[K3Config, dict[st
         raise CheckpointError(f"K3 checkpoint {str(path)!r}: no *.safetensors files")
     specs = tensor_specs(cfg)
     tensors: dict[str, torch.Tensor] = {}
+    stacks: dict[int, dict[str, torch.Tensor]] = {}  # per MoE layer, its experts' stacks, filled as read
     for file in files:
         # The vision tower and projector are not part of the text target.
         for name, tensor in iter_safetensors(file, keep=lambda n: n.startswith("language_model.")):
             kind = specs[name][1] if name in specs else "float"
+            if kind == "u8" and tensor.dtype == torch.uint8 and tuple(tensor.shape) == specs[name][0]:
+                # Read into its place in the layer's stack (expert_stack_views), never held twice.
+                layer, expert = (int(g) for g in EXPERT_NAME.fullmatch(name).group(1, 2))
+                if layer not in stacks:
+                    stacks[layer] = {key: torch.empty((cfg.num_experts, *shape), dtype=torch.uint8, device=device)
+                                     for key, shape in expert_shapes(cfg).items()}
+                key = name[len(expert_prefix(layer, expert)) + 1 :]
+                tensors[name] = stacks[layer][key][expert]
+                tensors[name].copy_(tensor)
+                continue
             tensors[name] = tensor.to(device=device, dtype=tensor_dtype(kind, dtype) if kind != "u8" else tensor.dtype)
     try:
         check_tensors(cfg, tensors)
