@@ -12,6 +12,7 @@ import pytest
 from dspark import roofline as rf
 from dspark.drafters.dspark.config import get_preset as get_drafter_preset
 from dspark.targets.kimi_k3.config import K3, K3_TINY
+from dspark.targets.kimi_k3.sharding import Shard
 
 GB = 1e9
 K3_DRAFT = get_drafter_preset("k3_dspark")
@@ -478,3 +479,75 @@ def test_cli_projection_json_and_text(tmp_path, capsys):
     assert "PROJECTION" not in capsys.readouterr().out
     with pytest.raises(ValueError, match="k = 3"):
         rf.main(parser.parse_args(["--k", "3", "--al", "2", "--comm", "model"]))
+
+
+# ---- one rank at deployment shape (docs/kimi-k3.md §8) ----------------------------------------------
+
+def _rank_bytes_by_hand(cfg, world):
+    """The rank's tensors of docs/kimi-k3.md §8 written out: ROWS / COLUMNS parts over `world`, the
+    replicated ones whole (norms, f_a, o_norm, MLA q_a / kv_a and their norms, the router bias)."""
+    d, w = cfg.hidden_size, cfg.kda_width // world
+    heads, mla_heads = cfg.kda_num_heads // world, cfg.mla_num_heads // world
+    bf16, fp32 = 2, 4
+    kda = bf16 * (4 * w * d + w * cfg.kda_gate_rank + heads * d + cfg.kda_gate_rank * d + d * w) \
+        + fp32 * (3 * w * cfg.kda_conv_size + w + heads + cfg.kda_head_dim)
+    mla = bf16 * (cfg.q_lora_rank * d + cfg.q_lora_rank + cfg.kv_cache_width * d + cfg.kv_lora_rank
+                  + mla_heads * cfg.qk_head_dim * cfg.q_lora_rank
+                  + mla_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+                  + 2 * mla_heads * cfg.v_head_dim * d)
+    latent, shared = cfg.latent_size // world, cfg.shared_intermediate_size // world
+    router_latent = bf16 * (cfg.num_experts // world * d + 2 * latent * d + cfg.latent_size) + fp32 * cfg.num_experts
+    num_moe = cfg.num_layers - cfg.first_k_dense
+    vocab = cfg.vocab_size // world
+    return {
+        "kda": len(cfg.kda_layers) * kda, "mla": len(cfg.mla_layers) * mla,
+        "router_latent": num_moe * router_latent, "shared_experts": num_moe * bf16 * 3 * shared * d,
+        "dense_ffn": cfg.first_k_dense * bf16 * 3 * cfg.intermediate_size // world * d,
+        "lm_head": bf16 * vocab * d, "embedding": bf16 * vocab * d,
+        "norms_attnres": bf16 * (cfg.num_layers * 6 * d + 3 * d),
+        "routed_experts": num_moe * cfg.num_experts // world * rf.expert_bytes(cfg),
+    }
+
+
+def test_rank_bytes_by_component():
+    got = rf.rank_weight_bytes(K3, Shard(0, 16))
+    expected = _rank_bytes_by_hand(K3, 16)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
+    # docs/kimi-k3.md §8: 98.31 GB held, of which the routed experts 90.40 GB (56 x 92 x 17,547,264 B)
+    assert got["routed_experts"] == 56 * 92 * 17_547_264
+    assert sum(got.values()) / GB == pytest.approx(98.31, abs=0.005)
+    trunk_read = sum(v for k, v in got.items() if k not in ("routed_experts", "embedding"))
+    assert trunk_read / GB == pytest.approx(7.756, abs=0.001)
+    # the whole model's components are trunk_weight_bytes' exactly
+    whole = rf.rank_weight_bytes(K3)
+    for name, value in rf.trunk_weight_bytes(K3).items():
+        assert whole[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_rank_step_cost():
+    whole = rf.step_cost(K3, tokens_per_request=8, context=8192)
+    rank = rf.step_cost(K3, tokens_per_request=8, context=8192, shard=Shard(3, 16))
+    assert rank.bytes["mla_kv"] == whole.bytes["mla_kv"]  # the latent cache is replicated
+    assert rank.bytes["kda_state"] == pytest.approx(whole.bytes["kda_state"] / 16)
+    assert rank.distinct_experts == pytest.approx(12.28, abs=0.01)  # the busiest rank, §6.5
+    assert rank.routed_bytes == pytest.approx(92 * rank.distinct_experts * 17_547_264)
+    assert rank.total_bytes / GB == pytest.approx(28.06, abs=0.01)
+    counted = rf.step_cost(K3, tokens_per_request=8, context=8192, shard=Shard(3, 16), routed_experts=12)
+    assert counted.routed_bytes == 92 * 12 * 17_547_264
+    plain = rf.step_cost(K3, tokens_per_request=1, context=8192, shard=Shard(0, 16))
+    assert plain.distinct_experts == pytest.approx(3.05, abs=0.01)
+    assert plain.total_bytes / GB == pytest.approx(12.96, abs=0.01)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(shard=Shard(0, 16), trunk_dtype="fp8"), "bf16 trunk"),
+    (dict(shard=Shard(0, 16), expert_dedup=2.0), "expert_dedup"),
+    (dict(shard=Shard(0, 16), routed_experts=57), "routed_experts=57"),
+    (dict(routed_experts=-1), "routed_experts=-1"),
+    (dict(shard=Shard(0, 5)), "Shard.world=5"),
+])
+def test_bad_rank_step_inputs_name_the_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        rf.step_cost(K3, tokens_per_request=8, **kwargs)

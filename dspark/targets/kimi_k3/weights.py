@@ -23,6 +23,7 @@ import torch
 
 from dspark.checkpoint_files import CheckpointError, iter_safetensors, read_json, require_directory
 from .config import K3Config
+from .sharding import Shard, shard_shape, shard_view
 from dspark.kernels.mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP_SIZE
 
 PREFIX = "language_model.model"
@@ -69,8 +70,24 @@ def expert_stack_views(cfg: K3Config, i: int, stacks: dict[str, torch.Tensor], e
     return {f"{expert_prefix(i, e)}.{key}": stack[j] for key, stack in stacks.items() for j, e in enumerate(experts)}
 
 
-def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor of the checkpoint: name -> (shape, kind)."""
+def tensor_specs(cfg: K3Config, shard: Shard | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the checkpoint: name -> (shape, kind); with `shard`, the tensors that rank
+    holds (its experts only) in the shapes it holds them (sharding.py)."""
+    specs = _full_specs(cfg)
+    if shard is None or shard.world == 1:
+        return specs
+    mine = shard.experts(cfg)
+    held = {}
+    for name, (shape, kind) in specs.items():
+        expert = EXPERT_NAME.fullmatch(name)
+        if expert is None:
+            held[name] = (shard_shape(cfg, shard, name, shape), kind)
+        elif int(expert.group(2)) in mine:
+            held[name] = (shape, kind)
+    return held
+
+
+def _full_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
     D, V = cfg.hidden_size, cfg.vocab_size
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
 
@@ -155,21 +172,29 @@ def _random_expert_stacks(cfg: K3Config, experts: int, gen: torch.Generator, dev
     return stacks
 
 
-def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device,
+                   shard: Shard | None = None) -> dict[str, torch.Tensor]:
     """A random checkpoint whose activations stay O(1): linear weights ~ N(0, 1/fan_in) on
     RMS-normalised inputs, norms near 1, logits of unit scale (varied argmax). Each MoE layer's
-    experts are views of one stack per tensor kind (expert_stack_views)."""
+    experts are views of one stack per tensor kind (expert_stack_views). With `shard`, only that
+    rank's tensors, drawn in its shapes (fan-in that of the whole matrix); they are not slices of
+    the whole model of the same seed (shard_tensors makes those)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
+    shard = shard or Shard()
+    experts = shard.experts(cfg)
+    held = tensor_specs(cfg, shard)
     tensors: dict[str, torch.Tensor] = {}
-    for name, (shape, kind) in tensor_specs(cfg).items():
+    for name, (full_shape, kind) in tensor_specs(cfg).items():
+        if name not in held:
+            continue
         if kind == "u8":
             if name not in tensors:  # the layer's first expert tensor: draw all of them
                 layer = int(EXPERT_NAME.fullmatch(name).group(1))
-                stacks = _random_expert_stacks(cfg, cfg.num_experts, gen, device)
-                tensors.update(expert_stack_views(cfg, layer, stacks, range(cfg.num_experts)))
+                stacks = _random_expert_stacks(cfg, len(experts), gen, device)
+                tensors.update(expert_stack_views(cfg, layer, stacks, experts))
             continue
-
+        shape = held[name][0]
         target = tensor_dtype(kind, dtype)
 
         def normal(std, mean=0.0):
@@ -184,7 +209,7 @@ def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict
         elif name.endswith(".A_log"):
             # FLA's init: A in [1, 16]; entries past the head count are storage padding (zero).
             value = torch.zeros(shape, dtype=target, device=device)
-            heads = cfg.kda_num_heads
+            heads = min(cfg.kda_num_heads, shape[0])
             value[:heads] = torch.log(1 + 15 * torch.rand(heads, generator=gen, device=device))
         elif name.endswith(".dt_bias"):
             value = normal(0.5)
@@ -193,14 +218,33 @@ def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict
         elif name == EMBED:
             value = normal(1.0)
         else:  # projections [out, in], including the AttnRes pseudo-queries [1, D]
-            value = normal(shape[-1] ** -0.5)
+            value = normal(full_shape[-1] ** -0.5)
         tensors[name] = value
     return tensors
 
 
-def check_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError on a missing, unexpected or misshapen tensor, naming it."""
-    specs = tensor_specs(cfg)
+def shard_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:
+    """Rank `shard`'s tensors cut from a whole checkpoint-layout dict (copies: the whole model
+    may be freed): its part of every tensor (sharding.py) and its experts, stacked per layer."""
+    shard.validate(cfg)
+    mine = shard.experts(cfg)
+    held = {}
+    for name, (shape, kind) in tensor_specs(cfg, shard).items():
+        expert = EXPERT_NAME.fullmatch(name)
+        if expert is None:
+            held[name] = shard_view(cfg, shard, name, tensors[name]).clone()
+        elif name not in held:
+            layer = int(expert.group(1))
+            stacks = {key: torch.stack([tensors[f"{expert_prefix(layer, e)}.{key}"] for e in mine])
+                      for key in expert_shapes(cfg)}
+            held.update(expert_stack_views(cfg, layer, stacks, mine))
+    return held
+
+
+def check_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
+    """Raise ValueError on a missing, unexpected or misshapen tensor, naming it (the tensors of
+    rank `shard` when given)."""
+    specs = tensor_specs(cfg, shard)
     missing = [n for n in specs if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r} (expected shape {specs[missing[0]][0]}; "
