@@ -13,7 +13,9 @@ the model and its assumptions are those of docs/kimi-k3.md §6:
 - no activation, communication or launch costs: these are floors.
 
 `dspark roofline` (configure_parser / main) prints the byte breakdown and the floors. With
-`--comm` and/or `--measured` it adds a batch-1 PROJECTION to 16 GB300 at AL 6, beside the seed's
+`--measured` of a k3-rank step (experiments/step_bench.py) it adds the batch-1 PROJECTION to 8 and
+16 GB300 of dspark/rank_projection.py (docs/kimi-k3.md §8.4). With `--comm` and/or `--measured`
+of a k3-slice step it adds a batch-1 PROJECTION to 16 GB300 at AL 6, beside the seed's
 ">840 tok/s": the floor scaled by the floor fraction a step reached on one H200 (step_bench.json),
 plus the collectives of a TP16 or TP+EP16 layout timed from a latency table (comm_bench.json, or
 a labelled model of NVLink 5). Floor, fraction and communication are each shown apart.
@@ -147,6 +149,12 @@ def rank_weight_bytes(cfg: K3Config = K3, shard: Shard | None = None) -> dict[st
     over the tensors it holds (weights.tensor_specs; dspark/targets/kimi_k3/sharding.py says which
     part of each): the trunk components of trunk_weight_bytes, "embedding" (held, but a step reads
     only its tokens' rows) and "routed_experts" (all the experts it holds)."""
+    return dict(_rank_weight_bytes(cfg, shard or Shard()))
+
+
+@functools.lru_cache(maxsize=32)
+def _rank_weight_bytes(cfg: K3Config, shard: Shard) -> dict[str, float]:
+    """rank_weight_bytes, once per (config, shard): K3's specs list half a million expert tensors."""
     from dspark.targets.kimi_k3.weights import tensor_specs
 
     per_element = {"float": BF16, "fp32": FP32, "u8": 1.0}
@@ -995,8 +1003,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="add communication to the batch-1 projection on 16 GB300: a comm_bench.py JSON "
                              "(experiments/results/h200x8/comm_bench.json) or 'model' (the GB300 NVLink 5 model)")
     parser.add_argument("--measured", default=None, metavar="FILE",
-                        help="scale the 16 GB300 floors by the measured floor fraction of a step_bench.json "
-                             "(experiments/results/h200/step_bench.json) in the batch-1 projection")
+                        help="a step_bench.py result: of k3-rank, project batch-1 tokens/s on 8 and 16 GB300 from the "
+                             "rank's measured step plus cited communication (docs/kimi-k3.md §8.4); of k3-slice, scale "
+                             "the 16 GB300 floors by its measured floor fraction")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
@@ -1013,7 +1022,14 @@ def main(args: argparse.Namespace) -> int:
         max_experts_per_rank=args.max_experts_per_rank,
     )
     projection = None
-    if args.comm is not None or args.measured is not None:
+    if args.measured is not None and rank_projection().is_rank_result(args.measured):
+        # a rank's measured step (experiments/step_bench.py --target k3-rank): docs/kimi-k3.md §8.4
+        if args.comm is not None:
+            raise ValueError(f"--comm {args.comm!r}: the projection from a rank's step ({args.measured!r}) uses "
+                             "cited communication figures (docs/kimi-k3.md §8.4), not --comm")
+        projection = rank_projection().project(rank_projection().load_rank_measurement(args.measured, args.context),
+                                               acceptance_lengths=tuple(args.al))
+    elif args.comm is not None or args.measured is not None:
         projection = build_projection(
             result, cfg, default_draft(cfg) if draft == "auto" else draft,
             comm=None if args.comm is None else load_comm(args.comm),
@@ -1034,5 +1050,14 @@ def main(args: argparse.Namespace) -> int:
             payload["projection"] = projection
         print(json.dumps(payload, indent=2))
     else:
-        print(_format_table(result) + ("" if projection is None else _format_projection(projection)))
+        text = "" if projection is None else (rank_projection().format_projection(projection) if "rows" in projection
+                                              else _format_projection(projection))
+        print(_format_table(result) + text)
     return 0
+
+
+def rank_projection():
+    """dspark.rank_projection, imported when used (it imports this module)."""
+    from dspark import rank_projection as module
+
+    return module

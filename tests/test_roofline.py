@@ -551,3 +551,90 @@ def test_rank_step_cost():
 def test_bad_rank_step_inputs_name_the_field(kwargs, words):
     with pytest.raises(ValueError, match=words):
         rf.step_cost(K3, tokens_per_request=8, **kwargs)
+
+
+# ---- the projection from a rank's measured step (docs/kimi-k3.md §8.4) -------------------------------
+
+def _rank_bench(tmp_path, device="NVIDIA H200", layers=93, rows=None, plain_ms=3.6, verify_ms=7.5):
+    if rows is None:
+        rows = [{"target": "k3-rank", "layers": layers, "batch": 1, "context": 8192, "T": T, "mode": "graph",
+                 "ms": ms, "floor_bytes": fb} for T, ms, fb in ((1, plain_ms, 12.9e9), (8, verify_ms, 27.9e9))]
+        rows.append({**rows[1], "setting": "moe_combine=torch", "ms": 99.0})  # an A/B row: not the step
+        rows.append({**rows[1], "mode": "eager", "ms": 50.0})  # the graph row wins
+    path = tmp_path / "rank.json"
+    path.write_text(json.dumps({"device_name": device, "target": "k3-rank", "layers": layers,
+                                "shard": {"rank": 0, "world": 16}, "rows": rows}))
+    return str(path)
+
+
+def test_rank_projection_arithmetic(tmp_path):
+    from dspark import rank_projection as rp
+
+    rng = random.Random()
+    plain, verify = rng.uniform(2, 5), rng.uniform(5, 10)
+    m = rp.load_rank_measurement(_rank_bench(tmp_path, device="NVIDIA H100 80GB HBM3", layers=70,
+                                             plain_ms=plain, verify_ms=verify))
+    p = rp.project(m, acceptance_lengths=(3.84, 6.0))
+    assert p["label"].startswith("PROJECTION") and p["scaling"]["factor"] == pytest.approx(3.35 / 8.0)
+    fraction = 27.9e9 / 3.35e12 / (verify / 1e3)
+    assert p["measured"]["verify_floor_fraction"] == pytest.approx(fraction)
+    draft = rf.step_cost(K3, tokens_per_request=8, draft=K3_DRAFT).total_bytes - rf.step_cost(K3, tokens_per_request=8).total_bytes
+    for row in p["rows"]:
+        g = row["gpus"]
+        ratio = {T: rf.step_cost(K3, tokens_per_request=T, shard=Shard(0, g)).total_bytes
+                 / rf.step_cost(K3, tokens_per_request=T, shard=Shard(0, 16)).total_bytes for T in (1, 8)}
+        assert row["plain_compute_ms"] == pytest.approx(plain * 93 / 70 * 3.35 / 8 * ratio[1])
+        assert row["verify_compute_ms"] == pytest.approx(verify * 93 / 70 * 3.35 / 8 * ratio[8])
+        assert row["draft_ms"] == pytest.approx(draft / g / 8e12 / fraction * 1e3)
+        ep = 49.9 if g == 8 else 49.9 + (60.4 - 49.9) / 3  # log2(16/8) / log2(64/8) of the way to EP64
+        one_token_ar = 7.0  # 14 KiB <= 16 KiB
+        eight_token_ar = 7.0 + (8 * 7168 * 2 - 16384) * (g - 1) / 900e9 * 1e6
+        assert row["plain_comm_us"] == pytest.approx({"all_reduce": 187 * one_token_ar, "ep_dispatch_combine": 92 * ep,
+                                                      "logits_all_gather": 10.8})
+        spec = row["spec_comm_us"]
+        assert spec["all_reduce"] == pytest.approx(187 * eight_token_ar)
+        assert spec["draft_all_reduce"] == pytest.approx(11 * (7.0 + (7 * 7168 * 2 - 16384) * (g - 1) / 900e9 * 1e6))
+        spec_ms = row["verify_compute_ms"] + row["draft_ms"] + sum(spec.values()) / 1e3
+        assert row["spec_step_ms"] == pytest.approx(spec_ms)
+        assert row["spec_tokens_per_s"] == pytest.approx({"3.84": 3840 / spec_ms, "6": 6000 / spec_ms})
+        assert row["plain_tokens_per_s"] == pytest.approx(1e3 / (row["plain_compute_ms"] + sum(row["plain_comm_us"].values()) / 1e3))
+        assert row["floor_all_reduce_plain_comm_us"]["all_reduce"] == pytest.approx(187 * 3.0)
+    assert p["rows"][0]["plain_compute_ms"] > p["rows"][1]["plain_compute_ms"]  # 8 GPUs hold twice the share
+
+
+def test_rank_projection_cli_names_every_input(tmp_path, capsys):
+    bench = _rank_bench(tmp_path)
+    parser = rf.configure_parser(argparse.ArgumentParser())
+    assert rf.main(parser.parse_args(["--measured", bench])) == 0
+    out = capsys.readouterr().out
+    for words in ("PROJECTION (not a measurement)", "NVIDIA H200", "plain 3.600 ms, verify T=8 7.500 ms",
+                  "vLLM PR 37756", "NVIDIA/nccl issue 1940", "TensorRT-LLM tech blog 18", "vLLM PR 55021",
+                  "sglang PR 37878", "~423 tok/s", "331", "golden AL 3.84", "53.4 us at EP16"):
+        assert words in out, words
+    assert rf.main(parser.parse_args(["--json", "--measured", bench, "--al", "3.84", "6"])) == 0
+    projection = json.loads(capsys.readouterr().out)["projection"]
+    assert [r["gpus"] for r in projection["rows"]] == [8, 16]
+    assert list(projection["rows"][1]["spec_tokens_per_s"]) == ["3.84", "6"]
+    with pytest.raises(ValueError, match="--comm 'model'"):
+        rf.main(parser.parse_args(["--measured", bench, "--comm", "model"]))
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("no verify row", "no row of a rank target .* T=8"),
+    ("unknown device", "device_name='Some GPU'"),
+    ("no floor bytes", "lacks or mistypes"),
+])
+def test_bad_rank_measurement_names_the_file(tmp_path, kind, words):
+    from dspark import rank_projection as rp
+
+    if kind == "no verify row":
+        path = _rank_bench(tmp_path, rows=[{"target": "k3-rank", "layers": 93, "batch": 1, "context": 8192, "T": 1,
+                                            "mode": "graph", "ms": 3.0, "floor_bytes": 1e10}])
+    elif kind == "unknown device":
+        path = _rank_bench(tmp_path, device="Some GPU")
+    else:
+        path = _rank_bench(tmp_path, rows=[{"target": "k3-rank", "layers": 93, "batch": 1, "context": 8192, "T": T,
+                                            "mode": "graph", "ms": 3.0} for T in (1, 8)])
+    with pytest.raises(ValueError, match=words) as info:
+        rp.load_rank_measurement(path)
+    assert path in str(info.value)
