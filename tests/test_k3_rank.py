@@ -236,6 +236,9 @@ def test_rank_preset_builds_the_deployment_shape():
         if name in held:  # fused projections are held as row views of their GEMM's weight
             assert held[name] == shape, name
     assert model.moe[1].w1_packed.shape == (56, 3072, 1792)
+    # the KDA input GEMM (4 x 768 + 128 + 6 rows) padded with zero rows to a multiple of 8 (CuTe tiles)
+    fused, sizes = model.fused_inputs[0]
+    assert sizes == [768] * 4 + [128, 6] and fused.shape[0] == 3208 and not fused[sum(sizes):].any()
     assert target.kda_state.shape[2:] == (6, 128, 128)
     model.routing_log = []
     out = target.verify([0], torch.randint(0, K3.vocab_size, (1, 8)), [8])

@@ -105,7 +105,9 @@ class K3Model:
                 self.conv_weights[i] = torch.stack(
                     [tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
                 ).float()
-                self.fused_inputs[i] = self._fuse_rows(i, KDA_INPUT_PROJECTIONS)
+                # A rank's 6-row b projection leaves the fused rows off the multiple of 8 the CuTe
+                # GEMM tiles (kernels/linear/cute_host.py shape_supported): pad, else cuBLAS runs it.
+                self.fused_inputs[i] = self._fuse_rows(i, KDA_INPUT_PROJECTIONS, 8 if self.shard.world > 1 else 1)
             else:
                 # kv_b [H*(nope+v), R] splits per head into W_UK [nope, R] and W_UV [v, R]
                 # (docs/kimi-k3.md §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
@@ -152,13 +154,16 @@ class K3Model:
             w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
         )
 
-    def _fuse_rows(self, i: int, suffixes: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
+    def _fuse_rows(self, i: int, suffixes: tuple[str, ...], rows_multiple: int = 1) -> tuple[torch.Tensor, list[int]]:
         """One weight [sum N, K] for projections that read the same input, so they run as one
         GEMM: the small ones alone are launch- and ramp-bound (MLA kv_a 576 x 7168 reached 35% of
         the read rate on the H200, q_a 55%; experiments/notes/skinny_gemm.md) and vanish inside
-        the large one. The checkpoint names stay as row views of it: nothing is held twice."""
+        the large one. The checkpoint names stay as row views of it: nothing is held twice.
+        Zero rows pad it to a multiple of `rows_multiple` (not in `sizes`: callers drop them)."""
         names = [f"{layout.layer_prefix(i)}.{suffix}" for suffix in suffixes]
-        fused = torch.cat([self.tensors[n] for n in names])
+        parts = [self.tensors[n] for n in names]
+        padding = -sum(p.shape[0] for p in parts) % rows_multiple
+        fused = torch.cat(parts + [parts[0].new_zeros(padding, parts[0].shape[1])] if padding else parts)
         sizes, start = [], 0
         for n in names:
             rows = self.tensors[n].shape[0]
@@ -190,7 +195,8 @@ class K3Model:
         H = self.kda_heads
         W = H * cfg.kda_head_dim
         fused, sizes = self.fused_inputs[i]
-        q, k, v, g, f_a, beta = ops.linear(h, fused).split(sizes, dim=-1)  # KDA_INPUT_PROJECTIONS order
+        projected = ops.linear(h, fused)[:, : sum(sizes)]  # without a rank's padding rows
+        q, k, v, g, f_a, beta = projected.split(sizes, dim=-1)  # KDA_INPUT_PROJECTIONS order
         f = ops.linear(f_a, self._w(i, f"{a}.f_b_proj.weight"))
         o, records = ops.kda_verify(
             q.reshape(B, T, W), k.reshape(B, T, W), v.reshape(B, T, W), f.view(B, T, W),
