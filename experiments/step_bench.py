@@ -50,7 +50,7 @@ from dspark.config import SamplingParams
 from dspark.cuda_graphs import StepGraph
 from dspark.kernels import ops
 from dspark.sampling import SamplingTensors
-from dspark.targets.kimi_k3 import K3Model, K3Target, RANK_PRESETS, Shard, first_layers, get_preset
+from dspark.targets.kimi_k3 import PRESETS, RANK_PRESETS, K3Model, K3Target, Shard, first_layers, get_preset
 from dspark.targets.kimi_k3 import moe as k3_moe
 from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import tensor_dtype, tensor_specs
@@ -333,8 +333,6 @@ def build_model(args, longest: int):
     """(config, shard, model) of --target: k3-slice whole, or rank 0 of a rank preset with the
     busiest rank's routing, all its layers or --layers (a number, or `auto`: as many as fit)."""
     if args.target not in RANK_PRESETS:
-        if args.layers is not None:
-            raise SystemExit(f"--layers {args.layers}: only for a rank target ({sorted(RANK_PRESETS)})")
         cfg, shard = get_preset(args.target), Shard()
         return cfg, shard, K3Model.random(cfg, seed=args.seed, dtype=torch.bfloat16, device="cuda")
     cfg, world = RANK_PRESETS[args.target]
@@ -430,7 +428,7 @@ def print_row(row: dict, setting: str) -> None:
           f"eager {row['eager_ms']:.2f} ms (host {row['eager_host_us'] / 1e3:.2f}), graph "
           f"{row.get('graph_ms', float('nan')):.2f} ms (gpu {row.get('graph_gpu_ms', float('nan')):.2f}, host "
           f"{row.get('graph_host_us', float('nan')):.0f} us), {row['launches']} launches "
-          f"({row['kernels_per_layer']:.1f} per layer), experts/layer {statistics.mean(row['routed_experts_per_layer']):.2f} "
+          f"({row['kernels_per_layer']:.1f} per layer), experts/layer {statistics.mean(row['routed_experts_per_layer']):.2f}, "
           f"floor {row['floor_ms']:.2f} ms ({100 * row['floor_fraction']:.0f}%), uniform-routing floor "
           f"{row['floor_uniform_ms']:.2f} ms ({100 * row['floor_uniform_fraction']:.0f}%)\n    by class: {classes}",
           flush=True)
@@ -495,7 +493,8 @@ def applied(setting: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="k3-slice", help="k3-slice, or a rank preset: " + ", ".join(RANK_PRESETS))
+    parser.add_argument("--target", default="k3-slice", choices=sorted(PRESETS) + sorted(RANK_PRESETS),
+                        help="a K3 preset whole (k3-slice fits one GPU), or a rank preset (one GPU's share)")
     parser.add_argument("--layers", type=_layers, default=None,
                         help="a rank target's first N layers, or `auto`: as many as fit the GPU (default: all)")
     parser.add_argument("--batch", type=_ints, default=[1, 4])
@@ -515,6 +514,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")
     args = parser.parse_args(argv)
     args.setting = args.setting or [""]
+    if args.layers is not None and args.target not in RANK_PRESETS:
+        parser.error(f"--layers {args.layers}: only for a rank target ({', '.join(RANK_PRESETS)})")
+    if isinstance(args.layers, int) and args.layers > RANK_PRESETS[args.target][0].num_layers:
+        parser.error(f"--layers {args.layers}: {args.target} has {RANK_PRESETS[args.target][0].num_layers} layers")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     run(args)
