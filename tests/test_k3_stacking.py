@@ -42,6 +42,7 @@ def test_random_model_takes_the_drawn_stacks_as_they_are(seed):
     expert_3 = {kind: tensors[f"language_model.model.layers.1.block_sparse_moe.experts.3.{kind.replace('_', '.weight_')}"]
                 .clone() for kind in KINDS}
     model = K3Model(K3_TINY, tensors)
+    assert not tensors  # taken over: nothing of the model stays referenced by the caller's dict
     assert model_storages(model) == drawn
     for kind, value in expert_3.items():
         assert torch.equal(getattr(model.moe[1], kind)[3], value), kind

@@ -89,7 +89,10 @@ class K3Model:
         self.dtype = tensors[layout.EMBED].dtype
         self.device = tensors[layout.EMBED].device
         # Routed experts are stacked per layer [E, ...] for the MoE op; the rest stay by name.
-        self.tensors = {n: t for n, t in tensors.items() if ".block_sparse_moe.experts." not in n}
+        # Moved out of `tensors` (the caller's dict keeps only the experts, popped as they are
+        # stacked): a projection fused below is then held by its fused weight alone, not also by
+        # the caller's dict until the model is built.
+        self.tensors = {n: tensors.pop(n) for n in list(tensors) if ".block_sparse_moe.experts." not in n}
         self.moe: dict[int, LatentMoEWeights] = {}
         self.conv_weights: dict[int, torch.Tensor] = {}
         self.mla_absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -103,7 +106,7 @@ class K3Model:
             if cfg.layer_type(i) == "kda":
                 # q, k, v depthwise taps [W, 1, 4] -> [3, W, 4]
                 self.conv_weights[i] = torch.stack(
-                    [tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
+                    [self.tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
                 ).float()
                 # A rank's 6-row b projection leaves the fused rows off the multiple of 8 the CuTe
                 # GEMM tiles (kernels/linear/cute_host.py shape_supported): pad, else cuBLAS runs it.
@@ -111,7 +114,7 @@ class K3Model:
             else:
                 # kv_b [H*(nope+v), R] splits per head into W_UK [nope, R] and W_UV [v, R]
                 # (docs/kimi-k3.md §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
-                kv_b = tensors[f"{a}.kv_b_proj.weight"].view(self.mla_heads, -1, cfg.kv_lora_rank)
+                kv_b = self.tensors[f"{a}.kv_b_proj.weight"].view(self.mla_heads, -1, cfg.kv_lora_rank)
                 w_uk_t = kv_b[:, : cfg.qk_nope_head_dim].transpose(1, 2).contiguous()  # [H, R, nope]
                 w_uv = kv_b[:, cfg.qk_nope_head_dim :].contiguous()  # [H, v, R]
                 self.mla_absorbed[i] = (w_uk_t, w_uv)
@@ -142,13 +145,13 @@ class K3Model:
             return _stack_of_views(experts_of_kind)
 
         return LatentMoEWeights(
-            gate=tensors[f"{m}.gate.weight"],
-            score_bias=tensors[f"{m}.gate.e_score_correction_bias"],
-            latent_down=tensors[f"{m}.routed_expert_down_proj.weight"],
-            latent_norm=tensors[f"{m}.routed_expert_norm.weight"],
-            latent_up=tensors[f"{m}.routed_expert_up_proj.weight"],
+            gate=self.tensors[f"{m}.gate.weight"],
+            score_bias=self.tensors[f"{m}.gate.e_score_correction_bias"],
+            latent_down=self.tensors[f"{m}.routed_expert_down_proj.weight"],
+            latent_norm=self.tensors[f"{m}.routed_expert_norm.weight"],
+            latent_up=self.tensors[f"{m}.routed_expert_up_proj.weight"],
             shared_gate_up=self._fuse_rows(i, SHARED_GATE_UP_PROJECTIONS)[0],
-            shared_down=tensors[f"{m}.shared_experts.down_proj.weight"],
+            shared_down=self.tensors[f"{m}.shared_experts.down_proj.weight"],
             w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),
             w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
