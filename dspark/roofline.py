@@ -13,7 +13,9 @@ the model and its assumptions are those of docs/kimi-k3.md §6:
 - no activation, communication or launch costs: these are floors.
 
 `dspark roofline` (configure_parser / main) prints the byte breakdown and the floors. With
-`--comm` and/or `--measured` it adds a batch-1 PROJECTION to 16 GB300 at AL 6, beside the seed's
+`--measured` of a k3-rank step (experiments/step_bench.py) it adds the batch-1 PROJECTION to 8 and
+16 GB300 of dspark/rank_projection.py (docs/kimi-k3.md §8.4). With `--comm` and/or `--measured`
+of a k3-slice step it adds a batch-1 PROJECTION to 16 GB300 at AL 6, beside the seed's
 ">840 tok/s": the floor scaled by the floor fraction a step reached on one H200 (step_bench.json),
 plus the collectives of a TP16 or TP+EP16 layout timed from a latency table (comm_bench.json, or
 a labelled model of NVLink 5). Floor, fraction and communication are each shown apart.
@@ -35,6 +37,7 @@ from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.config import get_preset as get_drafter_preset
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.targets.kimi_k3.config import K3, K3Config, get_preset
+from dspark.targets.kimi_k3.sharding import Shard
 
 # Bytes per element of the dense tensors. FP8 block scales (one fp32 per 128x128 block, +0.02%)
 # are left out.
@@ -117,6 +120,49 @@ def trunk_weight_bytes(cfg: K3Config = K3, trunk_dtype: str = "bf16") -> dict[st
 def trunk_matmul_params(cfg: K3Config = K3) -> int:
     """Matmul weights of the trunk (each costs one multiply-add per token)."""
     return sum(kinds.get("proj", 0) + kinds.get("matmul_bf16", 0) for kinds in trunk_elements(cfg).values())
+
+
+# The component of a checkpoint tensor by its name (relative to `layers.{i}.`), for rank_weight_bytes.
+_COMPONENT_OF_MODULE = (("self_attn.", None), ("mlp.", "dense_ffn"), ("block_sparse_moe.shared_experts.", "shared_experts"),
+                        ("block_sparse_moe.experts.", "routed_experts"), ("block_sparse_moe.", "router_latent"))
+
+
+def _component(cfg: K3Config, name: str) -> str:
+    from dspark.targets.kimi_k3 import weights as layout
+
+    if name == layout.EMBED:
+        return "embedding"
+    if name == layout.LM_HEAD:
+        return "lm_head"
+    prefix = f"{layout.PREFIX}.layers."
+    if not name.startswith(prefix):
+        return "norms_attnres"  # the final norm and the output AttnRes norm / pseudo-query
+    layer, _, rest = name[len(prefix):].partition(".")
+    for module, component in _COMPONENT_OF_MODULE:
+        if rest.startswith(module):
+            return component or cfg.layer_type(int(layer))
+    return "norms_attnres"
+
+
+def rank_weight_bytes(cfg: K3Config = K3, shard: Shard | None = None) -> dict[str, float]:
+    """Bytes of the weights rank `shard` holds (the whole model without one), per component, summed
+    over the tensors it holds (weights.tensor_specs; dspark/targets/kimi_k3/sharding.py says which
+    part of each): the trunk components of trunk_weight_bytes, "embedding" (held, but a step reads
+    only its tokens' rows) and "routed_experts" (all the experts it holds)."""
+    return dict(_rank_weight_bytes(cfg, shard or Shard()))
+
+
+@functools.lru_cache(maxsize=32)
+def _rank_weight_bytes(cfg: K3Config, shard: Shard) -> dict[str, float]:
+    """rank_weight_bytes, once per (config, shard): K3's specs list half a million expert tensors."""
+    from dspark.targets.kimi_k3.weights import tensor_specs
+
+    per_element = {"float": BF16, "fp32": FP32, "u8": 1.0}
+    totals: dict[str, float] = {}
+    for name, (shape, kind) in tensor_specs(cfg, shard).items():
+        component = _component(cfg, name)
+        totals[component] = totals.get(component, 0.0) + math.prod(shape) * per_element[kind]
+    return totals
 
 
 def expert_params(cfg: K3Config = K3) -> int:
@@ -230,11 +276,30 @@ def step_cost(
     expert_dedup: float | None = None,
     draft: DSparkConfig | None = None,
     label: str | None = None,
+    shard: Shard | None = None,
+    routed_experts: float | None = None,
 ) -> StepCost:
     """One target forward of `tokens_per_request` tokens for each of `batch` requests whose
     committed context is `context` tokens. tokens_per_request = 1 without a draft is a plain
     decode step; a verify of k drafts feeds T = k + 1 (anchor + drafts). With `draft`, the
-    drafter's pass for the next block is added (docs/kimi-k3.md §6.4 "spec step")."""
+    drafter's pass for the next block is added (docs/kimi-k3.md §6.4 "spec step").
+
+    `shard`: the step of that rank (docs/kimi-k3.md §8): the weights it holds and reads
+    (rank_weight_bytes; its embedding rows aside), its heads' KDA state, the whole MLA cache
+    (replicated), and the experts of the busiest rank (expected_max_experts_per_rank) unless
+    `routed_experts` says how many it touched; bf16 trunk, no draft. FLOPs: the rank's matmul
+    weights (its bf16 matrix bytes / 2, vectors included) and the whole model's attention, KDA
+    and routed-expert FLOPs over the ranks. `routed_experts`: the distinct experts per MoE layer
+    the step read (a measured mean), instead of the uniform-routing expectation."""
+    shard = (shard or Shard()).validate(cfg)
+    ranked = shard.world > 1
+    if ranked and (trunk_dtype != "bf16" or draft is not None or expert_dedup is not None):
+        raise ValueError(f"shard={shard}: a rank's step is modelled with a bf16 trunk, no draft and no expert_dedup "
+                         f"(got trunk_dtype={trunk_dtype!r}, draft={'set' if draft else None}, "
+                         f"expert_dedup={expert_dedup!r})")
+    held_experts = cfg.num_experts // shard.world
+    if routed_experts is not None and not (isinstance(routed_experts, (int, float)) and 0 <= routed_experts <= held_experts):
+        raise ValueError(f"routed_experts={routed_experts!r}: must be a number in [0, {held_experts}]")
     _check_positive_int("batch", batch)
     _check_positive_int("tokens_per_request", tokens_per_request)
     _check_positive_int("context", context, minimum=0)
@@ -246,8 +311,18 @@ def step_cost(
     num_kda, num_mla = len(cfg.kda_layers), len(cfg.mla_layers)
     num_moe = cfg.num_layers - cfg.first_k_dense
 
-    nbytes = trunk_weight_bytes(cfg, trunk_dtype)
-    distinct = distinct_experts(cfg, tokens, expert_dedup)
+    if ranked:
+        held = rank_weight_bytes(cfg, shard)
+        nbytes = {name: b for name, b in held.items() if name not in ("embedding", "routed_experts")}
+        matmul_params = sum(b for name, b in nbytes.items() if name != "norms_attnres") / BF16
+        distinct = float(expected_max_experts_per_rank(cfg.num_experts, shard.world, distinct_experts(cfg, tokens)))
+    else:
+        nbytes = trunk_weight_bytes(cfg, trunk_dtype)
+        matmul_params = trunk_matmul_params(cfg)
+        distinct = distinct_experts(cfg, tokens, expert_dedup)
+    if routed_experts is not None:
+        distinct = float(routed_experts)
+    share = 1.0 / shard.world  # a rank's part of the heads (KDA state, attention FLOPs)
     e_bytes = expert_bytes(cfg)
     nbytes["routed_experts"] = num_moe * distinct * e_bytes
 
@@ -267,21 +342,21 @@ def step_cost(
         kda_traffic = 2 * (state + conv) + T * record  # read 1 + write 1, records for the T tokens
     else:
         kda_traffic = 2 * (state + conv)  # plain decode: read 1, write 1
-    nbytes["kda_state"] = batch * num_kda * kda_traffic
+    nbytes["kda_state"] = batch * num_kda * kda_traffic * share
 
     # FLOPs: 2 per multiply-add of every matmul, plus the attention and recurrence cores.
     # Elementwise work (norms, gates, activations, AttnRes mixing) is left out.
     # MLA absorbed decode (docs/kernels.md §2): per head, query and key, 576 MACs for the score and 512 for the output.
     keys = sum(context + t + 1 for t in range(T))
     flops = {
-        "trunk_matmuls": 2.0 * trunk_matmul_params(cfg) * tokens,
-        "routed_experts": 2.0 * num_moe * cfg.num_experts_per_token * expert_params(cfg) * tokens,
-        "mla_attention": 2.0 * batch * num_mla * cfg.mla_num_heads * keys * (cfg.kv_cache_width + cfg.kv_lora_rank),
+        "trunk_matmuls": 2.0 * matmul_params * tokens,
+        "routed_experts": 2.0 * num_moe * cfg.num_experts_per_token * expert_params(cfg) * tokens * share,
+        "mla_attention": 2.0 * batch * num_mla * cfg.mla_num_heads * keys * (cfg.kv_cache_width + cfg.kv_lora_rank) * share,
         # per head and token: decay K*V, S^T k 2KV, rank-1 update 2KV, S^T q 2KV (docs/kimi-k3.md §2.1 step 5), and the
         # depthwise conv on q, k, v.
         "kda_recurrence": float(tokens * num_kda * (
             cfg.kda_num_heads * 7 * cfg.kda_head_dim * cfg.kda_head_dim + 2 * 3 * cfg.kda_width * cfg.kda_conv_size
-        )),
+        )) * share,
     }
 
     if draft is not None:
@@ -308,6 +383,7 @@ def step_cost(
 
     if label is None:
         label = "plain decode" if T == 1 and draft is None else f"verify T={T}" + (" + draft" if draft else "")
+        label = f"rank {shard.rank}/{shard.world} {label}" if ranked else label
     return StepCost(
         label=label, batch=batch, tokens_per_request=T, context=context, bytes=nbytes, flops=flops,
         distinct_experts=distinct, num_moe_layers=num_moe, expert_bytes=e_bytes, num_experts=cfg.num_experts,
@@ -927,8 +1003,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="add communication to the batch-1 projection on 16 GB300: a comm_bench.py JSON "
                              "(experiments/results/h200x8/comm_bench.json) or 'model' (the GB300 NVLink 5 model)")
     parser.add_argument("--measured", default=None, metavar="FILE",
-                        help="scale the 16 GB300 floors by the measured floor fraction of a step_bench.json "
-                             "(experiments/results/h200/step_bench.json) in the batch-1 projection")
+                        help="a step_bench.py result: of k3-rank, project batch-1 tokens/s on 8 and 16 GB300 from the "
+                             "rank's measured step plus cited communication (docs/kimi-k3.md §8.4); of k3-slice, scale "
+                             "the 16 GB300 floors by its measured floor fraction")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
@@ -945,7 +1022,14 @@ def main(args: argparse.Namespace) -> int:
         max_experts_per_rank=args.max_experts_per_rank,
     )
     projection = None
-    if args.comm is not None or args.measured is not None:
+    if args.measured is not None and rank_projection().is_rank_result(args.measured):
+        # a rank's measured step (experiments/step_bench.py --target k3-rank): docs/kimi-k3.md §8.4
+        if args.comm is not None:
+            raise ValueError(f"--comm {args.comm!r}: the projection from a rank's step ({args.measured!r}) uses "
+                             "cited communication figures (docs/kimi-k3.md §8.4), not --comm")
+        projection = rank_projection().project(rank_projection().load_rank_measurement(args.measured, args.context),
+                                               acceptance_lengths=tuple(args.al))
+    elif args.comm is not None or args.measured is not None:
         projection = build_projection(
             result, cfg, default_draft(cfg) if draft == "auto" else draft,
             comm=None if args.comm is None else load_comm(args.comm),
@@ -966,5 +1050,14 @@ def main(args: argparse.Namespace) -> int:
             payload["projection"] = projection
         print(json.dumps(payload, indent=2))
     else:
-        print(_format_table(result) + ("" if projection is None else _format_projection(projection)))
+        text = "" if projection is None else (rank_projection().format_projection(projection) if "rows" in projection
+                                              else _format_projection(projection))
+        print(_format_table(result) + text)
     return 0
+
+
+def rank_projection():
+    """dspark.rank_projection, imported when used (it imports this module)."""
+    from dspark import rank_projection as module
+
+    return module

@@ -2,7 +2,10 @@
 
 One step = K3Target.verify of T tokens per request + on-device acceptance (greedy) + commit of
 the accepted prefix: what an engine step costs the target at batch B with a committed context.
-For every (B, context, T) it reports:
+Targets: k3-slice (the first four layers of K3 whole, on one GPU) or k3-rank (one GPU's share of
+K3 served on 16, docs/kimi-k3.md §8: all 93 layers, or with --layers the first N, `auto` = as
+many as fit; per-layer figures are then per-layer figures of the rank; the collectives are
+omitted, the projection adds them). For every (B, context, T) it reports:
 
 - eager_ms: wall time of the step with a synchronize around it (what a batch-1 user felt
   before graphs); eager_host_us: the host's time to issue it;
@@ -10,21 +13,32 @@ For every (B, context, T) it reports:
   tokens (the user-visible step); graph_gpu_ms: the replay alone between CUDA events;
   graph_host_us: host time of the replay call and the readback's issue;
 - gpu_kernel_ms and launches: the sum of device activity and the number of kernels, copies and
-  fills in one eager step (torch profiler), with the largest contributors by name; with
-  --op-shapes, ops_by_shape: the torch ops with the most device time by their input shapes;
-- floor_ms: the step's bytes (dspark.roofline.step_cost) over the copy bandwidth measured in
-  the same run; floor_fraction = floor_ms / graph_ms (eager_ms where there is no graph).
+  fills in one eager step (torch profiler), with the largest contributors by name;
+  kernels_per_layer = launches / layers; by_class: kernels and device time per op class
+  (trunk GEMMs, experts, attention, KDA, routing, norms/glue, sampling, collective stand-ins),
+  from the profiler scope of the op that launched each kernel, else from the kernel's name
+  (`attribution` counts both); with --op-shapes, ops_by_shape: the torch ops with the most
+  device time by their input shapes;
+- routed_experts_per_layer: the distinct experts each MoE layer ran, counted on the host after
+  an extra eager step (outside every timed region);
+- floor_ms: the step's bytes (dspark.roofline.step_cost) with the routed experts as counted, over
+  the copy bandwidth measured in the same run; floor_fraction = floor_ms / graph_ms (eager_ms
+  where there is no graph); floor_uniform_ms / floor_uniform_fraction: the same with the
+  uniform-routing expectation (the busiest rank's, for k3-rank) instead of the count.
 
 The context is laid down directly (random KDA state, conv window and MLA rows, committed length
 set), not prefilled: timing does not depend on the values, and it is never zeros.
 
     python experiments/step_bench.py --target k3-slice --batch 1,4 --context 2048,8192,32768 --tokens 1,8
+    python experiments/step_bench.py --target k3-rank --layers auto --batch 1,2 --context 8192,32768 --tokens 1,8
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import contextlib
+import math
+import re
 import statistics
 import sys
 import time
@@ -36,10 +50,25 @@ from dspark.config import SamplingParams
 from dspark.cuda_graphs import StepGraph
 from dspark.kernels import ops
 from dspark.sampling import SamplingTensors
-from dspark.targets.kimi_k3 import K3Model, K3Target, get_preset
+from dspark.targets.kimi_k3 import PRESETS, RANK_PRESETS, K3Model, K3Target, Shard, first_layers, get_preset
+from dspark.targets.kimi_k3 import moe as k3_moe
+from dspark.targets.kimi_k3.parallel import RankParallel
+from dspark.targets.kimi_k3.weights import tensor_dtype, tensor_specs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from benchlib import provenance, read_ceiling, write_json  # noqa: E402
+
+
+def _layers(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer or 'auto'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer or 'auto'")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -83,22 +112,122 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
     target.lengths[:batch] = context
 
 
+# The op classes of a step's kernels: each op of dspark.kernels.ops, and the rank's pieces that
+# are not ops, by the class their kernels count in.
+OP_CLASSES = {
+    "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "moe_experts": "experts",
+    "mla_verify_attention": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
+    "moe_route": "routing", "moe_route_logits": "routing", "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
+    "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",
+    "rejection_sample": "sampling",
+}
+COLLECTIVES = "collective stand-ins"
+CLASSES = ("trunk GEMMs", "experts", "attention", "KDA", "routing", "norms/glue", "sampling", COLLECTIVES)
+SCOPE = "dspark:"
+# A kernel the profiler did not link to a launching op is classed by its name (first match).
+NAME_CLASSES = (
+    (re.compile(r"expert_kernel|lists_kernel|gather_tokens_kernel|^combine_kernel"), "experts"),
+    (re.compile(r"Kda"), "KDA"),
+    (re.compile(r"MlaVerify|cutlass_combine_kernel"), "attention"),
+    (re.compile(r"route_kernel"), "routing"),
+    (re.compile(r"SkinnyGemm|gemm|nvjet|splitKreduce|cutlass_reduce_kernel", re.IGNORECASE), "trunk GEMMs"),
+    (re.compile(r"^accept|row_partials|sample"), "sampling"),
+)
+
+
+def class_of_kernel(name: str) -> str:
+    return next((cls for pattern, cls in NAME_CLASSES if pattern.search(name)), "norms/glue")
+
+
+@contextlib.contextmanager
+def op_scopes():
+    """While profiling: every op of dspark.kernels.ops, the rank's router GEMM and pair choice
+    (routing) and its collective stand-ins run inside a profiler scope named after their class,
+    so each kernel is classed by the op that launched it (the outermost scope: the reference MoE
+    op's own linear calls count as experts). Restored afterwards: timed runs are untouched."""
+    from torch.profiler import record_function
+
+    patches = [(ops, name, cls) for name, cls in OP_CLASSES.items()]
+    patches += [(k3_moe, "_router_logits", "routing"), (RankParallel, "local_pairs", "routing"),
+                (RankParallel, "all_gather", COLLECTIVES), (RankParallel, "all_reduce", COLLECTIVES)]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+
+    def scoped(fn, cls):
+        def run(*args, **kwargs):
+            with record_function(SCOPE + cls):
+                return fn(*args, **kwargs)
+        return run
+
+    try:
+        for (owner, name, cls), (_, _, fn) in zip(patches, originals):
+            setattr(owner, name, scoped(fn, cls))
+        yield
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def scope_class(event) -> str | None:
+    """The class of the outermost op scope around a profiler CPU event (None outside every one)."""
+    found = None
+    while event is not None:
+        if event.name.startswith(SCOPE):
+            found = event.name[len(SCOPE):]
+        event = event.cpu_parent
+    return found
+
+
+def kernels_by_class(events) -> tuple[dict, dict]:
+    """({class: {"kernels", "us"}}, {"scope": n, "name": m}) over one profiled step's events: a
+    kernel linked to its launching CPU op takes the class of the op's outermost scope (norms/glue
+    outside every scope: torch's own adds, copies, index ops); the rest (launches the profiler did
+    not link) are classed by name, each name's unlinked share of its device time."""
+    by_class = {cls: {"kernels": 0, "us": 0.0} for cls in CLASSES}
+    linked = collections.Counter()
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
+            continue
+        cls = scope_class(event) or "norms/glue"
+        for kernel in event.kernels:
+            by_class[cls]["kernels"] += 1
+            by_class[cls]["us"] += kernel.duration
+            linked[kernel.name] += 1
+    device_calls, device_us = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            device_calls[event.name] += 1
+            device_us[event.name] += event.time_range.elapsed_us()
+    by_name = 0
+    for name, calls in device_calls.items():
+        unlinked = calls - min(calls, linked[name])
+        if unlinked:
+            cls = class_of_kernel(name)
+            by_class[cls]["kernels"] += unlinked
+            by_class[cls]["us"] += device_us[name] * unlinked / calls
+            by_name += unlinked
+    return by_class, {"scope": sum(linked.values()), "name": by_name}
+
+
 def profile_step(step) -> dict:
-    """Device activity of one eager step: count, total ms and the largest contributors."""
+    """Device activity of one eager step: count, total ms, the largest contributors and the
+    split by op class."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with op_scopes(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     totals, counts = collections.Counter(), collections.Counter()
-    for evt in prof.events():
+    events = prof.events()
+    for evt in events:
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         totals[evt.name] += evt.time_range.elapsed_us()
         counts[evt.name] += 1
     top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
-    return {"launches": sum(counts.values()), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top}
+    by_class, attribution = kernels_by_class(events)
+    return {"launches": sum(counts.values()), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top,
+            "by_class": by_class, "attribution": attribution}
 
 
 def ops_by_shape(step, top: int = 30) -> list[dict]:
@@ -158,14 +287,104 @@ def time_graph(graph: StepGraph, reset, steps: int) -> dict:
             "graph_host_us": 1e6 * statistics.median(hosts)}
 
 
+def layer_bytes(cfg, shard: Shard, dtype=torch.bfloat16) -> tuple[list[float], float]:
+    """(bytes of each layer, bytes outside the layers) of the model `shard` holds."""
+    per_layer, outside = [0.0] * cfg.num_layers, 0.0
+    layer_of = re.compile(r"language_model\.model\.layers\.(\d+)\.")
+    for name, (shape, kind) in tensor_specs(cfg, shard).items():
+        nbytes = math.prod(shape) * tensor_dtype(kind, dtype).itemsize
+        match = layer_of.match(name)
+        if match:
+            per_layer[int(match.group(1))] += nbytes
+        else:
+            outside += nbytes
+    return per_layer, outside
+
+
+def state_bytes(cfg, shard: Shard, slots: int, max_seq_len: int, layers: int) -> float:
+    """K3Target's state for `slots` requests over the first `layers` layers: KDA state (fp32) and
+    conv window of the rank's heads, the whole MLA latent cache (bf16)."""
+    kda = sum(1 for i in cfg.kda_layers if i < layers)
+    mla = sum(1 for i in cfg.mla_layers if i < layers)
+    heads = cfg.kda_num_heads // shard.world
+    per_kda = heads * cfg.kda_head_dim**2 * 4 + 3 * heads * cfg.kda_head_dim * (cfg.kda_conv_size - 1) * 2
+    return slots * (kda * per_kda + mla * (max_seq_len + 1) * cfg.kv_cache_width * 2)
+
+
+# Device memory kept free beyond the weights and the state: activations, KDA records, logits,
+# kernel workspaces, the step's CUDA graph.
+WORKSPACE_BYTES = 6e9
+
+
+def layers_that_fit(cfg, shard: Shard, free_bytes: float, slots: int, max_seq_len: int) -> int:
+    """The most leading layers of `cfg` whose weights and state fit `free_bytes` with
+    WORKSPACE_BYTES to spare (at least 1: a build that cannot fit fails loudly)."""
+    per_layer, outside = layer_bytes(cfg, shard)
+    used, fit = outside + WORKSPACE_BYTES, 0
+    for n, nbytes in enumerate(per_layer, start=1):
+        used += nbytes
+        if used + state_bytes(cfg, shard, slots, max_seq_len, n) > free_bytes:
+            break
+        fit = n
+    return max(fit, 1)
+
+
+def build_model(args, longest: int):
+    """(config, shard, model) of --target: k3-slice whole, or rank 0 of a rank preset with the
+    busiest rank's routing, all its layers or --layers (a number, or `auto`: as many as fit)."""
+    if args.target not in RANK_PRESETS:
+        cfg, shard = get_preset(args.target), Shard()
+        return cfg, shard, K3Model.random(cfg, seed=args.seed, dtype=torch.bfloat16, device="cuda")
+    cfg, world = RANK_PRESETS[args.target]
+    shard = Shard(0, world)
+    if args.layers == "auto":
+        layers = layers_that_fit(cfg, shard, torch.cuda.mem_get_info()[0], max(args.batch), longest)
+    else:
+        layers = cfg.num_layers if args.layers is None else int(args.layers)
+    cfg = first_layers(cfg, layers) if layers < cfg.num_layers else cfg
+    print(f"{args.target}: rank 0 of {world}, {layers} of {RANK_PRESETS[args.target][0].num_layers} layers", flush=True)
+    return cfg, shard, K3Model.random(cfg, seed=args.seed, dtype=torch.bfloat16, device="cuda", shard=shard,
+                                      routing="busiest")
+
+
+def routed_experts(model: K3Model, step) -> list[int]:
+    """Distinct experts each MoE layer ran in one eager step, counted on the host (not timed)."""
+    model.routing_log = []
+    try:
+        step()
+        return [int(ids.unique().numel()) for ids in model.routing_log]
+    finally:
+        model.routing_log = None
+
+
+def add_floors(row: dict, cfg, shard: Shard, counts: list[int], bandwidth: float) -> None:
+    """The floor from the experts counted (floor_*) and from the uniform-routing expectation
+    (floor_uniform_*), as ms at `bandwidth` and as fractions of the measured step."""
+    shape = dict(batch=row["batch"], tokens_per_request=row["T"], context=row["context"], shard=shard)
+    counted = roofline.step_cost(cfg, routed_experts=statistics.mean(counts), **shape)
+    uniform = roofline.step_cost(cfg, **shape)
+    measured = row.get("graph_ms", row["eager_ms"])
+    row.update(mode="graph" if "graph_ms" in row else "eager", ms=measured, ms_per_layer=measured / cfg.num_layers,
+               routed_experts_per_layer=counts, uniform_experts_per_layer=uniform.distinct_experts)
+    for key, cost in (("floor", counted), ("floor_uniform", uniform)):
+        row[f"{key}_bytes"] = cost.total_bytes
+        row[f"{key}_ms"] = 1e3 * cost.total_bytes / bandwidth
+        row[f"{key}_fraction"] = row[f"{key}_ms"] / measured
+
+
 def run(args) -> dict:
-    cfg = get_preset(args.target)
     ceiling = read_ceiling()
     bandwidth = ceiling["d2d_copy_rw_GBps"] * 1e9
-    result = {**provenance(), "target": args.target, "bandwidth_GBps": bandwidth / 1e9, "ceiling": ceiling,
-              "rows": []}
-    model = K3Model.random(cfg, seed=args.seed, dtype=torch.bfloat16, device="cuda")
     longest = max(args.context) + (args.steps + 4) * max(args.tokens)
+    cfg, shard, model = build_model(args, longest)
+    result = {**provenance(), "target": args.target, "layers": cfg.num_layers,
+              "shard": {"rank": shard.rank, "world": shard.world}, "bandwidth_GBps": bandwidth / 1e9,
+              "ceiling": ceiling, "rows": []}
+    if shard.world > 1:
+        result["note"] = ("one rank of the deployment on one GPU: collectives omitted (all-reduce = the partial, "
+                          "all-gather = the local part repeated), experts of the busiest rank (docs/kimi-k3.md §8)"
+                          + ("" if cfg.num_layers == RANK_PRESETS[args.target][0].num_layers else
+                             f"; the first {cfg.num_layers} layers only: ms_per_layer is per layer"))
     for batch in args.batch:
         target = K3Target(model, max_slots=batch, max_seq_len=longest)
         for context in args.context:
@@ -177,12 +396,14 @@ def run(args) -> dict:
                     target.lengths[:batch] = context
 
                 for setting in args.setting:
-                    row = {"target": args.target, "batch": batch, "context": context, "T": T}
+                    row = {"target": args.target, "layers": cfg.num_layers, "batch": batch, "context": context, "T": T}
                     if setting:
                         row["setting"] = setting
                     try:
                         with applied(setting):
                             measure(row, step, reset, args)
+                            counts = routed_experts(model, step)
+                            reset()
                     except Exception as error:  # an A/B variant that fails is recorded; the defaults must work
                         if not setting:
                             raise
@@ -190,23 +411,27 @@ def run(args) -> dict:
                         result["rows"].append(row)
                         print(f"B={batch} ctx={context} T={T} [{setting}]: failed: {row['error']}", flush=True)
                         continue
-                    cost = roofline.step_cost(cfg, batch=batch, tokens_per_request=T, context=context)
-                    row["floor_bytes"] = cost.total_bytes
-                    row["floor_ms"] = 1e3 * cost.total_bytes / bandwidth
-                    measured = row.get("graph_ms", row["eager_ms"])
-                    row["mode"] = "graph" if "graph_ms" in row else "eager"
-                    row["ms"] = measured
-                    row["floor_fraction"] = row["floor_ms"] / measured
+                    add_floors(row, cfg, shard, counts, bandwidth)
+                    row["kernels_per_layer"] = row["launches"] / cfg.num_layers
                     result["rows"].append(row)
                     write_json(args.out, result)
-                    print(f"B={batch} ctx={context} T={T}{' [' + setting + ']' if setting else ''}: "
-                          f"eager {row['eager_ms']:.2f} ms, graph {row.get('graph_ms', float('nan')):.2f} ms "
-                          f"(gpu {row.get('graph_gpu_ms', float('nan')):.2f}), kernels {row['gpu_kernel_ms']:.2f} ms in "
-                          f"{row['launches']} launches, floor {row['floor_ms']:.2f} ms ({100 * row['floor_fraction']:.0f}%)",
-                          flush=True)
+                    print_row(row, setting)
         del target
         torch.cuda.empty_cache()
     return result
+
+
+def print_row(row: dict, setting: str) -> None:
+    classes = ", ".join(f"{cls} {v['kernels']}/{v['us'] / 1e3:.2f}ms" for cls, v in row["by_class"].items()
+                        if v["kernels"])
+    print(f"B={row['batch']} ctx={row['context']} T={row['T']}{' [' + setting + ']' if setting else ''}: "
+          f"eager {row['eager_ms']:.2f} ms (host {row['eager_host_us'] / 1e3:.2f}), graph "
+          f"{row.get('graph_ms', float('nan')):.2f} ms (gpu {row.get('graph_gpu_ms', float('nan')):.2f}, host "
+          f"{row.get('graph_host_us', float('nan')):.0f} us), {row['launches']} launches "
+          f"({row['kernels_per_layer']:.1f} per layer), experts/layer {statistics.mean(row['routed_experts_per_layer']):.2f}, "
+          f"floor {row['floor_ms']:.2f} ms ({100 * row['floor_fraction']:.0f}%), uniform-routing floor "
+          f"{row['floor_uniform_ms']:.2f} ms ({100 * row['floor_uniform_fraction']:.0f}%)\n    by class: {classes}",
+          flush=True)
 
 
 def measure(row: dict, step, reset, args) -> None:
@@ -214,7 +439,7 @@ def measure(row: dict, step, reset, args) -> None:
     row.update(profile_step(step))
     if args.op_shapes:
         row["ops_by_shape"] = ops_by_shape(step)
-    row.update(time_eager(step, reset, args.steps))
+    row.update(time_eager(step, reset, args.eager_steps or args.steps))
     if not args.no_graph:
         graph = StepGraph(step, f"{args.target} B={row['batch']} T={row['T']} step")
         row.update(time_graph(graph, reset, args.steps))
@@ -268,11 +493,16 @@ def applied(setting: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="k3-slice")
+    parser.add_argument("--target", default="k3-slice", choices=sorted(PRESETS) + sorted(RANK_PRESETS),
+                        help="a K3 preset whole (k3-slice fits one GPU), or a rank preset (one GPU's share)")
+    parser.add_argument("--layers", type=_layers, default=None,
+                        help="a rank target's first N layers, or `auto`: as many as fit the GPU (default: all)")
     parser.add_argument("--batch", type=_ints, default=[1, 4])
     parser.add_argument("--context", type=_ints, default=[2048, 8192, 32768])
     parser.add_argument("--tokens", type=_ints, default=[1, 8], help="T: tokens verified per request")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per point (median)")
+    parser.add_argument("--eager-steps", type=int, default=None,
+                        help="timed eager steps per point (default --steps; a 93-layer eager step takes the host long)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-graph", action="store_true", help="eager only")
     parser.add_argument("--setting", action="append",
@@ -284,6 +514,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")
     args = parser.parse_args(argv)
     args.setting = args.setting or [""]
+    if args.layers is not None and args.target not in RANK_PRESETS:
+        parser.error(f"--layers {args.layers}: only for a rank target ({', '.join(RANK_PRESETS)})")
+    if isinstance(args.layers, int) and args.layers > RANK_PRESETS[args.target][0].num_layers:
+        parser.error(f"--layers {args.layers}: {args.target} has {RANK_PRESETS[args.target][0].num_layers} layers")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     run(args)

@@ -46,6 +46,12 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)
 
 
+def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """moe_route's selection from router logits [M, E] fp32 (computed elsewhere: a rank of a
+    sharded router gathers them) -> (expert ids [M, k] long, weights [M, k] fp32)."""
+    return select("moe_route_logits", logits, bias).fn(logits, bias, top_k, scaling)
+
+
 def moe_experts(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, w1_packed, w1_scale,
                 w3_packed, w3_scale, w2_packed, w2_scale, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
     """The routed MXFP4 experts, combined: latent [M, L], ids / route_weights [M, k] ->

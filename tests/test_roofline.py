@@ -12,6 +12,7 @@ import pytest
 from dspark import roofline as rf
 from dspark.drafters.dspark.config import get_preset as get_drafter_preset
 from dspark.targets.kimi_k3.config import K3, K3_TINY
+from dspark.targets.kimi_k3.sharding import Shard
 
 GB = 1e9
 K3_DRAFT = get_drafter_preset("k3_dspark")
@@ -478,3 +479,162 @@ def test_cli_projection_json_and_text(tmp_path, capsys):
     assert "PROJECTION" not in capsys.readouterr().out
     with pytest.raises(ValueError, match="k = 3"):
         rf.main(parser.parse_args(["--k", "3", "--al", "2", "--comm", "model"]))
+
+
+# ---- one rank at deployment shape (docs/kimi-k3.md §8) ----------------------------------------------
+
+def _rank_bytes_by_hand(cfg, world):
+    """The rank's tensors of docs/kimi-k3.md §8 written out: ROWS / COLUMNS parts over `world`, the
+    replicated ones whole (norms, f_a, o_norm, MLA q_a / kv_a and their norms, the router bias)."""
+    d, w = cfg.hidden_size, cfg.kda_width // world
+    heads, mla_heads = cfg.kda_num_heads // world, cfg.mla_num_heads // world
+    bf16, fp32 = 2, 4
+    kda = bf16 * (4 * w * d + w * cfg.kda_gate_rank + heads * d + cfg.kda_gate_rank * d + d * w) \
+        + fp32 * (3 * w * cfg.kda_conv_size + w + heads + cfg.kda_head_dim)
+    mla = bf16 * (cfg.q_lora_rank * d + cfg.q_lora_rank + cfg.kv_cache_width * d + cfg.kv_lora_rank
+                  + mla_heads * cfg.qk_head_dim * cfg.q_lora_rank
+                  + mla_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+                  + 2 * mla_heads * cfg.v_head_dim * d)
+    latent, shared = cfg.latent_size // world, cfg.shared_intermediate_size // world
+    router_latent = bf16 * (cfg.num_experts // world * d + 2 * latent * d + cfg.latent_size) + fp32 * cfg.num_experts
+    num_moe = cfg.num_layers - cfg.first_k_dense
+    vocab = cfg.vocab_size // world
+    return {
+        "kda": len(cfg.kda_layers) * kda, "mla": len(cfg.mla_layers) * mla,
+        "router_latent": num_moe * router_latent, "shared_experts": num_moe * bf16 * 3 * shared * d,
+        "dense_ffn": cfg.first_k_dense * bf16 * 3 * cfg.intermediate_size // world * d,
+        "lm_head": bf16 * vocab * d, "embedding": bf16 * vocab * d,
+        "norms_attnres": bf16 * (cfg.num_layers * 6 * d + 3 * d),
+        "routed_experts": num_moe * cfg.num_experts // world * rf.expert_bytes(cfg),
+    }
+
+
+def test_rank_bytes_by_component():
+    got = rf.rank_weight_bytes(K3, Shard(0, 16))
+    expected = _rank_bytes_by_hand(K3, 16)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
+    # docs/kimi-k3.md §8: 98.31 GB held, of which the routed experts 90.40 GB (56 x 92 x 17,547,264 B)
+    assert got["routed_experts"] == 56 * 92 * 17_547_264
+    assert sum(got.values()) / GB == pytest.approx(98.31, abs=0.005)
+    trunk_read = sum(v for k, v in got.items() if k not in ("routed_experts", "embedding"))
+    assert trunk_read / GB == pytest.approx(7.756, abs=0.001)
+    # the whole model's components are trunk_weight_bytes' exactly
+    whole = rf.rank_weight_bytes(K3)
+    for name, value in rf.trunk_weight_bytes(K3).items():
+        assert whole[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_rank_step_cost():
+    whole = rf.step_cost(K3, tokens_per_request=8, context=8192)
+    rank = rf.step_cost(K3, tokens_per_request=8, context=8192, shard=Shard(3, 16))
+    assert rank.bytes["mla_kv"] == whole.bytes["mla_kv"]  # the latent cache is replicated
+    assert rank.bytes["kda_state"] == pytest.approx(whole.bytes["kda_state"] / 16)
+    assert rank.distinct_experts == pytest.approx(12.28, abs=0.01)  # the busiest rank, §6.5
+    assert rank.routed_bytes == pytest.approx(92 * rank.distinct_experts * 17_547_264)
+    assert rank.total_bytes / GB == pytest.approx(28.06, abs=0.01)
+    counted = rf.step_cost(K3, tokens_per_request=8, context=8192, shard=Shard(3, 16), routed_experts=12)
+    assert counted.routed_bytes == 92 * 12 * 17_547_264
+    plain = rf.step_cost(K3, tokens_per_request=1, context=8192, shard=Shard(0, 16))
+    assert plain.distinct_experts == pytest.approx(3.05, abs=0.01)
+    assert plain.total_bytes / GB == pytest.approx(12.96, abs=0.01)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(shard=Shard(0, 16), trunk_dtype="fp8"), "bf16 trunk"),
+    (dict(shard=Shard(0, 16), expert_dedup=2.0), "expert_dedup"),
+    (dict(shard=Shard(0, 16), routed_experts=57), "routed_experts=57"),
+    (dict(routed_experts=-1), "routed_experts=-1"),
+    (dict(shard=Shard(0, 5)), "Shard.world=5"),
+])
+def test_bad_rank_step_inputs_name_the_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        rf.step_cost(K3, tokens_per_request=8, **kwargs)
+
+
+# ---- the projection from a rank's measured step (docs/kimi-k3.md §8.4) -------------------------------
+
+def _rank_bench(tmp_path, device="NVIDIA H200", layers=93, rows=None, plain_ms=3.6, verify_ms=7.5):
+    if rows is None:
+        rows = [{"target": "k3-rank", "layers": layers, "batch": 1, "context": 8192, "T": T, "mode": "graph",
+                 "ms": ms, "floor_bytes": fb} for T, ms, fb in ((1, plain_ms, 12.9e9), (8, verify_ms, 27.9e9))]
+        rows.append({**rows[1], "setting": "moe_combine=torch", "ms": 99.0})  # an A/B row: not the step
+        rows.append({**rows[1], "mode": "eager", "ms": 50.0})  # the graph row wins
+    path = tmp_path / "rank.json"
+    path.write_text(json.dumps({"device_name": device, "target": "k3-rank", "layers": layers,
+                                "shard": {"rank": 0, "world": 16}, "rows": rows}))
+    return str(path)
+
+
+def test_rank_projection_arithmetic(tmp_path):
+    from dspark import rank_projection as rp
+
+    rng = random.Random()
+    plain, verify = rng.uniform(2, 5), rng.uniform(5, 10)
+    m = rp.load_rank_measurement(_rank_bench(tmp_path, device="NVIDIA H100 80GB HBM3", layers=70,
+                                             plain_ms=plain, verify_ms=verify))
+    p = rp.project(m, acceptance_lengths=(3.84, 6.0))
+    assert p["label"].startswith("PROJECTION") and p["scaling"]["factor"] == pytest.approx(3.35 / 8.0)
+    fraction = 27.9e9 / 3.35e12 / (verify / 1e3)
+    assert p["measured"]["verify_floor_fraction"] == pytest.approx(fraction)
+    draft = rf.step_cost(K3, tokens_per_request=8, draft=K3_DRAFT).total_bytes - rf.step_cost(K3, tokens_per_request=8).total_bytes
+    for row in p["rows"]:
+        g = row["gpus"]
+        ratio = {T: rf.step_cost(K3, tokens_per_request=T, shard=Shard(0, g)).total_bytes
+                 / rf.step_cost(K3, tokens_per_request=T, shard=Shard(0, 16)).total_bytes for T in (1, 8)}
+        assert row["plain_compute_ms"] == pytest.approx(plain * 93 / 70 * 3.35 / 8 * ratio[1])
+        assert row["verify_compute_ms"] == pytest.approx(verify * 93 / 70 * 3.35 / 8 * ratio[8])
+        assert row["draft_ms"] == pytest.approx(draft / g / 8e12 / fraction * 1e3)
+        ep = 49.9 if g == 8 else 49.9 + (60.4 - 49.9) / 3  # log2(16/8) / log2(64/8) of the way to EP64
+        one_token_ar = 7.0  # 14 KiB <= 16 KiB
+        eight_token_ar = 7.0 + (8 * 7168 * 2 - 16384) * (g - 1) / 900e9 * 1e6
+        assert row["plain_comm_us"] == pytest.approx({"all_reduce": 187 * one_token_ar, "ep_dispatch_combine": 92 * ep,
+                                                      "logits_all_gather": 10.8})
+        spec = row["spec_comm_us"]
+        assert spec["all_reduce"] == pytest.approx(187 * eight_token_ar)
+        assert spec["draft_all_reduce"] == pytest.approx(11 * (7.0 + (7 * 7168 * 2 - 16384) * (g - 1) / 900e9 * 1e6))
+        spec_ms = row["verify_compute_ms"] + row["draft_ms"] + sum(spec.values()) / 1e3
+        assert row["spec_step_ms"] == pytest.approx(spec_ms)
+        assert row["spec_tokens_per_s"] == pytest.approx({"3.84": 3840 / spec_ms, "6": 6000 / spec_ms})
+        assert row["plain_tokens_per_s"] == pytest.approx(1e3 / (row["plain_compute_ms"] + sum(row["plain_comm_us"].values()) / 1e3))
+        assert row["floor_all_reduce_plain_comm_us"]["all_reduce"] == pytest.approx(187 * 3.0)
+    assert p["rows"][0]["plain_compute_ms"] > p["rows"][1]["plain_compute_ms"]  # 8 GPUs hold twice the share
+
+
+def test_rank_projection_cli_names_every_input(tmp_path, capsys):
+    bench = _rank_bench(tmp_path)
+    parser = rf.configure_parser(argparse.ArgumentParser())
+    assert rf.main(parser.parse_args(["--measured", bench])) == 0
+    out = capsys.readouterr().out
+    for words in ("PROJECTION (not a measurement)", "NVIDIA H200", "plain 3.600 ms, verify T=8 7.500 ms",
+                  "vLLM PR 37756", "NVIDIA/nccl issue 1940", "TensorRT-LLM tech blog 18", "vLLM PR 55021",
+                  "sglang PR 37878", "~423 tok/s", "331", "golden AL 3.84", "53.4 us at EP16"):
+        assert words in out, words
+    assert rf.main(parser.parse_args(["--json", "--measured", bench, "--al", "3.84", "6"])) == 0
+    projection = json.loads(capsys.readouterr().out)["projection"]
+    assert [r["gpus"] for r in projection["rows"]] == [8, 16]
+    assert list(projection["rows"][1]["spec_tokens_per_s"]) == ["3.84", "6"]
+    with pytest.raises(ValueError, match="--comm 'model'"):
+        rf.main(parser.parse_args(["--measured", bench, "--comm", "model"]))
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("no verify row", "no row of a rank target .* T=8"),
+    ("unknown device", "device_name='Some GPU'"),
+    ("no floor bytes", "lacks or mistypes"),
+])
+def test_bad_rank_measurement_names_the_file(tmp_path, kind, words):
+    from dspark import rank_projection as rp
+
+    if kind == "no verify row":
+        path = _rank_bench(tmp_path, rows=[{"target": "k3-rank", "layers": 93, "batch": 1, "context": 8192, "T": 1,
+                                            "mode": "graph", "ms": 3.0, "floor_bytes": 1e10}])
+    elif kind == "unknown device":
+        path = _rank_bench(tmp_path, device="Some GPU")
+    else:
+        path = _rank_bench(tmp_path, rows=[{"target": "k3-rank", "layers": 93, "batch": 1, "context": 8192, "T": T,
+                                            "mode": "graph", "ms": 3.0} for T in (1, 8)])
+    with pytest.raises(ValueError, match=words) as info:
+        rp.load_rank_measurement(path)
+    assert path in str(info.value)

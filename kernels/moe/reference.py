@@ -34,6 +34,14 @@ def check_route(gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> No
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     check_route(gate_weight, bias, top_k)
     logits = ops.linear(x.float(), gate_weight.float())  # fp32 router (docs/kimi-k3.md §1.2)
+    return route_logits(logits, bias, top_k, scaling)
+
+
+@register("moe_route_logits", "reference", priority=0)
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """The router's selection from fp32 logits [M, E] (the contract of `moe_route_logits`)."""
+    if not 1 <= top_k <= logits.shape[-1] or tuple(bias.shape) != (logits.shape[-1],):
+        raise ValueError(f"top_k / bias: top_k={top_k} and bias {tuple(bias.shape)} for {logits.shape[-1]} experts")
     selection_bias = bias.float()
 
     def route(rows: torch.Tensor) -> torch.Tensor:  # [..., E] -> [..., 2k]: ids | weights
@@ -43,7 +51,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         weights = chosen / chosen.sum(-1, keepdim=True) * scaling
         return torch.cat([ids.float(), weights], dim=-1)  # ids < 2^24 are exact in fp32
 
-    routed = per_row(route, logits)
+    routed = per_row(route, logits.float())
     return routed[:, :top_k].long(), routed[:, top_k:]
 
 

@@ -49,6 +49,13 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     return route_logits(router_logits(x, gate_weight), bias.float().contiguous(), top_k, scaling)
 
 
+@register("moe_route_logits", "triton", devices=("cuda",), priority=10, available=triton_available)
+def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    if not 1 <= top_k <= logits.shape[-1] or tuple(bias.shape) != (logits.shape[-1],):
+        raise ValueError(f"top_k / bias: top_k={top_k} and bias {tuple(bias.shape)} for {logits.shape[-1]} experts")
+    return route_logits(logits.float(), bias.float().contiguous(), top_k, scaling)
+
+
 COMBINE_BLOCK = 1024  # columns per program: 4 blocks of K3's latent 3584
 
 

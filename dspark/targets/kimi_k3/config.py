@@ -4,6 +4,9 @@ Values of the `k3` preset are the released `config.json` (text_config) as tabula
 docs/kimi-k3.md §1.2-1.3. `k3-tiny` keeps the structure (layer pattern, dense first
 layer, latent MoE, AttnRes blocks) with dims small enough for a CPU test; `k3-slice` keeps the
 real dims with only the first four layers (three KDA, one MLA) so it fits one H200.
+
+`k3-rank` (RANK_PRESETS) is not a model of its own: it is one GPU's share of `k3` served on 16
+(docs/kimi-k3.md §8), built by load_target with a sharding.Shard.
 """
 from __future__ import annotations
 
@@ -150,6 +153,19 @@ K3_SLICE = dataclasses.replace(
 ).validate()
 
 PRESETS: dict[str, K3Config] = {c.name: c for c in (K3, K3_TINY, K3_SLICE)}
+
+# One rank of a deployment: (the model, the GPUs it is served on). docs/kimi-k3.md §8: TP16
+# attention and dense FFN, EP16 experts (56 per rank), vocabulary-parallel embedding and lm_head.
+RANK_PRESETS: dict[str, tuple[K3Config, int]] = {"k3-rank": (K3, 16)}
+
+
+def first_layers(cfg: K3Config, layers: int) -> K3Config:
+    """The first `layers` layers of `cfg` (K3_SLICE is K3's first four), for a model that does
+    not fit a GPU whole; per-layer figures of it are per-layer figures of `cfg`."""
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= cfg.num_layers:
+        raise ValueError(f"layers={layers!r}: must be an integer in [1, {cfg.num_layers}]")
+    return dataclasses.replace(cfg, num_layers=layers, mla_layers=tuple(i for i in cfg.mla_layers if i < layers)
+                               ).validate()
 
 
 def get_preset(name: str) -> K3Config:

@@ -22,7 +22,9 @@ from dspark.kernels import ops
 
 from . import weights as layout
 from .config import K3Config
-from .moe import LatentMoEWeights, latent_moe
+from .moe import LatentMoEWeights, latent_moe, rank_latent_moe
+from .parallel import RankParallel
+from .sharding import Shard
 
 # docs/kimi-k3.md §7 caution: the transcription has the FFN's AttnRes mix include this layer's attention
 # output (one JAX re-implementation feeds attention and FFN from the same value set instead).
@@ -36,6 +38,16 @@ KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "
 DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight",
                               "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
+
+
+def _stack_of_views(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[len(tensors), ...]: the stack the tensors are consecutive views of, as it is, when they are
+    (weights.expert_stack_views: random and loaded checkpoints); else a stacked copy."""
+    base = tensors[0]._base
+    if (base is not None and base.is_contiguous() and tuple(base.shape) == (len(tensors), *tensors[0].shape)
+            and all(t._base is base and t.data_ptr() == base[j].data_ptr() for j, t in enumerate(tensors))):
+        return base
+    return torch.stack(tensors)
 
 
 @dataclass
@@ -56,16 +68,31 @@ class DecodeState:
 
 
 class K3Model:
-    def __init__(self, cfg: K3Config, tensors: dict[str, torch.Tensor]):
+    def __init__(self, cfg: K3Config, tensors: dict[str, torch.Tensor], shard: Shard | None = None,
+                 collectives=None, routing: str = "exact"):
         """Build from checkpoint-layout tensors. Takes ownership of `tensors`: the per-expert
-        entries are removed as each layer's experts are stacked, so the routed experts (most
-        of the bytes) are never held twice."""
-        layout.check_tensors(cfg, tensors)
+        entries are removed as each layer's experts are stacked; when they are views of one
+        stack per layer (weights.expert_stack_views) the stack is taken as it is, so the routed
+        experts (most of the bytes) are never held twice.
+
+        With `shard` of world > 1 the model is that rank (docs/kimi-k3.md §8): `tensors` are its
+        parts (weights.tensor_specs(cfg, shard)), `collectives` join it to the other ranks
+        (default: omitted, parallel.OmittedCollectives) and `routing` picks which pairs its
+        experts take (parallel.py: "exact" or "busiest")."""
+        self.shard = (shard or Shard()).validate(cfg)
+        layout.check_tensors(cfg, tensors, self.shard)
+        self.parallel = (RankParallel(cfg, self.shard, collectives, routing) if self.shard.world > 1 else None)
+        self.kda_heads = cfg.kda_num_heads // self.shard.world  # heads this model computes
+        self.mla_heads = cfg.mla_num_heads // self.shard.world
+        self.routing_log: list | None = None  # a list: each MoE layer's expert ids are appended to it
         self.cfg = cfg
         self.dtype = tensors[layout.EMBED].dtype
         self.device = tensors[layout.EMBED].device
         # Routed experts are stacked per layer [E, ...] for the MoE op; the rest stay by name.
-        self.tensors = {n: t for n, t in tensors.items() if ".block_sparse_moe.experts." not in n}
+        # Moved out of `tensors` (the caller's dict keeps only the experts, popped as they are
+        # stacked): a projection fused below is then held by its fused weight alone, not also by
+        # the caller's dict until the model is built.
+        self.tensors = {n: tensors.pop(n) for n in list(tensors) if ".block_sparse_moe.experts." not in n}
         self.moe: dict[int, LatentMoEWeights] = {}
         self.conv_weights: dict[int, torch.Tensor] = {}
         self.mla_absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -79,13 +106,15 @@ class K3Model:
             if cfg.layer_type(i) == "kda":
                 # q, k, v depthwise taps [W, 1, 4] -> [3, W, 4]
                 self.conv_weights[i] = torch.stack(
-                    [tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
+                    [self.tensors[f"{a}.{p}_conv1d.weight"][:, 0] for p in ("q", "k", "v")]
                 ).float()
-                self.fused_inputs[i] = self._fuse_rows(i, KDA_INPUT_PROJECTIONS)
+                # A rank's 6-row b projection leaves the fused rows off the multiple of 8 the CuTe
+                # GEMM tiles (kernels/linear/cute_host.py shape_supported): pad, else cuBLAS runs it.
+                self.fused_inputs[i] = self._fuse_rows(i, KDA_INPUT_PROJECTIONS, 8 if self.shard.world > 1 else 1)
             else:
                 # kv_b [H*(nope+v), R] splits per head into W_UK [nope, R] and W_UV [v, R]
                 # (docs/kimi-k3.md §3); absorbed: q_latent_h = W_UK_h^T q_nope_h, o_h = W_UV_h o_latent_h.
-                kv_b = tensors[f"{a}.kv_b_proj.weight"].view(cfg.mla_num_heads, -1, cfg.kv_lora_rank)
+                kv_b = self.tensors[f"{a}.kv_b_proj.weight"].view(self.mla_heads, -1, cfg.kv_lora_rank)
                 w_uk_t = kv_b[:, : cfg.qk_nope_head_dim].transpose(1, 2).contiguous()  # [H, R, nope]
                 w_uv = kv_b[:, cfg.qk_nope_head_dim :].contiguous()  # [H, v, R]
                 self.mla_absorbed[i] = (w_uk_t, w_uv)
@@ -98,8 +127,9 @@ class K3Model:
         self.max_checkpoints = len(range(0, cfg.num_layers, cfg.attn_res_block_size))
 
     @classmethod
-    def random(cls, cfg: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "K3Model":
-        return cls(cfg, layout.random_tensors(cfg, seed, dtype, device))
+    def random(cls, cfg: K3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu",
+               shard: Shard | None = None, routing: str = "exact") -> "K3Model":
+        return cls(cfg, layout.random_tensors(cfg, seed, dtype, device, shard), shard=shard, routing=routing)
 
     @classmethod
     def from_checkpoint(cls, path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> "K3Model":
@@ -108,35 +138,35 @@ class K3Model:
 
     def _stack_moe(self, i: int, tensors) -> LatentMoEWeights:
         m = f"{layout.layer_prefix(i)}.block_sparse_moe"
-        experts = [layout.expert_prefix(i, e) for e in range(self.cfg.num_experts)]
+        experts = [layout.expert_prefix(i, e) for e in self.shard.experts(self.cfg)]
 
         def stacked(w, part):
-            names = [f"{x}.{w}.{part}" for x in experts]
-            result = torch.stack([tensors[n] for n in names])
-            for n in names:
-                del tensors[n]
-            return result
+            experts_of_kind = [tensors.pop(f"{x}.{w}.{part}") for x in experts]
+            return _stack_of_views(experts_of_kind)
 
         return LatentMoEWeights(
-            gate=tensors[f"{m}.gate.weight"],
-            score_bias=tensors[f"{m}.gate.e_score_correction_bias"],
-            latent_down=tensors[f"{m}.routed_expert_down_proj.weight"],
-            latent_norm=tensors[f"{m}.routed_expert_norm.weight"],
-            latent_up=tensors[f"{m}.routed_expert_up_proj.weight"],
+            gate=self.tensors[f"{m}.gate.weight"],
+            score_bias=self.tensors[f"{m}.gate.e_score_correction_bias"],
+            latent_down=self.tensors[f"{m}.routed_expert_down_proj.weight"],
+            latent_norm=self.tensors[f"{m}.routed_expert_norm.weight"],
+            latent_up=self.tensors[f"{m}.routed_expert_up_proj.weight"],
             shared_gate_up=self._fuse_rows(i, SHARED_GATE_UP_PROJECTIONS)[0],
-            shared_down=tensors[f"{m}.shared_experts.down_proj.weight"],
+            shared_down=self.tensors[f"{m}.shared_experts.down_proj.weight"],
             w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),
             w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
         )
 
-    def _fuse_rows(self, i: int, suffixes: tuple[str, ...]) -> tuple[torch.Tensor, list[int]]:
+    def _fuse_rows(self, i: int, suffixes: tuple[str, ...], rows_multiple: int = 1) -> tuple[torch.Tensor, list[int]]:
         """One weight [sum N, K] for projections that read the same input, so they run as one
         GEMM: the small ones alone are launch- and ramp-bound (MLA kv_a 576 x 7168 reached 35% of
         the read rate on the H200, q_a 55%; experiments/notes/skinny_gemm.md) and vanish inside
-        the large one. The checkpoint names stay as row views of it: nothing is held twice."""
+        the large one. The checkpoint names stay as row views of it: nothing is held twice.
+        Zero rows pad it to a multiple of `rows_multiple` (not in `sizes`: callers drop them)."""
         names = [f"{layout.layer_prefix(i)}.{suffix}" for suffix in suffixes]
-        fused = torch.cat([self.tensors[n] for n in names])
+        parts = [self.tensors[n] for n in names]
+        padding = -sum(p.shape[0] for p in parts) % rows_multiple
+        fused = torch.cat(parts + [parts[0].new_zeros(padding, parts[0].shape[1])] if padding else parts)
         sizes, start = [], 0
         for n in names:
             rows = self.tensors[n].shape[0]
@@ -149,34 +179,40 @@ class K3Model:
         """(name, tensor) in the checkpoint layout; experts are views of the stacked tensors."""
         yield from self.tensors.items()
         for i, moe in self.moe.items():
-            for e in range(self.cfg.num_experts):
+            for j, e in enumerate(self.shard.experts(self.cfg)):
                 x = layout.expert_prefix(i, e)
                 for w in ("w1", "w3", "w2"):
-                    yield f"{x}.{w}.weight_packed", getattr(moe, f"{w}_packed")[e]
-                    yield f"{x}.{w}.weight_scale", getattr(moe, f"{w}_scale")[e]
+                    yield f"{x}.{w}.weight_packed", getattr(moe, f"{w}_packed")[j]
+                    yield f"{x}.{w}.weight_scale", getattr(moe, f"{w}_scale")[j]
 
     # ------------------------------------------------------------------------ pieces
     def _w(self, i: int, suffix: str) -> torch.Tensor:
         return self.tensors[f"{layout.layer_prefix(i)}.{suffix}"]
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over the ranks (itself for the whole model)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
+
     def _kda(self, i, h, B, T, lengths, state, conv_state, slots):
         cfg, a = self.cfg, "self_attn"
-        W = cfg.kda_width
+        H = self.kda_heads
+        W = H * cfg.kda_head_dim
         fused, sizes = self.fused_inputs[i]
-        q, k, v, g, f_a, beta = ops.linear(h, fused).split(sizes, dim=-1)  # KDA_INPUT_PROJECTIONS order
+        projected = ops.linear(h, fused)[:, : sum(sizes)]  # without a rank's padding rows
+        q, k, v, g, f_a, beta = projected.split(sizes, dim=-1)  # KDA_INPUT_PROJECTIONS order
         f = ops.linear(f_a, self._w(i, f"{a}.f_b_proj.weight"))
         o, records = ops.kda_verify(
             q.reshape(B, T, W), k.reshape(B, T, W), v.reshape(B, T, W), f.view(B, T, W),
-            beta.reshape(B, T, cfg.kda_num_heads), g.reshape(B, T, W),
-            self.conv_weights[i], conv_state, self._w(i, f"{a}.A_log")[: cfg.kda_num_heads],
+            beta.reshape(B, T, H), g.reshape(B, T, W),
+            self.conv_weights[i], conv_state, self._w(i, f"{a}.A_log")[:H],
             self._w(i, f"{a}.dt_bias"), self._w(i, f"{a}.o_norm.weight"), state, lengths,
             lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, slots=slots,
         )
-        return ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight")), records
+        return self._reduce(ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight"))), records
 
     def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens):
         cfg, a = self.cfg, "self_attn"
-        H, R, P, nope = cfg.mla_num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        H, R, P, nope = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
         eps = cfg.rms_norm_eps
         fused, sizes = self.fused_inputs[i]
         q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
@@ -194,7 +230,7 @@ class K3Model:
         ).view(B * T, H, R)
         o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
         o = ops.sigmoid_gate(o, gate)
-        return ops.linear(o, self._w(i, f"{a}.o_proj.weight"))
+        return self._reduce(ops.linear(o, self._w(i, f"{a}.o_proj.weight")))
 
     @staticmethod
     def _write_rows(cache, rows, slots, cache_lens, lengths):
@@ -214,8 +250,10 @@ class K3Model:
             fused, sizes = self.ffn_inputs[i]
             gate, up = ops.linear(y, fused).split(sizes, dim=-1)  # DENSE_FFN_INPUT_PROJECTIONS order
             act = ops.situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
-            return ops.linear(act, self._w(i, "mlp.down_proj.weight"))
-        return latent_moe(y, self.moe[i], cfg)
+            return self._reduce(ops.linear(act, self._w(i, "mlp.down_proj.weight")))
+        if self.parallel is not None:
+            return rank_latent_moe(y, self.moe[i], cfg, self.parallel, self.routing_log)
+        return latent_moe(y, self.moe[i], cfg, self.routing_log)
 
     # ------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, state: DecodeState, tap_layers=()):
@@ -225,8 +263,9 @@ class K3Model:
         B, T = tokens.shape
         positions = torch.arange(T, device=tokens.device)
         valid = positions[None, :] < lengths.to(tokens.device)[:, None]
-        ids = torch.where(valid, tokens, torch.zeros_like(tokens))  # padding: any valid id
-        hidden = self.tensors[layout.EMBED][ids.reshape(-1)]
+        ids = torch.where(valid, tokens, torch.zeros_like(tokens)).reshape(-1)  # padding: any valid id
+        embed = self.tensors[layout.EMBED]
+        hidden = embed[ids] if self.parallel is None else self.parallel.embed(embed, ids)
         taps = {}
         if -1 in tap_layers:
             taps[-1] = hidden.view(B, T, -1)
@@ -282,5 +321,7 @@ class K3Model:
                             self.tensors[layout.FINAL_NORM], delta=ffn_out)
         if cfg.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
             taps[cfg.num_layers] = final.view(B, T, -1)
-        logits = ops.linear(final, self.tensors[layout.LM_HEAD]).float()
-        return logits.view(B, T, -1), taps, records
+        logits = ops.linear(final, self.tensors[layout.LM_HEAD])
+        if self.parallel is not None:  # vocabulary-parallel lm_head
+            logits = self.parallel.all_gather(logits)
+        return logits.float().view(B, T, -1), taps, records

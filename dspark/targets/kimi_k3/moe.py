@@ -7,6 +7,12 @@ Per token x [D]:
     out = latent_up RMSNorm(routed; routed_expert_norm) + shared_down situ(shared_gate x, shared_up x)
 Every projection is `ops.linear`; the elementwise parts are per row (kernels/numerics.py), so on
 the CPU a token's output does not depend on the tokens beside it, bit for bit.
+
+`rank_latent_moe` is one rank's share of the block (docs/kimi-k3.md §8): the router and latent
+down projection are column-parallel (their outputs gathered: the EP dispatch), the rank's experts
+run on its pairs (parallel.RankParallel.local_pairs), their latent sums are all-reduced (the EP
+combine) before the latent norm, and the latent up and shared-expert projections are row-parallel
+(one all-reduce of the sum).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
+from dspark.kernels.moe.triton import router_logits
 
 from .config import K3Config
 
@@ -72,13 +79,16 @@ class LatentMoEWeights:
         return (self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed, self.w2_scale)
 
 
-def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> torch.Tensor:
-    """The K3 latent-MoE FFN: x [M, D] -> [M, D] in x.dtype."""
+def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record: list | None = None) -> torch.Tensor:
+    """The K3 latent-MoE FFN: x [M, D] -> [M, D] in x.dtype. `record`: a list the expert ids
+    [M, k] of the call are appended to (left on the device)."""
     if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
         raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
     ids, route_weights = ops.moe_route(
         x, weights.gate, weights.score_bias, cfg.num_experts_per_token, cfg.routed_scaling_factor
     )
+    if record is not None:
+        record.append(ids)
     latent = ops.linear(x, weights.latent_down)
     routed = ops.moe_experts(latent, ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
     routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps, out_dtype=x.dtype)
@@ -88,3 +98,31 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config) -> tor
     shared_gate, shared_up = ops.linear(x, weights.shared_gate_up).chunk(2, dim=-1)
     shared = ops.linear(ops.situ_glu(shared_gate, shared_up, cfg.situ_beta, cfg.situ_linear_beta), weights.shared_down)
     return ops.linear(routed, weights.latent_up) + shared
+
+
+def _router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [M, E] as moe_route computes them: on CUDA a bf16 GEMM with fp32 output
+    (kernels/moe/triton.py), elsewhere both widened to fp32 first (kernels/moe/reference.py; the
+    CPU has no bf16 GEMM with fp32 output)."""
+    return router_logits(x, gate) if x.is_cuda else ops.linear(x.float(), gate.float())
+
+
+def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, parallel,
+                    record: list | None = None) -> torch.Tensor:
+    """One rank's share of the latent-MoE FFN: x [M, D] (the same on every rank) -> the rank's
+    partial output, all-reduced by `parallel` (a parallel.RankParallel). `weights` holds the
+    rank's parts: router and latent down rows, latent up and shared down columns, shared gate|up
+    rows, its experts. `record` gets the local expert ids [M, k'] the rank's experts run on."""
+    logits = parallel.all_gather(_router_logits(x, weights.gate))
+    latent = parallel.all_gather(ops.linear(x, weights.latent_down))
+    ids, route_weights = ops.moe_route_logits(logits, weights.score_bias, cfg.num_experts_per_token,
+                                              cfg.routed_scaling_factor)
+    local_ids, local_weights = parallel.local_pairs(ids, route_weights)
+    if record is not None:
+        record.append(local_ids)
+    partial = ops.moe_experts(latent, local_ids, local_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
+    routed = ops.rms_norm(parallel.all_reduce(partial), weights.latent_norm, cfg.rms_norm_eps, out_dtype=x.dtype)
+    shared_gate, shared_up = ops.linear(x, weights.shared_gate_up).chunk(2, dim=-1)
+    shared = ops.linear(ops.situ_glu(shared_gate, shared_up, cfg.situ_beta, cfg.situ_linear_beta), weights.shared_down)
+    mine = routed[:, parallel.latent].contiguous()
+    return parallel.all_reduce(ops.linear(mine, weights.latent_up) + shared)

@@ -30,8 +30,9 @@ from dspark.targets.slots import checked_slots
 from dspark.transfer import long_tensor_on
 
 from . import weights as layout
-from .config import PRESETS, get_preset
+from .config import PRESETS, RANK_PRESETS, first_layers, get_preset
 from .model import DecodeState, K3Model
+from .sharding import Shard
 
 
 def _host_ints(values) -> list[int] | None:
@@ -66,7 +67,8 @@ class K3Target:
         self.max_slots = max_slots
         self.device = model.device
         n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
-        H, D, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_width
+        H, D = model.kda_heads, cfg.kda_head_dim  # a rank's heads (docs/kimi-k3.md §8); all of them otherwise
+        W = H * D
         dev = self.device
         self.kda_state = torch.zeros(max_slots, n_kda, H, D, D, dtype=torch.float32, device=dev)
         self.conv_state = torch.zeros(max_slots, n_kda, 3, W, cfg.kda_conv_size - 1, dtype=model.dtype, device=dev)
@@ -226,15 +228,25 @@ class K3Target:
 
 
 def load_target(preset_or_path, *, max_slots: int, max_seq_len: int, dtype: torch.dtype = torch.bfloat16,
-                device="cpu", seed: int = 0) -> K3Target:
+                device="cpu", seed: int = 0, layers: int | None = None, rank: int = 0) -> K3Target:
     """A K3Target from a preset name (random weights from `seed`) or a checkpoint directory
-    (config.json + safetensors in the released layout)."""
+    (config.json + safetensors in the released layout). A rank preset (RANK_PRESETS, "k3-rank")
+    builds rank `rank` of its deployment with the busiest rank's routing and the collectives
+    omitted (docs/kimi-k3.md §8): a timing target, whose logits are not the model's. `layers`:
+    only the first that many layers of a preset."""
     path = Path(str(preset_or_path))
+    name = str(preset_or_path)
     if path.is_dir():
+        if layers is not None:
+            raise ValueError(f"layers={layers!r}: applies to presets, not to the checkpoint directory {name!r}")
         model = K3Model.from_checkpoint(path, dtype=dtype, device=device)
-    elif str(preset_or_path) in PRESETS:
-        model = K3Model.random(get_preset(str(preset_or_path)), seed=seed, dtype=dtype, device=device)
+    elif name in PRESETS or name in RANK_PRESETS:
+        cfg, world = RANK_PRESETS[name] if name in RANK_PRESETS else (get_preset(name), 1)
+        cfg = cfg if layers is None else first_layers(cfg, layers)
+        shard = Shard(rank, world)
+        model = K3Model.random(cfg, seed=seed, dtype=dtype, device=device, shard=shard,
+                               routing="busiest" if world > 1 else "exact")
     else:
-        raise ValueError(f"unknown target preset or checkpoint directory {str(preset_or_path)!r}; "
-                         f"known presets: {sorted(PRESETS)}")
+        raise ValueError(f"unknown target preset or checkpoint directory {name!r}; "
+                         f"known presets: {sorted(PRESETS) + sorted(RANK_PRESETS)}")
     return K3Target(model, max_slots=max_slots, max_seq_len=max_seq_len)

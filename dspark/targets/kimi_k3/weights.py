@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 
 from dspark.checkpoint_files import CheckpointError, iter_safetensors, read_json, require_directory
 from .config import K3Config
+from .sharding import Shard, shard_shape, shard_view
 from dspark.kernels.mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP_SIZE
 
 PREFIX = "language_model.model"
@@ -44,8 +46,48 @@ def expert_prefix(i: int, e: int) -> str:
     return f"{layer_prefix(i)}.block_sparse_moe.experts.{e}"
 
 
-def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor of the checkpoint: name -> (shape, kind)."""
+# A routed expert's tensor: layer, expert, weight (w1/w2/w3), part (weight_packed/weight_scale).
+EXPERT_NAME = re.compile(re.escape(PREFIX) + r"\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)")
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def expert_shapes(cfg: K3Config) -> dict[str, tuple[int, int]]:
+    """"{w}.{part}" -> shape of one routed expert's MXFP4 tensor: w1, w3 [I, latent], w2 [latent, I] as
+    packed codes [N, K/2] and scales [N, K/32] (docs/kimi-k3.md §1.3)."""
+    inter, latent = cfg.moe_intermediate_size, cfg.latent_size
+    shapes = {}
+    for w, (n, k) in zip(EXPERT_WEIGHTS, ((inter, latent), (inter, latent), (latent, inter))):
+        shapes[f"{w}.weight_packed"] = (n, k // 2)
+        shapes[f"{w}.weight_scale"] = (n, k // GROUP_SIZE)
+    return shapes
+
+
+def expert_stack_views(cfg: K3Config, i: int, stacks: dict[str, torch.Tensor], experts: range) -> dict[str, torch.Tensor]:
+    """The checkpoint-layout names of layer i's experts as views of its stacks [len(experts), ...]:
+    a model built from them takes the stacks as they are (K3Model._stack_moe), so the routed
+    experts, most of the bytes, are never held twice (a per-expert tensor stacked by copying
+    leaves its freed block in the caching allocator, which cannot serve the larger stack)."""
+    return {f"{expert_prefix(i, e)}.{key}": stack[j] for key, stack in stacks.items() for j, e in enumerate(experts)}
+
+
+def tensor_specs(cfg: K3Config, shard: Shard | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the checkpoint: name -> (shape, kind); with `shard`, the tensors that rank
+    holds (its experts only) in the shapes it holds them (sharding.py)."""
+    specs = _full_specs(cfg)
+    if shard is None or shard.world == 1:
+        return specs
+    mine = shard.experts(cfg)
+    held = {}
+    for name, (shape, kind) in specs.items():
+        expert = EXPERT_NAME.fullmatch(name)
+        if expert is None:
+            held[name] = (shard_shape(cfg, shard, name, shape), kind)
+        elif int(expert.group(2)) in mine:
+            held[name] = (shape, kind)
+    return held
+
+
+def _full_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
     D, V = cfg.hidden_size, cfg.vocab_size
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
 
@@ -93,7 +135,7 @@ def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
             add(f"{p}.mlp.up_proj.weight", cfg.intermediate_size, D)
             add(f"{p}.mlp.down_proj.weight", D, cfg.intermediate_size)
         else:
-            m, Lt, I, S = f"{p}.block_sparse_moe", cfg.latent_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+            m, Lt, S = f"{p}.block_sparse_moe", cfg.latent_size, cfg.shared_intermediate_size
             add(f"{m}.gate.weight", cfg.num_experts, D)
             add(f"{m}.gate.e_score_correction_bias", cfg.num_experts)
             add(f"{m}.routed_expert_down_proj.weight", Lt, D)
@@ -103,10 +145,8 @@ def tensor_specs(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], str]]:
             add(f"{m}.shared_experts.up_proj.weight", S, D)
             add(f"{m}.shared_experts.down_proj.weight", D, S)
             for e in range(cfg.num_experts):
-                x = expert_prefix(i, e)
-                for w, (n, k) in (("w1", (I, Lt)), ("w3", (I, Lt)), ("w2", (Lt, I))):
-                    specs[f"{x}.{w}.weight_packed"] = ((n, k // 2), "u8")
-                    specs[f"{x}.{w}.weight_scale"] = ((n, k // GROUP_SIZE), "u8")
+                for key, shape in expert_shapes(cfg).items():
+                    specs[f"{expert_prefix(i, e)}.{key}"] = (shape, "u8")
     return specs
 
 
@@ -115,44 +155,61 @@ def tensor_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- random init
-def _random_mxfp4(shape, fan_in: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform random E2M1 codes with one power-of-two scale chosen so the weight's std is about
-    fan_in^-1/2 (uniform codes have an rms of sqrt(mean(m^2)) over the 8 magnitudes)."""
-    n, k = shape
+def _random_expert_stacks(cfg: K3Config, experts: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """One layer's routed experts drawn straight into their stacks [experts, ...]: uniform random
+    E2M1 codes with one power-of-two scale per weight chosen so its std is about fan_in^-1/2
+    (uniform codes have an rms of sqrt(mean(m^2)) over the 8 magnitudes)."""
     code_rms = math.sqrt(sum(m * m for m in E2M1_MAGNITUDES) / len(E2M1_MAGNITUDES))
-    exponent = round(math.log2(fan_in**-0.5 / code_rms))
-    packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
-    scale = torch.full((n, k // GROUP_SIZE), exponent + E8M0_BIAS, dtype=torch.uint8, device=device)
-    return packed, scale
+    shapes = expert_shapes(cfg)
+    stacks = {}
+    for w in EXPERT_WEIGHTS:
+        n, half_k = shapes[f"{w}.weight_packed"]
+        exponent = round(math.log2((2 * half_k) ** -0.5 / code_rms))
+        stacks[f"{w}.weight_packed"] = torch.randint(0, 256, (experts, n, half_k), generator=gen, device=device,
+                                                     dtype=torch.uint8)
+        stacks[f"{w}.weight_scale"] = torch.full((experts, *shapes[f"{w}.weight_scale"]), exponent + E8M0_BIAS,
+                                                 dtype=torch.uint8, device=device)
+    return stacks
 
 
-def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device,
+                   shard: Shard | None = None) -> dict[str, torch.Tensor]:
     """A random checkpoint whose activations stay O(1): linear weights ~ N(0, 1/fan_in) on
-    RMS-normalised inputs, norms near 1, logits of unit scale (varied argmax)."""
+    RMS-normalised inputs, norms near 1, logits of unit scale (varied argmax). Each MoE layer's
+    experts are views of one stack per tensor kind (expert_stack_views). With `shard`, only that
+    rank's tensors, drawn in its shapes (fan-in that of the whole matrix); they are not slices of
+    the whole model of the same seed (shard_tensors makes those)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
+    shard = shard or Shard()
+    experts = shard.experts(cfg)
+    held = tensor_specs(cfg, shard)
     tensors: dict[str, torch.Tensor] = {}
-    for name, (shape, kind) in tensor_specs(cfg).items():
-        if kind == "u8":
-            if name.endswith(".weight_scale"):
-                continue  # written with its weight_packed
-            base = name[: -len(".weight_packed")]
-            n, half_k = shape
-            packed, scale = _random_mxfp4((n, half_k * 2), half_k * 2, gen, device)
-            tensors[name], tensors[f"{base}.weight_scale"] = packed, scale
+    for name, (full_shape, kind) in tensor_specs(cfg).items():
+        if name not in held:
             continue
+        if kind == "u8":
+            if name not in tensors:  # the layer's first expert tensor: draw all of them
+                layer = int(EXPERT_NAME.fullmatch(name).group(1))
+                stacks = _random_expert_stacks(cfg, len(experts), gen, device)
+                tensors.update(expert_stack_views(cfg, layer, stacks, experts))
+            continue
+        shape = held[name][0]
+        target = tensor_dtype(kind, dtype)
 
-        def normal(std):
-            return torch.randn(shape, generator=gen, device=device) * std
+        def normal(std, mean=0.0):
+            # drawn in the tensor's own dtype: a float32 draw of the embedding or lm_head would
+            # leave a transient twice their size in the caching allocator
+            return torch.empty(shape, dtype=target, device=device).normal_(mean, std, generator=gen)
 
         if name.endswith(("norm.weight", "layernorm.weight")):
-            value = 1.0 + normal(0.1)
+            value = normal(0.1, mean=1.0)
         elif name.endswith("_conv1d.weight"):
             value = normal(0.5)
         elif name.endswith(".A_log"):
             # FLA's init: A in [1, 16]; entries past the head count are storage padding (zero).
-            value = torch.zeros(shape, device=device)
-            heads = cfg.kda_num_heads
+            value = torch.zeros(shape, dtype=target, device=device)
+            heads = min(cfg.kda_num_heads, shape[0])
             value[:heads] = torch.log(1 + 15 * torch.rand(heads, generator=gen, device=device))
         elif name.endswith(".dt_bias"):
             value = normal(0.5)
@@ -161,14 +218,33 @@ def random_tensors(cfg: K3Config, seed: int, dtype: torch.dtype, device) -> dict
         elif name == EMBED:
             value = normal(1.0)
         else:  # projections [out, in], including the AttnRes pseudo-queries [1, D]
-            value = normal(shape[-1] ** -0.5)
-        tensors[name] = value.to(tensor_dtype(kind, dtype))
+            value = normal(full_shape[-1] ** -0.5)
+        tensors[name] = value
     return tensors
 
 
-def check_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError on a missing, unexpected or misshapen tensor, naming it."""
-    specs = tensor_specs(cfg)
+def shard_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor], shard: Shard) -> dict[str, torch.Tensor]:
+    """Rank `shard`'s tensors cut from a whole checkpoint-layout dict (copies: the whole model
+    may be freed): its part of every tensor (sharding.py) and its experts, stacked per layer."""
+    shard.validate(cfg)
+    mine = shard.experts(cfg)
+    held = {}
+    for name, (shape, kind) in tensor_specs(cfg, shard).items():
+        expert = EXPERT_NAME.fullmatch(name)
+        if expert is None:
+            held[name] = shard_view(cfg, shard, name, tensors[name]).clone()
+        elif name not in held:
+            layer = int(expert.group(1))
+            stacks = {key: torch.stack([tensors[f"{expert_prefix(layer, e)}.{key}"] for e in mine])
+                      for key in expert_shapes(cfg)}
+            held.update(expert_stack_views(cfg, layer, stacks, mine))
+    return held
+
+
+def check_tensors(cfg: K3Config, tensors: dict[str, torch.Tensor], shard: Shard | None = None) -> None:
+    """Raise ValueError on a missing, unexpected or misshapen tensor, naming it (the tensors of
+    rank `shard` when given)."""
+    specs = tensor_specs(cfg, shard)
     missing = [n for n in specs if n not in tensors]
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r} (expected shape {specs[missing[0]][0]}; "
@@ -354,10 +430,21 @@ def load_checkpoint(path, dtype: torch.dtype, device) -> tuple[K3Config, dict[st
         raise CheckpointError(f"K3 checkpoint {str(path)!r}: no *.safetensors files")
     specs = tensor_specs(cfg)
     tensors: dict[str, torch.Tensor] = {}
+    stacks: dict[int, dict[str, torch.Tensor]] = {}  # per MoE layer, its experts' stacks, filled as read
     for file in files:
         # The vision tower and projector are not part of the text target.
         for name, tensor in iter_safetensors(file, keep=lambda n: n.startswith("language_model.")):
             kind = specs[name][1] if name in specs else "float"
+            if kind == "u8" and tensor.dtype == torch.uint8 and tuple(tensor.shape) == specs[name][0]:
+                # Read into its place in the layer's stack (expert_stack_views), never held twice.
+                layer, expert = (int(g) for g in EXPERT_NAME.fullmatch(name).group(1, 2))
+                if layer not in stacks:
+                    stacks[layer] = {key: torch.empty((cfg.num_experts, *shape), dtype=torch.uint8, device=device)
+                                     for key, shape in expert_shapes(cfg).items()}
+                key = name[len(expert_prefix(layer, expert)) + 1 :]
+                tensors[name] = stacks[layer][key][expert]
+                tensors[name].copy_(tensor)
+                continue
             tensors[name] = tensor.to(device=device, dtype=tensor_dtype(kind, dtype) if kind != "u8" else tensor.dtype)
     try:
         check_tensors(cfg, tensors)

@@ -1,0 +1,127 @@
+"""The CPU-checkable parts of experiments/step_bench.py on the rank (docs/kimi-k3.md §8): kernels
+classed by the op that launched them, the layer count that fits a GPU, the floors from the
+experts a step counted."""
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark import roofline
+from dspark.kernels import ops
+from dspark.targets.kimi_k3 import K3, K3_SLICE, K3_TINY, K3Model, K3Target, Shard
+from dspark.targets.kimi_k3 import moe as k3_moe
+from dspark.targets.kimi_k3.parallel import RankParallel
+from dspark.targets.kimi_k3.weights import random_tensors
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "step_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("step_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def cpu_event(name, parent=None, kernels=()):
+    return SimpleNamespace(name=name, cpu_parent=parent, device_type=CPU,
+                           kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels])
+
+
+def device_event(name, us):
+    return SimpleNamespace(name=name, device_type=CUDA, kernels=[],
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_kernels_take_the_class_of_the_outermost_scope_else_their_name(bench):
+    experts = cpu_event("dspark:experts")
+    linear_inside = cpu_event("dspark:trunk GEMMs", parent=experts)
+    gemm_inside = cpu_event("aten::mm", parent=linear_inside, kernels=[("gemm_a", 5.0)])
+    attention = cpu_event("dspark:attention", kernels=[("MlaVerify_k", 7.0)])
+    glue = cpu_event("aten::add", kernels=[("add_kernel", 1.0)])
+    device = [device_event("gemm_a", 5.0), device_event("MlaVerify_k", 7.0), device_event("add_kernel", 1.0),
+              # launched twice, linked once: the other by name
+              device_event("route_kernel", 2.0), device_event("KdaVerify_x", 3.0), device_event("KdaVerify_x", 3.0)]
+    routing = cpu_event("dspark:routing", kernels=[("route_kernel", 2.0)])
+    kda = cpu_event("dspark:KDA", kernels=[("KdaVerify_x", 3.0)])
+    by_class, attribution = bench.kernels_by_class(
+        [experts, linear_inside, gemm_inside, attention, glue, routing, kda, *device])
+    assert by_class["experts"] == {"kernels": 1, "us": 5.0}
+    assert by_class["attention"] == {"kernels": 1, "us": 7.0}
+    assert by_class["norms/glue"] == {"kernels": 1, "us": 1.0}
+    assert by_class["routing"] == {"kernels": 1, "us": 2.0}
+    assert by_class["KDA"] == {"kernels": 2, "us": 6.0}
+    assert attribution == {"scope": 5, "name": 1}
+    assert sum(v["kernels"] for v in by_class.values()) == len(device)
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("kernel_cutlass_gemm_kernel_dsparkkernelslinearcute_sm90SkinnyGemmSm90_object_at__CopyAtom", "trunk GEMMs"),
+    ("nvjet_sm90_tss_64x8_64x16_4x1_v_bz_splitK_TNT", "trunk GEMMs"),
+    ("kernel_cutlass_reduce_kernel_tensorptrf32gmemalign16odiv716871div7168", "trunk GEMMs"),
+    ("kernel_cutlass_expert_kernel_tma_dsparkkernelsmoecute_sm90MxFp4ExpertGemmSm90_object", "experts"),
+    ("combine_kernel", "experts"), ("gather_tokens_kernel", "experts"),
+    ("kernel_cutlass_lists_kernel_tensorptri64gmemo1", "experts"),
+    ("kernel_cutlass_kernel_dsparkkernelsmlacute_sm90MlaVerifySm90_object_at", "attention"),
+    ("kernel_cutlass_combine_kernel_tensorptrf32gmemalign16o512i64div512", "attention"),
+    ("kernel_cutlass_verify_kernel_dsparkkernelskdacute_kernelKdaVerify_object", "KDA"),
+    ("route_kernel", "routing"), ("accept", "sampling"), ("attn_res_mix_norm_kernel", "norms/glue"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>", "norms/glue"),
+])
+def test_kernel_names_of_an_h200_profile_are_classed(bench, name, cls):
+    assert bench.class_of_kernel(name) == cls
+
+
+def test_op_scopes_name_the_rank_step_and_restore_the_ops(bench):
+    """A k3-tiny rank step profiled on the CPU under op_scopes: every class's scope is there, the
+    reference MoE op's own linear calls sit inside the experts scope, and afterwards the ops are
+    the originals again."""
+    from torch.profiler import ProfilerActivity, profile
+
+    originals = (ops.linear, k3_moe._router_logits, RankParallel.__dict__["all_gather"])
+    shard = Shard(1, 2)
+    model = K3Model(K3_TINY, random_tensors(K3_TINY, 2, torch.float32, "cpu", shard), shard=shard, routing="busiest")
+    target = K3Target(model, max_slots=1, max_seq_len=16)
+    with bench.op_scopes(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        target.verify([0], torch.tensor([[3, 4, 5]]), [3])
+    assert (ops.linear, k3_moe._router_logits, RankParallel.__dict__["all_gather"]) == originals
+    scopes = {event.name for event in prof.events() if event.name.startswith("dspark:")}
+    assert scopes >= {"dspark:trunk GEMMs", "dspark:experts", "dspark:attention", "dspark:KDA", "dspark:routing",
+                      "dspark:norms/glue", "dspark:collective stand-ins"}
+    nested = [e for e in prof.events() if e.name == "dspark:trunk GEMMs" and bench.scope_class(e) == "experts"]
+    assert nested  # the reference expert op multiplies through ops.linear
+
+
+def test_layers_that_fit_fill_the_memory_given(bench):
+    shard = Shard(0, 16)
+    per_layer, outside = bench.layer_bytes(K3, shard)
+    assert sum(per_layer) + outside == pytest.approx(sum(roofline.rank_weight_bytes(K3, shard).values()))
+    for n in (1, 40, 93):
+        need = outside + sum(per_layer[:n]) + bench.state_bytes(K3, shard, 2, 9000, n) + bench.WORKSPACE_BYTES
+        assert bench.layers_that_fit(K3, shard, need, 2, 9000) == n
+        if n < 93:
+            assert bench.layers_that_fit(K3, shard, need + per_layer[n] / 2, 2, 9000) == n
+
+
+def test_floors_from_counted_and_uniform_routing(bench):
+    row = {"batch": 1, "T": 8, "context": 8192, "graph_ms": 4.0, "eager_ms": 9.0}
+    bench.add_floors(row, K3_SLICE, Shard(), [100, 110, 120], 4.2e12)
+    counted = roofline.step_cost(K3_SLICE, tokens_per_request=8, context=8192, routed_experts=110)
+    assert row["floor_bytes"] == counted.total_bytes
+    assert row["floor_ms"] == pytest.approx(1e3 * counted.total_bytes / 4.2e12)
+    assert row["floor_fraction"] == pytest.approx(row["floor_ms"] / 4.0)
+    assert row["uniform_experts_per_layer"] == pytest.approx(120.28, abs=0.01)
+    assert row["floor_uniform_ms"] > row["floor_ms"]  # 110 experts counted against 120.28 expected
+    assert row["mode"] == "graph" and row["ms_per_layer"] == 1.0
+    rank_row = {"batch": 1, "T": 1, "context": 8192, "eager_ms": 5.0}
+    bench.add_floors(rank_row, K3, Shard(0, 16), [3] * 92, 4.2e12)
+    assert rank_row["mode"] == "eager"
+    assert rank_row["floor_bytes"] == roofline.step_cost(K3, context=8192, shard=Shard(0, 16), routed_experts=3).total_bytes
