@@ -637,7 +637,7 @@ class AlphaBetaComm:
 
 
 # No multi-GPU figure has been measured yet; these are round assumptions to be replaced by
-# experiments/comm_bench.py's measurement (`--comm experiments/results/h200x8/comm_bench.json`).
+# experiments/comm_bench.py's measurement, which `--comm` takes once a multi-GPU machine has run it.
 GB300_NVLINK5_MODEL = AlphaBetaComm(
     "GB300 NVLink 5 model",
     link_bytes_per_s=900e9,

@@ -93,8 +93,8 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record
     routed = ops.moe_experts(latent, ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
     routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps, out_dtype=x.dtype)
     # The shared experts run in line: on a side stream, concurrently with the routed path, they
-    # cost 0.36 ms per k3-slice step inside the step's CUDA graph (the fork and join;
-    # experiments/results/h200/step_bench_ab_shared_overlap_{on,off}.json).
+    # cost more per k3-slice step inside the step's CUDA graph than they saved (the fork and
+    # join; the A/B is in experiments/notes/step.md).
     shared_gate, shared_up = ops.linear(x, weights.shared_gate_up).chunk(2, dim=-1)
     shared = ops.linear(ops.situ_glu(shared_gate, shared_up, cfg.situ_beta, cfg.situ_linear_beta), weights.shared_down)
     return ops.linear(routed, weights.latent_up) + shared
