@@ -7,6 +7,7 @@ import torch
 
 from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .engine import Engine
+from .targets import eos_ids
 
 
 def default_device() -> str:
@@ -64,14 +65,6 @@ def build_drafter(spec: SpecConfig, target, cuda_graphs: bool | None = None):
         raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: the DSpark drafter at "
                          f"{spec.drafter_path} drafts at most block_size={block} tokens per step")
     return drafter
-
-
-def eos_ids(target) -> tuple[int, ...]:
-    cfg = getattr(target, "config", None)
-    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else getattr(target, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def max_speculative_tokens(max_seq_len: int) -> int:

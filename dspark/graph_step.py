@@ -24,20 +24,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .cuda_graphs import StepGraph, current_stream
+from .cuda_graphs import BUCKETS, StepGraph, bucket_table, current_stream
 from .kernels import ops
 from .protocols import is_full_draft_counts
 from .sampling import DrawMirror, SamplingTensors, nonfinite_rows
-
-BUCKETS = (1, 2, 4, 8)
-
-
-def bucket_table(buckets, max_slots: int) -> tuple[tuple[int, ...], dict[int, int]]:
-    """The buckets that fit max_slots, sorted, and the smallest of them that holds each batch size
-    ({batch: bucket}; a batch past the largest has none): a lookup, as graphs ask every step."""
-    fitting = tuple(b for b in sorted(buckets) if b <= max_slots)
-    return fitting, {batch: next(b for b in fitting if b >= batch) for batch in range(1, max(fitting, default=0) + 1)}
-
 
 @dataclass
 class GraphStepResult:

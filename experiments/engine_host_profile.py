@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from dspark.build import build_target, eos_ids
+from dspark.build import build_target
 from dspark.config import SamplingParams, SpecConfig
 from dspark.cuda_graphs import StepGraph
 from dspark.drafters.uniform import UniformDrafter
@@ -52,6 +52,7 @@ from dspark.engine import Engine
 from dspark.files import write_atomic
 from dspark.graph_step import GraphedStep, PendingStep
 from dspark.provenance import provenance
+from dspark.targets import eos_ids
 
 
 class StepClock:

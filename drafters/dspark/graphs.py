@@ -5,7 +5,7 @@ Markov loop's gather, product and argmax per block slot) and a commit a few doze
 each. Here each is one graph replay per step:
 
 - draft graphs are keyed by (batch bucket, context bucket): the bucket of the batch (1, 2, 4, 8:
-  the engine's step graphs' dspark.graph_step.BUCKETS) and a power of two >= the longest context of the batch, the cache
+  the engine's step graphs' dspark.cuda_graphs.BUCKETS) and a power of two >= the longest context of the batch, the cache
   rows a replay reads (rows past a request's own length are masked, as in the eager draft). The
   slots and anchors are copied into the graph's static inputs; the lengths are read on the device.
 - commit graphs are keyed by (batch bucket, T) and run DSparkDrafter._commit_rows: every one of
@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.cuda_graphs import StepGraph
-from dspark.graph_step import BUCKETS, bucket_table
+from dspark.cuda_graphs import BUCKETS, StepGraph, bucket_table
 
 MIN_CONTEXT = 64  # the smallest context bucket
 
