@@ -40,11 +40,10 @@ def build_target(name: str, *, max_slots: int = 8, max_seq_len: int = 4096, devi
 
 def build_drafter(spec: SpecConfig, target, cuda_graphs: bool | None = None):
     """The SpecConfig's drafter for `target`; cuda_graphs: a DSpark drafter replays CUDA graphs of
-    its greedy drafts and commits (drafters/dspark/graphs.py; a probabilistic one drafts eagerly).
-    None: on a CUDA target unless SpecConfig.batch1_profile.cuda_graphs is False, as the engine's
-    step graphs. On the H200 at adee188 graphed drafts, commits and launch-ahead steps equalled the
-    eager ones (experiments/results/h200/gpu_tests_adee188.log), and a K3-width propose cost the
-    host 1.2 ms instead of 20.8 ms (drafter_bench.json)."""
+    its greedy drafts and commits on the device inside the engine's step (drafters/dspark/graphs.py;
+    a probabilistic one drafts eagerly). None, the default: graphs on a CUDA target unless
+    SpecConfig.batch1_profile.cuda_graphs is False, as the engine's step graphs (the measurements
+    behind the default: experiments/notes/step.md)."""
     if cuda_graphs is None:
         profile = spec.batch1_profile
         cuda_graphs = torch.device(target.device).type == "cuda" and (profile is None or profile.cuda_graphs)
