@@ -224,11 +224,12 @@ class DSparkDrafter(Drafter):
             self._commit_rows(self._staging.upload(slots), num_tokens.to(self.device), taps)
 
     def _commit_rows(self, index: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
-        """commit on the device alone (what a commit graph captures): slots index [B], kept counts
-        [B], taps {layer: [B, T, d]}. Every verified row is computed, as in commit; the rows past a
-        request's kept count go to the scratch row (max_seq_len), and its device length advances
-        by its count. Distinct slots only (rows of one slot would race). The host's lengths are the
-        caller's to advance."""
+        """commit on the device alone (what a commit graph captures, and the engine's step through
+        commit_on_device): slots index [B], kept counts [B], taps {layer: [B, T, d]}. Every
+        verified row is computed, as in commit; the rows past a request's kept count go to the
+        scratch row (max_seq_len), and its device length advances by its count. Distinct slots
+        among rows that keep tokens (rows of one slot would race; rows kept 0 times write only the
+        scratch row and their length unchanged). The host's lengths are the caller's to advance."""
         model, T = self.model, next(iter(taps.values())).shape[1]
         steps = torch.arange(T, device=self.device)
         starts = self._lengths_device.index_select(0, index)
