@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dspark.protocols import Proposal
+from dspark.protocols import Drafter, Proposal
 
 
-class NgramDrafter:
-    tap_layers: tuple[int, ...] = ()
+class NgramDrafter(Drafter):
+    """Drafts from each request's own history on the host: it reads the anchors and keeps the
+    committed tokens (dspark.protocols.Drafter's defaults: not stateless, commits on the host)."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not isinstance(min_n, int) or min_n < 1:

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from dspark.protocols import Proposal, full_draft_counts
+from dspark.protocols import Drafter, Proposal
 from dspark.sampling import DrawPool
 
 
-class UniformDrafter:
+class UniformDrafter(Drafter):
     """confidence: optional per-position conditional acceptance to report (a sweep passes the
     synthetic mode's conditional rates, which are then exactly calibrated confidences, so the
     threshold and scheduler policies can be swept too)."""
 
-    tap_layers: tuple[int, ...] = ()
     # What it keeps depends on the request's generator alone, and it drafts from nothing the step
     # before produced: the engine skips its commit and may launch a step before the previous one is
-    # read back (dspark/protocols.py, Drafter).
+    # read back (dspark.protocols.Drafter).
     stateless = True
-    # It never reads the anchors: the engine need not gather them for it (an index_select per
-    # step launched ahead: ~20 us of host time on the H200 under cProfile, engine_host_profile.json).
+    # It never reads the anchors: the engine need not gather them for it (an index_select, and
+    # host time, per step).
     reads_anchors = False
 
     def __init__(self, vocab_size: int, confidence: list[float] | None = None):
@@ -39,25 +38,26 @@ class UniformDrafter:
             pool = self._pools[slot] = DrawPool.tokens(generator, k, self.vocab_size)
         return pool
 
-    @staticmethod
-    def draft_pool_shape(k: int) -> tuple[int, int]:
+    def draft_pool_shape(self, k: int) -> tuple[int, int]:
         """(steps, width) of the pools a slot first drafting k tokens draws from: what an engine
         captures its graphs for (dspark.graph_step, GraphKey.draft_pools)."""
         return DrawPool.STEPS, k
 
+    def draft_pools(self, slots: list[int]) -> tuple[DrawPool, ...]:
+        """Each slot's pool: the last proposal's row for the slot is its latest draw."""
+        return tuple(self._pools[s] for s in slots)
+
     def propose(self, slots, anchors, k, sampling, generators) -> Proposal:
         pools = tuple(self._pool(s, g, k) for s, g in zip(slots, generators))
         draws = [pool.next() for pool in pools]
-        # At batch 1 the pool's row itself (a cat is a launch and ~30 us of host time on the H200).
+        # At batch 1 the pool's row itself (a cat is a launch and host time of its own).
         tokens = draws[0] if len(draws) == 1 else torch.cat(draws)
         if tokens.shape[1] != k:
             tokens = tokens[:, :k]
-        device = tokens.device
-        num = full_draft_counts(len(slots), k, device)
         if self.confidence is None:
-            return Proposal(tokens, num, token_pools=pools)
-        conf = self.confidence[:k].to(device).expand(len(slots), -1).clone()
-        return Proposal(tokens, num, confidence=conf, token_pools=pools)
+            return Proposal(tokens, None)  # every request drafts k
+        conf = self.confidence[:k].to(tokens.device).expand(len(slots), -1).clone()
+        return Proposal(tokens, None, confidence=conf)
 
     def commit(self, slots, tokens, num_tokens, taps) -> None:
         pass

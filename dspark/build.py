@@ -7,6 +7,7 @@ import torch
 
 from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .engine import Engine
+from .targets import eos_ids
 
 
 def default_device() -> str:
@@ -42,11 +43,10 @@ def build_target(name: str, *, max_slots: int = 8, max_seq_len: int = 4096, devi
 
 def build_drafter(spec: SpecConfig, target, cuda_graphs: bool | None = None):
     """The SpecConfig's drafter for `target`; cuda_graphs: a DSpark drafter replays CUDA graphs of
-    its greedy drafts and commits (drafters/dspark/graphs.py; a probabilistic one drafts eagerly).
-    None: on a CUDA target unless SpecConfig.batch1_profile.cuda_graphs is False, as the engine's
-    step graphs. On the H200 at adee188 graphed drafts, commits and launch-ahead steps equalled the
-    eager ones (experiments/results/h200/gpu_tests_adee188.log), and a K3-width propose cost the
-    host 1.2 ms instead of 20.8 ms (drafter_bench.json)."""
+    its greedy drafts and commits on the device inside the engine's step (drafters/dspark/graphs.py;
+    a probabilistic one drafts eagerly). None, the default: graphs on a CUDA target unless
+    SpecConfig.batch1_profile.cuda_graphs is False, as the engine's step graphs (the measurements
+    behind the default: experiments/notes/step.md)."""
     if cuda_graphs is None:
         profile = spec.batch1_profile
         cuda_graphs = torch.device(target.device).type == "cuda" and (profile is None or profile.cuda_graphs)
@@ -67,14 +67,6 @@ def build_drafter(spec: SpecConfig, target, cuda_graphs: bool | None = None):
         raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: the DSpark drafter at "
                          f"{spec.drafter_path} drafts at most block_size={block} tokens per step")
     return drafter
-
-
-def eos_ids(target) -> tuple[int, ...]:
-    cfg = getattr(target, "config", None)
-    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else getattr(target, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def max_speculative_tokens(max_seq_len: int) -> int:

@@ -1,10 +1,11 @@
-"""CUDA-graph capture of a whole step, with a clear error when the step cannot be captured.
+"""CUDA-graph capture of a whole step, with a clear error when the step cannot be captured, and
+the batch buckets every graphed step is captured for.
 
 A step that is captured must not synchronise with the host (no `.item()`, `.tolist()`, `int()`
 of a device tensor, no pageable host copy): capture would fail with CUDA's bare "operation not
 permitted when stream is capturing", which names nothing. So before capturing, the step runs
 once eagerly under torch's sync-debug mode "error", and a synchronising call is reported with
-the frame of dspark's own code that made it (docs/architecture.md, "The step on the GPU").
+the frame of dspark's own code that made it (docs/architecture.md §6).
 """
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ import torch
 
 _OWN_FOLDERS = tuple(os.sep + name + os.sep for name in ("dspark", "kernels", "drafters"))
 
+# The batch sizes a step is captured for: a batch runs in the smallest bucket that holds it, its
+# padding rows changing nothing (dspark/graph_step.py); a larger batch runs eagerly.
+BUCKETS = (1, 2, 4, 8)
+
+
+def bucket_table(buckets, max_slots: int) -> tuple[tuple[int, ...], dict[int, int]]:
+    """The buckets that fit max_slots, sorted, and the smallest of them that holds each batch size
+    ({batch: bucket}; a batch past the largest has none): a lookup, as graphs ask every step."""
+    fitting = tuple(b for b in sorted(buckets) if b <= max_slots)
+    return fitting, {batch: next(b for b in fitting if b >= batch) for batch in range(1, max(fitting, default=0) + 1)}
+
 
 _streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 
@@ -24,9 +36,8 @@ _streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 def current_stream(device_index: int) -> torch.cuda.Stream:
     """torch.cuda.current_stream(device_index), for code that records an event on it every step.
     torch's own resolves the device through torch.cuda.is_available() (an environment lookup) and
-    builds a new Stream object per call: ~35 us per plain step in cProfile on the H200, more than the
-    replay call (experiments/results/h200/engine_host_profile_1c6ffd9.json, phase "plain": current_stream,
-    _get_device_index, streams.py __new__). This reads the stream from the same C
+    builds a new Stream object per call, which costs a plain step's host more than the replay
+    call does (experiments/engine_host_profile.py shows it). This reads the stream from the same C
     function torch's does and keeps one Stream object per stream."""
     data = torch._C._cuda_getCurrentStream(device_index)
     stream = _streams.get(data)
@@ -85,7 +96,7 @@ class StepGraph:
         self.graph = torch.cuda.CUDAGraph()
         # No garbage collection during the capture: a collection there may destroy an unreachable
         # CUDA event, graph or pinned buffer (an earlier engine's), which CUDA refuses while a
-        # stream captures, and the process aborts (seen on the H200 mid-test). torch's capture
+        # stream captures, and the process aborts. torch's capture
         # no longer collects on entry by default, so collect here, then pause the collector.
         gc.collect()
         collecting = gc.isenabled()

@@ -38,11 +38,12 @@ class SamplingTensors(reference.SamplingTensors):
 
 class DrawPool:
     """One generator's per-step draws of `width` values, made `steps` steps at a time: one launch
-    per `steps` steps instead of one per step. On the H200 a torch.rand or torch.randint call took
-    the host 15-18 us under cProfile, which inflates every call; without it a whole AL 6 launch took
-    63 us (experiments/results/h200/engine_host_profile.json). `next()` hands out the next step's row, a [1, width] view made with
-    the pool (no torch call per step). The draws are the generator's alone, so a seeded request
-    reproduces whatever else is in its batch; they differ from drawing each step separately."""
+    per `steps` steps instead of one per step (a torch.rand or torch.randint call is a large part
+    of a step's host time, experiments/engine_host_profile.py). `next()` hands out the next step's
+    row, a [1, width] view made with the pool (no torch call per step). The draws are the
+    generator's alone, so a seeded request reproduces whatever else is in its batch; they differ
+    from drawing each step separately. A graphed step reads a pool's rows on the device
+    (dspark.graph_step.DrawMirror), the same values an eager step reads."""
 
     STEPS = 64
 
@@ -81,47 +82,6 @@ class DrawPool:
         if self.block is None:
             raise RuntimeError("DrawPool.latest_row: nothing drawn yet")
         return self._next - 1
-
-
-class DrawMirror:
-    """Each slot's current DrawPool block kept on the device beside the index of the row its next
-    step reads: a CUDA graph takes one row per slot and advances the index itself, so the host copies
-    a block once per `steps` steps instead of copying every step's rows into the graph's inputs (a
-    copy call per input and step, ~5-10 us of host time each on the H200,
-    docs/architecture.md, "The step on the GPU"). The rows taken are the pools' own, value for value.
-
-    `prepare` (host, before each launch) says which pool each real row reads; `take` (device,
-    captured) reads the rows and advances the live ones. Between them the host keeps what the
-    device will hold after the launches already queued, and enqueues a block copy or an index
-    write only where a pool moved on without it: a refill, a new request in the slot, or a step
-    that read the pool's rows eagerly."""
-
-    def __init__(self, slots: int, steps: int, width: int, dtype: torch.dtype, device):
-        # One spare row past the last: a padding row's slot may hold an index of `steps` (its last
-        # request took every row), and what a padding row reads is never used.
-        self.steps = steps
-        self.blocks = torch.zeros(slots, steps + 1, width, dtype=dtype, device=device)
-        self.next_row = torch.zeros(slots, dtype=torch.long, device=device)
-        self._expected: dict[int, tuple[torch.Tensor, int]] = {}  # slot -> (block, index) once queued work ran
-
-    def prepare(self, slots: list[int], pools) -> None:
-        """Row b of the next launch is pools[b]'s latest draw (each pool of this mirror's shape)."""
-        for slot, pool in zip(slots, pools):
-            block, row = pool.block, pool.latest_row
-            expected = self._expected.get(slot)
-            if expected is None or expected[0] is not block:
-                self.blocks[slot, : self.steps].copy_(block)
-                self.next_row[slot].fill_(row)
-            elif expected[1] != row:
-                self.next_row[slot].fill_(row)
-            self._expected[slot] = (block, row + 1)
-
-    def take(self, slots: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """[B, width]: row next_row[slot] of each slot's block; the index of each row with live = 1
-        advances (live = 0: padding rows, warm-up and capture). Device work only."""
-        rows = self.blocks[slots, self.next_row.index_select(0, slots)]
-        self.next_row.index_add_(0, slots, live)
-        return rows
 
 
 # ---- synthetic acceptance (speed measurement only) ------------------------------------------

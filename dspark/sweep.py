@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .build import build_target, default_device, eos_ids
+from .build import build_target, default_device
+from .targets import eos_ids
 from .config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpecConfig
 from .drafters.uniform import UniformDrafter
 from .engine import Engine

@@ -17,7 +17,7 @@ at the forced acceptance length. Per phase, medians over its steps:
   readback_wait_us inside the readback (the rest: a staging buffer waiting for its last copy);
   host_us = step_us - wait_us, the host's own work in the step (hidden behind the device's
   when the next step was launched ahead);
-- launch_us: GraphedStep.launch (the graph's input fill, of which fill_us is GraphedStep._fill,
+- launch_us: GraphedRunner.launch (the graph's input fill, of which fill_us is GraphedRunner._fill,
   the replay call, and the queued readback); replay_call_us: the replay call itself;
   readback_us: PendingStep.result, the wait for the device and the host lists;
 - light: step_us, host_us, launch_us and readback_host_us (readback_us less readback_wait_us) of a second
@@ -44,19 +44,20 @@ import time
 
 import torch
 
-from dspark.build import build_target, eos_ids
+from dspark.build import build_target
 from dspark.config import SamplingParams, SpecConfig
 from dspark.cuda_graphs import StepGraph
 from dspark.drafters.uniform import UniformDrafter
 from dspark.engine import Engine
 from dspark.files import write_atomic
-from dspark.graph_step import GraphedStep, PendingStep
+from dspark.graph_step import GraphedRunner, PendingStep
 from dspark.provenance import provenance
+from dspark.targets import eos_ids
 
 
 class StepClock:
     """Host timestamps of the parts of each step, and CUDA events around each replay, gathered
-    by wrapping the engine's step, GraphedStep.launch/_fill, StepGraph.replay, PendingStep.result
+    by wrapping the engine's step, GraphedRunner.launch/_fill, StepGraph.replay, PendingStep.result
     and CUDA event synchronisation. A step's parts are those that happened during its call (with
     launch-ahead: the next step's launch and this step's readback)."""
 
@@ -90,10 +91,10 @@ class StepClock:
         inside the launch, whose own cost would count in it)."""
         clock = self
         step, replay = engine.step, StepGraph.replay
-        patched = [(GraphedStep, "launch", "launch"), (PendingStep, "result", "readback"),
+        patched = [(GraphedRunner, "launch", "launch"), (PendingStep, "result", "readback"),
                    (torch.cuda.Event, "synchronize", "wait")]
         if not light:
-            patched.append((GraphedStep, "_fill", "fill"))
+            patched.append((GraphedRunner, "_fill", "fill"))
         saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patched]
 
         def timed_step():
@@ -207,12 +208,12 @@ def run(args) -> dict:
     engine.add_request(prompt.tolist(), SamplingParams(temperature=0.0, ignore_eos=True,
                                                        max_tokens=target.max_seq_len - args.context - 1))
     engine.step()  # prefill and the first step
-    result = {**provenance(args.device, graphs=engine._graphs is not None), "target": args.target,
+    result = {**provenance(args.device, graphs=isinstance(engine.runner, GraphedRunner)), "target": args.target,
               "drafter": args.drafter, "context": args.context, "k": k, "al": args.al, "phases": []}
     specs = [("plain", SpecConfig(num_speculative_tokens=0, seed=0)),
              (f"al{args.al:g}", SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
                                            synthetic_acceptance_length=args.al, seed=0))]
-    for ahead in ((True, False) if engine._graphs is not None else (False,)):
+    for ahead in ((True, False) if isinstance(engine.runner, GraphedRunner) else (False,)):
         for name, phase_spec in specs:
             engine.drain()  # a step launched ahead belongs to the phase before
             engine.set_acceptance(phase_spec)

@@ -16,7 +16,7 @@ import torch
 
 from dspark.config import SamplingParams, SpecConfig
 from dspark.engine import Engine
-from dspark.protocols import Proposal, TargetOutput
+from dspark.protocols import Drafter, Proposal, TargetOutput
 from dspark.provenance import provenance
 from dspark.threads import one_cpu_thread
 
@@ -46,7 +46,7 @@ class NullTarget:
         pass
 
 
-class NullDrafter:
+class NullDrafter(Drafter):
     tap_layers = ()
 
     def __init__(self, k: int):

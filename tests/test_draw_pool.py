@@ -69,16 +69,19 @@ def test_uniform_drafter_narrower_step_reads_the_first_columns():
     torch.testing.assert_close(narrow, replay.next()[:, :3], rtol=0, atol=0)
 
 
-def test_uniform_drafter_counts_are_the_shared_full_counts():
-    from dspark.protocols import full_draft_counts, is_full_draft_counts
+def test_uniform_drafter_drafts_every_k_and_full_counts_are_shared_and_never_rewritten():
+    """A drafter that drafts k for every request says so with num_drafts=None; the step's counts
+    are then one shared tensor per (batch, k, device), which a graphed step copies in only when
+    another comes (is_full_draft_counts)."""
+    from dspark.step import full_draft_counts, is_full_draft_counts
 
     drafter = UniformDrafter(50)
     generators = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    first = drafter.propose([0, 1, 2], None, 4, None, generators).num_drafts
-    again = drafter.propose([0, 1, 2], None, 4, None, generators).num_drafts
-    assert first is again is full_draft_counts(3, 4, torch.device("cpu")) and is_full_draft_counts(first)
-    assert first.tolist() == [4, 4, 4]
-    assert not is_full_draft_counts(first.clone()) and full_draft_counts(2, 4, "cpu").tolist() == [4, 4]
+    assert drafter.propose([0, 1, 2], None, 4, None, generators).num_drafts is None
+    first = full_draft_counts(3, 4, "cpu")
+    assert first is full_draft_counts(3, 4, torch.device("cpu")) and is_full_draft_counts(first)
+    assert first.tolist() == [4, 4, 4] and full_draft_counts(2, 4, "cpu").tolist() == [4, 4]
+    assert not is_full_draft_counts(first.clone()) and not is_full_draft_counts(torch.full((3,), 4))
 
 
 def test_uniform_drafter_names_the_pools_its_rows_are_the_latest_draws_of():
@@ -86,14 +89,15 @@ def test_uniform_drafter_names_the_pools_its_rows_are_the_latest_draws_of():
     generators = [torch.Generator().manual_seed(s) for s in (5, 6)]
     for _ in range(3):
         prop = drafter.propose([3, 1], None, 4, None, generators)
-        assert len(prop.token_pools) == 2
-        for row, pool in zip(prop.tokens, prop.token_pools):
+        pools = drafter.draft_pools([3, 1])
+        assert len(pools) == 2
+        for row, pool in zip(prop.tokens, pools):
             torch.testing.assert_close(row, pool.block[pool.latest_row, :4], rtol=0, atol=0)
-    assert UniformDrafter.draft_pool_shape(4) == (DrawPool.STEPS, 4) == (prop.token_pools[0].steps, 4)
+    assert drafter.draft_pool_shape(4) == (DrawPool.STEPS, 4) == (pools[0].steps, 4)
 
 
 def _mirror(steps, width, dtype=torch.float32):
-    from dspark.sampling import DrawMirror
+    from dspark.graph_step import DrawMirror
 
     mirror = DrawMirror(8, steps, width, dtype, "cpu")
     mirror.blocks.fill_(-7)  # poisoned: a row the host failed to copy would show
@@ -142,12 +146,12 @@ def test_mirror_follows_rows_read_eagerly_and_a_new_request_in_the_slot():
 
 
 def test_a_graph_step_copies_rows_in_unless_one_mirror_shape_holds_every_pool():
-    from dspark.graph_step import _mirrored_shape
+    from dspark.graph_step import mirrored_shape
 
     g = torch.Generator()
     wide, narrow = DrawPool.uniform(g, 7), DrawPool.uniform(g, 3)
-    assert _mirrored_shape([wide, DrawPool.uniform(g, 7)], tokens=8) == (DrawPool.STEPS, 7)
-    assert _mirrored_shape([wide], tokens=4) == (DrawPool.STEPS, 7)  # the first 3 columns are read
-    assert _mirrored_shape([wide, narrow], tokens=4) is None  # two shapes: one mirror cannot hold both
-    assert _mirrored_shape([narrow], tokens=8) is None  # narrower than the drafts
-    assert _mirrored_shape([wide], tokens=1) is None and _mirrored_shape(None, tokens=8) is None
+    assert mirrored_shape([wide, DrawPool.uniform(g, 7)], tokens=8) == (DrawPool.STEPS, 7)
+    assert mirrored_shape([wide], tokens=4) == (DrawPool.STEPS, 7)  # the first 3 columns are read
+    assert mirrored_shape([wide, narrow], tokens=4) is None  # two shapes: one mirror cannot hold both
+    assert mirrored_shape([narrow], tokens=8) is None  # narrower than the drafts
+    assert mirrored_shape([wide], tokens=1) is None and mirrored_shape(None, tokens=8) is None

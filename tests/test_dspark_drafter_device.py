@@ -87,9 +87,10 @@ def test_context_buckets_are_powers_of_two_within_the_cache():
 
 
 def test_commits_on_the_device_settled_later_equal_host_commits():
-    """Two commits queued before the host knows either count (a step launched ahead), then
-    settled: the same caches, lengths and next draft as two host commits. Until settled, the
-    host's lengths are upper bounds (+T per commit)."""
+    """Two device commits queued before the host knows either count (a step launched ahead:
+    reserve, then commit_on_device on device tensors alone), then settled: the same caches,
+    lengths and next draft as two host commits. Until settled, the host's lengths are upper
+    bounds (+T per reserve). A row kept 0 times (a padding row, a capture) changes nothing."""
     target, host = drafter_with_requests(6, [12, 20, 9])
     device = copy.deepcopy(host)
     slots, T = [1, 2], 8
@@ -98,9 +99,16 @@ def test_commits_on_the_device_settled_later_equal_host_commits():
     tokens = torch.randint(0, target.vocab_size, (2, T))
     for kept, taps in rounds:
         host.commit(slots, tokens, kept, taps)
-        device.commit_on_device(slots, tokens, kept, taps)
+        device.reserve(slots, T)
+        device.commit_on_device(torch.tensor(slots), tokens, kept, taps)
     assert device._lengths == [12, 20 + 2 * T, 9 + 2 * T, 0, 0, 0]
     assert device._lengths_device.tolist() == host._lengths == [12, 33, 13, 0, 0, 0]
+    before = [c.clone() for c in device._cache]
+    padding = {layer: torch.randn(1, T, target.hidden_size) for layer in host.tap_layers}
+    device.commit_on_device(torch.tensor([0]), tokens[:1], torch.tensor([0]), padding)
+    assert device._lengths_device.tolist() == host._lengths
+    for a, b in zip(device._cache, before):
+        assert torch.equal(a[:, : host.max_seq_len], b[:, : host.max_seq_len])
     for kept, _ in rounds:
         device.settle(slots, kept.tolist(), T)
     assert device._lengths == host._lengths
@@ -112,8 +120,7 @@ def test_commits_on_the_device_settled_later_equal_host_commits():
     with pytest.raises(ValueError, match="kept=9 for slot 1"):
         device.settle([1], [9], T)
     with pytest.raises(ValueError, match="context of 97 tokens exceeds max_seq_len=96"):
-        device.commit_on_device([0], torch.zeros(1, 85, dtype=torch.long), torch.tensor([1]),
-                                {layer: torch.randn(1, 85, target.hidden_size) for layer in host.tap_layers})
+        device.reserve([0], 85)
     assert not host.commits_on_device  # without graphs the engine commits after the readback
 
 

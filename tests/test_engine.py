@@ -6,6 +6,7 @@ import torch
 from dspark.config import Profile, SamplingParams, SpecConfig
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
+from dspark.step import EagerRunner
 from dspark.targets.toy import MarkovTarget
 
 from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
@@ -233,7 +234,7 @@ def test_confidence_scheduler_through_the_engine_never_exceeds_k(tmp_path):
 def test_scheduler_profiles_its_cost_curve_when_no_table_is_given():
     spec = SpecConfig(num_speculative_tokens=3, verify_policy="scheduler")
     engine = Engine(MarkovTarget(8, seed=2, max_slots=2, max_seq_len=64), NgramDrafter(), spec)
-    table = engine._policy.sps
+    table = engine.drafting.policy.sps
     assert table.token_counts[0] == 1 and table.token_counts[-1] == 8 and all(s > 0 for s in table.steps_per_s)
 
 
@@ -265,7 +266,7 @@ def test_batch1_profile_options_are_checked():
 def test_cuda_graphs_required_of_a_target_that_cannot_be_captured_is_an_error():
     spec = SpecConfig(num_speculative_tokens=2, batch1_profile=Profile(cuda_graphs=True))
     engine = Engine(MarkovTarget(8), NgramDrafter(), spec)  # the profile allows graphs; a CPU target runs eagerly
-    assert engine._graphs is None
+    assert isinstance(engine.runner, EagerRunner)
     with pytest.raises(ValueError, match="cuda_graphs=True: the target \\(MarkovTarget on cpu\\) cannot be captured"):
         Engine(MarkovTarget(8), NgramDrafter(), spec, cuda_graphs=True)
 

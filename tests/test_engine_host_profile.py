@@ -54,7 +54,7 @@ def test_a_dspark_drafter_for_a_target_without_a_preset_is_one_line(tmp_path, ca
 def test_only_waits_inside_the_readback_count_against_it():
     """A wait outside PendingStep.result (a staging buffer's) is the step's but not the readback's:
     readback_host_us = readback less the waits inside it. With both waits counted against the
-    readback it went negative (engine_host_profile_dspark.json at a7cdf4d)."""
+    readback it went negative (experiments/notes/step.md)."""
     import time
 
     clock = _load_module().StepClock()

@@ -172,7 +172,7 @@ def test_tokenizer_round_trip_and_specials(model):
     assert tok.encode("<|im_start|>user") == [1, tok.encode("user")[0]]
     assert [tok.tokens[i] for i in tok.encode(" 2026")] == ["Ġ", "2", "0", "2", "6"]  # smollm: digits one by one
     assert tok.eos_token_id == 2 and tok.tokens[2] == "<|im_end|>"
-    assert model[0].config.eos_token_id == 2  # what the engine stops on (dspark.build.eos_ids)
+    assert model[0].config.eos_token_id == 2  # what the engine stops on (dspark.targets.eos_ids)
     chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n") and chat.startswith("<|im_start|>system\n")
     with pytest.raises(ValueError, match="messages"):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from dspark.protocols import Proposal
+from dspark.protocols import Drafter, Proposal
 from dspark.sampling import SamplingTensors, processed_probs
 
 
-class TableDrafter:
+class TableDrafter(Drafter):
     """Samples drafts from its own order-1 Markov table q (not the target's), after the request's
     temperature/top-k/top-p, and returns q: the proposal a probabilistic drafter hands the
     rejection sampler."""
@@ -43,7 +43,7 @@ class TableDrafter:
         pass
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the continuation a previous greedy run produced, with every `corrupt_every`-th
     proposed token replaced by a wrong one, so acceptance is long but ragged."""
 

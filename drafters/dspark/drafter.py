@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SamplingParams
-from dspark.protocols import Proposal, full_draft_counts
+from dspark.protocols import Drafter, Proposal
 from dspark.sampling import SamplingTensors, processed_probs
 from dspark.transfer import LongStaging
 
@@ -35,8 +35,9 @@ class Draft:
     confidence: torch.Tensor  # [B, G], calibrated probabilities
 
 
-class DSparkDrafter:
-    """Implements dspark.protocols.Drafter.
+class DSparkDrafter(Drafter):
+    """The DSpark drafter behind dspark.protocols.Drafter. With CUDA graphs it commits on the
+    device (commits_on_device: reserve, commit_on_device inside the engine's step, settle).
 
     draft_sample_method: "greedy" drafts the argmax of the Markov-corrected logits and returns
     probs=None (one-hot proposals); "probabilistic" samples every request with temperature > 0
@@ -152,7 +153,7 @@ class DSparkDrafter:
         draft = self.draft(slots, anchors, sampling, generators)
         return Proposal(
             tokens=draft.tokens[:, :k],
-            num_drafts=full_draft_counts(len(slots), k, draft.tokens.device),
+            num_drafts=None,  # every request drafts k
             probs=draft.probs[:, :k] if draft.probs is not None else None,
             confidence=draft.confidence[:, :k],
             confidence_logits=draft.confidence_logits[:, :k],
@@ -184,27 +185,30 @@ class DSparkDrafter:
 
     @property
     def commits_on_device(self) -> bool:
-        """dspark.protocols.Drafter's optional capability: with graphs, commit_on_device + settle."""
+        """With graphs the engine's step commits this drafter on the device (dspark.protocols.Drafter):
+        nothing the next draft needs then waits for the host, so steps are launched ahead."""
         return self._graphs is not None
 
-    @torch.no_grad()
-    def commit_on_device(self, slots: list[int], tokens: torch.Tensor, num_tokens: torch.Tensor,
-                         taps: dict[int, torch.Tensor]) -> None:
-        """commit without reading num_tokens on the host, queued behind the step that makes them:
-        each slot's host length grows by the whole width T as an upper bound (what context
-        buckets and room checks read) until settle() gives the kept count."""
-        width = tokens.shape[1]
-        if len(num_tokens) != len(slots):
-            raise ValueError(f"num_tokens: {len(num_tokens)} entries for {len(slots)} slots")
+    def reserve(self, slots: list[int], width: int) -> None:
+        """Before a step that commits up to `width` tokens of each slot on the device: each slot's
+        host length grows by width, an upper bound (what context buckets and room checks read)
+        until settle() gives the kept count."""
         for slot in slots:
             self._check_slot(slot, live=True)
             self._check_room(slot, self._lengths[slot] + width)
-        self._write_rows(slots, num_tokens, taps)
         for slot in slots:
             self._lengths[slot] += width
 
+    @torch.no_grad()
+    def commit_on_device(self, index: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor,
+                         taps: dict[int, torch.Tensor]) -> None:
+        """commit as device work alone, inside the engine's step (and its CUDA graph): the rows of
+        every verified token are written, those past a slot's kept count to the scratch row, and
+        the device lengths advance by the kept counts (0: nothing changes)."""
+        self._commit_rows(index, num_tokens, {layer: taps[layer].to(self.device) for layer in self._need(taps)})
+
     def settle(self, slots: list[int], kept: list[int], width: int) -> None:
-        """The kept counts of a commit_on_device of this width, read back by the host."""
+        """The kept counts of a device commit of this width, read back by the host."""
         for slot, n in zip(slots, kept):
             if not 0 <= n <= width:
                 raise ValueError(f"kept={n} for slot {slot}: outside [0, {width}]")
@@ -220,11 +224,12 @@ class DSparkDrafter:
             self._commit_rows(self._staging.upload(slots), num_tokens.to(self.device), taps)
 
     def _commit_rows(self, index: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
-        """commit on the device alone (what a commit graph captures): slots index [B], kept counts
-        [B], taps {layer: [B, T, d]}. Every verified row is computed, as in commit; the rows past a
-        request's kept count go to the scratch row (max_seq_len), and its device length advances
-        by its count. Distinct slots only (rows of one slot would race). The host's lengths are the
-        caller's to advance."""
+        """commit on the device alone (what a commit graph captures, and the engine's step through
+        commit_on_device): slots index [B], kept counts [B], taps {layer: [B, T, d]}. Every
+        verified row is computed, as in commit; the rows past a request's kept count go to the
+        scratch row (max_seq_len), and its device length advances by its count. Distinct slots
+        among rows that keep tokens (rows of one slot would race; rows kept 0 times write only the
+        scratch row and their length unchanged). The host's lengths are the caller's to advance."""
         model, T = self.model, next(iter(taps.values())).shape[1]
         steps = torch.arange(T, device=self.device)
         starts = self._lengths_device.index_select(0, index)

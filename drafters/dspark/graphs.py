@@ -1,35 +1,35 @@
-"""CUDA graphs of the DSpark drafter's draft and commit (issue 12: the drafter's step on the device).
+"""CUDA graphs of the DSpark drafter's draft and commit (the drafter's step on the device).
 
 Eagerly, one greedy draft is a few hundred small launches (the backbone, the lm_head, and the
 Markov loop's gather, product and argmax per block slot) and a commit a few dozen; the host issues
 each. Here each is one graph replay per step:
 
 - draft graphs are keyed by (batch bucket, context bucket): the bucket of the batch (1, 2, 4, 8:
-  the engine's step graphs' dspark.graph_step.BUCKETS) and a power of two >= the longest context of the batch, the cache
-  rows a replay reads (rows past a request's own length are masked, as in the eager draft). The
-  slots and anchors are copied into the graph's static inputs; the lengths are read on the device.
-- commit graphs are keyed by (batch bucket, T) and run DSparkDrafter._commit_rows: every one of
-  the T verified rows of a request is computed (as eagerly) and written, the rows past its kept
-  count to the cache's scratch row (index max_seq_len), and its device length advanced by the
-  kept count. Padding rows take slots outside the batch with a kept count of 0: they write only
-  scratch rows and rewrite their own length unchanged.
+  dspark.cuda_graphs.BUCKETS, those of the engine's step graphs) and a power of two >= the longest
+  context of the batch, the cache rows a replay reads (rows past a request's own length are
+  masked, as in the eager draft). The slots and anchors are copied into the graph's static
+  inputs; the lengths are read on the device.
+- commit graphs (of DSparkDrafter.commit, a commit the host drives) are keyed by (batch bucket, T)
+  and run DSparkDrafter._commit_rows: every one of the T verified rows of a request is computed
+  (as eagerly) and written, the rows past its kept count to the cache's scratch row (index
+  max_seq_len), and its device length advanced by the kept count. Padding rows take slots outside
+  the batch with a kept count of 0: they write only scratch rows and rewrite their own length
+  unchanged. In an engine the drafter commits on the device instead, inside the engine's step
+  (commit_on_device, captured into the step's own graph).
 
 Only greedy drafting is graphed (probabilistic drafting samples with each request's host
 generator). Batches larger than the largest bucket draft and commit eagerly. A draft's outputs
 are views of the graph's static outputs: valid until the next draft of the same graph.
 
 Turned on by DSparkDrafter(cuda_graphs=True), which dspark.build.build_drafter passes for a CUDA
-target unless the batch-1 profile turns graphs off. On the H200 at adee188 the graphed drafts
-and commits equalled the eager ones, an engine ran the same steps with either, and a graphed
-drafter on a graphed target launched steps ahead (experiments/results/h200/gpu_tests_adee188.log);
-a K3-width propose cost the host 1.2 ms instead of 20.8 ms (drafter_bench.json).
+target unless the batch-1 profile turns graphs off (experiments/drafter_bench.py measures the
+graphed draft and commit against the eager ones).
 """
 from __future__ import annotations
 
 import torch
 
-from dspark.cuda_graphs import StepGraph
-from dspark.graph_step import BUCKETS, bucket_table
+from dspark.cuda_graphs import BUCKETS, StepGraph, bucket_table
 
 MIN_CONTEXT = 64  # the smallest context bucket
 
@@ -102,9 +102,8 @@ class DraftGraphs:
     def _copy_slots(self, graph, slots: list[int]) -> None:
         """Copy `slots` into the graph's index only when it holds others (nothing else writes it).
         An upload every call would make the host wait at each step launched ahead: the staging
-        buffer's previous copy is queued behind the step still running (dspark/transfer.py). At
-        a7cdf4d the host's waits outside the readback were 2.8 ms of every 3.0 ms plain step with
-        a graphed drafter (2k context, experiments/results/h200/engine_host_profile_dspark.json)."""
+        buffer's previous copy is queued behind the step still running (dspark/transfer.py), and
+        such waits were most of a plain step with a graphed drafter (experiments/notes/step.md)."""
         key = tuple(slots)
         if graph.slots != key:
             graph.index[:len(slots)].copy_(self.drafter._staging.upload(slots), non_blocking=True)

@@ -77,7 +77,7 @@ def test_latent_mla_attention_at_k3_width_matches_float64(context):
         got.copy_(attn(x.bfloat16(), positions, rows.bfloat16(), visible, inference=True))
     assert torch.isfinite(got).all()
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel < 1.5e-2, rel  # seen 4.3-4.7e-3 with the CPU path at contexts 37 and 512
+    assert rel < 1.5e-2, rel
 
 
 def test_a_step_without_recompute_equals_one_with_it():
@@ -193,15 +193,17 @@ def test_an_engine_with_a_graphed_drafter_runs_the_steps_of_one_with_an_eager_dr
         steps.append(engine.metrics.num_steps)
     assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [40, 25, 33]
     assert steps[0] == steps[1], steps
-    assert drafter._graphs.replays["draft"] == steps[1] and drafter._graphs.replays["commit"] >= steps[1] - 1
+    # The graphed drafter commits on the device inside the engine's step (eager here: the Llama
+    # target is not captured), never through a commit graph of its own.
+    assert drafter._graphs.replays == {"draft": steps[1], "commit": 0}
 
 
 def test_a_graphed_drafter_on_a_graphed_target_launches_steps_ahead():
     """k3-slice on the GPU (every op on a kernel that a graph captures; k3-tiny's dims send KDA to
     its reference, which reads the slots on the host and so cannot be captured) with its step
     graphs and a graphed one-layer DSpark drafter at K3's width (random weights): the drafter
-    commits on the device right after each step's launch and settles at the readback, so steps
-    are launched ahead; the outputs equal those of the same engine reading every step back first
+    commits on the device inside each step's graph and settles at the readback, so steps are
+    launched ahead; the outputs equal those of the same engine reading every step back first
     (the same kernels on the same batches), greedy, three requests ending at different max_tokens."""
     from dspark.build import build_target
     from dspark.config import SpecConfig
@@ -227,7 +229,8 @@ def test_a_graphed_drafter_on_a_graphed_target_launches_steps_ahead():
     (want, none_ahead, _), (got, ahead, replays) = runs
     assert got == want and [len(o) for o in want] == [30, 22, 26]
     assert none_ahead == 0 and ahead >= 3, f"{ahead} steps launched ahead"
-    assert replays["draft"] > 0 and replays["commit"] > 0, replays
+    # The drafter's commits ride in the engine's step graph: none replays a commit graph of its own.
+    assert replays["draft"] > 0 and replays["commit"] == 0, replays
 
 
 def test_a_dspark_drafter_built_for_a_cuda_target_replays_graphs_unless_told_not_to(tmp_path):

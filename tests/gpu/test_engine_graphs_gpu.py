@@ -7,6 +7,8 @@
 - Steps launched ahead (before the step before them is read back) against steps read back first:
   identical outputs, with max_tokens stops, a drain, and an EOS stop; a request entering while a
   step is in flight.
+- The stepping (run_steps) is tests/step_fixtures.py's, which tests/test_step.py runs through an
+  eager engine on the CPU.
 - Greedy speculative decoding against plain decoding: the GPU kernels are equal to a tolerance
   across T (a verify of 8 tokens and a decode of 1 use different GEMM splits), so the outputs
   must agree until a position where the two tokens the paths chose are within that tolerance
@@ -21,7 +23,10 @@ import torch
 from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.uniform import UniformDrafter
 from dspark.engine import Engine
+from dspark.graph_step import GraphedRunner
+from dspark.protocols import Drafter, Proposal
 from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
+from step_fixtures import run_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -53,7 +58,7 @@ def test_graph_engine_equals_eager_engine(model, temperature, speculative):
         target = K3Target(model, max_slots=4, max_seq_len=128)
         drafter = UniformDrafter(K3_SLICE.vocab_size) if speculative else None
         engine = Engine(target, drafter, spec, cuda_graphs=graphs)
-        assert (engine._graphs is not None) == graphs
+        assert isinstance(engine.runner, GraphedRunner) == graphs
         outs.append([(o.token_ids, o.num_accepted_drafts) for p, q in zip(prompts, params)
                      for o in engine.generate([p], q)])
     assert outs[0] == outs[1]
@@ -75,7 +80,7 @@ def test_replays_read_the_draws_on_the_device_through_pool_refills(model):
         out = engine.generate([prompt], SamplingParams(temperature=0.9, max_tokens=150, ignore_eos=True, seed=3))[0]
         outs.append((out.token_ids, out.num_accepted_drafts))
         if graphs:
-            pooled = {key: n for key, n in engine._graphs.replays.items() if key.tokens == 8}
+            pooled = {key: n for key, n in engine.runner.replays.items() if key.tokens == 8}
             assert sum(pooled.values()) > 64, pooled
             assert all(key.draft_pools == (64, 7) and key.uniform_pools == (64, 7) for key in pooled), pooled
     assert outs[0] == outs[1] and len(outs[0][0]) == 150
@@ -93,30 +98,13 @@ def test_a_batch_leaving_mid_run_replays_smaller_buckets(model):
                            [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
     assert [len(o.token_ids) for o in outs] == list(lengths)
     assert all(0 <= t < K3_SLICE.vocab_size for o in outs for t in o.token_ids)
-    assert sorted(engine._free_slots) == [0, 1, 2, 3] and not engine.has_unfinished()
-    assert {key.batch for key in engine._graphs.replays} == {1, 2, 4}
+    assert sorted(engine.requests.free_slots) == [0, 1, 2, 3] and not engine.has_unfinished()
+    assert {key.batch for key in engine.runner.replays} == {1, 2, 4}
 
 
 def _spec(speculative: bool) -> SpecConfig:
     return (SpecConfig(num_speculative_tokens=5, rejection_sample_method="synthetic", synthetic_acceptance_length=3.5)
             if speculative else SpecConfig(num_speculative_tokens=0))
-
-
-def _run_steps(engine, prompts, params, enter_at=None, drain_at=None):
-    """Step `engine` until every request is done, collecting each request's streamed tokens. The
-    last prompt enters after step `enter_at` (None: all at the start); `drain_at`: a drain
-    after that step, as a phased sweep does between phases."""
-    first = len(prompts) - (enter_at is not None)
-    ids = [engine.add_request(p, q) for p, q in zip(prompts[:first], params[:first])]
-    outs, step = {}, 0
-    while engine.has_unfinished() or (enter_at is not None and step <= enter_at):
-        if step == enter_at:
-            ids.append(engine.add_request(prompts[-1], params[-1]))
-        for event in engine.step() + (engine.drain() if step == drain_at else []):
-            outs.setdefault(event.request_id, []).extend(event.new_token_ids)
-        step += 1
-    assert sorted(engine._free_slots) == list(range(engine.target.max_slots)), "a slot was not released"
-    return [outs[i] for i in ids]
 
 
 @pytest.mark.parametrize("speculative", [True, False])
@@ -128,9 +116,9 @@ def test_steps_launched_ahead_emit_what_steps_read_back_first_emit(model, temper
     are identical token for token. Three requests that stop at max_tokens (no step is launched
     ahead of one that may end there), with a drain mid-run; then one request that stops at an
     EOS, seen one step late by the first engine, whose next step's row is discarded. (Batches
-    are kept equal between the engines: at 7e27310 a request entering mid-run, which meets the
-    engines' other rows at different steps, differed by one greedy token of 27: a row's logits
-    are not shown to be independent of the other rows of its batch.)"""
+    are kept equal between the engines: a request entering mid-run, which meets the engines'
+    other rows at different steps, has differed by a greedy token on the GPU: a row's logits
+    there are not shown to be independent of the other rows of its batch.)"""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     prompts = _prompts(gen, (5, 9, 7))
 
@@ -143,18 +131,18 @@ def test_steps_launched_ahead_emit_what_steps_read_back_first_emit(model, temper
     runs = []
     for ahead in (False, True):
         e = engine(ahead)
-        runs.append((_run_steps(e, prompts, params, drain_at=4), e.metrics.num_launched_ahead))
+        runs.append((run_steps(e, prompts, params, drain_at=4), e.metrics.num_launched_ahead))
     (want, none_ahead), (got, ahead) = runs
     assert got == want and [len(o) for o in want] == [48, 36, 40]
     assert none_ahead == 0 and ahead >= 3, f"{ahead} steps launched ahead"
 
     # The EOS: from request 0 run alone, its first token from its 9th on not emitted before.
-    alone = _run_steps(engine(False, slots=1), prompts[:1], params[:1])[0]
+    alone = run_steps(engine(False, slots=1), prompts[:1], params[:1])[0]
     eos = next((t for j, t in enumerate(alone) if j >= 8 and t not in alone[:j]), None)
     if eos is None:
         pytest.skip("request 0 repeats every token from its 9th on: no EOS to pick")
     stop = dataclasses.replace(params[0], ignore_eos=False)
-    outs = [_run_steps(engine(ahead, (eos,), slots=1), prompts[:1], [stop])[0] for ahead in (False, True)]
+    outs = [run_steps(engine(ahead, (eos,), slots=1), prompts[:1], [stop])[0] for ahead in (False, True)]
     assert outs[0] == outs[1] == alone[: alone.index(eos) + 1]
 
 
@@ -165,7 +153,7 @@ def test_a_request_entering_while_a_step_is_in_flight(model):
     engine = Engine(K3Target(model, max_slots=4, max_seq_len=160), UniformDrafter(K3_SLICE.vocab_size), _spec(True),
                     cuda_graphs=True)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 21, 17)]
-    outs = _run_steps(engine, _prompts(gen, (5, 9, 6)), params, enter_at=1)
+    outs = run_steps(engine, _prompts(gen, (5, 9, 6)), params, enter_at=1)
     assert [len(o) for o in outs] == [30, 21, 17]
     assert all(0 <= t < K3_SLICE.vocab_size for o in outs for t in o)
     assert engine.metrics.num_launched_ahead >= 3
@@ -182,11 +170,9 @@ def _plain_logit_gap(model, prompt, emitted, position, a, b):
     return float((logits[a] - logits[b]).abs())
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts plain decoding's own continuation with every fourth draft wrong, so steps accept
     several drafts and also reject: both paths of the acceptance run."""
-
-    tap_layers = ()
 
     def __init__(self, continuation: list[int], vocab_size: int):
         self.continuation, self.vocab_size, self.position = continuation, vocab_size, 0
@@ -195,8 +181,6 @@ class OracleDrafter:
         self.position = 0  # the anchor is continuation[0]
 
     def propose(self, slots, anchors, k, sampling, generators):
-        from dspark.protocols import Proposal
-
         ahead = self.continuation[self.position + 1 : self.position + 1 + k]
         ahead = ahead + [0] * (k - len(ahead))
         drafts = [(t + 1) % self.vocab_size if j % 4 == 3 else t for j, t in enumerate(ahead)]
@@ -220,7 +204,7 @@ def test_greedy_speculative_output_matches_plain_decoding(model):
     plain = Engine(K3Target(model, max_slots=1, max_seq_len=256)).generate([prompt], params)[0].token_ids
     engine = Engine(K3Target(model, max_slots=1, max_seq_len=256), OracleDrafter(plain, K3_SLICE.vocab_size),
                     SpecConfig(num_speculative_tokens=7))
-    assert engine._graphs is not None
+    assert isinstance(engine.runner, GraphedRunner)
     speculative = engine.generate([prompt], params)[0].token_ids
     for j, (a, b) in enumerate(zip(speculative, plain)):
         if a != b:

@@ -1,4 +1,6 @@
-"""The target step as a CUDA-graph replay (dspark.graph_step) against the same step run eagerly.
+"""The device step as a CUDA-graph replay (dspark.graph_step.GraphedRunner) against the same step
+run eagerly (tests/step_fixtures.py, whose reference step tests/test_step.py also holds the eager
+runner to on the CPU).
 
 Same weights, same prompts, same drafts: the replay runs exactly the kernels of the eager step,
 so accepted counts, next tokens, logits-derived decisions and every piece of committed state
@@ -11,10 +13,11 @@ import pytest
 import torch
 
 from dspark.config import SamplingParams
-from dspark.graph_step import GraphedStep
-from dspark.kernels import ops
+from dspark.graph_step import GraphedRunner
 from dspark.sampling import DrawPool, SamplingTensors
+from dspark.step import DeviceStep, StepBatch
 from dspark.targets.kimi_k3 import K3_SLICE, K3Model, K3Target
+from step_fixtures import assert_same_state, reference_step, state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -34,41 +37,8 @@ def _targets(model):
     return [K3Target(model, max_slots=SLOTS, max_seq_len=96) for _ in range(2)]
 
 
-def _state(target, slots):
-    rows = []
-    for s in slots:
-        n = int(target.lengths[s])
-        rows.append(target.mla_cache[s, :, :n].clone())
-    return (target.kda_state[slots].clone(), target.conv_state[slots].clone(), target.lengths[slots].clone(), rows)
-
-
-def _assert_same_state(a, b, what):
-    for x, y, name in zip(a[:3], b[:3], ("kda_state", "conv_state", "lengths")):
-        assert torch.equal(x, y), f"{what}: {name} differs"
-    for r, (x, y) in enumerate(zip(a[3], b[3])):
-        assert torch.equal(x, y), f"{what}: MLA rows of request {r} differ"
-
-
-def _pad(x, rows, value=0):
-    """x with zero rows appended up to `rows` (the graph's bucket)."""
-    extra = x.new_full((rows - x.shape[0], *x.shape[1:]), value)
-    return torch.cat([x, extra])
-
-
-def _eager_step(target, slots, pad_slots, anchors, drafts, num_drafts, sampling, uniforms, noise):
-    """The graph's step run eagerly on the same padded batch (the same kernels at the same
-    shapes): padding rows verify 0 tokens and commit 0."""
-    B, rows = len(slots), len(slots) + len(pad_slots)
-    valid = _pad(torch.ones(B, dtype=torch.long, device="cuda"), rows)
-    drafts, num_drafts = _pad(drafts, rows), _pad(num_drafts, rows)
-    tokens = torch.cat([_pad(torch.tensor(anchors, device="cuda"), rows)[:, None], drafts], dim=1)
-    sampling = SamplingTensors(_pad(sampling.temperature, rows), _pad(sampling.top_k, rows),
-                               _pad(sampling.top_p, rows, 1.0), sampling.all_greedy, sampling.filters)
-    out = target.verify(slots + pad_slots, tokens, (1 + num_drafts) * valid)
-    num_acc, nxt = ops.rejection_sample(out.logits, drafts, num_drafts, None, sampling, _pad(uniforms, rows),
-                                        _pad(noise, rows, 1.0))
-    target.commit(slots + pad_slots, (num_acc + 1) * valid)
-    return num_acc[:B].tolist(), nxt[:B].tolist()
+def _runner(target) -> GraphedRunner:
+    return GraphedRunner(DeviceStep(target, ()), lambda phase: None)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -79,7 +49,7 @@ def test_replay_equals_eager_step_with_padding_and_a_leaving_request(model, temp
     prompts = [torch.randint(0, K3_SLICE.vocab_size, (n,), generator=gen) for n in (7, 3, 11)]
     for t in (eager, graphed):
         t.prefill(slots, prompts)
-    runner = GraphedStep(graphed)
+    runner = _runner(graphed)
     anchors = torch.randint(0, K3_SLICE.vocab_size, (3,), generator=gen).tolist()
     params = [SamplingParams(temperature=temperature)] * 3
     for step in range(6):
@@ -90,40 +60,42 @@ def test_replay_equals_eager_step_with_padding_and_a_leaving_request(model, temp
         B = len(slots)
         free = [s for s in range(SLOTS) if s not in slots]
         pad = free[: runner.bucket(B) - B]
-        before_pad = _state(graphed, pad)
+        before_pad = state(graphed, pad)
         sampling = SamplingTensors.from_params(params, "cuda")
         drafts = torch.randint(0, K3_SLICE.vocab_size, (B, K), generator=gen).cuda()
         num_drafts = torch.randint(0, K + 1, (B,), generator=gen).cuda()
         uniforms = torch.rand(B, K, generator=gen).cuda()
         noise = torch.empty(B, K3_SLICE.vocab_size).exponential_(generator=gen).cuda()
-        want = _eager_step(eager, slots, pad, anchors, drafts, num_drafts, sampling, uniforms, noise)
+        want = reference_step(eager, slots, pad, anchors, drafts, num_drafts, sampling, uniforms, noise)
         if step in (0, 3):  # the slots' anchors on the device; later steps find the graph's own
-            runner.set_anchors(torch.tensor(slots, device="cuda"), torch.tensor(anchors, device="cuda"))
-        pad_anchors = runner.anchors[pad].tolist()
-        got = runner.run(slots, free, drafts, num_drafts, None, sampling, uniforms, noise)
+            runner.set_anchors(slots, torch.tensor(anchors, device="cuda"))
+        anchors_now = runner.step.anchors
+        pad_anchors = anchors_now[pad].tolist()
+        got = runner.launch(StepBatch(slots, free, drafts, num_drafts, None, sampling, uniforms, noise, None)).result()
         assert (got.num_accepted, got.next_token) == want, f"step {step}: accepted/next differ"
-        assert runner.anchors[slots].tolist() == got.next_token, f"step {step}: the graph's anchors"
-        assert runner.anchors[pad].tolist() == pad_anchors, f"step {step}: a padding slot's anchor changed"
+        assert anchors_now[slots].tolist() == got.next_token, f"step {step}: the graph's anchors"
+        assert anchors_now[pad].tolist() == pad_anchors, f"step {step}: a padding slot's anchor changed"
         assert got.drafts == drafts.tolist() and got.num_drafts == num_drafts.tolist()
-        _assert_same_state(_state(graphed, slots), _state(eager, slots), f"step {step}")
-        _assert_same_state(_state(graphed, pad), before_pad, f"step {step}: a padding slot changed")
+        assert_same_state(state(graphed, slots), state(eager, slots), f"step {step}")
+        assert_same_state(state(graphed, pad), before_pad, f"step {step}: a padding slot changed")
         anchors = got.next_token
 
 
 def test_steady_state_replay_does_not_synchronise(model):
     _, target = _targets(model)
     target.prefill([1], [torch.randint(0, K3_SLICE.vocab_size, (9,))])
-    runner = GraphedStep(target)
+    runner = _runner(target)
     sampling = SamplingTensors.from_params([SamplingParams(temperature=0.0)], "cuda")
     drafts = torch.randint(0, K3_SLICE.vocab_size, (1, K), device="cuda")
     num = torch.full((1,), K, device="cuda")
     free = [s for s in range(SLOTS) if s != 1]
-    runner.set_anchors(torch.tensor([1], device="cuda"), torch.tensor([3], device="cuda"))
-    runner.run([1], free, drafts, num, None, sampling, None, None)  # captures
+    batch = StepBatch([1], free, drafts, num, None, sampling, None, None, None)
+    runner.set_anchors([1], torch.tensor([3], device="cuda"))
+    runner.launch(batch).result()  # captures
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            pending = [runner.launch([1], free, drafts, num, None, sampling, None, None) for _ in range(2)]
+            pending = [runner.launch(batch) for _ in range(2)]
             got = pending[0].result(), pending[1].result()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -137,7 +109,7 @@ def test_replays_reading_draws_from_their_mirror_through_refills_do_not_synchron
     read, raise nothing under sync-debug "error", and each step verified the pool's rows."""
     _, target = _targets(model)
     target.prefill([2], [torch.randint(0, K3_SLICE.vocab_size, (9,))])
-    runner = GraphedStep(target)
+    runner = _runner(target)
     sampling = SamplingTensors.from_params([SamplingParams(temperature=0.0)], "cuda")
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     token_pool = DrawPool.tokens(gen, K, K3_SLICE.vocab_size, steps=3)
@@ -145,12 +117,12 @@ def test_replays_reading_draws_from_their_mirror_through_refills_do_not_synchron
     num = torch.full((1,), K, device="cuda")
     rates = torch.tensor([1.0, 0.5, 0.0], device="cuda")
     free = [s for s in range(SLOTS) if s != 2]
-    runner.set_anchors(torch.tensor([2], device="cuda"), torch.tensor([3], device="cuda"))
+    runner.set_anchors([2], torch.tensor([3], device="cuda"))
 
     def launch():
         drafts, uniforms = token_pool.next(), uniform_pool.next()
-        return runner.launch([2], free, drafts, num, None, sampling, uniforms, None, rates,
-                             draft_pools=(token_pool,), uniform_pools=(uniform_pool,)), drafts
+        return runner.launch(StepBatch([2], free, drafts, num, None, sampling, uniforms, None, rates,
+                                       draft_pools=(token_pool,), uniform_pools=(uniform_pool,))), drafts
 
     launch()[0].result()  # captures
     checked = []

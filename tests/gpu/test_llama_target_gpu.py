@@ -68,7 +68,7 @@ def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target(cuda_graphs)
     plain = Engine(target, None, SpecConfig(num_speculative_tokens=0)).generate(prompts, params)
     spec = Engine(target, drafter, SpecConfig(num_speculative_tokens=7)).generate(prompts, params)
     if cuda_graphs:  # two requests, then one: buckets 2 and 1, contexts past 64
-        assert drafter._graphs.replays["draft"] >= 7 and drafter._graphs.replays["commit"] >= 7, drafter._graphs.replays
+        assert drafter._graphs.replays["draft"] >= 7, drafter._graphs.replays  # commits ride in the engine's step
     for prompt, p, s in zip(prompts, plain, spec):
         if p.token_ids == s.token_ids:
             continue
