@@ -44,7 +44,7 @@ class LineProgress:
         self.interval, self.file = interval, file
         self._start = self._last = time.monotonic()
         self._postfix = ""
-        self._written = False
+        self._written, self._shown = False, None
 
     def update(self, n: float = 1) -> None:
         self.n += n
@@ -61,7 +61,7 @@ class LineProgress:
         print(text, file=self.file, flush=True)
 
     def close(self) -> None:
-        if self._written:
+        if self._written and self.n != self._shown:  # the last count, unless the last line showed it
             self._line()
         self._written = False
 
@@ -71,7 +71,7 @@ class LineProgress:
         tail = f", {self._postfix}" if self._postfix else ""
         print(f"{self.desc}: {done} {self.unit}{share}, {time.monotonic() - self._start:.0f} s{tail}",
               file=self.file, flush=True)
-        self._written = True
+        self._written, self._shown = True, self.n
 
     def __enter__(self) -> "LineProgress":
         return self

@@ -286,8 +286,10 @@ def draw_tokens_vs_al(runs: list[tuple[dict, list[dict]]]):
             ax.set_title(f"{run_title(meta)}\nbatch {run_batches[col]}", fontsize=8)
             for handle, label in zip(*ax.get_legend_handles_labels()):
                 legend.setdefault(label, handle)
-        axes[row][len(run_batches) - 1].legend(legend.values(), legend.keys(), fontsize=7, loc="upper left",
-                                               bbox_to_anchor=(1.18, 1.0), borderaxespad=0.0)
+        last = axes[row][len(run_batches) - 1]
+        right_axis = any(other is not last and other.bbox.bounds == last.bbox.bounds for other in fig.axes)
+        last.legend(legend.values(), legend.keys(), fontsize=7, loc="upper left", borderaxespad=0.0,
+                    bbox_to_anchor=(1.2 if right_axis else 1.03, 1.0))  # past the right axis's label
     fig.tight_layout()
     return fig
 

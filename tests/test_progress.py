@@ -15,10 +15,16 @@ def test_lines_come_every_interval_and_a_last_one_only_after_some():
     bar.set_postfix({"loss": "1.5"})
     bar.update(2)
     bar.write("a note")
+    bar.update(1)  # within the interval: shown by close, the last count
+    bar.close()
     bar.close()
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("work: 5/10 step (50%), ") and lines[0].endswith(", loss=1.5")
-    assert lines[1] == "a note" and lines[2].startswith("work: 5/10 step (50%)") and len(lines) == 3
+    assert lines[1] == "a note" and lines[2].startswith("work: 6/10 step (60%)") and len(lines) == 3
+    shown = io.StringIO()
+    with LineProgress(2, desc="once", unit="it", interval=0.0, file=shown) as bar:
+        bar.update(2)
+    assert shown.getvalue().count("once: 2/2") == 1  # the last line is not repeated at close
     quiet = io.StringIO()
     with LineProgress(4, desc="short", unit="it", interval=60, file=quiet) as short:
         short.update(4)
