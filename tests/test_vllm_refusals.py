@@ -248,7 +248,7 @@ def test_readme_serve_recipe_fails_loudly():
     """The README's `spec=$(dspark vllm-config ...) && vllm serve ...` line never starts vLLM on a
     bad config; it does start it with the config when the config is good."""
     (recipe,) = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()
-                 if line.strip().startswith("spec=$(dspark vllm-config")]
+                 if line.strip().startswith("spec=$(dspark vllm-config") and "vllm serve" in line]
     stub = 'vllm() { echo "SERVED $*"; }; '
     env = {"HF_HUB_OFFLINE": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
     good = subprocess.run(["bash", "-c", stub + recipe], capture_output=True, text=True, env=env, timeout=300)
