@@ -77,7 +77,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_unbroken_one(tmp_path, capsys
     loses only the steps since the last save; each time --resume continues, and the final weights
     equal, bit for bit, those of the same run never interrupted (data order and anchors depend
     only on the seed and the step, and the optimizer state is saved with the weights)."""
-    steps = ["--steps", "10", "--save-every", "3"]
+    steps = ["--steps", "12", "--save-every", "3"]
     whole = tmp_path / "whole"
     assert main(["train-drafter", *SMOKE, "--out", str(whole), *steps, "--no-progress"]) == 0
 
@@ -85,22 +85,23 @@ def test_a_killed_run_resumes_to_the_weights_of_an_unbroken_one(tmp_path, capsys
     code, err = _kill_after(broken, _train(broken, *steps), 2, signal.SIGINT)
     stopped = _state_step(broken)
     assert code == 128 + signal.SIGINT, err
-    assert "SIGINT: stopping after this step with a checkpoint" in err and f"stopped at step {stopped} of 10" in err
+    assert "SIGINT: stopping after this step with a checkpoint" in err and f"stopped at step {stopped} of 12" in err
     assert 2 <= stopped <= 6 and _steps_logged(broken) == stopped
     assert "\r" not in err  # a log file gets progress lines, never a bar's redraws
 
-    code, err = _kill_after(broken, _train(broken, *steps, "--resume"), stopped + 3, signal.SIGKILL)
+    # Killed once the step after the next periodic save is logged (its save precedes that step).
+    next_save = (stopped // 3 + 1) * 3
+    code, err = _kill_after(broken, _train(broken, *steps, "--resume"), next_save + 1, signal.SIGKILL)
     assert code == -signal.SIGKILL
     assert "training on the 4 sequences generated before" in err  # not generated again
-    saved = _state_step(broken)
-    assert saved % 3 == 0 and saved > stopped and _steps_logged(broken) >= saved  # the log runs past the save
+    assert _state_step(broken) == next_save and _steps_logged(broken) > next_save  # the log runs past the save
 
     resumed = _train(broken, *steps, "--resume")
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err
-    assert json.loads(out)["final"]["step"] == 10
+    assert json.loads(out)["final"]["step"] == 12
     log = [json.loads(line)["step"] for line in (broken / "train_log.jsonl").read_text().splitlines()]
-    assert log == list(range(1, 11))  # the steps a kill cut off before their save are logged once
+    assert log == list(range(1, 13))  # the steps a kill cut off before their save are logged once
     a, b = load_file(whole / "model.safetensors"), load_file(broken / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (broken / "model.safetensors").stat().st_mode & 0o777 == file_mode()  # not safetensors' 0600
