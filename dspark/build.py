@@ -61,10 +61,14 @@ def k3_target_bytes(cfg, *, max_slots: int, max_seq_len: int, dtype: torch.dtype
 
 def available_memory(device: str) -> tuple[float, str]:
     """Bytes a new allocation can take on `device`, and how the machine's memory reads: a CUDA
-    device's free memory, or the RAM Linux reports available (MemAvailable)."""
+    device's free memory plus what torch's allocator holds unused (a target built and dropped
+    earlier in the process leaves its blocks cached there), or the RAM Linux reports available
+    (MemAvailable)."""
     if torch.device(device).type == "cuda":
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        return float(free), f"{free / 1e9:,.1f} GB free of {total / 1e9:,.1f} GB on {torch.cuda.get_device_name(device)}"
+        index = torch.device(device)
+        free, total = torch.cuda.mem_get_info(index)
+        free += torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return float(free), f"{free / 1e9:,.1f} GB free of {total / 1e9:,.1f} GB on {torch.cuda.get_device_name(index)}"
     fields = {}
     try:
         with open("/proc/meminfo") as f:
