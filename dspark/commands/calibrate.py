@@ -44,7 +44,7 @@ def _prompts(args, vocab_size: int) -> list[torch.Tensor]:
 
 
 def _check(args):
-    """Every flag before the target loads: (device, max_seq_len, sampling, the drafter's block)."""
+    """Every flag before the target loads: (device, max_seq_len, sampling)."""
     from ..drafters.dspark.checkpoint import read_config
 
     device = checks.device(args.device)

@@ -102,13 +102,11 @@ def _check_out(args, out: Path) -> None:
                                  f"{before[name]}); resume with the flags it was started with")
 
 
-def _check_drafter(args):
-    """The drafter's config (a preset or a checkpoint's), matched against a K3 preset target."""
+def _check_drafter(args) -> None:
+    """--drafter is a preset or a checkpoint, and built for the target when that is a K3 preset."""
     from ..drafters.dspark.checkpoint import read_config
-    from ..drafters.dspark.config import get_preset
+    from ..drafters.dspark.config import PRESETS as DRAFTER_PRESETS, get_preset
     from ..targets.kimi_k3.config import PRESETS
-
-    from ..drafters.dspark.config import PRESETS as DRAFTER_PRESETS
 
     if Path(args.drafter).is_dir():
         config = read_config(args.drafter)
@@ -124,21 +122,19 @@ def _check_drafter(args):
         if mine != theirs:
             raise ValueError(f"--drafter {args.drafter}: built for vocab/hidden/layers {mine}, --target {args.target} "
                              f"has {theirs}")
-    return config
 
 
 def _check(args) -> tuple[str, int, object, tuple | None]:
     """Every flag, before any work: (device, max_seq_len, TrainConfig, the --data sequences)."""
+    from ..targets.kimi_k3.config import PRESETS
+
     device = checks.device(args.device)
     config = _train_config(args)
     for flag, value, minimum in (("--num-prompts", args.num_prompts, 1), ("--prompt-len", args.prompt_len, 1),
                                  ("--gen-len", args.gen_len, 1), ("--gen-temperature", args.gen_temperature, 0),
                                  ("--max-seq-len", args.max_seq_len, 1)):
         checks.at_least(flag, value, minimum)
-    limit = checks.default_max_seq_len(args.target)
-    max_seq_len = args.max_seq_len or limit
-    from ..targets.kimi_k3.config import PRESETS
-
+    max_seq_len = args.max_seq_len or checks.default_max_seq_len(args.target)
     preset = PRESETS.get(args.target)
     if preset is not None and max_seq_len > preset.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seq_len}: --target {args.target} takes at most "
