@@ -37,8 +37,69 @@ def build_target(name: str, *, max_slots: int = 8, max_seq_len: int = 4096, devi
         raise ValueError(f"target={name!r}: not a preset ({known}) or a checkpoint directory")
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if name in PRESETS:  # before the allocation that would run out of memory
+        check_target_fits(name, PRESETS[name], max_slots=max_slots, max_seq_len=max_seq_len, device=device, dtype=dtype)
     return load_target(name, max_slots=max_slots, max_seq_len=max_seq_len, dtype=dtype, device=device, seed=seed,
                        layers=layers)
+
+
+def k3_target_bytes(cfg, *, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> dict[str, float]:
+    """What a K3-shaped target holds in memory, by part: the trunk (every non-routed weight, as
+    dspark.roofline counts them, in `dtype` with its fp32 vectors; the embedding besides), the
+    routed experts in MXFP4 (docs/kimi-k3.md §1.3), and the per-slot caches (KDA state in fp32 and
+    conv window, the MLA latent cache of max_seq_len + 1 rows; dspark/targets/kimi_k3/target.py)."""
+    from .roofline import FP32, expert_bytes, trunk_elements
+
+    width = torch.finfo(dtype).bits // 8
+    trunk = sum(count * (FP32 if kind == "fp32" else width)
+                for kinds in trunk_elements(cfg).values() for kind, count in kinds.items())
+    num_kda, num_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    return {
+        "weights": trunk + cfg.vocab_size * cfg.hidden_size * width,
+        "experts": (cfg.num_layers - cfg.first_k_dense) * cfg.num_experts * expert_bytes(cfg),
+        "caches": max_slots * (num_kda * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * FP32
+                               + num_kda * 3 * cfg.kda_width * (cfg.kda_conv_size - 1) * width
+                               + num_mla * (max_seq_len + 1) * cfg.kv_cache_width * width),
+    }
+
+
+def available_memory(device: str) -> tuple[float, str]:
+    """Bytes a new allocation can take on `device`, and how the machine's memory reads: a CUDA
+    device's free memory plus what torch's allocator holds unused (a target built and dropped
+    earlier in the process leaves its blocks cached there), or the RAM Linux reports available
+    (MemAvailable)."""
+    if torch.device(device).type == "cuda":
+        index = torch.device(device)
+        free, total = torch.cuda.mem_get_info(index)
+        free += torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return float(free), f"{free / 1e9:,.1f} GB free of {total / 1e9:,.1f} GB on {torch.cuda.get_device_name(index)}"
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                fields[name] = float(value.split()[0]) * 1024
+    except OSError:  # not Linux: the physical pages the C library counts as free
+        free = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return free, f"{free / 1e9:,.1f} GB of free RAM"
+    total = fields.get("MemTotal", 0.0)
+    free = fields.get("MemAvailable", fields.get("MemFree", 0.0))
+    return free, f"{free / 1e9:,.1f} GB of RAM available ({total / 1e9:,.1f} GB in all)"
+
+
+def check_target_fits(name: str, cfg, *, max_slots: int, max_seq_len: int, device: str, dtype: torch.dtype) -> None:
+    """Refuse a K3 preset whose weights and caches would not fit the device (the allocation
+    would otherwise run until the machine kills the process, with no message)."""
+    parts = k3_target_bytes(cfg, max_slots=max_slots, max_seq_len=max_seq_len, dtype=dtype)
+    need = sum(parts.values())
+    have, described = available_memory(device)
+    if need > have:
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"target={name!r}: needs about {need / 1e9:,.1f} GB on {device} (weights {parts['weights'] / 1e9:,.1f} GB in "
+            f"{dtype_name}, MXFP4 experts {parts['experts'] / 1e9:,.1f} GB, caches {parts['caches'] / 1e9:,.1f} GB for "
+            f"{max_slots} slot(s) of {max_seq_len} tokens); this machine has {described}. k3-tiny runs anywhere; "
+            "k3-slice needs a GPU of about 80 GB; k3 needs a multi-GPU deployment")
 
 
 def build_drafter(spec: SpecConfig, target, cuda_graphs: bool | None = None):
@@ -75,10 +136,16 @@ def max_speculative_tokens(max_seq_len: int) -> int:
     return max(0, min(MAX_SPECULATIVE_TOKENS, max_seq_len - 2))
 
 
-def build_engine(spec: SpecConfig, target, **kwargs) -> Engine:
+def check_speculative_tokens(spec: SpecConfig, max_seq_len: int) -> SpecConfig:
+    """The validated spec, when its k fits a target with this context."""
     spec = spec.validate()
-    most = max_speculative_tokens(target.max_seq_len)
+    most = max_speculative_tokens(max_seq_len)
     if spec.max_k > most:
         raise ValueError(f"SpecConfig.num_speculative_tokens={spec.max_k}: at most {most} for a target with "
-                         f"max_seq_len={target.max_seq_len} (and never more than {MAX_SPECULATIVE_TOKENS})")
+                         f"max_seq_len={max_seq_len} (and never more than {MAX_SPECULATIVE_TOKENS})")
+    return spec
+
+
+def build_engine(spec: SpecConfig, target, **kwargs) -> Engine:
+    spec = check_speculative_tokens(spec, target.max_seq_len)
     return Engine(target, build_drafter(spec, target), spec, eos_token_ids=eos_ids(target), **kwargs)

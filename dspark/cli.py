@@ -1,6 +1,6 @@
-"""`dspark` command line. Each subcommand lives in its own module exposing
-`configure_parser(parser)` and `main(args) -> int`; modules are imported only when their command
-runs, so `dspark generate` never imports vLLM or a GPU toolchain."""
+"""`dspark` command line: argparse subcommands. Each subcommand lives in its own module exposing
+`configure_parser(parser)` and `main(args) -> int`; only the module of the command being run is
+imported and configured, so `dspark generate` never imports vLLM or a GPU toolchain."""
 from __future__ import annotations
 
 import argparse
@@ -11,29 +11,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dspark.commands.generate", "generate tokens with (or without) speculation; prints AL and tokens/s"),
     "sweep": ("dspark.commands.sweep", "acceptance-length sweep: tokens/s, TPOT, step split vs AL, k, batch, policy"),
     "roofline": ("dspark.roofline", "bytes, FLOPs and time floors of decode and verify steps"),
-    "train-drafter": ("dspark.drafters.dspark.train", "train a DSpark drafter on a target's hidden states"),
-    "calibrate": ("dspark.drafters.dspark.calibrate", "fit per-position confidence temperatures (STS)"),
+    "train-drafter": ("dspark.commands.train_drafter", "train a DSpark drafter on a target's hidden states"),
+    "calibrate": ("dspark.commands.calibrate", "fit per-position confidence temperatures (STS)"),
     "vllm-config": ("dspark.vllm.cli", "print a validated vLLM --speculative-config JSON"),
     "export-drafter": ("dspark.vllm.export", "write a DSpark drafter in a layout vLLM's DSpark loader reads"),
 }
-
-
-def _usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = ["usage: dspark <command> [options]", "", "commands:"]
-    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
-    lines += ["", "dspark <command> --help shows a command's options."]
-    return "\n".join(lines)
-
-
-def _both_k_spellings(parser: argparse.ArgumentParser) -> None:
-    """Every command that takes k accepts `-k` and `--k` alike: a command that declares one
-    spelling gets the other as an alias of the same option."""
-    options = parser._option_string_actions  # argparse has no public lookup of an option by its flag
-    for have, alias in (("--k", "-k"), ("-k", "--k")):
-        if have in options and alias not in options:
-            options[have].option_strings.append(alias)
-            options[alias] = options[have]
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -44,21 +26,47 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _BothKSpellings:
+    """The parser as a command's configure_parser sees it: an option declared as `-k` or `--k`
+    gets the other spelling too, so every command that takes k accepts both."""
+
+    def __init__(self, parser: argparse.ArgumentParser):
+        self._parser = parser
+
+    def add_argument(self, *flags, **kwargs):
+        if "-k" in flags or "--k" in flags:
+            flags = tuple(dict.fromkeys((*flags, "-k", "--k")))
+        return self._parser.add_argument(*flags, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._parser, name)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `dspark` parser with every subcommand listed; `command`'s own options are configured
+    (its module imported), the others stay empty until they are the one being run."""
+    parser = _OneLineErrors(prog="dspark", description="DSpark speculative decoding for Kimi K3",
+                            epilog="dspark <command> --help shows a command's options.")
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>", title="commands")
+    for name, (module_name, text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=text, description=text)
+        if name == command:
+            importlib.import_module(module_name).configure_parser(_BothKSpellings(sub))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        build_parser().print_help()
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"dspark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+    name = argv[0]
+    if not name.startswith("-") and name not in COMMANDS:
+        print(f"dspark: error: unknown command {name!r} (commands: {', '.join(COMMANDS)}; see dspark --help)",
+              file=sys.stderr)
         return 2
-    module_name, text = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = _OneLineErrors(prog=f"dspark {name}", description=text)
-    module.configure_parser(parser)
-    _both_k_spellings(parser)
-    args = parser.parse_args(rest)
+    args = build_parser(name).parse_args(argv)
+    module = importlib.import_module(COMMANDS[name][0])
     try:
         return int(module.main(args) or 0)
     except USER_ERRORS as e:  # bad input or a missing/unreadable file: one clear line, no traceback

@@ -15,6 +15,8 @@ def atomic_path(path: str | os.PathLike):
     and `path` is untouched."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # mkstemp creates the file 0600; a result file gets what open() would give it, 0666 less the umask.
+    os.fchmod(fd, file_mode())
     os.close(fd)
     try:
         yield Path(tmp)
@@ -26,4 +28,11 @@ def atomic_path(path: str | os.PathLike):
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, newline="")  # as given: a CSV's own line ends stay
+
+
+def file_mode() -> int:
+    """The permissions open() gives a new file: 0666 less the process's umask."""
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return 0o666 & ~mask

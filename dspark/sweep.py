@@ -38,14 +38,13 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
-from tqdm import tqdm
 
 from .build import build_target, default_device
 from .targets import eos_ids
@@ -54,12 +53,18 @@ from .drafters.uniform import UniformDrafter
 from .engine import Engine
 from .files import atomic_path, write_atomic
 from .metrics import SpecMetrics
+from .progress import progress
 from .provenance import provenance
 from .sampling import acceptance_length_to_rates, conditional_rates
 from .threads import one_cpu_thread
+from .commands import checks
 
 SCHEMA = "dspark.sweep/1"
 run_meta = provenance  # the name the vLLM sweep backend imports
+POLICIES = ("fixed", "threshold", "scheduler")  # SpecConfig.verify_policy
+# Where a figure draws the bandwidth floor's tokens/s beside the measured curve: when every step
+# reached at least this fraction of its floor (above ~4x the measured curve, the floor would flatten it).
+FLOOR_DRAWN_FROM = 0.25
 
 
 def point_key(batch: int, k: int, policy: str, al: float | None) -> str:
@@ -96,9 +101,8 @@ def measure_point(target, *, batch: int, k: int, al: float | None, policy: str, 
 
 
 def _percentile(values: list[float], q: float) -> float:
-    """The nearest-rank q-th percentile (q in (0, 100])."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(len(ordered) * q / 100) - 1)]
+    """The nearest-rank q-th percentile: always one of the measured values."""
+    return float(np.percentile(values, q, method="inverted_cdf"))
 
 
 def _row(runs: list[tuple[SpecMetrics, int]], *, batch: int, k: int, al: float | None, policy: str) -> dict:
@@ -148,13 +152,13 @@ def _row(runs: list[tuple[SpecMetrics, int]], *, batch: int, k: int, al: float |
 
 
 def measure_phases(target, *, batch: int, k: int, als: list[float], context: int, steps: int,
-                   warmup_steps: int, seed: int, repeats: int = 1) -> list[dict]:
+                   warmup_steps: int, seed: int, repeats: int = 1, on_phase=None) -> list[dict]:
     """Every point of one (batch, k) from one prefill per repeat: the requests stay live and the
     engine's acceptance is switched between phases of `warmup_steps + steps` steps (plain
     decoding first, then each forced AL). For long contexts, where a prefill costs far more than
     a phase, this is the affordable way; the context grows by the phases' few hundred tokens
     meanwhile. Repeating the whole cycle (rather than each phase in a row) spreads any drift of
-    the machine over every AL alike."""
+    the machine over every AL alike. `on_phase()`, when given, is called after each phase."""
     spec = SpecConfig(num_speculative_tokens=k, rejection_sample_method="synthetic",
                       synthetic_acceptance_length=float(k + 1), seed=seed)
     runs: dict[float | None, list] = {al: [] for al in [None, *als]}
@@ -178,6 +182,8 @@ def measure_phases(target, *, batch: int, k: int, als: list[float], context: int
             for _ in range(warmup_steps + steps):
                 engine.step()
             runs[al].append((engine.metrics, warmup_steps))
+            if on_phase is not None:
+                on_phase()
     return [_row(r, batch=batch, k=0 if al is None else k, al=al, policy="fixed") for al, r in runs.items()]
 
 
@@ -245,60 +251,87 @@ def plot(out: Path, meta: dict, points: list[dict]) -> Path:
     fig = draw_tokens_vs_al([(meta, points)])
     path = out / "sweep.png"
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+        fig.savefig(tmp, dpi=100, format="png", bbox_inches="tight")
     plt.close(fig)
     return path
 
 
+def run_title(meta: dict) -> str:
+    """What tells one sweep from another: target, device, commit and the day it ran."""
+    commit = str(meta.get("git_commit") or "no commit")[:7]
+    day = str(meta.get("created") or "")[:10] or "undated"
+    return f"{meta['target']} on {meta['device_name']}, {commit}, {day}"
+
+
 def draw_tokens_vs_al(runs: list[tuple[dict, list[dict]]]):
-    """A figure with one row per sweep run and one panel per batch size: tokens/s against the
-    measured AL (error bars: the spread between repeats), plain decoding as a labelled line, and
-    on a second axis the measured step's fraction of the device's bandwidth floor where the
-    run has one. Reads old result files too (no repeats, floor_ms_h200)."""
+    """A figure with one row per sweep run (titled by run_title) and one panel per batch size:
+    tokens/s against the measured AL (error bars: the spread between repeats), plain decoding as
+    a labelled line, and for K3-shaped runs the bandwidth floor's tokens/s as its own dashed line
+    with the measured fraction of it on a second axis, where the run comes close enough to its
+    floor for both to share a scale (FLOOR_DRAWN_FROM); otherwise a note gives the floor's range.
+    Each row's legend sits right of its last panel, off the data. Reads old result files too (no
+    repeats, floor_ms_h200)."""
     import matplotlib.pyplot as plt
 
     batches = [sorted({p["batch"] for p in pts}) for _, pts in runs]
     cols = max(len(b) for b in batches)
-    fig, axes = plt.subplots(len(runs), cols, figsize=(4.2 * cols + 0.8, 3.6 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), cols, figsize=(4.0 * cols + 2.2, 3.4 * len(runs)), squeeze=False)
     for row, ((meta, pts), run_batches) in enumerate(zip(runs, batches)):
+        legend: dict[str, object] = {}
         for col in range(cols):
             ax = axes[row][col]
             if col >= len(run_batches):
                 ax.set_visible(False)
                 continue
-            _draw_panel(ax, meta, [p for p in pts if p["batch"] == run_batches[col]], run_batches[col])
+            _draw_panel(ax, [p for p in pts if p["batch"] == run_batches[col]])
+            ax.set_title(f"{run_title(meta)}\nbatch {run_batches[col]}", fontsize=8)
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        last = axes[row][len(run_batches) - 1]
+        right_axis = any(other is not last and other.bbox.bounds == last.bbox.bounds for other in fig.axes)
+        last.legend(legend.values(), legend.keys(), fontsize=7, loc="upper left", borderaxespad=0.0,
+                    bbox_to_anchor=(1.2 if right_axis else 1.03, 1.0))  # past the right axis's label
     fig.tight_layout()
     return fig
 
 
-def _draw_panel(ax, meta: dict, pts: list[dict], batch: int) -> None:
+def _draw_panel(ax, pts: list[dict]) -> None:
     plain = next((p for p in pts if p["al_target"] is None), None)
-    fraction_ax = None
-    for k in sorted({p["k"] for p in pts if p["al_target"] is not None}):
-        s = sorted((p for p in pts if p["k"] == k and p["al_target"] is not None), key=lambda p: p["al_measured"])
+    spec = [p for p in pts if p["al_target"] is not None]
+    fractions = [p.get("roofline_fraction") for p in spec]
+    has_floor = bool(spec) and all(f is not None for f in fractions)
+    draw_floor = has_floor and min(fractions) >= FLOOR_DRAWN_FROM
+    fraction_ax = ax.twinx() if draw_floor else None
+    for k in sorted({p["k"] for p in spec}):
+        s = sorted((p for p in spec if p["k"] == k), key=lambda p: p["al_measured"])
         x = [p["al_measured"] for p in s]
         line = ax.errorbar(x, [p["tokens_per_s"] for p in s], yerr=[p.get("tokens_per_s_std", 0.0) for p in s],
-                           fmt="o-", capsize=3, label=f"k={k}")[0]
-        fraction = [p.get("roofline_fraction") for p in s]
-        if all(f is not None for f in fraction):
-            fraction_ax = fraction_ax or ax.twinx()
-            fraction_ax.plot(x, [100 * f for f in fraction], ":", marker=".", color=line.get_color(), alpha=0.6,
-                             label=f"k={k}: % of floor")
+                           fmt="o-", capsize=3, label=f"k={k} measured")[0]
+        if draw_floor:
+            # tokens per step over the floor's step time = measured tokens/s / (floor / measured time)
+            ax.plot(x, [p["tokens_per_s"] / p["roofline_fraction"] for p in s], "--", lw=1.4,
+                    color=line.get_color(), label=f"k={k} bandwidth floor")
+            fraction_ax.plot(x, [100 * p["roofline_fraction"] for p in s], ":", marker="x", ms=4,
+                             color=line.get_color(), alpha=0.7, label=f"k={k} % of floor (right axis)")
     if plain is not None:
-        ax.axhline(plain["tokens_per_s"], ls="--", lw=1.2, color="gray", label="plain decoding (k=0)")
+        ax.axhline(plain["tokens_per_s"], ls="-.", lw=1.2, color="gray", label="plain decoding (k=0)")
     if fraction_ax is not None:
-        floor = next((p.get("floor_device") for p in pts if p.get("floor_device")), "H200 at 4.3 TB/s")
-        fraction_ax.set_ylabel(f"% of bandwidth floor\n({floor})", fontsize=8)
-        fraction_ax.set_ylim(0, 1.5 * fraction_ax.get_ylim()[1])  # keeps the legend corner free
-        handles, labels = ax.get_legend_handles_labels()
-        more, more_labels = fraction_ax.get_legend_handles_labels()
-        ax.legend(handles + more, labels + more_labels, fontsize=7, loc="lower right")
-    else:
-        ax.legend(fontsize=7, loc="lower right")
+        fraction_ax.set_ylabel("% of bandwidth floor reached", fontsize=8)
+        fraction_ax.set_ylim(0, 110)
+        # the row's legend reads this panel's handles: the right axis's lines join them as proxies
+        for handle, label in zip(*fraction_ax.get_legend_handles_labels()):
+            ax.plot([], [], ":", marker="x", ms=4, color=handle.get_color(), label=label)
+    elif has_floor:
+        floors = [p["tokens_per_s"] / p["roofline_fraction"] for p in spec]
+        ax.text(0.02, 0.97, f"bandwidth floor {min(floors):,.0f}-{max(floors):,.0f} tokens/s,\n"
+                f"{100 * min(fractions):.2g}-{100 * max(fractions):.2g}% of it reached: off this scale",
+                transform=ax.transAxes, va="top", fontsize=7, color="dimgray")
+    floor_device = next((p.get("floor_device") for p in pts if p.get("floor_device")), None)
+    if draw_floor and floor_device:
+        ax.text(0.98, 0.02, f"floor: {floor_device}", transform=ax.transAxes, ha="right", fontsize=6, color="dimgray")
     ax.set_ylim(bottom=0)
     ax.set_xlabel("measured acceptance length")
     ax.set_ylabel("tokens/s (all requests)")
-    ax.set_title(f"{meta['target']} on {meta['device_name']}, batch {batch}", fontsize=9)
     ax.grid(alpha=0.3)
 
 
@@ -330,11 +363,15 @@ def _ints(flag: str, text: str) -> list[int]:
 
 
 def parse_grid(args) -> tuple[list[int], list[int], list[float], list[str]]:
-    """--k, --batch, --al, --policy as lists, checked before anything is built or measured."""
+    """--k, --batch, --al, --policy as lists, checked before anything is built or measured,
+    with the other numeric flags."""
     ks, batches, als = _ints("--k", args.k), _ints("--batch", args.batch), _floats("--al", args.al)
     policies = [s for s in args.policy.split(",") if s]
     if not (ks and batches and als and policies):
         raise ValueError("--k, --batch, --al and --policy each need at least one value")
+    for policy in policies:
+        if policy not in POLICIES:
+            raise ValueError(f"--policy {policy!r}: each policy must be one of {', '.join(POLICIES)}")
     for k in ks:
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--k {k}: each k must be in [1, {MAX_SPECULATIVE_TOKENS}] (plain decoding is always measured)")
@@ -345,11 +382,10 @@ def parse_grid(args) -> tuple[list[int], list[int], list[float], list[str]]:
         if not 1.0 <= al <= min(ks) + 1:
             raise ValueError(f"--al {al:g}: each acceptance length must be in [1, k + 1] = [1, {min(ks) + 1}] "
                              f"for --k {min(ks)} (a step emits at most k drafts + 1 token)")
-    for n, flag in ((args.repeats, "--repeats"), (args.phase_steps, "--phase-steps")):
-        if n < 1:
-            raise ValueError(f"{flag} {n}: must be >= 1")
-    if args.warmup_steps < 0:
-        raise ValueError(f"--warmup-steps {args.warmup_steps}: must be >= 0")
+    for flag, value in (("--repeats", args.repeats), ("--phase-steps", args.phase_steps), ("--context", args.context),
+                        ("--max-tokens", args.max_tokens)):
+        checks.at_least(flag, value)  # None: the device's default
+    checks.at_least("--warmup-steps", args.warmup_steps, 0)
     if args.fresh and args.resume:
         raise ValueError("--fresh and --resume exclude each other")
     return ks, batches, als, policies
@@ -360,12 +396,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--k", default="7", help=f"comma-separated k values, each in [1, {MAX_SPECULATIVE_TOKENS}]")
     p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
     p.add_argument("--al", default="1,2,3,4,5,6,7,8", help="comma-separated forced acceptance lengths, each <= k + 1")
-    p.add_argument("--policy", default="fixed", help="comma-separated verification policies")
+    p.add_argument("--policy", default="fixed", help=f"comma-separated verification policies: {', '.join(POLICIES)}")
     p.add_argument("--context", type=int, default=None, help="prompt length (default 32 on CPU, 8192 on CUDA)")
     p.add_argument("--max-tokens", type=int, default=None, help="--per-point: tokens per request (default 32 CPU / 64 CUDA)")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each point left out of the timings")
     p.add_argument("--repeats", type=int, default=3, help="measurements of each point (the error bars)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/sweep-<target>)")
     p.add_argument("--per-point", action="store_true",
@@ -417,7 +453,7 @@ def main(args) -> int:
     ks, batches, als, policies = parse_grid(args)  # before anything loads
     if not args.per_point and policies != ["fixed"]:
         raise ValueError(f"--policy {args.policy}: policies other than fixed need --per-point")
-    device = args.device or default_device()
+    device = checks.device(args.device)
     with one_cpu_thread(device):
         return _run(args, device, ks, batches, als, policies)
 
@@ -425,9 +461,9 @@ def main(args) -> int:
 def _run(args, device: str, ks, batches, als, policies) -> int:
     on_cuda = torch.device(device).type == "cuda"
     target_name = args.target or ("k3-slice" if on_cuda else "k3-tiny")
-    context = args.context or (8192 if on_cuda else 32)
-    max_tokens = args.max_tokens or (64 if on_cuda else 32)
-    out = Path(args.out or f"runs/sweep-{target_name}")
+    context = args.context if args.context is not None else (8192 if on_cuda else 32)
+    max_tokens = args.max_tokens if args.max_tokens is not None else (64 if on_cuda else 32)
+    out = checks.writable_folder("--out", args.out or f"runs/sweep-{target_name}")
     settings = {"target": target_name, "device": torch.device(device).type, "context": context,
                 "warmup_steps": args.warmup_steps, "repeats": args.repeats, "seed": args.seed,
                 **({"mode": "per-point", "max_tokens": max_tokens} if args.per_point
@@ -479,11 +515,14 @@ def _sweep_points(target, target_name, points_todo, done, save, finish, args, co
     """--per-point: fresh engines and prefills for each grid point not already done."""
     points = [done[point_key(b, k, pol, al)] for b, k, al, pol in points_todo if point_key(b, k, pol, al) in done]
     todo = [pt for pt in points_todo if point_key(pt[0], pt[1], pt[3], pt[2]) not in done]
-    for batch, k, al, policy in tqdm(todo, desc=f"sweep {target_name}", unit="point", disable=None):
-        point = measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context, max_tokens=max_tokens,
-                              warmup_steps=args.warmup_steps, seed=args.seed, repeats=args.repeats)
-        points.append(finish(point))
-        save(points)
+    with progress(len(todo), desc=f"sweep {target_name}", unit="point") as bar:
+        for batch, k, al, policy in todo:
+            point = measure_point(target, batch=batch, k=k, al=al, policy=policy, context=context,
+                                  max_tokens=max_tokens, warmup_steps=args.warmup_steps, seed=args.seed,
+                                  repeats=args.repeats)
+            points.append(finish(point))
+            save(points)
+            bar.update(1)
     return points
 
 
@@ -492,12 +531,18 @@ def _sweep_phases(target, target_name, batches, ks, als, done, save, finish, arg
     points = list(done.values())
     pending = [(b, k) for b in batches for k in ks
                if any(point_key(b, k, "fixed", al) not in done for al in als) or point_key(b, 0, "fixed", None) not in done]
-    for batch, k in tqdm(pending, desc=f"sweep {target_name} (one prefill per batch and k)", disable=None):
-        rows = measure_phases(target, batch=batch, k=k, als=als, context=context, steps=args.phase_steps,
-                              warmup_steps=args.warmup_steps, seed=args.seed, repeats=args.repeats)
-        fresh = [finish(r) for r in rows]
-        points = [p for p in points if p["key"] not in {r["key"] for r in fresh}] + fresh
-        save(points)
+    # A (batch, k) measures plain decoding and every AL, each point in `repeats` phases: the bar
+    # ticks per phase.
+    points_todo = len(pending) * (len(als) + 1)
+    with progress(points_todo * args.repeats, desc=f"sweep {target_name} ({points_todo} points x {args.repeats} "
+                  "repeats)", unit="phase") as bar:
+        for batch, k in pending:
+            rows = measure_phases(target, batch=batch, k=k, als=als, context=context, steps=args.phase_steps,
+                                  warmup_steps=args.warmup_steps, seed=args.seed, repeats=args.repeats,
+                                  on_phase=bar.update)
+            fresh = [finish(r) for r in rows]
+            points = [p for p in points if p["key"] not in {r["key"] for r in fresh}] + fresh
+            save(points)
     return points
 
 

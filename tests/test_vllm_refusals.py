@@ -45,8 +45,17 @@ def _run_cli(argv, capsys):
     return code, out.out, out.err
 
 
-def _fake_hub(monkeypatch, download):
-    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=download))
+def _fake_hub(monkeypatch, download, *, reachable: bool = True):
+    """huggingface_hub with `download` as hf_hub_download, nothing in its cache, and the hub
+    reachable (or not) for the one connection dspark makes before asking it."""
+    convert_module = sys.modules["dspark.vllm.convert"]  # the package's `convert` is the function
+
+    constants = types.SimpleNamespace(ENDPOINT="https://huggingface.co", HF_HUB_OFFLINE=False)
+    hub = types.SimpleNamespace(hf_hub_download=download, try_to_load_from_cache=lambda repo_id, filename: None,
+                                constants=constants)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setattr(convert_module, "hub_unreachable",
+                        lambda endpoint: None if reachable else "huggingface.co:443: Name or service not known")
 
 
 def test_dspark_without_a_drafter_path_is_refused(capsys):
@@ -65,7 +74,7 @@ def test_hub_id_drafter_reads_config_through_huggingface_hub(tmp_path, monkeypat
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["K3DSparkModel"], "block_size": block}))
     asked = []
 
-    def download(repo_id, filename):
+    def download(repo_id, filename, **options):
         asked.append((repo_id, filename))
         return str(tmp_path / filename)
 
@@ -78,13 +87,17 @@ def test_hub_id_drafter_reads_config_through_huggingface_hub(tmp_path, monkeypat
 
 
 def test_hub_id_offline_or_without_huggingface_hub_says_so(monkeypatch, capsys):
-    def offline(repo_id, filename):
+    def offline(repo_id, filename, **options):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load this file")
 
     _fake_hub(monkeypatch, offline)
     spec = SpecConfig(num_speculative_tokens=7, drafter="dspark", drafter_path="Inferact/Kimi-K3-DSpark")
     with pytest.raises(ValueError, match=r"drafter_path='Inferact/Kimi-K3-DSpark': could not get its config.json "
                                          r"from the Hugging Face hub \(OSError: We couldn't connect.*--block-size"):
+        convert(spec)
+    _fake_hub(monkeypatch, offline, reachable=False)  # found offline first: the hub client is never asked
+    with pytest.raises(ValueError, match=r"the hub cannot be reached from here \(huggingface.co:443: Name or service "
+                                         r"not known\); pass --block-size"):
         convert(spec)
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed
     with pytest.raises(ValueError, match="huggingface_hub is not installed.*--block-size"):
@@ -127,7 +140,7 @@ def test_extra_fields_pass_through_and_clashes_are_refused(capsys):
         check_vllm_version(result.config, "0.32.0")
     code, out, err = _run_cli(["-k", "3", "--extra", '{"enforce_eager": true}', "--no-validate"], capsys)
     assert code == 0 and json.loads(out)["enforce_eager"] is True
-    assert "passed through to vLLM unchecked by dspark: enforce_eager=true" in err
+    assert "passed through to vLLM, its value unchecked by dspark: enforce_eager=true" in err
     with pytest.raises(SystemExit):
         configure_parser(argparse.ArgumentParser()).parse_args(["--extra", "[1, 2]"])
 
@@ -235,7 +248,7 @@ def test_readme_serve_recipe_fails_loudly():
     """The README's `spec=$(dspark vllm-config ...) && vllm serve ...` line never starts vLLM on a
     bad config; it does start it with the config when the config is good."""
     (recipe,) = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()
-                 if line.strip().startswith("spec=$(dspark vllm-config")]
+                 if line.strip().startswith("spec=$(dspark vllm-config") and "vllm serve" in line]
     stub = 'vllm() { echo "SERVED $*"; }; '
     env = {"HF_HUB_OFFLINE": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
     good = subprocess.run(["bash", "-c", stub + recipe], capture_output=True, text=True, env=env, timeout=300)

@@ -110,10 +110,11 @@ def test_vllm_sweep_refuses_before_loading(fake_vllm, tmp_path, capsys):
     base = ["sweep", "--backend", "vllm", "--target", "org/model", "--out", str(tmp_path)]
     assert cli_main(base + ["-k", "0"]) == 2
     assert "--k 0: each k must be in [1, 64]" in capsys.readouterr().err
-    config = '{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rates": [1, 0.5, 0.2], ' \
-             '"rejection_sample_method": "synthetic"}'
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_paralel_size": 1}'
     assert cli_main(base + ["--speculative-config", config]) == 2
-    assert "not used by dspark sweep: synthetic_acceptance_rates" in capsys.readouterr().err
+    assert "fields ['draft_tensor_paralel_size']" in capsys.readouterr().err  # a field no vLLM has
+    assert cli_main(base + ["--k", "4", "--speculative-config", config.replace("_paralel", "_parallel")]) == 2
+    assert "--k 4 and --speculative-config (which sets it to 3)" in capsys.readouterr().err
     assert fake_vllm.made == [] and not (tmp_path / "sweep-vllm.json").exists()
 
 
@@ -128,6 +129,33 @@ def test_vllm_sweep_keeps_the_settings_of_a_speculative_config(fake_vllm, tmp_pa
     assert made == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
                     "draft_sample_method": "probabilistic", "rejection_sample_method": "synthetic",
                     "synthetic_acceptance_length": 2.5}
-    # the dspark backend has no drafter to give these settings to
-    assert cli_main(args + ["--target", "toy"]) == 2
-    assert "['draft_sample_method', 'prompt_lookup_max', 'prompt_lookup_min']" in capsys.readouterr().err
+    # the dspark backend has no drafter to give these settings to: it takes the config and says so
+    capsys.readouterr()
+    assert cli_main(args + ["--target", "toy", "--device", "cpu", "--context", "8", "--phase-steps", "2",
+                            "--repeats", "1"]) == 0
+    (note,) = [line for line in capsys.readouterr().err.splitlines() if "--speculative-config" in line]
+    assert note.startswith("dspark sweep: note: --speculative-config: a forced-AL sweep ignores method=\"ngram\", "
+                           "prompt_lookup_min=2, prompt_lookup_max=3, draft_sample_method=\"probabilistic\"")
+
+
+def test_vllm_config_output_round_trips_into_both_sweep_backends(fake_vllm, tmp_path, capsys):
+    """The production config `dspark vllm-config` prints (block verification, a vLLM-only field from
+    --extra) is taken by either sweep backend, with one line naming the fields a forced-AL sweep
+    ignores; the vLLM backend passes vLLM's own fields on."""
+    assert cli_main(["vllm-config", "-k", "3", "--draft-sample-method", "probabilistic", "--rejection-sample-method",
+                     "block", "--extra", '{"max_model_len": 4096}', "--no-validate"]) == 0
+    config = capsys.readouterr().out.strip()
+    base = ["sweep", "--batch", "1", "--al", "1,2.5", "--max-tokens", "12", "--speculative-config", config]
+    assert cli_main(base + ["--target", "toy", "--device", "cpu", "--context", "8", "--phase-steps", "2",
+                            "--repeats", "1", "--out", str(tmp_path / "dspark")]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "ignores" in line]
+    assert len(notes) == 1 and all(f in notes[0] for f in ('rejection_sample_method="block"', "max_model_len=4096",
+                                                           'draft_sample_method="probabilistic"')), notes
+    points = json.loads((tmp_path / "dspark" / "sweep.json").read_text())["points"]
+    assert sorted((p["k"], p["al_target"]) for p in points if p["k"]) == [(3, 1.0), (3, 2.5)]
+    assert cli_main(base + ["--backend", "vllm", "--target", "org/model", "--out", str(tmp_path / "vllm")]) == 0
+    made = [m["speculative_config"] for m in fake_vllm.made if m["speculative_config"]]
+    assert made and all(m["max_model_len"] == 4096 and m["rejection_sample_method"] == "synthetic"
+                        and m["draft_sample_method"] == "probabilistic" for m in made)
+    (note,) = [line for line in capsys.readouterr().err.splitlines() if "ignores" in line]
+    assert 'rejection_sample_method="block"' in note and "max_model_len" not in note

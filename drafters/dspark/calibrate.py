@@ -15,17 +15,14 @@ sampler).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from dspark.config import SamplingParams, SpecConfig
-from dspark.engine import Engine, StepRecord
+from dspark.engine import Engine, StepObserver, StepRecord
 from dspark.policy import calibrated_confidence
 from dspark.protocols import Drafter
 
@@ -58,6 +55,7 @@ def run_rounds(
     sampling: SamplingParams = SamplingParams(temperature=0.0),
     seed: int = 0,
     block_size: int | None = None,
+    on_step: StepObserver | None = None,
 ) -> Rounds:
     """Speculative decoding of every prompt on the engine for max_new_tokens tokens, k = the
     block size (the drafter's config.block_size, or block_size for a drafter without one),
@@ -67,12 +65,15 @@ def run_rounds(
 
     Each prompt's output is capped so that every round's whole block fits the context
     (target.max_seq_len): the engine would verify fewer drafts near the end, and a round that
-    cannot verify the whole block would bias the fit. A prompt with no room for one round gives none."""
+    cannot verify the whole block would bias the fit. A prompt with no room for one round gives none.
+    on_step: a second engine observer (progress)."""
     sampling.validate(target.vocab_size)
     G = block_size if block_size is not None else drafter.config.block_size
     recorder = RoundRecorder(G)
     engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=G, seed=seed))
     engine.add_observer(recorder)
+    if on_step is not None:
+        engine.add_observer(on_step)
     # The last round starts with prompt + output - 1 tokens committed and needs G + 1 positions.
     work = [(i, p, min(max_new_tokens, target.max_seq_len - p.shape[0] - G + 1)) for i, p in enumerate(prompts)]
     work = [(i, p, n) for i, p, n in work if n >= 1]
@@ -185,55 +186,18 @@ def calibrate(
     sampling: SamplingParams = SamplingParams(temperature=0.0),
     seed: int = 0,
     eval_prompts: list[torch.Tensor] | None = None,
+    on_step: StepObserver | None = None,
 ) -> dict:
     """Fit the STS temperatures on rounds decoded from held-out prompts, install them in the
-    drafter's config, and report ECE/AUC/Brier before and after (on eval_prompts too, if given)."""
-    rounds = run_rounds(target, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+    drafter's config, and report ECE/AUC/Brier before and after (on eval_prompts too, if given).
+    on_step: an engine observer of every decoding step (progress)."""
+    rounds = run_rounds(target, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                        on_step=on_step)
     temps = fit_temperatures(rounds)
     result = {"temperatures": list(temps), "fit": {"before": report(rounds), "after": report(rounds, temps)}}
     if eval_prompts:
-        held = run_rounds(target, drafter, eval_prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed + 1)
+        held = run_rounds(target, drafter, eval_prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed + 1,
+                          on_step=on_step)
         result["eval"] = {"before": report(held), "after": report(held, temps)}
     drafter.model.config = dataclasses.replace(drafter.model.config, confidence_temperatures=temps).validate()
     return result
-
-
-# ---- CLI: dspark calibrate --------------------------------------------------------------------
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target name for dspark.build.build_target")
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint directory; its config.json gets the temperatures")
-    parser.add_argument("--data", default=None, help="jsonl with 'tokens' per line: held-out prompts")
-    parser.add_argument("--num-prompts", type=int, default=64, help="without --data: random prompts")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the decoding (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default="greedy")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-slots", type=int, default=8)
-    parser.add_argument("--max-seq-len", type=int, default=4096)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--report", default=None, help="also write the report JSON here")
-
-
-def main(args: argparse.Namespace) -> int:
-    from dspark.build import build_target
-
-    from .drafter import load_drafter
-    from .train import read_jsonl_sequences
-
-    target = build_target(args.target, max_slots=args.max_slots, max_seq_len=args.max_seq_len, device=args.device, seed=args.seed)
-    drafter = load_drafter(args.drafter, target, draft_sample_method=args.draft_sample_method)
-    if args.data:
-        prompts = read_jsonl_sequences(args.data)[0]
-    else:
-        g = torch.Generator().manual_seed(args.seed)
-        prompts = [torch.randint(0, target.vocab_size, (args.prompt_len,), generator=g) for _ in range(args.num_prompts)]
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    result = calibrate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
-    drafter.config.save(args.drafter)
-    text = json.dumps(result, indent=2)
-    if args.report:
-        Path(args.report).write_text(text + "\n")
-    print(text)
-    return 0

@@ -5,8 +5,10 @@ import argparse
 import json
 import sys
 
-from ..build import build_engine, build_target
+from ..build import build_engine, build_target, check_speculative_tokens
 from ..config import SamplingParams
+from ..progress import poll_progress
+from . import checks
 from .spec_args import add_spec_arguments, spec_from_args
 
 
@@ -21,7 +23,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -33,14 +35,22 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def main(args) -> int:
+    # Every flag is checked before any model loads.
     prompts = [_parse_ids(t) for t in args.prompt_ids]
-    # The flags are every request's parameters: refuse bad ones before any model loads.
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_tokens=args.max_tokens).validate()
+    device = checks.device(args.device)
+    checks.at_least("--max-seq-len", args.max_seq_len)
+    if args.prompt and args.target != "smollm2":
+        raise ValueError(f"--prompt needs a target with a tokenizer (smollm2), not --target {args.target}")
+    spec, block = spec_from_args(args, seed=args.seed if args.seed is not None else 0)
+    if block:
+        raise ValueError("--rejection-sample-method block: block verification is vLLM-only; dspark's engine "
+                         "verifies with 'standard' or 'synthetic'")
+    check_speculative_tokens(spec, args.max_seq_len)
+
     tokenizer = None
     if args.prompt:
-        if args.target != "smollm2":
-            raise ValueError(f"--prompt needs a target with a tokenizer (smollm2), not --target {args.target}")
         from ..targets.llama import load_smollm2_target
 
         target, tokenizer = load_smollm2_target(max_slots=len(args.prompt) + len(prompts), max_seq_len=args.max_seq_len)
@@ -48,13 +58,12 @@ def main(args) -> int:
     if not prompts:
         prompts = [[1, 5, 9, 5, 9, 5]]
     if tokenizer is None:
-        target = build_target(args.target, max_slots=len(prompts), max_seq_len=args.max_seq_len, device=args.device)
-    spec, block = spec_from_args(args, seed=args.seed if args.seed is not None else 0)
-    if block:
-        raise ValueError("--rejection-sample-method block: block verification is vLLM-only; dspark's engine "
-                         "verifies with 'standard' or 'synthetic'")
+        target = build_target(args.target, max_slots=len(prompts), max_seq_len=args.max_seq_len, device=device)
     engine = build_engine(spec, target)
-    outputs = engine.generate(prompts, params)
+    # Progress from the engine's token count, read on a timer: the loop itself stays as it is.
+    with poll_progress(lambda: engine.metrics.num_output_tokens, len(prompts) * params.max_tokens,
+                       desc="generate", unit="tok"):
+        outputs = engine.generate(prompts, params)
     summary = engine.metrics.summary()
     if args.json:
         print(json.dumps({"outputs": [o.__dict__ for o in outputs], "metrics": summary}))

