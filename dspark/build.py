@@ -48,7 +48,7 @@ def k3_target_bytes(cfg, *, max_slots: int, max_seq_len: int, dtype: torch.dtype
     dspark.roofline counts them, in `dtype` with its fp32 vectors; the embedding besides), the
     routed experts in MXFP4 (docs/kimi-k3.md §1.3), and the per-slot caches (KDA state in fp32 and
     conv window, the MLA latent cache of max_seq_len + 1 rows; dspark/targets/kimi_k3/target.py)."""
-    from .roofline import FP32, expert_bytes, trunk_elements
+    from .targets.kimi_k3.sizes import FP32, expert_bytes, trunk_elements
 
     width = torch.finfo(dtype).bits // 8
     trunk = sum(count * (FP32 if kind == "fp32" else width)
@@ -149,3 +149,12 @@ def check_speculative_tokens(spec: SpecConfig, max_seq_len: int) -> SpecConfig:
 def build_engine(spec: SpecConfig, target, **kwargs) -> Engine:
     spec = check_speculative_tokens(spec, target.max_seq_len)
     return Engine(target, build_drafter(spec, target), spec, eos_token_ids=eos_ids(target), **kwargs)
+
+
+def default_max_seq_len(target: str) -> int:
+    """The context a command gives a target by default: 4096 tokens, or a K3 preset's own limit
+    when smaller (k3-tiny: 1024); the full K3 limit (1M tokens) would not fit any cache."""
+    from .targets.kimi_k3.config import PRESETS
+
+    preset = PRESETS.get(target)
+    return min(4096, preset.max_position_embeddings) if preset is not None else 4096

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .build import build_target, default_device
+from .build import build_target
 from .targets import eos_ids
 from .config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpecConfig
 from .drafters.uniform import UniformDrafter
@@ -57,7 +57,7 @@ from .progress import progress
 from .provenance import provenance
 from .sampling import acceptance_length_to_rates, conditional_rates
 from .threads import one_cpu_thread
-from .commands import checks
+from . import checks
 
 SCHEMA = "dspark.sweep/1"
 run_meta = provenance  # the name the vLLM sweep backend imports

@@ -27,13 +27,14 @@ FLOOR_OF = {
     "dspark.kernels": "kernels",
     **{f"dspark.{name}": "core" for name in (
         "config", "sampling", "protocols", "policy", "metrics", "files", "transfer", "threads", "cuda_graphs",
-        "checkpoint_files", "presets", "provenance")},
+        "checkpoint_files", "presets", "provenance", "checks", "progress")},
     "dspark": "core",  # the package's __init__
     "dspark.targets": "models",
     "dspark.drafters": "models",
     **{f"dspark.{name}": "engine" for name in ("engine", "requests", "loop", "drafting", "step", "graph_step", "build")},
     "dspark.sweep": "tools",
     "dspark.roofline": "tools",
+    "dspark.rank_projection": "tools",
     "dspark.vllm": "tools",
     "dspark.drafters.dspark.train": "tools",
     "dspark.drafters.dspark.calibrate": "tools",

@@ -13,7 +13,7 @@ import torch
 from ..config import SamplingParams
 from ..files import write_atomic
 from ..progress import progress
-from . import checks
+from .. import checks
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,9 @@ def _check(args):
     if not Path(args.drafter).is_dir():
         raise ValueError(f"--drafter {args.drafter!r}: not a drafter checkpoint directory")
     block = read_config(args.drafter).block_size
-    max_seq_len = args.max_seq_len or checks.default_max_seq_len(args.target)
+    from ..build import default_max_seq_len
+
+    max_seq_len = args.max_seq_len or default_max_seq_len(args.target)
     if not args.data and args.prompt_len + block + 1 > max_seq_len:
         # run_rounds needs room for one whole block after the prompt
         raise ValueError(f"--prompt-len {args.prompt_len}: with the drafter's block of {block} tokens it leaves no "

@@ -8,7 +8,7 @@ import sys
 from ..build import build_engine, build_target, check_speculative_tokens
 from ..config import SamplingParams
 from ..progress import poll_progress
-from . import checks
+from .. import checks
 from .spec_args import add_spec_arguments, spec_from_args
 
 

@@ -7,7 +7,7 @@ import argparse
 
 from .. import sweep as dspark_sweep
 from ..vllm import sweep as vllm_sweep
-from . import checks
+from .. import checks
 
 # Flags --speculative-config can set; their defaults tell "not given" from "given".
 _FOLDED = ("k", "al", "policy", "drafter_path")

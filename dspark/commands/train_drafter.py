@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..files import write_atomic
-from . import checks
+from .. import checks
 
 # Checkpoint interval of the command (the library's TrainConfig saves only at the end by default).
 SAVE_EVERY = 50
@@ -134,7 +134,9 @@ def _check(args) -> tuple[str, int, object, tuple | None]:
                                  ("--gen-len", args.gen_len, 1), ("--gen-temperature", args.gen_temperature, 0),
                                  ("--max-seq-len", args.max_seq_len, 1)):
         checks.at_least(flag, value, minimum)
-    max_seq_len = args.max_seq_len or checks.default_max_seq_len(args.target)
+    from ..build import default_max_seq_len
+
+    max_seq_len = args.max_seq_len or default_max_seq_len(args.target)
     preset = PRESETS.get(args.target)
     if preset is not None and max_seq_len > preset.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seq_len}: --target {args.target} takes at most "

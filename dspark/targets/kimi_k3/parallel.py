@@ -15,7 +15,7 @@ Routing (which of the rank's experts a step touches):
   extra experts a row are read: for correctness, not for timing.
 - "busiest": the step of the rank that bounds the deployment. With uniform routing the busiest
   of `world` ranks holds E[max experts per rank] of the step's distinct experts
-  (dspark.roofline.expected_max_experts_per_rank: 3.05 at one token, 12.28 at 8 for K3 on 16
+  (dspark.targets.kimi_k3.sizes.expected_max_experts_per_rank: 3.05 at one token, 12.28 at 8 for K3 on 16
   ranks); this rank runs that many, rounded, spread over its block, each token taking
   ceil(n / tokens) of them in turn, weighted by its router's first weights. The router runs in
   full (its cost is real); only the choice among the rank's experts is this rule.
@@ -28,6 +28,7 @@ import torch
 
 from .config import K3Config
 from .sharding import Shard
+from .sizes import distinct_experts, expected_max_experts_per_rank
 
 ROUTING_MODES = ("exact", "busiest")
 
@@ -68,10 +69,8 @@ def exact_local_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, coun
 def busiest_rank_experts(cfg: K3Config, world: int, tokens: int) -> int:
     """Distinct experts per MoE layer on the busiest of `world` expert-parallel ranks for a step of
     `tokens` routed tokens under uniform routing, rounded (at least 1)."""
-    from dspark import roofline  # the roofline imports the K3 package: import it when used
-
-    distinct = roofline.distinct_experts(cfg, tokens)
-    return max(1, round(roofline.expected_max_experts_per_rank(cfg.num_experts, world, distinct)))
+    distinct = distinct_experts(cfg, tokens)
+    return max(1, round(expected_max_experts_per_rank(cfg.num_experts, world, distinct)))
 
 
 def busiest_table(tokens: int, experts: int, count: int) -> torch.Tensor:

@@ -37,15 +37,6 @@ def at_least(flag: str, value, minimum: int | float = 1):
     return value
 
 
-def default_max_seq_len(target: str) -> int:
-    """The context a command gives a target by default: 4096 tokens, or a K3 preset's own limit
-    when smaller (k3-tiny: 1024); the full K3 limit (1M tokens) would not fit any cache."""
-    from ..targets.kimi_k3.config import PRESETS
-
-    preset = PRESETS.get(target)
-    return min(4096, preset.max_position_embeddings) if preset is not None else 4096
-
-
 def writable_folder(flag: str, path: str | os.PathLike) -> Path:
     """`path` as a folder results can be written to, checked without creating anything: an
     existing writable folder, or a new one whose nearest existing parent is a writable folder."""
