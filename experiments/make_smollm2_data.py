@@ -84,6 +84,7 @@ SKIPPED_MODULES = {"antigravity", "this", "__main__", "idlelib", "tkinter", "tur
 USER_ROLES, ASSISTANT_ROLES = {"human", "user"}, {"gpt", "chatgpt", "bing", "bard", "assistant"}
 DROPPABLE_SECTIONS = {"see also", "notes", "note", "references", "examples", "example", "warning", "warnings"}
 DEFAULT_OUT = "experiments/data/smollm2_prompts.npz"
+MEMORY_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+")
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -225,14 +226,17 @@ def _code_prompt(name: str, function) -> str | None:
         signature = str(inspect.signature(function))
     except (TypeError, ValueError):
         return None
-    if not doc or not doc.isascii() or '"""' in doc or not _parses(name, signature):
+    if not doc or not doc.isascii() or '"""' in doc or not _stable(name, signature, doc):
         return None
     return _function_prompt(name, signature, doc)
 
 
-def _parses(name: str, signature: str) -> bool:
-    """A default whose repr is no Python (<object object at 0x...>) does not parse, and its address
-    changes from run to run, so the prompt would too."""
+def _stable(name: str, signature: str, doc: str) -> bool:
+    """Whether the prompt reads the same in every run: a default whose repr is no Python (<object object
+    at 0x...>) does not parse, and its address changes from run to run; pybind11 docstrings print such
+    reprs too."""
+    if MEMORY_ADDRESS.search(doc):
+        return False
     try:
         ast.parse(f"def {name}{signature}:\n    pass\n")
     except SyntaxError:
@@ -247,7 +251,7 @@ def _function_prompt(name: str, signature: str, doc: str) -> str:
 
 def stdlib_code_prompts() -> list[str]:
     """HumanEval-style prompts from the docstrings of public stdlib functions and methods (issue 13's rule,
-    less signatures that do not parse)."""
+    less prompts that would change from run to run)."""
     prompts, seen = [], set()
     for module in _stdlib_modules():
         for attr, obj in sorted(vars(module).items()):
@@ -286,13 +290,15 @@ def library_modules(root: str):
 def _is_function_like(attr: str, obj) -> bool:
     """A routine, or a callable object that names itself `attr` (numpy's ufuncs and array-function
     dispatchers, Cython functions); not an instance that merely has __call__ (a colormap)."""
-    return not inspect.isclass(obj) and (inspect.isroutine(obj) or (callable(obj) and getattr(obj, "__name__", None) == attr))
+    names_itself = callable(obj) and getattr(obj, "__name__", None) == attr
+    return not inspect.isclass(obj) and (inspect.isroutine(obj) or names_itself)
 
 
 def _members(attr: str, obj) -> list[tuple[str, object]]:
     if inspect.isclass(obj):
+        methods = (staticmethod, classmethod)
         return [(name, member) for name, member in sorted(vars(obj).items())
-                if not name.startswith("_") and (inspect.isroutine(member) or isinstance(member, (staticmethod, classmethod)))]
+                if not name.startswith("_") and (inspect.isroutine(member) or isinstance(member, methods))]
     return [(attr, obj)] if _is_function_like(attr, obj) else []
 
 
@@ -312,7 +318,7 @@ def _signature_and_doc(name: str, function) -> tuple[str, str] | None:
         signature = stated.group(1) if stated else None
     if stated:
         doc = rest.strip("\n")
-    if signature is None or not signature.isascii() or len(doc.split()) < MIN_DOC_WORDS or not _parses(name, signature):
+    if signature is None or not signature.isascii() or len(doc.split()) < MIN_DOC_WORDS or not _stable(name, signature, doc):
         return None
     return signature, doc
 

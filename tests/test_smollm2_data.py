@@ -169,7 +169,8 @@ def test_signatures_come_from_inspect_or_the_docstring_and_must_parse():
         """stated(x, y)
 
         Returns x and y together as one tuple, in that order, unchanged."""
-    assert builder._signature_and_doc("stated", stated) == ("(x, y)", "Returns x and y together as one tuple, in that order, unchanged.")
+    assert builder._signature_and_doc("stated", stated) == (
+        "(x, y)", "Returns x and y together as one tuple, in that order, unchanged.")
 
     def short(x):
         """In-place version of add."""
@@ -180,6 +181,12 @@ def test_signatures_come_from_inspect_or_the_docstring_and_must_parse():
     def addressed(x=sentinel):
         """Has a default whose repr carries a memory address, so no prompt can state it stably."""
     assert builder._signature_and_doc("addressed", addressed) is None
+
+    def pybind(*args, **kwargs):
+        """Overloaded function.
+
+        1. pybind(self, opts: Options = <Options object at 0x7f00c0ffee00>) -> None, stated by pybind11."""
+    assert builder._signature_and_doc("pybind", pybind) is None
 
 
 def test_splits_keep_the_base_first_and_hold_out_prompts_of_their_own(monkeypatch):
