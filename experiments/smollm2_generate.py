@@ -8,8 +8,8 @@ EOS (kept).
 How it is fast: plain torch over the GGUF's dequantised weights in bf16 (the residual stream, norms, softmax
 and the LM head in float32), no engine. Prompts are grouped by mode and sorted by length into waves of
 --batch rows; a wave is prefilled (SDPA, causal) into a static KV cache and then decoded one token per step.
-The decode step is captured as a CUDA graph per (rows, attended width): the width grows in steps of 64 as
-the wave advances, so a step reads only the cache it needs, and as a wave's rows end the live ones move to
+The decode step is captured as a CUDA graph per (rows, attended width): the width grows in steps of
+--width-step as the wave advances, so a step reads only the cache it needs, and as a wave's rows end the live ones move to
 the front of the cache and the step runs on fewer rows (multiples of --row-step). Sampling runs on the device;
 top-p draws among the top --candidates tokens and falls back to a full sort for a step where their mass
 falls short of top-p, so the kept set is always exactly the smallest one whose mass reaches top-p.
@@ -20,10 +20,13 @@ wave (exit 3 = stopped at --time-limit or --max-waves, rerun; 0 = done). The fin
 atomically in the layout of experiments/data/smollm2_selfdistil_10732.npz (tokens = prompt + response,
 uint16; offsets; prompt_index into the train split; prompt_lengths) plus per sequence its temperature,
 top_p and ended_at_eos, and `meta` (a JSON string, also written beside it as .json: commit, command,
-seconds, device). --parts-dir also cuts it into parts a device call brings back (experiments/staging.py).
+seconds, device). --parts-dir also cuts it into parts a device call brings back (experiments/staging.py),
+beside a copy of the .json.
 
-    python experiments/smollm2_generate.py --gguf /tmp/smollm2/smollm2.gguf --out $OUT/smollm2_selfdistil.npz \\
-        --work-dir /tmp/smollm2_gen --time-limit 540 --parts-dir $OUT/parts
+    python experiments/smollm2_generate.py --gguf /tmp/smollm2/smollm2.gguf --out /tmp/gen/smollm2_selfdistil.npz \\
+        --work-dir /tmp/gen/work --time-limit 540 --parts-dir $OUT/selfdistil
+(the whole file is larger than the 16 MiB a call brings back, so --out stays on the machine and its parts
+come back)
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ EXIT_DONE, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 2, 3
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything that decides the output; a work folder resumes only under the same settings."""
+    """Everything that decides the output (the batch shapes too: floating-point sums depend on them); a
+    work folder resumes only under the same settings."""
     max_new_tokens: int = 384
     seed: int = 0
     greedy_fraction: float = 0.5
@@ -145,13 +149,16 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 @contextlib.contextmanager
 def _tf32(enabled: bool):
-    """TF32 for float32 matmuls (the LM head) inside the block, the global setting restored after."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
+    """TF32 for float32 matmuls (the LM head) inside the block when `enabled`, the global setting restored
+    after; through the same API as the recipe (experiments/smollm2_dspark.py), since torch refuses a mix
+    of its legacy and new TF32 switches."""
+    before = torch.get_float32_matmul_precision()
+    if enabled:
+        torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        torch.set_float32_matmul_precision(before)
 
 
 class BatchDecoder:
@@ -596,7 +603,9 @@ def run(args: argparse.Namespace) -> int:
     if args.parts_dir:
         import staging
 
-        manifest = staging.split(out, Path(args.parts_dir), max_part_bytes=staging.RETURNABLE_PART_BYTES)
+        parts = Path(args.parts_dir)
+        manifest = staging.split(out, parts, max_part_bytes=staging.RETURNABLE_PART_BYTES)
+        write_atomic(parts / out.with_suffix(".json").name, json.dumps(meta, indent=1) + "\n")
         summary["parts"] = len(manifest["parts"])
     print(json.dumps({"out": str(out), "bytes": out.stat().st_size, **summary}))
     return EXIT_DONE
