@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark.loss import metrics_to_floats
 from dspark.drafters.dspark.train import TrainConfig, capture, response_loss_masks, train_step_loss
 from dspark.provenance import provenance
 
@@ -60,6 +61,7 @@ def teacher_forced(model: DSparkModel, target, sequences, masks) -> dict:
         batch, batch_masks = sequences[start : start + target.max_slots], masks[start : start + target.max_slots]
         captured = capture(target, batch, model.config.target_layer_ids)
         _, metrics = train_step_loss(model, captured, batch, batch_masks, cfg, torch.Generator().manual_seed(0))
+        metrics = metrics_to_floats(metrics)
         n = sum(int(m.sum()) for m in batch_masks)
         tau += metrics["tau"] * n
         per_slot = per_slot + np.array(metrics["accept"]) * n

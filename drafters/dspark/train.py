@@ -115,8 +115,8 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
         return (step + 1) / warmup
     if cfg.schedule == "wsd":
         decay = round(cfg.decay_frac * cfg.steps)
-        left = cfg.steps - step
-        return 1.0 if left > decay else left / decay
+        left = cfg.steps - step  # <= 0 only for the scheduler's step after the last
+        return 1.0 if left > decay else max(left, 0) / max(decay, 1)
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
 
 
