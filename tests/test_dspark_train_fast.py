@@ -11,7 +11,7 @@ import torch
 from dspark.drafters.dspark import DSparkModel
 from dspark.drafters.dspark import flex, loss as loss_module
 from dspark.drafters.dspark.capture import CaptureStore, capture
-from dspark.drafters.dspark.loss import head_loss_terms, metrics_to_floats, row_sums, slot_sums, teacher_probs
+from dspark.drafters.dspark.loss import head_loss_terms, metrics_to_floats, row_sums, slot_sums
 from dspark.drafters.dspark.model import _block_mask
 from dspark.drafters.dspark.steps import make_batch
 from dspark.drafters.dspark.train import (
@@ -22,7 +22,6 @@ from dspark.drafters.dspark.train import (
     train,
     train_step_loss,
 )
-from dspark.kernels import ops
 from dspark.targets.llama import LlamaConfig, LlamaLayerWeights, LlamaTarget, LlamaWeights
 from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F401 (autouse fixture)
 
@@ -105,8 +104,10 @@ def test_wsd_warms_up_holds_the_peak_and_decays_linearly_over_its_last_share():
 
 
 # ---- the vocabulary-wide seam -------------------------------------------------------------------
-def test_head_loss_terms_match_a_float64_reference_with_gradients(monkeypatch):
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])  # chunks recomputed in the backward, or kept
+def test_head_loss_terms_match_a_float64_reference_with_gradients(monkeypatch, keep_bytes):
     monkeypatch.setattr(loss_module, "HEAD_CHUNK_ROWS", 7)  # several chunks, the last one short
+    monkeypatch.setattr(loss_module, "HEAD_KEEP_BYTES", keep_bytes)
     g = torch.Generator().manual_seed(SEED)
     N, M, d, r, V = 23, 11, 12, 5, 37
     hidden = torch.randn(N, d, generator=g).requires_grad_()
@@ -181,7 +182,7 @@ def test_fast_step_equals_the_reference_step(attention_type, markov):
 
 def test_buckets_pad_shapes_without_changing_the_anchors():
     target = SyntheticTarget(seed=3)
-    seqs, masks = data(target, 3, SEED % 997)
+    seqs, masks = data(target, 3, SEED % 997, lengths=(30, 34))  # 25-31 anchors in the longest: not a multiple of 16
     plain = make_batch(seqs, masks, TrainConfig(num_anchors=50), torch.Generator().manual_seed(SEED), 7, 63)
     padded = make_batch(seqs, masks, TrainConfig(num_anchors=50, anchor_bucket=16, length_bucket=64),
                         torch.Generator().manual_seed(SEED), 7, 63)
@@ -285,7 +286,9 @@ def test_a_store_gives_the_online_capture_losses_and_keeps_what_fits():
     assert losses["bf16"] == pytest.approx(losses["online"], rel=2e-2) and losses["bf16"] != losses["all"]
     whole, part = stores["all"].batch(pick, width=48), stores["part"].batch(pick, width=48)
     assert part.stacked[1].shape == (3, 48, 3, target.hidden_size)
-    assert torch.equal(part.stacked[1], whole.stacked[1])  # cached or captured now: the same values
+    # Cached or captured now, the same values, up to the batched target's float32 rounding over another
+    # batch shape (its GEMMs block differently: not bitwise, ~1e-7 relative).
+    torch.testing.assert_close(part.stacked[1], whole.stacked[1], rtol=1e-5, atol=1e-6)
 
 
 def test_a_saved_store_loads_only_for_the_same_sequences(tmp_path):

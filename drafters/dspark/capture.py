@@ -63,6 +63,14 @@ class BatchCapture:
     logits: torch.Tensor | None
     stacked: tuple[tuple[int, ...], torch.Tensor] | None = None
 
+    def to(self, device) -> "BatchCapture":
+        """On `device` (a CPU target's capture for a drafter training on the GPU)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        if all(t.device == torch.device(device) for t in self.taps.values()):
+            return self
+        stacked = None if self.stacked is None else (self.stacked[0], move(self.stacked[1]))
+        return BatchCapture({k: move(t) for k, t in self.taps.items()}, move(self.logits), stacked)
+
     @classmethod
     def of(cls, captured) -> "BatchCapture":
         """A BatchCapture as it is, or one of capture()'s (logits, taps)."""

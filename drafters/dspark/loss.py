@@ -21,6 +21,10 @@ from dspark.kernels import ops
 
 # Rows of float32 logits a head_loss_terms chunk holds at once: 4096 x SmolLM2's 49,152 = 0.8 GB.
 HEAD_CHUNK_ROWS = 4096
+# Above this many bytes of float32 logits over all rows, each chunk's are recomputed in the backward
+# instead of kept (one more GEMM per chunk): ~30k SmolLM2 slots (5.9 GB) are kept, K3's 163,840-wide
+# vocabulary at the same rows (20 GB) is recomputed.
+HEAD_KEEP_BYTES = 8 << 30
 SUM_KEYS = ("ce", "l1", "conf", "weight", "accept", "slots", "tau", "blocks")
 
 
@@ -50,8 +54,8 @@ def head_loss_terms(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head:
     hidden [N, d], prev_embedding [N, r] (W1 of each slot's previous token), lm_head [V, d] (frozen),
     markov_w2 [V, r], target_probs [M, V] float32 (the teacher's softmax, one row per position),
     rows [N] long into target_probs, labels [N] long. Differentiable in hidden, prev_embedding and
-    markov_w2. Here: float32 logits in chunks of HEAD_CHUNK_ROWS rows and the op draft_loss_terms,
-    each chunk recomputed in the backward (memory ~ one chunk's logits, not N x V)."""
+    markov_w2. Here: float32 logits in chunks of HEAD_CHUNK_ROWS rows and the op draft_loss_terms;
+    past HEAD_KEEP_BYTES of logits each chunk is recomputed in the backward (memory ~ one chunk's)."""
     n = hidden.shape[0]
     for name, t, shape in (("prev_embedding", prev_embedding, (n, markov_w2.shape[1])), ("rows", rows, (n,)),
                            ("labels", labels, (n,)), ("lm_head", lm_head, (markov_w2.shape[0], hidden.shape[1])),
@@ -62,11 +66,12 @@ def head_loss_terms(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head:
         empty = hidden.float().sum(-1)
         return empty, empty
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, prev_embedding, markov_w2))
+    recompute = grad and n * lm_head.shape[0] * 4 > HEAD_KEEP_BYTES
     ce, l1 = [], []
     for start in range(0, n, HEAD_CHUNK_ROWS):
         part = slice(start, start + HEAD_CHUNK_ROWS)
         args = (hidden[part], prev_embedding[part], rows[part], labels[part], lm_head, markov_w2, target_probs)
-        terms = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad else _chunk_terms(*args)
+        terms = checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args)
         ce.append(terms[0])
         l1.append(terms[1])
     return torch.cat(ce), torch.cat(l1)

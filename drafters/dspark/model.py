@@ -156,10 +156,11 @@ class BlockAttention(nn.Module):
 
     def _flex(self, q, keys, values, mask) -> torch.Tensor:
         """FlexAttention over [context rows, block rows] -> [B, A, G, H * dv]. Its kernels take one
-        dtype (SDPA's autocast casts them; flex_attention is not on autocast's lists), so every
-        operand is cast to the autocast dtype when one is active."""
+        dtype (SDPA's autocast casts them; flex_attention is not on autocast's lists), so the keys
+        and values take the queries' (bf16 under the trainer's autocast, where the context rows,
+        made outside it, are float32)."""
         B, A, G = q.shape[:3]
-        dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
+        dtype = q.dtype
         heads_first = lambda t: t.to(dtype).transpose(1, 2)  # noqa: E731  [B, rows, H, d] -> [B, H, rows, d]
         queries = heads_first(q.flatten(1, 2))
         keys = heads_first(torch.cat([keys[0].to(dtype), keys[1].flatten(1, 2).to(dtype)], dim=1))

@@ -131,11 +131,11 @@ def reference_step_loss(model, captured: BatchCapture, batch: Batch, cfg):
     c = model.config
     device = model.context_proj.weight.device
     S = batch.width
-    captured = _widened(captured, S)
+    captured = _widened(captured.to(device), S)
     block, positions, labels, prev, eval_mask, anchors = (t.to(device) for t in (
         batch.block, batch.positions, batch.labels, batch.prev, batch.eval_mask, batch.anchors))
     B = block.shape[0]
-    fused = model.fuse_features(captured.features(c.target_layer_ids).to(device))
+    fused = model.fuse_features(captured.features(c.target_layer_ids))
     context_rows = model.context_rows(fused, torch.arange(S, device=device).expand(B, S))
     visible = torch.arange(S, device=device) < anchors[..., None]  # context strictly before the anchor
     # p_t once per position: a position is slot k of up to G blocks, and chunks are recomputed in backward.
@@ -220,13 +220,12 @@ def fast_step_loss(model, captured: BatchCapture, batch: Batch, cfg, forward=Non
     block, positions, anchors, sel, slot, block_of, teacher_positions, rows, labels, prev = to_device(
         [batch.block, batch.positions, batch.anchors, plan.sel, plan.slot, plan.block, plan.teacher_positions,
          plan.rows, plan.labels, plan.prev], device)
-    captured = _widened(captured, S)
+    captured = _widened(captured.to(device), S)
     if cfg.attention == "flex":
         visible, mask = None, flex.block_mask(batch.anchors, S, G, device)
     else:
         visible, mask = torch.arange(S, device=device) < anchors[..., None], None
-    hidden = (forward or blocks_forward)(model, captured.features(c.target_layer_ids).to(device), block, positions,
-                                         visible, mask)
+    hidden = (forward or blocks_forward)(model, captured.features(c.target_layer_ids), block, positions, visible, mask)
     hidden = hidden.reshape(B * A * G, -1)[sel]  # [N, d]
     prev_embedding = model.markov_head.embed_previous(prev)
     target = _teacher_at(model, captured, teacher_positions, cfg)
