@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import importlib.util
 import json
 import sys
@@ -116,7 +115,7 @@ def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_ev
     captured_for() gives the batch's capture (an online prefill, or a store lookup). read_every_step:
     the metrics and the gradient norm read back every step (the Trainer before log_every)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
-    forward = torch.compile(functools.partial(blocks_forward, model)) if cfg.compile else None
+    forward = torch.compile(blocks_forward) if cfg.compile else None
 
     def step():
         loss, metrics = train_step_loss(model, captured_for(), sequences, masks, cfg, torch.Generator().manual_seed(0),

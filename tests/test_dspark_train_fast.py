@@ -16,6 +16,7 @@ from dspark.drafters.dspark.model import _block_mask
 from dspark.drafters.dspark.steps import make_batch
 from dspark.drafters.dspark.train import (
     TrainConfig,
+    Trainer,
     capture_layers,
     lr_area,
     lr_factor,
@@ -178,6 +179,40 @@ def test_fast_step_equals_the_reference_step(attention_type, markov):
     assert set(g1) == set(g0) and any(g.abs().max() > 0 for g in g0.values())
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_compiled_pass_equals_the_eager_one_and_one_shape_compiles_once(monkeypatch):
+    """The trainer's torch.compile of the blocks' pass, traced by dynamo and AOTAutograd (the aot_eager
+    backend: the graphs inductor would compile, run by eager kernels, as the CPU has no compiler to
+    spare), gives the eager step's loss and gradients; two more batches of the same bucketed shape
+    (other anchors and lengths) run on the same graphs."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    target = SyntheticTarget(seed=SEED % 73)
+    torch.manual_seed(SEED % 71)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
+    cfg = TrainConfig(num_anchors=16, fast=True, anchor_bucket=16, length_bucket=64, compile=True)
+    seqs, masks = data(target, 3, SEED % 997, lengths=(40, 60))
+    trainer = Trainer(model, seqs, masks, cfg)
+    torch._dynamo.reset()
+    results = []
+    for forward in (None, trainer.forward):
+        model.zero_grad(set_to_none=True)
+        captured = capture(target, seqs, (0, 2))
+        loss, _ = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(SEED), forward=forward)
+        loss.backward()
+        results.append((loss.detach(), grads(model)))
+    (loss0, g0), (loss1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    for name in g0:  # the same float32 ops, regrouped by the traced graph: ~1e-6
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seed in (1, 2):  # 40-59 tokens: padded to 64, 16 anchor slots each
+            other, other_masks = data(target, 3, SEED % 991 + seed, lengths=(40, 60))
+            loss, _ = train_step_loss(model, capture(target, other, (0, 2)), other, other_masks, cfg,
+                                      torch.Generator().manual_seed(seed), forward=trainer.forward)
+            loss.backward()
+    trainer.close()
 
 
 def test_buckets_pad_shapes_without_changing_the_anchors():
