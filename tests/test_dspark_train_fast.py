@@ -13,7 +13,7 @@ from dspark.drafters.dspark import flex, loss as loss_module
 from dspark.drafters.dspark.capture import CaptureStore, capture
 from dspark.drafters.dspark.loss import head_loss_terms, metrics_to_floats, row_sums, slot_sums
 from dspark.drafters.dspark.model import _block_mask
-from dspark.drafters.dspark.steps import make_batch
+from dspark.drafters.dspark.steps import blocks_forward, make_batch
 from dspark.drafters.dspark.train import (
     TrainConfig,
     Trainer,
@@ -287,6 +287,29 @@ def test_flex_attention_pass_equals_the_dense_sdpa_pass(attention_type):
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="exactly one of context_visible and flex_mask"):
         model.backbone(block, positions, rows, None)
+
+
+def test_a_compiled_flex_pass_traces_its_block_mask_once_per_shape(monkeypatch):
+    """The blocks' pass with a BlockMask through torch.compile (dynamo, aot_eager: the CPU's flex
+    kernel is forward only) equals the dense SDPA pass, and a new batch's anchors (a new mask_mod
+    over new tensors, new tiles) reuse the graph: no recompilation per step."""
+    target = SyntheticTarget(seed=SEED % 67)
+    torch.manual_seed(SEED % 61)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights()).eval()
+    c = model.config
+    forward = torch.compile(blocks_forward, backend="aot_eager")
+    torch._dynamo.reset()
+    B, A, G, S = 2, 20, c.block_size, 150
+    for i in range(3):
+        g = torch.Generator().manual_seed(SEED + i)
+        anchors, _ = random_anchors(g, B, A, S, padded_from=[20, 13 + i])
+        positions = anchors[..., None] + torch.arange(G)
+        block = torch.randint(0, c.vocab_size, (B, A, G), generator=g)
+        features = torch.randn(B, S, len(c.target_layer_ids) * c.target_hidden_size, generator=g)
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            dense = blocks_forward(model, features, block, positions, torch.arange(S) < anchors[..., None], None)
+            sparse = forward(model, features, block, positions, None, flex.block_mask(anchors, S, G, "cpu"))
+        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
 
 
 # ---- the capture store --------------------------------------------------------------------------

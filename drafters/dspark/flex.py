@@ -67,25 +67,14 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count[:, None], order[:, None]
 
 
-@functools.cache
-def _mask_of_shape(device: torch.device, batch: int, blocks: int, context: int, block_size: int):
-    """(anchors buffer [batch, blocks], the mask_mod reading it), one per shape: every pass of a shape
-    hands a compiled step the same function, whose guards then hold from step to step (a new closure
-    per step could make it recompile), and only the buffer's contents change."""
-    anchors = torch.zeros(batch, blocks, dtype=torch.long, device=device)
-    return anchors, slot_mask(anchors, context, block_size)
-
-
 def block_mask(anchors: torch.Tensor, context: int, block_size: int, device):
-    """FlexAttention's BlockMask of one training pass (anchors [B, A] on the host). Its mask_mod reads
-    a buffer that the next pass of the same shape overwrites: one pass's mask at a time."""
+    """FlexAttention's BlockMask of one training pass (anchors [B, A] on the host)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     partial, full = tile_masks(anchors, context, block_size)
     host = (*_ordered(partial), *_ordered(full))
     count, indices, full_count, full_indices = (t.to(device, non_blocking=True) for t in host)
-    buffer, mask_mod = _mask_of_shape(torch.device(device), *anchors.shape, context, block_size)
-    buffer.copy_(anchors, non_blocking=True)
+    mask_mod = slot_mask(anchors.to(device, non_blocking=True), context, block_size)
     q_len = anchors.shape[1] * block_size
     return BlockMask.from_kv_blocks(count, indices, full_count, full_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                     seq_lengths=(q_len, context + q_len))
