@@ -410,6 +410,19 @@ def load_training_sequences(path: Path) -> tuple[list[torch.Tensor], list[torch.
     return sequences, masks
 
 
+def static_buckets(sequences, masks, num_anchors: int) -> tuple[int, int]:
+    """(anchor bucket, length bucket) that give every batch of this data one shape: the most valid
+    anchors any sequence has (capped at num_anchors; a multiple of 16) and its longest sequence (a
+    multiple of 128). One shape compiles once; padding blocks cost backbone rows but no attention
+    (they see no context) and no loss (they are not supervised)."""
+    most = 0
+    for s, m in zip(sequences, masks):
+        valid = (m[:-1].bool() & m[1:].bool())[: len(s) - 1]
+        most = max(most, int(valid.sum()))
+    anchors = -(-min(max(most, 1), num_anchors) // 16) * 16
+    return anchors, -(-max(len(s) for s in sequences) // 128) * 128
+
+
 # GPU memory a training run needs beside the capture store (the drafter, AdamW, activations, the
 # held-out target's cache), kept free when --cache-gib -1 asks for every sequence.
 TRAINING_RESERVE_GIB = 24
@@ -844,6 +857,10 @@ def run(args) -> dict:
             return results
         masks = response_loss_masks(answered, seqs)
     held_out = calibration[: args.held_out_prompts]
+    if args.anchor_bucket < 0 or args.length_bucket < 0:  # resolved here, so results' settings show the shape
+        anchors, length = static_buckets(seqs, masks, args.num_anchors)
+        args.anchor_bucket = anchors if args.anchor_bucket < 0 else args.anchor_bucket
+        args.length_bucket = length if args.length_bucket < 0 else args.length_bucket
     models = training_phase(args, make_target, seqs, masks, held_out, work, results, save, deadline, start,
                             results["target"]["sha256"])
     phase_done("train")
@@ -942,9 +959,11 @@ def parse(argv=None) -> argparse.Namespace:
             "steps": 10000, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5,
             "markov_rank": 256, "eval_every": 2000, "held_out_prompts": 64, "held_out_tokens": 128, "cal_prompts": 200,
             "eval_prompts": 0, "eval_tokens": 256, "eval_batch": 164, "bootstrap": 2000, "speed_prompts": 8, "seed": 0,
-            "anchor_bucket": 128, "length_bucket": 256, "log_every": 50, "lr_ab_steps": 1000}
+            "anchor_bucket": -1, "length_bucket": -1, "log_every": 50, "lr_ab_steps": 1000}
     for name, default in ints.items():
-        r.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+        r.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help="-1: every batch of the data at one shape (static_buckets); 0: exact; n: multiples of n"
+                       if name.endswith("_bucket") else None)
     r.add_argument("--init-layers", default="",
                    help="comma-separated target layers to start the drafter's layers from (docs/dspark-algorithm.md §6.5); "
                         "empty: a random start")

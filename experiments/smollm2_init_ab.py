@@ -90,6 +90,10 @@ def run(args, recipe_argv: list[str]) -> dict:
         raise ValueError(f"--held-out-sequences={args.held_out_sequences}: {args.sequences} holds {len(sequences)} "
                          f"sequences (of at most --max-length={args.max_length} tokens, 0 = any)")
     held = len(sequences) - args.held_out_sequences  # the last ones, whatever --train-prompts keeps
+    if recipe_args.anchor_bucket < 0 or recipe_args.length_bucket < 0:  # one shape for the data, as the recipe
+        buckets = recipe.static_buckets(sequences, masks, recipe_args.num_anchors)
+        recipe_args.anchor_bucket, recipe_args.length_bucket = (b if a < 0 else a for a, b in zip(
+            (recipe_args.anchor_bucket, recipe_args.length_bucket), buckets))
     cut = min(held, recipe_args.train_prompts) if recipe_args.train_prompts else held
     held_prompts = prompt_sets["calibration"][: recipe_args.held_out_prompts]
 

@@ -34,7 +34,7 @@ from dspark.drafters.dspark import DSparkDrafter
 from dspark.drafters.dspark.calibrate import run_rounds
 from dspark.drafters.dspark.capture import CaptureStore
 from dspark.drafters.dspark.loss import metrics_to_floats
-from dspark.drafters.dspark.train import blocks_forward, capture, train_step_loss
+from dspark.drafters.dspark.train import blocks_forward, capture, epoch_batches, train_step_loss
 from dspark.engine import Engine
 from dspark.files import write_atomic
 from dspark.provenance import provenance
@@ -141,9 +141,11 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     input looked up in a bf16 capture store, every anchor through FlexAttention's block mask, the loss on
     the supervised slots only, anchor and length buckets, the blocks' pass compiled, fused AdamW, metrics
     left on the device."""
-    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=args.seq_len + 16, attention="batched")
     # The recipe's own drafter and training settings (its defaults), at this run's batch.
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
+    sequences, masks, data = profiled_batch(args, ns, config)
+    ns.anchor_bucket, ns.length_bucket = data["buckets"]
+    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=ns.length_bucket, attention="batched")
     model = recipe.new_model(target, "dspark", ns)
     cuda = target.device.type == "cuda"
     if cuda:
@@ -152,10 +154,8 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
                                 attention="flex" if cuda else "sdpa")
     before = dataclasses.replace(after, fast=False, attention="sdpa", compile=False, anchor_bucket=0, length_bucket=0,
                                  anchor_chunk=args.anchor_chunk, recompute=args.recompute, teacher="logits")
+    out["batch"] = data
     g = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(args.seq_len // 2, args.seq_len + 1, (args.batch_size,), generator=g).tolist()
-    sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
-    masks = [torch.cat([torch.zeros(n // 4, dtype=torch.long), torch.ones(n - n // 4, dtype=torch.long)]) for n in lengths]
     taps = tuple(model.config.target_layer_ids)
     store = CaptureStore(target, sequences, taps + (target.num_layers,), dtype=torch.bfloat16)
     pick = list(range(len(sequences)))
@@ -189,6 +189,27 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     save()
 
 
+def profiled_batch(args, ns, config) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """The first batch the recipe trains on from --sequences (its lengths and loss masks are what set a
+    step's cost; the tokens are the file's), with the recipe's one-shape buckets of that file; without a
+    file, random sequences of lengths in [--seq-len / 2, --seq-len], a quarter of each a prompt."""
+    if args.sequences:
+        sequences, masks = recipe.load_training_sequences(Path(args.sequences))
+        cfg = dataclasses.replace(recipe.train_configs(ns)["dspark"], anchor_bucket=0, length_bucket=0)
+        pick = epoch_batches([int(m.sum()) for m in masks], cfg, 0)[0]
+        buckets = recipe.static_buckets(sequences, masks, ns.num_anchors)
+        sequences, masks = [sequences[i] for i in pick], [masks[i] for i in pick]
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        lengths = torch.randint(args.seq_len // 2, args.seq_len + 1, (args.batch_size,), generator=g).tolist()
+        sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
+        masks = [torch.cat([torch.zeros(n // 4, dtype=torch.long), torch.ones(n - n // 4, dtype=torch.long)]) for n in lengths]
+        buckets = recipe.static_buckets(sequences, masks, ns.num_anchors)
+    return sequences, masks, {"source": Path(args.sequences).name if args.sequences else "random",
+                              "lengths": [len(s) for s in sequences], "supervised": [int(m.sum()) for m in masks],
+                              "buckets": list(buckets)}
+
+
 PROFILED_SETTINGS = ("fast", "attention", "teacher", "anchor_chunk", "recompute", "anchor_bucket", "length_bucket",
                      "compile", "num_anchors", "batch_size")
 
@@ -200,7 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="committed tokens per request in the decode step")
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=768, help="longest training sequence (lengths drawn in [half, this])")
+    ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"),
+                    help="the training batch: the recipe's first from this file ('' random sequences of --seq-len)")
+    ap.add_argument("--seq-len", type=int, default=768, help="without --sequences: the longest sequence (lengths in [half, this])")
     ap.add_argument("--anchor-chunk", type=int, default=128, help="train_before's anchor chunks")
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False,
                     help="train_before's chunks recompute their activations in backward (rounds 5-7 trained without)")
@@ -238,7 +261,11 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if "train" in pieces:
-        training_pieces(config, weights, args, result, save)
+        try:
+            training_pieces(config, weights, args, result, save)
+        except (recipe.RecipeError, ValueError) as error:
+            print(f"smollm2_profile: error: {error}", file=sys.stderr)
+            return 2
     save()
     for name in ("decode", "capture", "train_before", "train_after", "held_out"):
         if name in result:

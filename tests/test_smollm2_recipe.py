@@ -48,6 +48,18 @@ def test_init_layers_option_names_the_value():
         recipe.init_layer_ids("0,30", 2, 30)
 
 
+def test_static_buckets_give_every_batch_of_the_data_one_shape():
+    """The most valid anchors of any sequence (capped, a multiple of 16) and its longest length (a
+    multiple of 128): every batch's anchors and width then round up to exactly these."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = torch.randint(20, 300, (9,), generator=g).tolist()
+    seqs = [torch.randint(0, 50, (n,), generator=g) for n in lengths]
+    masks = [(torch.rand(n, generator=g) > 0.3).long() for n in lengths]
+    most = max(int((m[:-1].bool() & m[1:].bool()).sum()) for m in masks)  # a valid anchor and its next token supervised
+    assert recipe.static_buckets(seqs, masks, 512) == (-(-most // 16) * 16, -(-max(lengths) // 128) * 128)
+    assert recipe.static_buckets(seqs, masks, 10)[0] == 16  # the cap, as a multiple of 16
+
+
 QUESTIONS = {"train": ["Name a colour.", "Say hi.", "Count to three.", "Name a fruit."],
              "calibration": ["Name a dog breed.", "Say yes."],
              "humaneval": ["def add(a, b):\n    \"\"\"Add two numbers.\"\"\""], "mtbench": ["Name a planet."]}
