@@ -983,7 +983,7 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--block-attention", choices=("flex", "sdpa"), default="flex" if torch.cuda.is_available() else "sdpa",
                    help="the fast step's block attention: FlexAttention block-sparse (GPU) or SDPA with the dense mask")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
-                   help="torch.compile the fast step's pass over the blocks (one graph per --anchor-bucket/--length-bucket shape)")
+                   help="torch.compile the fast step's pass over the blocks (a graph per bucketed shape)")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")

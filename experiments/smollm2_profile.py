@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"),
                     help="the training batch: the recipe's first from this file ('' random sequences of --seq-len)")
-    ap.add_argument("--seq-len", type=int, default=768, help="without --sequences: the longest sequence (lengths in [half, this])")
+    ap.add_argument("--seq-len", type=int, default=768,
+                    help="without --sequences: the longest sequence (lengths in [half, this])")
     ap.add_argument("--anchor-chunk", type=int, default=128, help="train_before's anchor chunks")
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False,
                     help="train_before's chunks recompute their activations in backward (rounds 5-7 trained without)")

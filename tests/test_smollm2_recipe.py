@@ -52,11 +52,14 @@ def test_static_buckets_give_every_batch_of_the_data_one_shape():
     """The most valid anchors of any sequence (capped, a multiple of 16) and its longest length (a
     multiple of 128): every batch's anchors and width then round up to exactly these."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    lengths = torch.randint(20, 300, (9,), generator=g).tolist()
+    lengths = torch.randint(20, 36, (8,), generator=g).tolist() + [140]
     seqs = [torch.randint(0, 50, (n,), generator=g) for n in lengths]
-    masks = [(torch.rand(n, generator=g) > 0.3).long() for n in lengths]
-    most = max(int((m[:-1].bool() & m[1:].bool()).sum()) for m in masks)  # a valid anchor and its next token supervised
-    assert recipe.static_buckets(seqs, masks, 512) == (-(-most // 16) * 16, -(-max(lengths) // 128) * 128)
+    masks = [(torch.rand(n, generator=g) > 0.3).long() for n in lengths[:-1]]
+    # the longest: 100 prompt tokens, then 40 supervised ones: 39 valid anchors (one and its next supervised)
+    masks.append(torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(40, dtype=torch.long)]))
+    seqs.append(torch.randint(0, 50, (130,), generator=g))  # 65 supervised tokens, none next to another: no anchor
+    masks.append(torch.arange(130) % 2)
+    assert recipe.static_buckets(seqs, masks, 512) == (48, 256)
     assert recipe.static_buckets(seqs, masks, 10)[0] == 16  # the cap, as a multiple of 16
 
 
@@ -228,5 +231,6 @@ def test_the_lr_ab_picks_the_peak_for_a_run_on_a_given_sequence_file(tmp_path, c
     capsys.readouterr()
     assert recipe.main([a for a in argv if a not in ("--lr-ab", "1e-3,3e-3")]) == 2
     assert capsys.readouterr().err.strip().endswith("--lr=auto: picks the best of --lr-ab, which is not given")
-    assert recipe.main(argv[:argv.index("--sequences") + 1] + [str(tmp_path / "none.npz")] + argv[argv.index("--sequences") + 2:]) == 2
+    at = argv.index("--sequences") + 1
+    assert recipe.main(argv[:at] + [str(tmp_path / "none.npz")] + argv[at + 1:]) == 2
     assert "none.npz" in capsys.readouterr().err
