@@ -2,27 +2,35 @@
 
 Phases, each resumable from the files it leaves in --work-dir (so a run can span several time-limited
 GPU calls; rerun the same command and it continues):
-  1. self-distillation: the target (batched attention path) answers every training prompt of
-     experiments/data/smollm2_prompts.npz (experiments/make_smollm2_data.py) by plain decoding on the
-     engine (dspark.drafters.dspark.train.generate_sequences; --gen-batch prompts share the target's slots,
+  1. training data: --sequences (default experiments/data/smollm2_selfdistil_10732.npz, every training
+     prompt's answer from rounds 1 and 4; any file in its layout, e.g. a larger set from
+     experiments/smollm2_generate.py), the loss masks covering each response. With --sequences '' the
+     target self-distils instead: it answers every training prompt of experiments/data/smollm2_prompts.npz
+     (dspark.drafters.dspark.train.generate_sequences; --gen-batch prompts share the target's slots,
      --prefill-chunk of them prefilled per step), up to --gen-tokens new tokens, stopping at EOS (kept),
-     half greedy and half at T = 1 -> work/sequences.npz (uint16); the loss masks cover the responses
-     (response_loss_masks).
-  2. training: DSpark (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and the DFlash
-     ablation (CE only, no Markov correction, confidence head untrained; docs/dspark-algorithm.md §6.4) on
-     the same batches in lockstep (each batch prefilled into the target once for both: train_together),
-     AdamW with warm-up + cosine, backbone under bf16 autocast on the GPU with float32 logits and loss;
-     --no-recompute keeps the anchor chunks' activations (faster, more memory); held-out acceptance
-     (calibrate.run_rounds: speculative decoding on the engine, every draft verified) is measured every
-     --eval-every steps.
+     half greedy and half at T = 1 -> work/sequences.npz (uint16).
+  2. training: the target's taps and the LM head's input captured once for every sequence and kept on the
+     GPU in bf16 (drafters/dspark/capture.py; its size printed first; --cache-gib bounds it, the rest
+     captured per step; --work-dir/capture.bin lets later calls load it); with --lr-ab, DSpark trains
+     --lr-ab-steps at each peak learning rate and the best one's held-out AL picks --lr auto; then DSpark
+     (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and, in its own run to the same
+     --steps, the DFlash ablation (CE only, no Markov correction, confidence head untrained;
+     docs/dspark-algorithm.md §6.4). AdamW with warm-up then warmup-stable-decay (or cosine), heads started
+     as DeepSpec's (--head-init); the fast step (drafters/dspark/steps.py: every anchor at once through
+     FlexAttention's block-sparse mask, the vocabulary-wide loss on the supervised slots only, buckets of
+     anchors and length, torch.compile) or the reference (--no-fast). Held-out acceptance (--held-out-prompts
+     calibration prompts x --held-out-tokens, calibrate.run_rounds: speculative decoding on the engine,
+     every draft verified) with a 95% bootstrap interval over prompts, every --eval-every steps, against the
+     step and the area under the learning rate.
   3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
      calibration prompts (docs/dspark-algorithm.md §5.2).
   4. batch-1 tokens/s of plain decoding and each drafter in the engine (--speed-prompts HumanEval prompts).
   5. evaluation in the engine, k = 7, stop at EOS: DSpark, the ablation and n-gram on all HumanEval and
      MT-Bench prompts, greedy and T = 1 (probabilistic drafting: the drafter samples from its q and
-     returns q to the rejection sampler); AL with 95% bootstrap intervals over prompts, paired ratios,
-     per-position conditional acceptance, raw and calibrated ECE/AUC per position (from DSpark's own
-     run), and for greedy decoding each drafter's output against plain decoding's.
+     returns q to the rejection sampler); AL with 95% bootstrap intervals over prompts (and vLLM's
+     1 + accepted / drafts beside it), paired ratios, per-position conditional acceptance, raw and
+     calibrated ECE/AUC per position (from DSpark's own run), and for greedy decoding each drafter's output
+     against plain decoding's.
 Results go atomically to --out after every phase.
 
 The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves
@@ -42,8 +50,8 @@ stays warm):
 `join` checks every part and the joined file's sha256 against the manifest and fails with one line naming a
 part that is gone (then carry it again and `keep`). A fresh machine loses --work-dir too; every training
 prompt's answer from the H200 (10,732 sequences, rounds 1 and 4) is experiments/data/smollm2_selfdistil_10732.npz
-(experiments/notes/smollm2.md): copied to --work-dir/sequences.npz, it lets a round skip self-distillation
-(--only-self-distil stops a generation round there). experiments/stage and --work-dir ignore themselves (a
+(experiments/notes/smollm2.md), the default --sequences (--only-self-distil stops a generation round after
+self-distillation). experiments/stage and --work-dir ignore themselves (a
 .gitignore of '*' inside).
 
 Training longer than one session holds goes in legs: a leg ends with `pack --keep-dir K` (both trained drafters
@@ -51,7 +59,9 @@ in bf16, K/drafters.safetensors.part1..N of at most 15.5 MiB, brought back over 
 experiments/stage here), and the next session's leg carries the parts in, `keep`s them, `join --file
 drafters.safetensors`, and runs `run --start-from K/drafters.safetensors` in a fresh --work-dir; --only-train
 ends a leg after training, and the last leg calibrates and evaluates. Held-out checks record total_step, the
-step counted over every leg.
+step counted over every leg. A leg carries the weights only: AdamW's moments (float32, 4x the bf16 weights'
+bytes) stay on the machine, so each leg warms up again; a leg that others continue runs --decay-frac 0 (its peak
+held to the end) and the last one decays. With the fast step, one session holds >= 10k steps: legs are for more.
 """
 from __future__ import annotations
 
@@ -75,7 +85,9 @@ from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.checkpoint import read_tensors
 from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, report, run_rounds
-from dspark.drafters.dspark.train import TrainConfig, Trainer, generate_sequences, response_loss_masks, train_together
+from dspark.drafters.dspark.capture import CaptureStore
+from dspark.drafters.dspark.train import (TrainConfig, Trainer, generate_sequences, lr_area, response_loss_masks,
+                                          train_together)
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.files import atomic_path, write_atomic
@@ -246,6 +258,8 @@ def new_model(target, name: str, args, start: dict | None = None) -> DSparkModel
     torch.manual_seed(args.seed)
     embed, lm_head = target.embedding_weights()
     model = DSparkModel(drafter_config(target, name, args.layers, args.markov_rank), embed, lm_head).to(target.device)
+    if args.head_init == "deepspec":  # docs/dspark-algorithm.md §6.6; "torch": torch's defaults, rounds 1-7
+        model.init_heads_like_deepspec()
     ids = init_layer_ids(args.init_layers, args.layers, target.num_layers)
     if ids:  # docs/dspark-algorithm.md §6.5
         model.load_decoder_layers([target.decoder_layer_tensors(i) for i in ids])
@@ -256,12 +270,19 @@ def new_model(target, name: str, args, start: dict | None = None) -> DSparkModel
     return model
 
 
-def train_configs(args, legs_before: int = 0) -> dict[str, TrainConfig]:
-    """Each leg after the first draws other batches and anchors (seed 42 + the legs before it) and runs
-    its own warm-up and cosine schedule from the weights it starts from."""
-    base = dict(steps=args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
-                warmup_frac=args.warmup_frac, anchor_chunk=args.anchor_chunk, recompute=args.recompute,
-                length_groups=args.length_groups, seed=42 + legs_before)
+def train_configs(args, legs_before: int = 0, lr: float | None = None, steps: int | None = None) -> dict[str, TrainConfig]:
+    """Each leg after the first draws other batches and anchors (seed 42 + the legs before it) and warms
+    up again from the weights it starts from (AdamW's moments stay behind: `pack`). A leg that later legs
+    continue runs --decay-frac 0 (its peak held to the end); the last one decays."""
+    lr = lr if lr is not None else peak_lr(args)
+    if lr is None:
+        raise ValueError("--lr=auto: no --lr-ab result to take it from yet")
+    base = dict(steps=steps or args.steps, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=lr,
+                warmup_frac=args.warmup_frac, schedule=args.schedule, decay_frac=args.decay_frac,
+                anchor_chunk=args.anchor_chunk, recompute=args.recompute, length_groups=args.length_groups,
+                teacher="lm_head", fast=args.fast, attention=args.block_attention if args.fast else "sdpa",
+                anchor_bucket=args.anchor_bucket, length_bucket=args.length_bucket, compile=args.compile and args.fast,
+                log_every=args.log_every, seed=42 + legs_before)
     return {"dspark": TrainConfig(**base),  # 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4
             "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
 
@@ -373,54 +394,178 @@ def tf32_on_cuda(device: torch.device):
         torch.set_float32_matmul_precision(before)
 
 
-def train_variants(args, target, sequences, masks, held_out, work: Path, results: dict, save, deadline,
-                   variants: tuple[str, ...] = VARIANTS, start: dict | None = None) -> dict:
-    """The variants (DSpark and the ablation) on the same batches, in lockstep (train_together: each batch is
-    prefilled into the target once for both) while they stand at the same step; one that is
-    behind (a run stopped between them) first catches up alone. Held-out acceptance at every
-    multiple of --eval-every and at the end, at this leg's step and at the step counted over every leg
-    (total_step). `start`: a pack to continue from (read_pack)."""
-    configs = train_configs(args, len(start["variants"][variants[0]]["legs"]) if start else 0)
+# ---- 2b. training: the target read once, each drafter in its own run -----------------------------
+def load_training_sequences(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Sequences of a self-distilled file (save_sequences' layout: tokens, offsets, prompt_index,
+    prompt_lengths; the 10,732 of rounds 1-4 or a larger generated set) and their loss masks: the
+    response after each prompt."""
+    if not path.is_file():
+        raise RecipeError(f"--sequences={str(path)!r}: no such file")
+    _, arrays, prompt_lengths = load_sequences(path)
+    sequences, masks = [], []
+    for i, (a, p) in enumerate(zip(arrays, prompt_lengths)):
+        if not 0 < p < len(a):
+            raise RecipeError(f"--sequences={str(path)!r}: sequence {i} has {len(a)} tokens and a prompt of {p}")
+        sequences.append(torch.from_numpy(a.astype(np.int64)))
+        masks.append(torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(len(a) - p, dtype=torch.long)]))
+    return sequences, masks
+
+
+def static_buckets(sequences, masks, num_anchors: int) -> tuple[int, int]:
+    """(anchor bucket, length bucket) that give every batch of this data one shape: the most valid
+    anchors any sequence has (capped at num_anchors; a multiple of 16) and its longest sequence (a
+    multiple of 128). One shape compiles once; padding blocks cost backbone rows but no attention
+    (they see no context) and no loss (they are not supervised)."""
+    most = 0
+    for s, m in zip(sequences, masks):
+        valid = (m[:-1].bool() & m[1:].bool())[: len(s) - 1]
+        most = max(most, int(valid.sum()))
+    anchors = -(-min(max(most, 1), num_anchors) // 16) * 16
+    return anchors, -(-max(len(s) for s in sequences) // 128) * 128
+
+
+# GPU memory a training run needs beside the capture store (the drafter, AdamW, activations, the
+# held-out target's cache), kept free when --cache-gib -1 asks for every sequence.
+TRAINING_RESERVE_GIB = 24
+
+
+def capture_store(args, target, layers: tuple[int, ...], sequences, work: Path, results: dict, fingerprint: str):
+    """The capture store of the run (--cache-gib: -1 every sequence, 0 none: capture each step, > 0 the
+    sequences that fit), loaded from --capture-file when an earlier call wrote it for these sequences, else
+    filled and written there. Its size is printed before any work."""
+    if args.cache_gib == 0:
+        return None
+    budget = None if args.cache_gib < 0 else int(args.cache_gib * 2**30)
+    store = CaptureStore(target, sequences, layers, dtype=getattr(torch, args.cache_dtype), budget_bytes=budget,
+                         fingerprint=fingerprint)
+    summary = store.summary()
+    gib = CaptureStore.describe_bytes
+    print(f"capture store: {summary['cached_sequences']} of {summary['sequences']} sequences, "
+          f"{gib(summary['bytes_cached'])} of {gib(summary['bytes_all'])} ({summary['dtype']}, {len(layers)} taps) "
+          f"on {summary['device']}; the rest captured per step", flush=True)
+    if target.device.type == "cuda" and budget is None:
+        free = torch.cuda.mem_get_info(target.device)[0]
+        if store.total_bytes > free - TRAINING_RESERVE_GIB * 2**30:
+            raise RecipeError(f"--cache-gib=-1: every sequence takes {gib(store.total_bytes)}, the device has "
+                              f"{gib(free)} free and training keeps {TRAINING_RESERVE_GIB} GiB; give --cache-gib "
+                              f"{max(0, free / 2**30 - TRAINING_RESERVE_GIB):.0f} (the rest captured per step) or 0")
+    path = work / "capture.bin" if args.capture_file is None else Path(args.capture_file) if args.capture_file else None
+    began = time.time()
+    loaded = path is not None and store.load(path)
+    if not loaded:
+        store.fill()
+        if path is not None:
+            store.save(path)
+    results["capture_store"] = {**summary, "source": "file" if loaded else "target", "seconds": round(time.time() - began, 1)}
+    return store
+
+
+def held_out_record(args, check_target, model: DSparkModel, held_out, cfg: TrainConfig, step: int, total: int,
+                    history: list[dict]) -> dict:
+    """Held-out acceptance after `step` steps (k = 7, greedy, every draft verified) with its 95% interval
+    over prompts, beside the step counted over every leg and the area under the learning rate so far."""
+    model.eval()
+    drafter = DSparkDrafter(model, check_target.max_slots, max_seq_len=check_target.max_seq_len)
+    rounds = run_rounds(check_target, drafter, held_out, max_new_tokens=args.held_out_tokens)
+    model.train()
+    return {"step": step, "total_step": total, "lr_area": round(lr_area(step, cfg), 6),
+            "acceptance_length": round(rounds.acceptance_length, 4), "ci95": rounds.acceptance_interval(),
+            "prompt_accepted": rounds.prompt_accepted.tolist(), "prompt_rounds": rounds.prompt_rounds.tolist(),
+            "loss": history[-1]["loss"] if history else None, "tau_train": history[-1]["tau"] if history else None}
+
+
+def train_variant(args, name: str, model: DSparkModel, cfg: TrainConfig, run: dict, *, data, where: Path,
+                  deadline: float, checks: dict, before: int = 0) -> None:
+    """One drafter's run to cfg.steps in `where` (resumed from its checkpoint: weights, AdamW, schedule),
+    a held-out check at every multiple of checks['every'] and at the end (into run['held_out']) and
+    its wall time per step (run['seconds_per_step'], held-out checks left out). data: (target,
+    sequences, masks, store); checks: (check target, prompts, every); before: steps of earlier legs."""
+    target, sequences, masks, store = data
+    step = trained_steps(where)
+    if step >= cfg.steps and run["held_out"] and run["held_out"][-1]["step"] == cfg.steps:
+        return
+    with tf32_on_cuda(target.device):
+        trainer = Trainer(model, sequences, masks, cfg, where, resume=step > 0)
+        try:
+            while trainer.step < cfg.steps:
+                if time.time() > deadline:
+                    raise StoppedEarly(f"train {name}: step {trainer.step} of {cfg.steps} (--time-limit)")
+                begun, began = trainer.step, time.perf_counter()
+                segment = min(checks["every"] - begun % checks["every"], cfg.steps - begun)
+                history = train_together(target, {name: trainer}, stop_after=segment, deadline=deadline, store=store)[name]
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize(target.device)
+                run["train_seconds"] = round(run.get("train_seconds", 0.0) + time.perf_counter() - began, 2)
+                run["steps_timed"] = run.get("steps_timed", 0) + trainer.step - begun
+                run["seconds_per_step"] = round(run["train_seconds"] / max(1, run["steps_timed"]), 4)
+                if trainer.step < begun + segment:  # the deadline passed inside
+                    raise StoppedEarly(f"train {name}: step {trainer.step} of {cfg.steps} (--time-limit)")
+                if trainer.step % checks["every"] == 0 or trainer.step == cfg.steps:
+                    run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg,
+                                                           trainer.step, before + trainer.step, history))
+                checks["save"]()
+            if not run["held_out"] or run["held_out"][-1]["step"] != cfg.steps:  # an earlier call ended before it
+                run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg,
+                                                       cfg.steps, before + cfg.steps, []))
+                checks["save"]()
+        finally:
+            trainer.close()
+
+
+def train_variants(args, target, sequences, masks, held_out, work: Path, results: dict, save, deadline, *,
+                   check_target=None, store=None, variants: tuple[str, ...] = VARIANTS, start: dict | None = None,
+                   lr: float | None = None) -> dict:
+    """DSpark, then the ablation, each in its own run to the same --steps (not in lockstep: the cached
+    capture serves both, and DSpark's run gets the whole of its calls); `start`: a pack to continue
+    (read_pack). Returns the trained models."""
+    configs = train_configs(args, len(start["variants"][variants[0]]["legs"]) if start else 0, lr)
+    checks = {"target": check_target or target, "prompts": held_out, "every": args.eval_every, "save": save}
     models = {}
     for name in variants:
-        results.setdefault("training", {}).setdefault(name, {"train_config": vars(configs[name]).copy(), "held_out": []})
+        cfg = configs[name]
+        run = results.setdefault("training", {}).setdefault(name, {"train_config": vars(cfg).copy(), "held_out": []})
         models[name] = new_model(target, name, args, start)
         if target.device.type == "cuda":
             models[name].autocast_dtype = torch.bfloat16
-    while True:
-        steps = {name: trained_steps(work / name) for name in variants}
-        if all(steps[name] >= configs[name].steps for name in variants):
-            break
-        step = min(steps.values())
-        if time.time() > deadline:
-            raise StoppedEarly(f"train: step {step} of {configs[variants[0]].steps} (--time-limit)")
-        group = [name for name in variants if steps[name] == step]
-        ahead = [steps[name] for name in variants if steps[name] > step]
-        # Up to the next multiple of --eval-every (a run resumed mid-segment keeps the checks there),
-        # or to where the others stand.
-        segment = min(args.eval_every - step % args.eval_every, configs[group[0]].steps - step, *(s - step for s in ahead))
-        with tf32_on_cuda(target.device):
-            trainers = {name: Trainer(models[name], sequences, masks, configs[name], work / name, resume=step > 0)
-                        for name in group}
-            try:
-                history = train_together(target, trainers, stop_after=segment, deadline=deadline)
-            finally:
-                for trainer in trainers.values():
-                    trainer.close()
-        if any(trained_steps(work / name) < step + segment for name in group):  # the deadline passed inside
-            raise StoppedEarly(f"train: step {min(trained_steps(work / n) for n in group)} of "
-                               f"{configs[group[0]].steps} (--time-limit)")
-        if (step + segment) % args.eval_every and step + segment < configs[group[0]].steps:
-            continue  # a catch-up segment that ended between checks
-        for name in group:
-            drafter = DSparkDrafter(models[name], target.max_slots, max_seq_len=target.max_seq_len)
-            rounds = run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
-            results["training"][name]["held_out"].append({
-                "step": step + segment, "total_step": steps_before(start, name) + step + segment,
-                "acceptance_length": rounds.acceptance_length,
-                "loss": history[name][-1]["loss"], "tau_train": history[name][-1]["tau"]})
+        train_variant(args, name, models[name], cfg, run, data=(target, sequences, masks, store), where=work / name,
+                      deadline=deadline, checks=checks, before=steps_before(start, name))
+        run.update(steps=cfg.steps, sequences=len(sequences), epochs=round(cfg.steps * cfg.batch_size / len(sequences), 3))
         save()
     return {name: restore(work / name, target) for name in variants}
+
+
+def lr_ab(args, target, sequences, masks, held_out, work: Path, results: dict, save, deadline, *, check_target, store) -> float:
+    """--lr-ab: DSpark at each peak learning rate for --lr-ab-steps steps (each a whole schedule, the same
+    start, batches and anchors), back to back on the cached capture; the held-out AL of each at its
+    end, with its interval and its paired ratio to the best (the same prompts resampled in both).
+    Returns the best peak."""
+    ab = results.setdefault("lr_ab", {"steps": args.lr_ab_steps, "runs": {}})
+    for lr in [float(x) for x in args.lr_ab.split(",")]:
+        key = f"{lr:g}"
+        run = ab["runs"].setdefault(key, {"held_out": []})
+        cfg = train_configs(args, lr=lr, steps=args.lr_ab_steps)["dspark"]
+        run["train_config"] = vars(cfg).copy()
+        model = new_model(target, "dspark", args)
+        if target.device.type == "cuda":
+            model.autocast_dtype = torch.bfloat16
+        checks = {"target": check_target, "prompts": held_out, "every": args.lr_ab_steps, "save": save}
+        train_variant(args, "dspark", model, cfg, run, data=(target, sequences, masks, store),
+                      where=work / "lr_ab" / key, deadline=deadline, checks=checks)
+    final = {key: run["held_out"][-1] for key, run in ab["runs"].items()}
+    best = max(final, key=lambda key: final[key]["acceptance_length"])
+    for key, record in final.items():
+        ab["runs"][key]["over_best"] = paired_ratio(record, final[best], args.bootstrap, args.seed)
+    ab["best"] = float(best)
+    save()
+    return ab["best"]
+
+
+def paired_ratio(record: dict, reference: dict, samples: int, seed: int) -> dict:
+    """AL(record) / AL(reference) on the same held-out prompts, with a 95% interval from resampling the
+    prompts in both at once."""
+    runs = {name: {"accepted": r["prompt_accepted"], "steps": r["prompt_rounds"]} for name, r in
+            (("dspark", record), ("reference", reference))}
+    return bootstrap(runs, samples, seed)["dspark_over_reference"]
 
 
 # ---- 4. evaluation --------------------------------------------------------------------------------
@@ -444,7 +589,9 @@ def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, see
     return {"accepted": [o.num_accepted_drafts for o in outs], "steps": [o.num_steps for o in outs],
             "tokens": [len(o.token_ids) for o in outs], "token_ids": [o.token_ids for o in outs],
             "conditional_accept_per_position": [None if c is None else round(c, 4) for c in conditional],
-            "verified_per_position": m.drafts_per_position}
+            "verified_per_position": m.drafts_per_position,
+            # vLLM's definition beside ours: a step that verified no draft (an n-gram miss) is not counted.
+            "acceptance_length_vllm": round(m.acceptance_length, 4), "drafts": m.num_drafts}
 
 
 def acceptance_length(accepted: np.ndarray, steps: np.ndarray) -> float:
@@ -507,7 +654,8 @@ def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, d
             runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed,
                                     observer=recorder if name == "dspark" else None)
         entry = {"prompts": len(prompts), "bootstrap": bootstrap(runs, args.bootstrap, args.seed)}
-        entry["per_drafter"] = {d: {k: r[k] for k in ("conditional_accept_per_position", "verified_per_position")}
+        entry["per_drafter"] = {d: {k: r[k] for k in ("conditional_accept_per_position", "verified_per_position",
+                                                      "acceptance_length_vllm", "drafts")}
                                 | {"output_tokens": int(sum(r["tokens"])), "steps": int(sum(r["steps"]))}
                                 for d, r in runs.items()}
         if mode == "greedy":
@@ -585,6 +733,51 @@ def read_gguf(path: str):
     return config, weights
 
 
+def peak_lr(args) -> float | None:
+    """--lr as a number, or None for 'auto' (the --lr-ab winner)."""
+    if args.lr == "auto":
+        if not args.lr_ab:
+            raise ValueError("--lr=auto: picks the best of --lr-ab, which is not given")
+        return None
+    try:
+        value = float(args.lr)
+    except ValueError:
+        raise ValueError(f"--lr={args.lr!r}: needs a number or 'auto'") from None
+    if not value > 0:
+        raise ValueError(f"--lr={args.lr!r}: must be > 0")
+    return value
+
+
+def training_phase(args, make_target, seqs, masks, held_out, work: Path, results: dict, save, deadline, start,
+                   fingerprint: str) -> dict:
+    """The capture store (built only while some training is left), the --lr-ab runs, then DSpark and the
+    ablation to --steps each. Returns the trained models."""
+    target = make_target(args.batch_size)
+    check_target = make_target(max(1, len(held_out)))  # the held-out prompts decode as one batch
+    results["training_data"] = {**results.get("training_data", {}), "sequences": len(seqs),
+                                "supervised_tokens": int(sum(int(m.sum()) for m in masks))}
+    lr = peak_lr(args)
+    left = lambda name, steps: trained_steps(work / name) < steps  # noqa: E731
+    ab_left = bool(args.lr_ab) and "best" not in results.get("lr_ab", {})
+    store = None
+    if ab_left or any(left(name, args.steps) for name in VARIANTS):
+        layers = drafter_config(target, "dspark", args.layers, args.markov_rank).target_layer_ids + (target.num_layers,)
+        store = capture_store(args, target, layers, seqs, work, results, fingerprint)
+    common = dict(check_target=check_target, store=store)
+    if args.lr_ab:
+        best = lr_ab(args, target, seqs, masks, held_out, work, results, save, deadline, **common)
+        lr = lr or best
+        if args.only_lr_ab:
+            raise StoppedEarly(f"--only-lr-ab: the best peak learning rate is {best:g}")
+    results["peak_lr"] = lr
+    models = train_variants(args, target, seqs, masks, held_out, work, results, save, deadline, start=start, lr=lr,
+                            **common)
+    del store, common
+    if target.device.type == "cuda":
+        torch.cuda.empty_cache()  # the store's memory goes back before the evaluation targets are built
+    return models
+
+
 def run(args) -> dict:
     from dspark.targets.llama import weights_to
     from dspark.targets.gguf_assets import find_smollm2_gguf
@@ -617,6 +810,7 @@ def run(args) -> dict:
     plan = [pair.split(":") for pair in args.eval_plan.split(",")]
     if any(len(p) != 2 or p[0] not in ("humaneval", "mtbench") or p[1] not in ("greedy", "t1") for p in plan):
         raise ValueError(f"--eval-plan={args.eval_plan!r}: needs set:mode pairs, sets humaneval/mtbench, modes greedy/t1")
+    peak_lr(args)  # checked before any long phase
 
     gguf_path = Path(args.gguf) if args.gguf else find_smollm2_gguf()
     config, cpu_weights = read_gguf(str(gguf_path))
@@ -638,6 +832,8 @@ def run(args) -> dict:
     elif "start_from" in results:
         raise RecipeError(f"--work-dir={args.work_dir!r} continues {results['start_from']['file']!r}: "
                           "rerun with the same --start-from")
+    if args.profile_json:  # the training step before and after (experiments/smollm2_profile.py)
+        results["step_profile"] = step_profile(Path(args.profile_json))
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))
     fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731
@@ -645,25 +841,39 @@ def run(args) -> dict:
     calibration = [p for p in sets["calibration"] if fits(p)][: args.cal_prompts or None]
     longest = max(len(p) for p in train_prompts + calibration + sets["humaneval"] + sets["mtbench"])
     max_seq = longest + max(args.gen_tokens, args.eval_tokens) + 2 * BLOCK + 2
+    if args.sequences:  # a self-distilled file (default: rounds 1-4's 10,732 sequences)
+        seqs, masks = load_training_sequences(Path(args.sequences))
+        seqs, masks = seqs[: args.train_prompts or None], masks[: args.train_prompts or None]
+        max_seq = max(max_seq, max(len(s) for s in seqs))
+        results["training_data"] = {"file": Path(args.sequences).name, "sha256": file_sha256(Path(args.sequences))}
 
     def make_target(slots: int):
         return recipe_target(config, weights, args, slots, max_seq)
 
     phase_done("load")
-    answered, seqs = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save, deadline)
-    phase_done("self_distil")
-    if args.only_self_distil:  # a generation round: the sequences come back, training runs later
-        return results
-    masks = response_loss_masks(answered, seqs)
+    if not args.sequences:
+        answered, seqs = self_distil(args, make_target, train_prompts, eos, work / "sequences.npz", results, save, deadline)
+        phase_done("self_distil")
+        if args.only_self_distil:  # a generation round: the sequences come back, training runs later
+            return results
+        masks = response_loss_masks(answered, seqs)
     held_out = calibration[: args.held_out_prompts]
-
-    target = make_target(args.batch_size)
-    results["training_data"] = {"sequences": len(seqs), "supervised_tokens": int(sum(int(m.sum()) for m in masks))}
-    models = train_variants(args, target, seqs, masks, held_out, work, results, save, deadline, start=start)
+    if args.anchor_bucket < 0 or args.length_bucket < 0:  # resolved here, so results' settings show the shape
+        anchors, length = static_buckets(seqs, masks, args.num_anchors)
+        args.anchor_bucket = anchors if args.anchor_bucket < 0 else args.anchor_bucket
+        args.length_bucket = length if args.length_bucket < 0 else args.length_bucket
+    models = training_phase(args, make_target, seqs, masks, held_out, work, results, save, deadline, start,
+                            results["target"]["sha256"])
     phase_done("train")
     if args.only_train:  # a leg that others continue (pack): no calibration or evaluation
         return results
+    evaluation_phase(args, make_target, models, sets, calibration, eos, work, results, save, deadline, phase_done)
+    return results
 
+
+def evaluation_phase(args, make_target, models, sets, calibration, eos: int, work: Path, results: dict, save,
+                     deadline: float, phase_done) -> None:
+    """STS calibration on the calibration prompts, batch-1 tokens/s, then the evaluation sets."""
     eval_target = make_target(args.eval_batch)
     calibrated = (work / "dspark_calibrated").is_dir() and "calibration" in results  # by an earlier call
     if calibrated:
@@ -694,7 +904,17 @@ def run(args) -> dict:
     results["goals"] = goals(results["eval"])
     results["complete"] = True
     save()
-    return results
+
+
+def step_profile(path: Path) -> dict:
+    """The DSpark training step before and after (experiments/smollm2_profile.py's train_before and
+    train_after): wall, GPU time, kernels, aten calls and peak memory of each."""
+    if not path.is_file():
+        raise RecipeError(f"--profile-json={str(path)!r}: no such file")
+    profile = json.loads(path.read_text())
+    keys = ("wall_ms", "gpu_ms", "kernels", "aten_calls", "peak_memory_gib")
+    return {"file": path.name, "git_commit": profile.get("git_commit"), "device": profile.get("device"),
+            **{piece: {k: profile[piece].get(k) for k in keys} for piece in ("train_before", "train_after") if piece in profile}}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -732,17 +952,44 @@ def parse(argv=None) -> argparse.Namespace:
                    help="stop after training: a leg that a later session continues (pack, then --start-from)")
     r.add_argument("--start-from", default="",
                    help="a joined drafters.safetensors (pack): continue both variants from it, a new leg")
+    r.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"),
+                   help="self-distilled training sequences (tokens, offsets, prompt_index, prompt_lengths; uint16), "
+                        "e.g. a larger set from experiments/smollm2_generate.py; '' self-distils into --work-dir")
+    r.add_argument("--only-lr-ab", action="store_true", help="stop after --lr-ab (exit 3), e.g. to read it first")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
-            "steps": 1200, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5, "markov_rank": 256,
-            "eval_every": 300, "held_out_prompts": 32, "held_out_tokens": 64, "cal_prompts": 200, "eval_prompts": 0,
-            "eval_tokens": 256, "eval_batch": 164, "bootstrap": 2000, "speed_prompts": 8, "seed": 0}
+            "steps": 10000, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5,
+            "markov_rank": 256, "eval_every": 2000, "held_out_prompts": 64, "held_out_tokens": 128, "cal_prompts": 200,
+            "eval_prompts": 0, "eval_tokens": 256, "eval_batch": 164, "bootstrap": 2000, "speed_prompts": 8, "seed": 0,
+            "anchor_bucket": -1, "length_bucket": -1, "log_every": 50, "lr_ab_steps": 1000}
     for name, default in ints.items():
-        r.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+        r.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help="-1: every batch of the data at one shape (static_buckets); 0: exact; n: multiples of n"
+                       if name.endswith("_bucket") else None)
     r.add_argument("--init-layers", default="",
                    help="comma-separated target layers to start the drafter's layers from (docs/dspark-algorithm.md §6.5); "
                         "empty: a random start")
-    for name, default in {"lr": 6e-4, "warmup_frac": 0.04}.items():
+    r.add_argument("--lr", default="6e-4", help="peak learning rate, or 'auto': the best of --lr-ab")
+    r.add_argument("--lr-ab", default="", help="comma-separated peak learning rates: DSpark trains --lr-ab-steps at "
+                                                "each first, held-out AL compared (e.g. 6e-4,1.2e-3,2e-3)")
+    for name, default in {"warmup_frac": 0.02, "decay_frac": 0.12, "cache_gib": -1.0}.items():
         r.add_argument("--" + name.replace("_", "-"), type=float, default=default)
+    r.add_argument("--schedule", choices=("wsd", "cosine"), default="wsd",
+                   help="wsd: warm-up, the peak held, a linear decay over the last --decay-frac (0: none, for a leg "
+                        "that others continue); cosine: rounds 1-7's")
+    r.add_argument("--head-init", choices=("deepspec", "torch"), default="deepspec",
+                   help="the Markov and confidence heads' start: N(0, 0.02) and zero biases (DeepSpec) or torch's defaults")
+    r.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fast training step (all anchors at once, supervised rows only); --no-fast: the reference "
+                        "(anchor chunks of --anchor-chunk, every slot), rounds 1-7's")
+    r.add_argument("--block-attention", choices=("flex", "sdpa"), default="flex" if torch.cuda.is_available() else "sdpa",
+                   help="the fast step's block attention: FlexAttention block-sparse (GPU) or SDPA with the dense mask")
+    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                   help="torch.compile the fast step's pass over the blocks (a graph per bucketed shape)")
+    r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    r.add_argument("--capture-file", default=None,
+                   help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")
+    r.add_argument("--profile-json", default="", help="experiments/smollm2_profile.py's output: the step before/after, "
+                                                        "copied into the results")
     return ap.parse_args(argv)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark.loss import metrics_to_floats
 from dspark.drafters.dspark.train import TrainConfig, capture, response_loss_masks, train_step_loss
 from dspark.provenance import provenance
 
@@ -60,6 +61,7 @@ def teacher_forced(model: DSparkModel, target, sequences, masks) -> dict:
         batch, batch_masks = sequences[start : start + target.max_slots], masks[start : start + target.max_slots]
         captured = capture(target, batch, model.config.target_layer_ids)
         _, metrics = train_step_loss(model, captured, batch, batch_masks, cfg, torch.Generator().manual_seed(0))
+        metrics = metrics_to_floats(metrics)
         n = sum(int(m.sum()) for m in batch_masks)
         tau += metrics["tau"] * n
         per_slot = per_slot + np.array(metrics["accept"]) * n
@@ -88,6 +90,10 @@ def run(args, recipe_argv: list[str]) -> dict:
         raise ValueError(f"--held-out-sequences={args.held_out_sequences}: {args.sequences} holds {len(sequences)} "
                          f"sequences (of at most --max-length={args.max_length} tokens, 0 = any)")
     held = len(sequences) - args.held_out_sequences  # the last ones, whatever --train-prompts keeps
+    if recipe_args.anchor_bucket < 0 or recipe_args.length_bucket < 0:  # one shape for the data, as the recipe
+        buckets = recipe.static_buckets(sequences, masks, recipe_args.num_anchors)
+        recipe_args.anchor_bucket, recipe_args.length_bucket = (b if a < 0 else a for a, b in zip(
+            (recipe_args.anchor_bucket, recipe_args.length_bucket), buckets))
     cut = min(held, recipe_args.train_prompts) if recipe_args.train_prompts else held
     held_prompts = prompt_sets["calibration"][: recipe_args.held_out_prompts]
 

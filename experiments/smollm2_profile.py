@@ -9,17 +9,18 @@ host-side aten calls, and the largest GPU kernels and host ops by name:
 - decode: a plain-decoding engine step at --slots requests (half greedy, half T = 1), each with a
   --context-token committed prefix, as experiments/smollm2_dspark.py's self-distillation runs it;
 - capture: the target prefill that gives one training batch its logits and taps;
-- train: forward + backward + AdamW of one DSpark training step on that batch, with the recipe's
-  training settings; capture and train run in the precision the recipe trains in (TF32 matmuls on
-  the GPU since commit 0a9f6ff; experiments/results/h200/smollm2_profile.json predates that);
+- train_before / train_after: one DSpark training step (the batch's capture, forward, backward, clip,
+  AdamW) before issue 33 and now, in one run on the same batch (training_pieces says what each is);
+  both in the precision the recipe trains in (TF32 float32 matmuls, the backbone under bf16 autocast);
 - held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
 
-    python experiments/smollm2_profile.py --out experiments/results/h200/smollm2_profile.json
+    python experiments/smollm2_profile.py --pieces train --out experiments/results/h200/smollm2_profile_train.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -31,7 +32,9 @@ import torch
 from dspark.config import SamplingParams
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.drafters.dspark.calibrate import run_rounds
-from dspark.drafters.dspark.train import capture, train_step_loss
+from dspark.drafters.dspark.capture import CaptureStore
+from dspark.drafters.dspark.loss import metrics_to_floats
+from dspark.drafters.dspark.train import blocks_forward, capture, epoch_batches, train_step_loss
 from dspark.engine import Engine
 from dspark.files import write_atomic
 from dspark.provenance import provenance
@@ -107,49 +110,108 @@ def decode_piece(config, weights, args) -> dict:
     return measured(engine.step, 3)
 
 
-def training_pieces(config, weights, args, out: dict, save) -> None:
-    """capture, train and (unless --held-out-prompts 0) held_out into `out`, saved after each: a
-    call cut off by its time limit keeps what it measured."""
-    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=args.seq_len + 16, attention="batched")
-    # The recipe's own drafter and training settings (its defaults), at this run's batch and chunk.
-    ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--anchor-chunk", str(args.anchor_chunk),
-                       "--recompute" if args.recompute else "--no-recompute", "--seed", str(args.seed)])
-    model = recipe.new_model(target, "dspark", ns)
-    if target.device.type == "cuda":
-        model.autocast_dtype = torch.bfloat16
-    cfg = recipe.train_configs(ns)["dspark"]
-    g = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(args.seq_len // 2, args.seq_len + 1, (args.batch_size,), generator=g).tolist()
-    sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
-    masks = [torch.cat([torch.zeros(n // 3, dtype=torch.long), torch.ones(n - n // 3, dtype=torch.long)]) for n in lengths]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_every_step: bool):
+    """One DSpark training step as the Trainer runs it (loss, backward, clip, AdamW), on a fixed batch:
+    captured_for() gives the batch's capture (an online prefill, or a store lookup). read_every_step:
+    the metrics and the gradient norm read back every step (the Trainer before log_every)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
+    forward = torch.compile(blocks_forward) if cfg.compile else None
 
     def step():
-        loss, _ = train_step_loss(model, captured, sequences, masks, cfg, torch.Generator().manual_seed(0))
+        loss, metrics = train_step_loss(model, captured_for(), sequences, masks, cfg, torch.Generator().manual_seed(0),
+                                        forward=forward)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
+        if read_every_step:
+            metrics_to_floats(metrics)
+            float(norm)
 
+    return step
+
+
+def training_pieces(config, weights, args, out: dict, save) -> None:
+    """capture, train_before, train_after and (unless --held-out-prompts 0) held_out into `out`,
+    saved after each: a call cut off by its time limit keeps what it measured.
+
+    train_before is the step rounds 1-7 trained with: the batch prefilled into the target every step
+    (capture), anchor chunks of 128 through the dense-masked SDPA, the float32 LM head and loss on every
+    slot, metrics read back every step. train_after is the recipe's step now: the batch's taps and LM-head
+    input looked up in a bf16 capture store, every anchor through FlexAttention's block mask, the loss on
+    the supervised slots only, anchor and length buckets, the blocks' pass compiled, fused AdamW, metrics
+    left on the device."""
+    # The recipe's own drafter and training settings (its defaults), at this run's batch.
+    ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
+    sequences, masks, data = profiled_batch(args, ns, config)
+    ns.anchor_bucket, ns.length_bucket = data["buckets"]
+    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=ns.length_bucket, attention="batched")
+    model = recipe.new_model(target, "dspark", ns)
+    cuda = target.device.type == "cuda"
+    if cuda:
+        model.autocast_dtype = torch.bfloat16
+    after = dataclasses.replace(recipe.train_configs(ns)["dspark"], compile=cuda and args.compile,
+                                attention="flex" if cuda else "sdpa")
+    before = dataclasses.replace(after, fast=False, attention="sdpa", compile=False, anchor_bucket=0, length_bucket=0,
+                                 anchor_chunk=args.anchor_chunk, recompute=args.recompute, teacher="logits")
+    out["batch"] = data
+    g = torch.Generator().manual_seed(args.seed)
+    taps = tuple(model.config.target_layer_ids)
+    store = CaptureStore(target, sequences, taps + (target.num_layers,), dtype=torch.bfloat16)
+    pick = list(range(len(sequences)))
     with recipe.tf32_on_cuda(target.device):  # the precision the recipe trains in, capture included
-        out["capture"] = measured(lambda: capture(target, sequences, model.config.target_layer_ids), 3)
+        out["capture"] = measured(lambda: capture(target, sequences, taps), 3)
         save()
-        captured = capture(target, sequences, model.config.target_layer_ids)
+        store.fill(progress=False)
         model.train()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        out["train"] = measured(step, 3)
-        if torch.cuda.is_available():
-            out["train"]["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        pieces = (("train_before", before, lambda: capture(target, sequences, taps), False, True),
+                  ("train_after", after, lambda: store.batch(pick), cuda, False))
+        for name, cfg, captured_for, fused, read in pieces:
+            step = step_runner(model, cfg, sequences, masks, captured_for, fused, read)
+            for _ in range(args.warmup):  # compiles (the after step's graphs) and allocator warm-up
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            out[name] = measured(step, 3)
+            out[name]["config"] = {k: v for k, v in vars(cfg).items() if k in PROFILED_SETTINGS}
+            if cuda:
+                out[name]["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            save()
         model.eval()
-        save()
     if not args.held_out_prompts:
         return
     held_out = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in (args.seq_len // 4,) * args.held_out_prompts]
-    rounds_target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 96,
+    rounds_target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 160,
                                 attention="batched")
     drafter = DSparkDrafter(model, rounds_target.max_slots, max_seq_len=rounds_target.max_seq_len)
-    out["held_out"] = measured(lambda: run_rounds(rounds_target, drafter, held_out, max_new_tokens=64), 1)
+    out["held_out"] = measured(lambda: run_rounds(rounds_target, drafter, held_out, max_new_tokens=args.held_out_tokens), 1)
     save()
+
+
+def profiled_batch(args, ns, config) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """The first batch the recipe trains on from --sequences (its lengths and loss masks are what set a
+    step's cost; the tokens are the file's), with the recipe's one-shape buckets of that file; without a
+    file, random sequences of lengths in [--seq-len / 2, --seq-len], a quarter of each a prompt."""
+    if args.sequences:
+        sequences, masks = recipe.load_training_sequences(Path(args.sequences))
+        cfg = dataclasses.replace(recipe.train_configs(ns)["dspark"], anchor_bucket=0, length_bucket=0)
+        pick = epoch_batches([int(m.sum()) for m in masks], cfg, 0)[0]
+        buckets = recipe.static_buckets(sequences, masks, ns.num_anchors)
+        sequences, masks = [sequences[i] for i in pick], [masks[i] for i in pick]
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        lengths = torch.randint(args.seq_len // 2, args.seq_len + 1, (args.batch_size,), generator=g).tolist()
+        sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
+        masks = [torch.cat([torch.zeros(n // 4, dtype=torch.long), torch.ones(n - n // 4, dtype=torch.long)]) for n in lengths]
+        buckets = recipe.static_buckets(sequences, masks, ns.num_anchors)
+    return sequences, masks, {"source": Path(args.sequences).name if args.sequences else "random",
+                              "lengths": [len(s) for s in sequences], "supervised": [int(m.sum()) for m in masks],
+                              "buckets": list(buckets)}
+
+
+PROFILED_SETTINGS = ("fast", "attention", "teacher", "anchor_chunk", "recompute", "anchor_bucket", "length_bucket",
+                     "compile", "num_anchors", "batch_size")
 
 
 def main(argv=None) -> int:
@@ -159,11 +221,18 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="committed tokens per request in the decode step")
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=768, help="longest training sequence (lengths drawn in [half, this])")
-    ap.add_argument("--anchor-chunk", type=int, default=128)
-    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
-                    help="as the recipe's --recompute: anchor chunks recompute their activations in backward")
-    ap.add_argument("--held-out-prompts", type=int, default=32, help="0: no held_out piece")
+    ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"),
+                    help="the training batch: the recipe's first from this file ('' random sequences of --seq-len)")
+    ap.add_argument("--seq-len", type=int, default=768,
+                    help="without --sequences: the longest sequence (lengths in [half, this])")
+    ap.add_argument("--anchor-chunk", type=int, default=128, help="train_before's anchor chunks")
+    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False,
+                    help="train_before's chunks recompute their activations in backward (rounds 5-7 trained without)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="train_after compiles the blocks' pass, as the recipe does on a GPU")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each training piece (compiles)")
+    ap.add_argument("--held-out-prompts", type=int, default=64, help="0: no held_out piece")
+    ap.add_argument("--held-out-tokens", type=int, default=128)
     ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, train")
     ap.add_argument("--reference-loss", action="store_true",
                     help="the training step with the torch reference of draft_loss_terms (default on CUDA: Triton)")
@@ -193,9 +262,13 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if "train" in pieces:
-        training_pieces(config, weights, args, result, save)
+        try:
+            training_pieces(config, weights, args, result, save)
+        except (recipe.RecipeError, ValueError) as error:
+            print(f"smollm2_profile: error: {error}", file=sys.stderr)
+            return 2
     save()
-    for name in ("decode", "capture", "train", "held_out"):
+    for name in ("decode", "capture", "train_before", "train_after", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

@@ -8,6 +8,7 @@ from dspark.config import SamplingParams
 from dspark.drafters.dspark import DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.calibrate import (
     Rounds,
+    bootstrap_interval,
     brier_score,
     calibrate,
     expected_calibration_error,
@@ -112,5 +113,30 @@ def test_rounds_are_the_engines_steps_for_any_drafter():
     assert len(rounds.accepted) == sum(o.num_steps for o in outs) > 0
     assert int(rounds.accepted.sum()) == engine.metrics.num_accepted_tokens > 0
     assert rounds.confidence_logits.shape == (len(rounds.accepted), 4) and not rounds.confidence_logits.any()
+    # Per prompt: its accepted drafts and rounds, which the held-out interval resamples.
+    assert rounds.prompt_accepted.tolist() == [o.num_accepted_drafts for o in outs]
+    assert rounds.prompt_rounds.tolist() == [o.num_steps for o in outs]
+    low, high = rounds.acceptance_interval(samples=400)
+    assert low <= rounds.acceptance_length <= high
     # A prompt with no room for one whole block gives no rounds.
     assert len(run_rounds(target, NgramDrafter(1, 2), [torch.zeros(125, dtype=torch.long)], max_new_tokens=30, block_size=4).accepted) == 0
+
+
+def test_the_bootstrap_interval_covers_the_estimate_and_narrows_with_prompts():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    intervals = {}
+    for prompts in (40, 640):
+        rounds = torch.randint(10, 40, (prompts,), generator=g)
+        rate = torch.rand(prompts, generator=g) * 3  # prompts differ: the interval has a width
+        accepted = (rounds * rate).long()
+        point = float((accepted.sum() + rounds.sum()) / rounds.sum())
+        low, high = bootstrap_interval(accepted, rounds, samples=2000, seed=1)
+        assert low < point < high
+        intervals[prompts] = high - low
+    # the standard error falls as 1/sqrt(prompts): 16x the prompts, ~1/4 the width
+    assert 0.15 < intervals[640] / intervals[40] < 0.4, intervals
+    rounds = torch.randint(10, 40, (30,), generator=g)
+    same = bootstrap_interval(2 * rounds, rounds, samples=200)
+    assert same == [3.0, 3.0]  # every prompt at AL 3 (however many rounds): so is every resample
+    with pytest.raises(ValueError, match="no rounds"):
+        bootstrap_interval(torch.zeros(0), torch.zeros(0))

@@ -48,6 +48,21 @@ def test_init_layers_option_names_the_value():
         recipe.init_layer_ids("0,30", 2, 30)
 
 
+def test_static_buckets_give_every_batch_of_the_data_one_shape():
+    """The most valid anchors of any sequence (capped, a multiple of 16) and its longest length (a
+    multiple of 128): every batch's anchors and width then round up to exactly these."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = torch.randint(20, 36, (8,), generator=g).tolist() + [140]
+    seqs = [torch.randint(0, 50, (n,), generator=g) for n in lengths]
+    masks = [(torch.rand(n, generator=g) > 0.3).long() for n in lengths[:-1]]
+    # the longest: 100 prompt tokens, then 40 supervised ones: 39 valid anchors (one and its next supervised)
+    masks.append(torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(40, dtype=torch.long)]))
+    seqs.append(torch.randint(0, 50, (130,), generator=g))  # 65 supervised tokens, none next to another: no anchor
+    masks.append(torch.arange(130) % 2)
+    assert recipe.static_buckets(seqs, masks, 512) == (48, 256)
+    assert recipe.static_buckets(seqs, masks, 10)[0] == 16  # the cap, as a multiple of 16
+
+
 QUESTIONS = {"train": ["Name a colour.", "Say hi.", "Count to three.", "Name a fruit."],
              "calibration": ["Name a dog breed.", "Say yes."],
              "humaneval": ["def add(a, b):\n    \"\"\"Add two numbers.\"\"\""], "mtbench": ["Name a planet."]}
@@ -76,7 +91,8 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
             "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3", "--prefill-chunk", "2", "--steps", "2", "--eval-plan", "humaneval:greedy,mtbench:t1",
             "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0", "--layers", "1", "--markov-rank", "8",
             "--eval-every", "2", "--held-out-prompts", "1", "--held-out-tokens", "3", "--eval-tokens", "5",
-            "--eval-batch", "2", "--bootstrap", "20", "--speed-prompts", "1", "--attention", "per_query"]
+            "--eval-batch", "2", "--bootstrap", "20", "--speed-prompts", "1", "--attention", "per_query",
+            "--sequences", "", "--log-every", "1"]
     # A call that reaches --time-limit stops cleanly (exit 3) and the next call resumes from the work folder.
     assert recipe.main(argv + ["--time-limit", "1e-9"]) == 3
     assert not (tmp_path / "work" / "sequences.npz").exists()
@@ -92,12 +108,19 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     for name in recipe.VARIANTS:
         assert [(h["step"], h["total_step"]) for h in result["training"][name]["held_out"]] == [(2, 2)]
         assert recipe.trained_steps(tmp_path / "work" / name) == 2
+        held = result["training"][name]["held_out"][-1]
+        low, high = held["ci95"]
+        assert low <= held["acceptance_length"] <= high and len(held["prompt_rounds"]) == 1 and held["lr_area"] > 0
+        assert result["training"][name]["epochs"] == 1.0 and result["training"][name]["seconds_per_step"] > 0
+    assert result["capture_store"]["cached_sequences"] == 4 and (tmp_path / "work" / "capture.bin.json").is_file()
     for set_name, mode in (("humaneval", "greedy"), ("mtbench", "t1")):
         boot = result["eval"][set_name][mode]["bootstrap"]
         for drafter in ("dspark", "dflash_ablation", "ngram"):
             low, high = boot[drafter]["ci95"]
             assert 1.0 <= low <= boot[drafter]["acceptance_length"] <= high <= 1.0 + recipe.BLOCK
         assert "dspark_over_ngram" in boot and len(result["eval"][set_name][mode]["confidence"]["sts"]["positions"]) == 7
+        for drafter, entry in result["eval"][set_name][mode]["per_drafter"].items():  # vLLM's AL beside ours
+            assert 1.0 <= entry["acceptance_length_vllm"] <= 1.0 + recipe.BLOCK and entry["drafts"] <= entry["steps"]
     # The CPU reference target is row-invariant: greedy output equals plain decoding's exactly.
     agreement = result["eval"]["humaneval"]["greedy"]["greedy_equals_plain"]
     assert {name: a["identical"] for name, a in agreement.items()} == {"dspark": 1, "dflash_ablation": 1, "ngram": 1}
@@ -165,3 +188,49 @@ def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
     assert init_ab.start_layers("spread", 5, 30) == "0,6,12,18,24"
     assert init_ab.main(argv[:1] + ["middle"] + argv[2:]) == 2  # a bad start: one line, no traceback
     assert init_ab.main(argv + ["--max-length", "3"]) == 2  # no sequence is that short
+
+
+def test_the_lr_ab_picks_the_peak_for_a_run_on_a_given_sequence_file(tmp_path, capsys):
+    """--sequences (a generated file), --lr-ab at two peaks (held-out AL each, paired ratios to the
+    best), --lr auto taking the winner, the capture store written by the first call and loaded by the
+    next, and one-line refusals."""
+    try:
+        gguf = find_smollm2_gguf()
+    except MissingAssetError as error:
+        pytest.skip(str(error))
+    torch.set_num_threads(1)
+    tiny_data(tmp_path / "data.npz", GGUFTokenizer(GGUFFile(gguf).metadata))
+    prompts = recipe.load_prompt_sets(tmp_path / "data.npz")["train"]
+    g = torch.Generator().manual_seed(5)
+    answers = [torch.randint(3, 49152, (int(n),), generator=g) for n in (6, 9, 4, 7)]
+    recipe.save_sequences(tmp_path / "seqs.npz", [0, 1, 2, 3], [torch.cat([p, a]).numpy() for p, a in zip(prompts, answers)],
+                          [len(p) for p in prompts])
+    out = tmp_path / "results.json"
+    argv = ["run", "--data", str(tmp_path / "data.npz"), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+            "--device", "cpu", "--sequences", str(tmp_path / "seqs.npz"), "--steps", "2", "--batch-size", "2",
+            "--num-anchors", "4", "--layers", "1", "--markov-rank", "8", "--eval-every", "2", "--held-out-prompts", "1",
+            "--held-out-tokens", "3", "--bootstrap", "20", "--lr-ab", "1e-3,3e-3", "--lr-ab-steps", "2", "--lr", "auto",
+            "--only-train"]
+    assert recipe.main(argv + ["--only-lr-ab"]) == 3  # stops after the A/B, to be read first
+    first = json.loads(out.read_text())
+    ab = first["lr_ab"]
+    assert set(ab["runs"]) == {"0.001", "0.003"} and ab["best"] in (0.001, 0.003) and "dspark" not in first.get("training", {})
+    best = f"{ab['best']:g}"
+    assert ab["runs"][best]["over_best"]["ratio"] == 1.0
+    assert all(run["held_out"][-1]["acceptance_length"] <= ab["runs"][best]["held_out"][-1]["acceptance_length"]
+               for run in ab["runs"].values())
+    for run in ab["runs"].values():
+        assert [h["step"] for h in run["held_out"]] == [2] and run["train_config"]["steps"] == 2
+    assert first["capture_store"]["source"] == "target" and first["training_data"]["file"] == "seqs.npz"
+    assert recipe.main(argv) == 0  # the same command: the A/B is done, the store loads, both variants train
+    second = json.loads(out.read_text())
+    assert second["capture_store"]["source"] == "file" and second["peak_lr"] == ab["best"]
+    for name in recipe.VARIANTS:
+        assert second["training"][name]["train_config"]["lr"] == ab["best"]
+        assert second["training"][name]["train_config"]["schedule"] == "wsd"
+    capsys.readouterr()
+    assert recipe.main([a for a in argv if a not in ("--lr-ab", "1e-3,3e-3")]) == 2
+    assert capsys.readouterr().err.strip().endswith("--lr=auto: picks the best of --lr-ab, which is not given")
+    at = argv.index("--sequences") + 1
+    assert recipe.main(argv[:at] + [str(tmp_path / "none.npz")] + argv[at + 1:]) == 2
+    assert "none.npz" in capsys.readouterr().err

@@ -33,16 +33,40 @@ from .drafter import DSparkDrafter
 class Rounds:
     confidence_logits: torch.Tensor  # [R, G] raw (uncalibrated) confidence logits
     accepted: torch.Tensor  # [R] drafts accepted in the round (all G were verified)
+    # Per prompt (run_rounds): drafts accepted and rounds, over all of its rounds [P]; the unit a
+    # bootstrap resamples (acceptance_interval).
+    prompt_accepted: torch.Tensor | None = None
+    prompt_rounds: torch.Tensor | None = None
 
     @property
     def acceptance_length(self) -> float:
         """Mean tokens per verify (accepted drafts + 1), vLLM's acceptance length."""
         return float(self.accepted.float().mean() + 1) if len(self.accepted) else float("nan")
 
+    def acceptance_interval(self, samples: int = 1000, seed: int = 0) -> list[float]:
+        """95% percentile bootstrap interval of acceptance_length over prompts (resampled with
+        replacement, each with all of its rounds)."""
+        if self.prompt_accepted is None:
+            raise ValueError("acceptance_interval: these rounds carry no per-prompt counts (run_rounds makes them)")
+        return bootstrap_interval(self.prompt_accepted, self.prompt_rounds, samples, seed)
+
     def observed(self) -> torch.Tensor:
         """[R, G] float: drafts 1..k were all accepted."""
         G = self.confidence_logits.shape[1]
         return (self.accepted[:, None] > torch.arange(G)).float()
+
+
+def bootstrap_interval(accepted, rounds, samples: int = 1000, seed: int = 0) -> list[float]:
+    """[2.5%, 97.5%] percentiles of (sum accepted + sum rounds) / sum rounds over `samples`
+    resamplings of the prompts (accepted, rounds: per-prompt totals [P])."""
+    accepted, rounds = torch.as_tensor(accepted, dtype=torch.float64), torch.as_tensor(rounds, dtype=torch.float64)
+    if len(rounds) == 0 or rounds.sum() == 0:
+        raise ValueError("bootstrap_interval: no rounds to resample")
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(rounds), (samples, len(rounds)), generator=g)
+    al = (accepted[picks].sum(1) + rounds[picks].sum(1)) / rounds[picks].sum(1).clamp(min=1)
+    low, high = torch.quantile(al, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [round(low, 4), round(high, 4)]
 
 
 @torch.no_grad()
@@ -78,13 +102,19 @@ def run_rounds(
     work = [(i, p, min(max_new_tokens, target.max_seq_len - p.shape[0] - G + 1)) for i, p in enumerate(prompts)]
     work = [(i, p, n) for i, p, n in work if n >= 1]
     width = min(target.max_slots, getattr(drafter, "max_slots", target.max_slots))
+    prompt_accepted, prompt_rounds = [], []
     for start in range(0, len(work), width):  # the engine then never uses a slot past the drafter's
         chunk = work[start : start + width]
         params = [dataclasses.replace(sampling, max_tokens=n, ignore_eos=True, seed=seed * 100_003 + i) for i, _, n in chunk]
         for (i, _, _), out in zip(chunk, engine.generate([p for _, p, _ in chunk], params)):
             if out.error is not None:
                 raise ValueError(f"run_rounds: prompts[{i}]: {out.error}")
-    return recorder.rounds()
+            prompt_accepted.append(out.num_accepted_drafts)
+            prompt_rounds.append(out.num_steps)
+    rounds = recorder.rounds()
+    rounds.prompt_accepted = torch.tensor(prompt_accepted, dtype=torch.long)
+    rounds.prompt_rounds = torch.tensor(prompt_rounds, dtype=torch.long)
+    return rounds
 
 
 class RoundRecorder:

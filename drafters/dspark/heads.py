@@ -7,6 +7,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# DeepSpec's start for every Linear and Embedding of its drafter (docs/dspark-algorithm.md §6.6).
+DEEPSPEC_INIT_STD = 0.02
+
+
+def init_like_deepspec(module: nn.Module, std: float = DEEPSPEC_INIT_STD) -> None:
+    """Every Linear and Embedding under `module` to weights ~ N(0, std) and zero biases, as
+    DeepSpec's drafters start (transformers' PreTrainedModel._init_weights with the target
+    config's initializer_range = 0.02; docs/dspark-algorithm.md §6.6). torch's own defaults give
+    the Markov head's W1 (an nn.Embedding) N(0, 1): 50x that."""
+    if not std > 0:
+        raise ValueError(f"std={std!r}: must be > 0")
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, (nn.Linear, nn.Embedding)):
+                sub.weight.normal_(0.0, std)
+            if isinstance(sub, nn.Linear) and sub.bias is not None:
+                sub.bias.zero_()
+
 
 class MarkovHead(nn.Module):
     """Low-rank first-order correction of the block logits (docs/dspark-algorithm.md §2.5, paper eq. 5).

@@ -22,7 +22,8 @@ from torch import nn
 from dspark.policy import calibrated_confidence, temperature_tensor
 
 from .config import DSparkConfig
-from .heads import ConfidenceHead, MarkovHead
+from .flex import flex_attend
+from .heads import ConfidenceHead, MarkovHead, init_like_deepspec
 
 
 class RMSNorm(nn.Module):
@@ -139,6 +140,8 @@ class BlockAttention(nn.Module):
         k_blk, v_blk = self.keys_values(self.kv_rows(x, positions, shared.rope))  # [B, A, G, H, dk|dv]
         k_ctx, v_ctx = self.keys_values(context_rows)  # [B, S, H, dk|dv]
         B, A, G = q.shape[:3]
+        if shared.flex_mask is not None:  # the same function, block-sparse (drafters/dspark/flex.py)
+            return self.o_proj(self._flex(q, (k_ctx, k_blk), (v_ctx, v_blk), shared.flex_mask).to(x.dtype))
         # One fused attention call (F.scaled_dot_product_attention) over every block slot at once:
         # keys are the S context rows followed by the A * G block rows, and the mask lets a slot see
         # the context rows before its anchor and the rows of its own block. Written as separate
@@ -151,6 +154,20 @@ class BlockAttention(nn.Module):
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=shared.mask[:, None], scale=self.scale)
         return self.o_proj(out.transpose(1, 2).unflatten(1, (A, G)).flatten(-2).to(x.dtype))
 
+    def _flex(self, q, keys, values, mask) -> torch.Tensor:
+        """FlexAttention over [context rows, block rows] -> [B, A, G, H * dv]. Its kernels take one
+        dtype (SDPA's autocast casts them; flex_attention is not on autocast's lists), so the keys
+        and values take the queries' (bf16 under the trainer's autocast, where the context rows,
+        made outside it, are float32)."""
+        B, A, G = q.shape[:3]
+        dtype = q.dtype
+        heads_first = lambda t: t.to(dtype).transpose(1, 2)  # noqa: E731  [B, rows, H, d] -> [B, H, rows, d]
+        queries = heads_first(q.flatten(1, 2))
+        keys = heads_first(torch.cat([keys[0].to(dtype), keys[1].flatten(1, 2).to(dtype)], dim=1))
+        values = heads_first(torch.cat([values[0].to(dtype), values[1].flatten(1, 2).to(dtype)], dim=1))
+        out = flex_attend(queries, keys, values, mask, self.scale)  # [B, H, A * G, dv]
+        return out.transpose(1, 2).unflatten(1, (A, G)).flatten(-2)
+
 
 class BlockPass:
     """What every layer of one pass over the blocks shares, made once instead of per layer (in a
@@ -158,9 +175,13 @@ class BlockPass:
     experiments/notes/step.md): the RoPE tables of the block positions and the block mask, and
     the mask's per-head form for the latent attention."""
 
-    def __init__(self, rotary: "Rotary | None", positions: torch.Tensor, context_visible: torch.Tensor, G: int):
+    def __init__(self, rotary: "Rotary | None", positions: torch.Tensor, context_visible: torch.Tensor | None, G: int,
+                 flex_mask=None):
+        """flex_mask: a FlexAttention BlockMask of the same mask (flex.block_mask), in place of
+        context_visible: the attention then runs block-sparse (training only)."""
         self.rope = rotary.tables(positions) if rotary is not None else None
-        self.mask = _block_mask(context_visible, G)  # [B, A * G, S + A * G]
+        self.flex_mask = flex_mask
+        self.mask = _block_mask(context_visible, G) if flex_mask is None else None  # [B, A * G, S + A * G]
         self._hidden_per_head: dict[int, torch.Tensor] = {}
 
     def hidden_per_head(self, heads: int) -> torch.Tensor:
@@ -385,13 +406,22 @@ class DSparkModel(nn.Module):
                 for name, tensor in tensors.items():
                     own[name].copy_(tensor)
 
+    def init_heads_like_deepspec(self) -> None:
+        """The Markov and confidence heads at DeepSpec's start, N(0, 0.02) weights and zero biases
+        (heads.init_like_deepspec, docs/dspark-algorithm.md §6.6), in place of torch's defaults."""
+        init_like_deepspec(self.markov_head)
+        init_like_deepspec(self.confidence_head)
+
     # ---- context -----------------------------------------------------------------------------
     def fuse_taps(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """H_ctx = RMSNorm(fc(concat of the tapped layers)) (docs/dspark-algorithm.md §2.1, paper eq. 2): {layer: [..., d_t]} -> [..., d]."""
         missing = [layer for layer in self.config.target_layer_ids if layer not in taps]
         if missing:
             raise ValueError(f"taps: missing target layers {missing}; the drafter needs {list(self.config.target_layer_ids)}")
-        features = torch.cat([taps[layer] for layer in self.config.target_layer_ids], dim=-1)
+        return self.fuse_features(torch.cat([taps[layer] for layer in self.config.target_layer_ids], dim=-1))
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """fuse_taps of the tapped layers already concatenated in target_layer_ids order [..., taps * d_t]."""
         return self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
 
     def _rotary(self) -> "Rotary | None":
@@ -424,14 +454,21 @@ class DSparkModel(nn.Module):
         block_tokens: torch.Tensor,  # [B, A, G]
         positions: torch.Tensor,  # [B, A, G]: anchor position + (k - 1)
         context_rows: list[torch.Tensor],  # per layer [B, S, W]
-        context_visible: torch.Tensor,  # [B, A, S]
+        context_visible: torch.Tensor | None,  # [B, A, S]; None with flex_mask
         inference: bool = False,
+        flex_mask=None,
     ) -> torch.Tensor:
         """One parallel pass over every block; returns the final-normed hidden [B, A, G, d].
         inference: a drafting pass (no gradients needed), which an attention layout may compute in
-        a cheaper but equal way (MLA's latent attention, docs/dspark-algorithm.md §2.3)."""
+        a cheaper but equal way (MLA's latent attention, docs/dspark-algorithm.md §2.3).
+        flex_mask: the block mask as a FlexAttention BlockMask (flex.block_mask), for a training
+        pass that attends block-sparse instead of through the dense mask of context_visible."""
+        if (context_visible is None) == (flex_mask is None):
+            raise ValueError("backbone: give exactly one of context_visible and flex_mask")
+        if flex_mask is not None and inference:
+            raise ValueError("backbone: flex_mask is for training passes (inference=False)")
         x = self.embed_block(block_tokens).to(self.context_proj.weight.dtype)
-        shared = BlockPass(self._rotary(), positions, context_visible, block_tokens.shape[-1])
+        shared = BlockPass(self._rotary(), positions, context_visible, block_tokens.shape[-1], flex_mask)
         with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             for layer, rows in zip(self.layers, context_rows):

@@ -1,19 +1,23 @@
-"""Training the DSpark drafter online against a live target (docs/dspark-algorithm.md §6).
+"""Training the DSpark drafter against a target (docs/dspark-algorithm.md §6).
 
-Each step prefills a batch of training sequences into the target with the drafter's tap layers
-(online capture of the tapped hidden states and the target logits), samples up to
+Each step reads the target for a batch of training sequences (online capture: a prefill with the
+drafter's tap layers; or a CaptureStore that captured every sequence once), samples up to
 `num_anchors` anchors per sequence, builds one block per anchor ([tok[a], MASK...] at positions
 a..a+G-1, labels tok[a+1..a+G], §6.2), runs every block in one parallel pass with the Markov and
-confidence heads teacher-forced on the true previous tokens, and minimises (§6.3)
+confidence heads teacher-forced on the true previous tokens, and minimises (§6.3, loss.py)
 
     L = 0.1 * CE + 0.9 * ||p_d - p_t||_1 + 1.0 * BCE(conf_logit, 1 - 0.5 * ||p_d - p_t||_1 (detached)),
 
-each term a mean weighted by w_k = exp(-(k-1)/4) over supervised slots. AdamW with linear
-warm-up and cosine decay to 0, gradient clipping; checkpoints (safetensors + config.json +
-trainer_state.pt) resume exactly; a jsonl loss log and a progress display (dspark.progress).
+each term a mean weighted by w_k = exp(-(k-1)/4) over supervised slots. The step runs one of two
+ways (steps.py): the reference (anchor chunks, dense attention, every slot) or the fast one
+(all anchors, block-sparse attention, supervised slots only, optionally compiled). AdamW with
+linear warm-up then cosine decay or warmup-stable-decay (§6.6), gradient clipping; checkpoints
+(safetensors + config.json + trainer_state.pt, with AdamW's moments and the schedule's position)
+resume exactly; a jsonl loss log and a progress display (dspark.progress).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,18 +29,22 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from dspark.targets import eos_ids
 from dspark.config import SamplingParams
 from dspark.engine import Engine
 from dspark.files import file_mode, write_atomic
-from dspark.kernels import ops
 from dspark.progress import progress as progress_display
+from dspark.targets import eos_ids
 
+from .capture import BatchCapture, CaptureStore, capture  # noqa: F401 (capture: the online path, re-exported)
 from .checkpoint import TRAINER_STATE_FILE, load_trainer_state, load_weights, read_tensors, save_checkpoint
+from .loss import dspark_loss, metrics_to_floats  # noqa: F401 (dspark_loss re-exported)
 from .model import DSparkModel
+from .steps import blocks_forward, build_blocks, fast_step_loss, make_batch, reference_step_loss, sample_anchors  # noqa: F401
+
+SCHEDULES = ("cosine", "wsd")
+TEACHERS = ("logits", "lm_head")
+ATTENTIONS = ("sdpa", "flex")
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,10 @@ class TrainConfig:
     batch_size: int = 8
     lr: float = 6e-4
     warmup_frac: float = 0.04
+    # "cosine": warm-up then cosine to 0 (the released drafters'); "wsd": warm-up, the peak held,
+    # then a linear decay to 0 over the last decay_frac of the steps (docs/dspark-algorithm.md §6.6).
+    schedule: str = "cosine"
+    decay_frac: float = 0.12
     weight_decay: float = 0.0
     num_anchors: int = 512
     ce_weight: float = 0.1
@@ -52,153 +64,87 @@ class TrainConfig:
     conf_weight: float = 1.0
     decay_gamma: float = 4.0  # all released configs use 4.0, not the block size (docs/dspark-algorithm.md §6.3)
     grad_clip: float = 1.0
-    anchor_chunk: int = 0  # > 0: run the blocks this many anchors at a time
+    anchor_chunk: int = 0  # > 0: run the blocks this many anchors at a time (reference step)
     recompute: bool = True  # chunks recompute their activations in backward (memory ~ one chunk's)
     # > 0: batches drawn from groups of this many batches sorted by supervised length (epoch_batches)
     length_groups: int = 0
+    # Where the teacher's distribution comes from: "logits", the target's own logits per position;
+    # "lm_head", softmax(lm_head(the LM head's input)), tap num_layers (what a CaptureStore keeps).
+    teacher: str = "logits"
+    fast: bool = False  # the fast step (steps.fast_step_loss) instead of the reference
+    attention: str = "sdpa"  # the fast step's attention: "sdpa" (dense mask) or "flex" (block-sparse; GPU)
+    # Static shapes (fast step): anchors per sequence and padded length rounded up to these
+    # multiples (0: exact), so a run's batches take a few shapes and a compiled step a few graphs.
+    anchor_bucket: int = 0
+    length_bucket: int = 0
+    compile: bool = False  # torch.compile the fast step's forward over the blocks
+    log_every: int = 1  # metrics read back (a wait for the device) and logged every this many steps
     seed: int = 42
     save_every: int = 0  # 0: save only at the end
 
     def validate(self) -> "TrainConfig":
-        for name in ("steps", "batch_size", "num_anchors"):
+        for name in ("steps", "batch_size", "num_anchors", "log_every"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= 1")
         for name in ("lr", "decay_gamma", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be > 0")
-        if not 0 <= self.warmup_frac < 1:
-            raise ValueError(f"TrainConfig.warmup_frac={self.warmup_frac!r}: must be in [0, 1)")
+        for name in ("warmup_frac", "decay_frac"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
         for name in ("weight_decay", "ce_weight", "l1_weight", "conf_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
-        if not isinstance(self.anchor_chunk, int) or self.anchor_chunk < 0:
-            raise ValueError(f"TrainConfig.anchor_chunk={self.anchor_chunk!r}: must be an integer >= 0 (0 = all anchors at once)")
-        if not isinstance(self.recompute, bool):
-            raise ValueError(f"TrainConfig.recompute={self.recompute!r}: must be a bool")
-        if not isinstance(self.length_groups, int) or self.length_groups < 0:
-            raise ValueError(f"TrainConfig.length_groups={self.length_groups!r}: must be an integer >= 0 (0 = random batches)")
-        if not isinstance(self.save_every, int) or self.save_every < 0:
-            raise ValueError(f"TrainConfig.save_every={self.save_every!r}: must be an integer >= 0")
+        for name, allowed in (("schedule", SCHEDULES), ("teacher", TEACHERS), ("attention", ATTENTIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be one of {allowed}")
+        for name in ("anchor_chunk", "length_groups", "save_every", "anchor_bucket", "length_bucket"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= 0 (0 = off)")
+        for name in ("recompute", "fast", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be a bool")
+        if not self.fast and (self.attention != "sdpa" or self.compile):
+            raise ValueError(f"TrainConfig.attention={self.attention!r}, compile={self.compile!r}: "
+                             "flex attention and compile are options of the fast step (fast=True)")
         return self
 
 
-# ---- blocks -----------------------------------------------------------------------------------
-def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator):
-    """Up to num_anchors distinct valid anchors per sequence, uniformly at random, sorted (docs/dspark-algorithm.md §6.2).
-
-    Valid a: a <= len-2, loss_mask[a] and loss_mask[a+1]. Returns anchors [B, A] and keep [B, A]
-    (False for padding blocks)."""
-    B, S = loss_mask.shape
-    pos = torch.arange(S)
-    valid = (pos < lengths[:, None] - 1) & loss_mask.bool()
-    valid[:, :-1] &= loss_mask[:, 1:].bool()
-    valid[:, -1] = False
-    keys = torch.rand(B, S, generator=generator).masked_fill(~valid, 2.0)  # random keys, invalid last
-    count = min(num_anchors, max(int(valid.sum(1).max()), 1))
-    chosen = keys.topk(count, dim=1, largest=False).indices
-    keep = valid.gather(1, chosen)
-    anchors = torch.where(keep, chosen, torch.zeros_like(chosen))
-    order = torch.where(keep, anchors, torch.full_like(anchors, S)).argsort(dim=1)
-    return anchors.gather(1, order), keep.gather(1, order)
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """The schedule: the learning rate of optimizer step `step` (0-based) over cfg.lr."""
+    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "wsd":
+        decay = round(cfg.decay_frac * cfg.steps)
+        left = cfg.steps - step  # <= 0 only for the scheduler's step after the last
+        return 1.0 if left > decay else max(left, 0) / max(decay, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
 
 
-def build_blocks(tokens, lengths, loss_mask, anchors, keep, block_size: int, mask_token_id: int):
-    """Block inputs, positions, labels, teacher-forced previous tokens and the eval mask (docs/dspark-algorithm.md §6.2).
-
-    Slot k (1..G) of the block at anchor a has input tok[a] (k = 1) or MASK, position a+k-1,
-    label tok[a+k], previous token tok[a+k-1], and is supervised while every slot up to it is
-    inside the sequence and the loss mask: eval_mask[k] = prod_{i<=k} (a+i < len and mask[a+i]).
-    """
-    B, S = tokens.shape
-    offsets = torch.arange(block_size)
-    positions = anchors[..., None] + offsets  # a + k - 1
-    label_pos = positions + 1
-    inside = label_pos < lengths[:, None, None]
-    clamped = label_pos.clamp(max=S - 1)
-    flat = lambda t, idx: t.gather(1, idx.flatten(1)).view(idx.shape)  # noqa: E731
-    labels = flat(tokens, clamped)
-    prev = flat(tokens, positions.clamp(max=S - 1))
-    supervised = inside & flat(loss_mask, clamped).bool()
-    eval_mask = supervised.long().cumprod(dim=-1).bool() & keep[..., None]
-    block = torch.full_like(labels, mask_token_id)
-    block[..., 0] = flat(tokens, anchors[..., None])[..., 0]
-    return block, positions, labels, prev, eval_mask
+def lr_area(steps_done: int, cfg: TrainConfig) -> float:
+    """The integral of the learning rate over the first steps_done steps (sum of each step's lr):
+    held-out gains track it rather than the step count (docs/dspark-algorithm.md §6.6)."""
+    return cfg.lr * sum(lr_factor(s, cfg) for s in range(steps_done))
 
 
-def loss_sums(draft_logits, target_probs, labels, conf_logits, eval_mask, cfg: TrainConfig,
-              target_rows=None) -> dict[str, torch.Tensor]:
-    """Weighted sums of the three loss terms and of the diagnostics over a set of blocks; blocks
-    can be split into chunks and their sums added (see `finish_loss`).
-
-    draft_logits [..., G, V]; target_probs float32, the target's softmax (taken once per position
-    by the caller: neighbouring blocks share positions), either [..., G, V] (one row per slot) or
-    [M, V] with target_rows [..., G] naming each slot's row; labels, conf_logits, eval_mask
-    [..., G]. The vocabulary-wide terms are the op draft_loss_terms (kernels/draft_loss)."""
-    V = draft_logits.shape[-1]
-    if target_rows is None:
-        target_probs, rows = target_probs.reshape(-1, V), None
-    else:
-        rows = target_rows.reshape(-1)
-    ce, l1 = ops.draft_loss_terms(draft_logits.reshape(-1, V), target_probs, rows, labels.reshape(-1))
-    ce, l1 = ce.view(labels.shape), l1.view(labels.shape)
-    soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
-    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
-    G = labels.shape[-1]
-    decay = torch.exp(-torch.arange(G, dtype=torch.float32, device=labels.device) / cfg.decay_gamma)
-    weight = decay * eval_mask.float()
-    mask_f = eval_mask.float()
-    return {
-        "ce": (ce * weight).sum(), "l1": (l1 * weight).sum(), "conf": (bce * weight).sum(), "weight": weight.sum(),
-        # Diagnostics (docs/dspark-algorithm.md §6.3): accept_rate@k = mean soft label, tau = 1 + sum_k prod_{i<=k} c*_i.
-        "accept": (soft_label * mask_f).flatten(0, -2).sum(0), "slots": mask_f.flatten(0, -2).sum(0),
-        "tau": ((1 + (soft_label * mask_f).cumprod(dim=-1).sum(-1)) * mask_f[..., 0]).sum(), "blocks": mask_f[..., 0].sum(),
-    }
+def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: TrainConfig, generator, *, forward=None):
+    """Loss and metrics (0-d device tensors) of one batch, forward only; `captured` is a
+    BatchCapture or capture(target, sequences, taps)'s (logits, taps). The step cfg.fast picks
+    (steps.py); forward: the fast step's (compiled) blocks_forward."""
+    batch = make_batch(sequences, loss_masks, cfg, generator, model.config.block_size, model.config.mask_token_id)
+    captured = BatchCapture.of(captured)
+    if cfg.fast:
+        return fast_step_loss(model, captured, batch, cfg, forward)
+    return reference_step_loss(model, captured, batch, cfg)
 
 
-def finish_loss(sums: dict[str, torch.Tensor], cfg: TrainConfig):
-    """L = 0.1 CE + 0.9 L1 + 1.0 BCE, each a weighted mean (docs/dspark-algorithm.md §6.3), and the step's metrics."""
-    denom = sums["weight"].detach().clamp(min=1e-12)
-    ce, l1, conf = (sums[key] / denom for key in ("ce", "l1", "conf"))
-    loss = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf
-    per_slot = sums["accept"] / sums["slots"].clamp(min=1)
-    tau = sums["tau"] / sums["blocks"] if sums["blocks"] > 0 else torch.tensor(1.0)
-    metrics = {"loss": loss.item(), "ce": ce.item(), "l1": l1.item(), "conf": conf.item(),
-               "tau": float(tau), "accept": [round(x, 4) for x in per_slot.tolist()]}
-    return loss, metrics
-
-
-def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg: TrainConfig):
-    """The DSpark objective (docs/dspark-algorithm.md §6.3, §11 item 8): full L1 (not halved), decay exp(-(k-1)/gamma_w),
-    weighted means, soft confidence label detached, softmaxes in float32. Returns (loss, metrics)."""
-    return finish_loss(loss_sums(draft_logits, target_logits.float().softmax(dim=-1), labels, conf_logits, eval_mask, cfg), cfg)
-
-
-# ---- target side ------------------------------------------------------------------------------
-@torch.no_grad()
-def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
-    """Online capture of the target's logits [B, S, V] at every position and taps
-    {layer: [B, S, d]}, in chunks of at most max_slots sequences. Prefill returns only the last
-    position's logits, so each chunk is a verify on free slots (an empty prefix, nothing
-    committed), which returns every position's."""
-    logits, taps = [], {layer: [] for layer in tap_layers}
-    width = max(s.shape[0] for s in sequences)
-    for start in range(0, len(sequences), target.max_slots):
-        chunk = sequences[start : start + target.max_slots]
-        slots = list(range(len(chunk)))
-        lengths = [s.shape[0] for s in chunk]
-        tokens = _pad(chunk).to(target.device)
-        target.release(slots)
-        try:
-            out = target.verify(slots, tokens, lengths, tap_layers)
-        finally:
-            target.release(slots)
-        pad = width - out.logits.shape[1]
-        logits.append(F.pad(out.logits, (0, 0, 0, pad)))
-        for layer in tap_layers:
-            taps[layer].append(F.pad(out.taps[layer], (0, 0, 0, pad)))
-    return torch.cat(logits), {layer: torch.cat(t) for layer, t in taps.items()}
-
+def capture_layers(model: DSparkModel, cfg: TrainConfig) -> tuple[int, ...]:
+    """What a step reads of the target: the drafter's taps, and the LM head's input for an lm_head teacher."""
+    taps = tuple(model.config.target_layer_ids)
+    return taps + (model.config.target_num_layers,) if cfg.teacher == "lm_head" else taps
 
 @torch.no_grad()
 def generate_sequences(target, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float | list[float] = 1.0,
@@ -263,74 +209,6 @@ def response_loss_masks(prompts: list[torch.Tensor], sequences: list[torch.Tenso
 
 
 # ---- the loop ---------------------------------------------------------------------------------
-def _pad(sequences: list[torch.Tensor], value: int = 0) -> torch.Tensor:
-    width = max(s.shape[0] for s in sequences)
-    return torch.stack([F.pad(s, (0, width - s.shape[0]), value=value) for s in sequences])
-
-
-def train_step_loss(model: DSparkModel, captured, sequences, loss_masks, cfg: TrainConfig, generator):
-    """Loss and metrics of one batch (forward only); `captured` = capture(target, sequences, taps)."""
-    c = model.config
-    device = model.context_proj.weight.device
-    target_logits, taps = captured
-    tokens = _pad(sequences)
-    lengths = torch.tensor([s.shape[0] for s in sequences])
-    mask = _pad(loss_masks)
-    anchors, keep = sample_anchors(mask, lengths, cfg.num_anchors, generator)
-    block, positions, labels, prev, eval_mask = build_blocks(tokens, lengths, mask, anchors, keep,
-                                                             c.block_size, c.mask_token_id)
-    block, positions, labels, prev, eval_mask, anchors = (t.to(device) for t in (block, positions, labels, prev, eval_mask, anchors))
-    S = tokens.shape[1]
-    fused = model.fuse_taps({layer: t.to(device) for layer, t in taps.items()})
-    context_rows = model.context_rows(fused, torch.arange(S, device=device).expand(len(sequences), S))
-    visible = torch.arange(S, device=device) < anchors[..., None]  # context strictly before the anchor
-    # p_t once per position: a position is slot k of up to G blocks, and chunks are recomputed in backward.
-    target_probs = target_logits.to(device).float().softmax(dim=-1)
-
-    def blocks_sums(start: int, stop: int, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        part = slice(start, stop)
-        hidden = model.backbone(block[:, part], positions[:, part], list(rows), visible[:, part])
-        draft_logits, conf_logits = model.head_outputs(hidden, prev[:, part])  # teacher-forced heads
-        # p_t for slot k comes from the target logits after position a+k-1 (which predict tok[a+k]):
-        # row b * S + position of the flattened [B * S, V] softmax.
-        index = positions[:, part].clamp(max=S - 1)
-        target_rows = index + S * torch.arange(index.shape[0], device=index.device)[:, None, None]
-        sums = loss_sums(draft_logits, target_probs.view(-1, target_probs.shape[-1]), labels[:, part], conf_logits,
-                         eval_mask[:, part], cfg, target_rows=target_rows)
-        return tuple(sums[key] for key in _SUM_KEYS)
-
-    num_blocks = block.shape[1]
-    chunk = cfg.anchor_chunk or num_blocks
-    totals = None
-    for start in range(0, num_blocks, chunk):
-        args = (start, min(start + chunk, num_blocks), *context_rows)
-        # With recompute, chunks recompute their activations in backward: memory ~ one chunk of
-        # [A, G, V] logits instead of all anchors at once (docs/dspark-algorithm.md §6.2 uses 512
-        # anchors). Without it, chunks only bound the attention's masked block rows (model.py).
-        recomputed = cfg.recompute and chunk < num_blocks
-        part = checkpoint(blocks_sums, *args, use_reentrant=False) if recomputed else blocks_sums(*args)
-        totals = part if totals is None else tuple(t + p for t, p in zip(totals, part))
-    return finish_loss(dict(zip(_SUM_KEYS, totals)), cfg)
-
-
-_SUM_KEYS = ("ce", "l1", "conf", "weight", "accept", "slots", "tau", "blocks")
-
-
-def _cached_capture(cache: dict, pick: list[int], target, sequences, tap_layers):
-    """capture() of sequences[pick], prefilling only the ones not seen before."""
-    missing = [i for i in pick if i not in cache]
-    if missing:
-        logits, taps = capture(target, [sequences[i] for i in missing], tap_layers)
-        for row, i in enumerate(missing):
-            n = sequences[i].shape[0]
-            cache[i] = (logits[row, :n].clone(), {layer: t[row, :n].clone() for layer, t in taps.items()})
-    width = max(sequences[i].shape[0] for i in pick)
-    logits = torch.stack([F.pad(cache[i][0], (0, 0, 0, width - cache[i][0].shape[0])) for i in pick])
-    taps = {layer: torch.stack([F.pad(cache[i][1][layer], (0, 0, 0, width - cache[i][1][layer].shape[0])) for i in pick])
-            for layer in tap_layers}
-    return logits, taps
-
-
 def epoch_batches(supervised: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
     """The batches of one epoch (indices into the sequences), from (seed, epoch) alone.
 
@@ -353,7 +231,6 @@ def epoch_batches(supervised: list[int], cfg: TrainConfig, epoch: int) -> list[l
         return grouped
     return [order[j : j + cfg.batch_size] for j in range(0, len(order), cfg.batch_size)]
 
-
 LOG_FILE = "train_log.jsonl"
 
 
@@ -367,20 +244,14 @@ def _drop_log_lines_after(path: Path, step: int) -> None:
         write_atomic(path, "".join(kept))
 
 
-def _lr_factor(step: int, cfg: TrainConfig) -> float:
-    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
-
-
 class Trainer:
-    """One drafter's training state: AdamW with the warm-up + cosine schedule, the data order, the
+    """One drafter's training state: AdamW with the config's schedule, the data order, the
     checkpoints and the loss log. `train` and `train_together` drive it a step at a time.
 
     With out_dir, checkpoints go to out_dir (every save_every steps and when a run stops) and the
-    loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state.
-    Data order and anchors depend only on (seed, step), so a resumed run equals an unbroken one.
+    loss log to out_dir/train_log.jsonl; resume=True continues from out_dir's trainer state: the
+    weights, AdamW's moments and the schedule's position. Data order and anchors depend only on
+    (seed, step), so a resumed run equals an unbroken one.
     """
 
     def __init__(self, model: DSparkModel, sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] | None,
@@ -399,8 +270,12 @@ class Trainer:
             raise ValueError("sequences: none has the 2 tokens an anchor needs")
         self.model, self.out_dir = model, Path(out_dir) if out_dir is not None else None
         model.train()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: _lr_factor(s, cfg))
+        cuda = model.context_proj.weight.is_cuda
+        # fused: one kernel for every parameter's update on a GPU (the foreach form launches per group).
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_factor, cfg=cfg))
+        # One compiled pass over the blocks per trainer; train_step_loss hands it the model.
+        self.forward = torch.compile(blocks_forward) if cfg.compile else None
         self.step = 0
         if resume:
             if self.out_dir is None:
@@ -416,6 +291,7 @@ class Trainer:
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.out_dir / LOG_FILE, "a") if self.out_dir is not None else None
+        self._unread: list[dict] = []  # metrics still on the device (flush reads them)
         self._supervised = [int(m.sum()) for m in self.loss_masks]
         self._batches = (0, epoch_batches(self._supervised, cfg, 0))  # (epoch, its batches)
 
@@ -427,23 +303,34 @@ class Trainer:
         return self._batches[1][offset]
 
     def run_step(self, captured, pick: list[int]) -> dict:
-        """One optimizer step on batch `pick` given its capture; returns its metrics."""
+        """One optimizer step on batch `pick` given its capture; returns its metrics, device
+        tensors until `flush` reads them (in place)."""
         cfg = self.config
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * (self.step + 1))
         loss, metrics = train_step_loss(self.model, captured, [self.sequences[i] for i in pick],
-                                        [self.loss_masks[i] for i in pick], cfg, generator)
+                                        [self.loss_masks[i] for i in pick], cfg, generator, forward=self.forward)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).detach()
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         metrics["step"] = self.step
-        if self._log is not None:
-            self._log.write(json.dumps(metrics) + "\n")
-            self._log.flush()
+        self._unread.append(metrics)
+        if self.step % cfg.log_every == 0:
+            self.flush()
         return metrics
+
+    def flush(self) -> None:
+        """Read back the metrics of the steps since the last flush and log them."""
+        for metrics in self._unread:
+            metrics.update(metrics_to_floats(metrics))
+            if self._log is not None:
+                self._log.write(json.dumps(metrics) + "\n")
+        if self._log is not None:
+            self._log.flush()
+        self._unread.clear()
 
     def save(self, stopping: bool) -> bool:
         """A checkpoint, when the run stops here or at every save_every steps; whether it wrote one.
@@ -451,6 +338,7 @@ class Trainer:
         checkpoint's, so a kill while saving leaves that checkpoint whole."""
         if self.out_dir is None or not (stopping or (self.config.save_every and self.step % self.config.save_every == 0)):
             return False
+        self.flush()
         staging = Path(tempfile.mkdtemp(dir=self.out_dir, prefix=".saving-"))
         try:
             save_checkpoint(self.model, staging, trainer_state={
@@ -464,6 +352,7 @@ class Trainer:
         return True
 
     def close(self) -> None:
+        self.flush()
         if self._log is not None:
             self._log.close()
         self.model.eval()
@@ -482,6 +371,7 @@ def train(
     stop_after: int | None = None,
     deadline: float | None = None,
     cache_captures: bool = False,
+    store: CaptureStore | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> list[dict]:
     """Train `model` in place for config.steps steps (Trainer: checkpoints, log, resume); returns
@@ -489,17 +379,28 @@ def train(
 
     stop_after ends this call after that many steps, and deadline (a time.time() value) after
     the first step that ends past it, each saving a checkpoint to resume from, for runs split
-    across time-limited jobs. cache_captures keeps each sequence's target logits and
-    taps in memory after its first prefill (an offline target cache for small data sets and
-    slow targets; memory = sum of S x (V + taps x d) floats). stop() is asked after each step;
-    True ends the run there with a checkpoint (a Ctrl-C the caller caught).
+    across time-limited jobs. store: a filled CaptureStore of `sequences` (what a step reads of
+    the target, captured once); cache_captures builds one in float32 on the target's device
+    (memory = sum of S x taps x d floats, plus S x V with a logits teacher). stop() is asked after
+    each step; True ends the run there with a checkpoint (a Ctrl-C the caller caught).
     """
     trainer = Trainer(model, sequences, loss_masks, config, out_dir, resume)
     try:
         return train_together(target, {"drafter": trainer}, progress=progress, stop_after=stop_after,
-                              deadline=deadline, cache_captures=cache_captures, stop=stop)["drafter"]
+                              deadline=deadline, cache_captures=cache_captures, store=store,
+                              stop=stop)["drafter"]
     finally:
         trainer.close()
+
+
+def trainer_store(target, trainers: dict[str, "Trainer"], dtype: torch.dtype = torch.float32, **kwargs) -> CaptureStore:
+    """A filled CaptureStore of the trainers' sequences with every layer any of them reads."""
+    first = next(iter(trainers.values()))
+    layers = tuple(sorted({layer for t in trainers.values() for layer in capture_layers(t.model, t.config)}))
+    logits = any(t.config.teacher == "logits" for t in trainers.values())
+    store = CaptureStore(target, first.sequences, layers, logits=logits, dtype=dtype, **kwargs)
+    store.fill(progress=False)
+    return store
 
 
 def train_together(
@@ -510,14 +411,15 @@ def train_together(
     stop_after: int | None = None,
     deadline: float | None = None,
     cache_captures: bool = False,
+    store: CaptureStore | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> dict[str, list[dict]]:
     """train() for several drafters on the same batches, in lockstep: each step's batch is
-    prefilled into the target once (the union of their tap layers) and every drafter trains on
-    that capture. The trainers must stand at the same step over the same data with the same
-    batch order (seed, batch size, length groups); their own losses and schedules may differ.
-    stop_after, deadline, cache_captures and stop as in train(). Returns each trainer's per-step
-    metrics; the caller closes the trainers."""
+    captured once (the union of what they read of the target) and every drafter trains on that
+    capture. The trainers must stand at the same step over the same data with the same batch
+    order (seed, batch size, length groups); their own losses and schedules may differ.
+    stop_after, deadline, cache_captures, store and stop as in train(). Returns each trainer's per-step
+    metrics (read back); the caller closes the trainers."""
     first = next(iter(trainers.values()))
 
     def order(t: Trainer) -> tuple:
@@ -527,23 +429,28 @@ def train_together(
         if order(t) != order(first):
             raise ValueError(f"train_together: trainer {name!r} (step, seed, batch_size, length_groups, steps, "
                              f"sequences) = {order(t)} differs from {order(first)}: lockstep needs the same batches")
-    taps = tuple(sorted({layer for t in trainers.values() for layer in t.model.config.target_layer_ids}))
+    if store is not None and len(store.sequences) != len(first.sequences):
+        raise ValueError(f"store: holds {len(store.sequences)} sequences, the trainers train on {len(first.sequences)}")
+    if store is None and cache_captures:
+        store = trainer_store(target, trainers)
+    layers = tuple(sorted({layer for t in trainers.values() for layer in capture_layers(t.model, t.config)}))
     history: dict[str, list[dict]] = {name: [] for name in trainers}
-    cache: dict[int, tuple] | None = {} if cache_captures else None
     last_step = first.config.steps if stop_after is None else min(first.config.steps, first.step + stop_after)
     bar = progress_display(first.config.steps, initial=first.step, desc="train", unit="step", disable=not progress)
     while first.step < last_step:
         pick = first.batch()
-        captured = _cached_capture(cache, pick, target, first.sequences, taps) if cache is not None \
-            else capture(target, [first.sequences[i] for i in pick], taps)
+        captured = store.batch(pick) if store is not None else capture(target, [first.sequences[i] for i in pick], layers)
         for name, t in trainers.items():
             if t.batch() != pick:  # same configs and data give the same batches; this guards a mix-up
                 raise ValueError(f"train_together: trainer {name!r} draws another batch at step {t.step}")
-            history[name].append(t.run_step(captured, pick))  # its taps: fuse_taps picks its own layers
+            history[name].append(t.run_step(captured, pick))  # its taps: each model picks its own layers
         bar.update(1)
-        bar.set_postfix({name: f"loss {h[-1]['loss']:.4f} tau {h[-1]['tau']:.2f}" for name, h in history.items()})
         stopping = (first.step == last_step or (deadline is not None and time.time() > deadline)
                     or (stop is not None and stop()))
+        if first.step % first.config.log_every == 0 or stopping:
+            for t in trainers.values():
+                t.flush()
+            bar.set_postfix({name: f"loss {h[-1]['loss']:.4f} tau {h[-1]['tau']:.2f}" for name, h in history.items()})
         for name, t in trainers.items():
             if t.save(stopping) and progress:
                 bar.write(f"checkpoint: {name} at step {t.step} saved to {t.out_dir}")

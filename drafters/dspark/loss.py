@@ -1,0 +1,161 @@
+"""The DSpark training objective (docs/dspark-algorithm.md §6.3) and its vocabulary-wide seam.
+
+    L = 0.1 * CE + 0.9 * ||p_d - p_t||_1 + 1.0 * BCE(conf_logit, 1 - 0.5 * ||p_d - p_t||_1 (detached)),
+
+each term a mean weighted by w_k = exp(-(k-1)/4) over supervised slots. The terms are summed over
+sets of slots (`slot_sums` for [..., G] blocks, `row_sums` for the supervised rows of a batch) and
+divided once (`finish_loss`), so a batch split into chunks gives the loss of the whole.
+
+`head_loss_terms` is the one place where the vocabulary-wide work happens: the draft logits of a
+vanilla-Markov drafter and the CE and L1 terms. A fused kernel with exactly its signature
+(bf16 GEMMs tiled over the vocabulary with the losses fused, never the float32 [rows, V] logits)
+replaces its body; `teacher_probs` is its target side.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dspark.kernels import ops
+
+# Rows of float32 logits a head_loss_terms chunk holds at once: 4096 x SmolLM2's 49,152 = 0.8 GB.
+HEAD_CHUNK_ROWS = 4096
+# Above this many bytes of float32 logits over all rows, each chunk's are recomputed in the backward
+# instead of kept (one more GEMM per chunk): ~30k SmolLM2 slots (5.9 GB) are kept, K3's 163,840-wide
+# vocabulary at the same rows (20 GB) is recomputed.
+HEAD_KEEP_BYTES = 8 << 30
+SUM_KEYS = ("ce", "l1", "conf", "weight", "accept", "slots", "tau", "blocks")
+
+
+def _widened_product(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a @ weight.T in float32 or wider: a float32 weight takes a float32 product (TF32 where the
+    caller allows it); a bf16 weight (K3's head) is used as it is and only the product widened, so
+    no float32 copy of a [V, d] matrix is made per call."""
+    dtype = torch.promote_types(a.dtype, torch.float32)
+    if weight.dtype == dtype:
+        return a.to(dtype) @ weight.t()
+    return (a.to(weight.dtype) @ weight.t()).to(dtype)
+
+
+def _chunk_terms(hidden, prev_embedding, rows, labels, lm_head, markov_w2, target_probs):
+    logits = _widened_product(hidden, lm_head) + _widened_product(prev_embedding, markov_w2)
+    return ops.draft_loss_terms(logits, target_probs, rows, labels)
+
+
+def head_loss_terms(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
+                    markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ce [N], l1 [N]) float32 of the vanilla-Markov draft distribution of N slots:
+
+        z = hidden @ lm_head^T + prev_embedding @ markov_w2^T    (docs/dspark-algorithm.md §2.5)
+        ce = logsumexp(z) - z[label],   l1 = sum_v |softmax(z)_v - target_probs[rows]_v|
+
+    hidden [N, d], prev_embedding [N, r] (W1 of each slot's previous token), lm_head [V, d] (frozen),
+    markov_w2 [V, r], target_probs [M, V] float32 (the teacher's softmax, one row per position),
+    rows [N] long into target_probs, labels [N] long. Differentiable in hidden, prev_embedding and
+    markov_w2. Here: float32 logits in chunks of HEAD_CHUNK_ROWS rows and the op draft_loss_terms;
+    past HEAD_KEEP_BYTES of logits each chunk is recomputed in the backward (memory ~ one chunk's)."""
+    n = hidden.shape[0]
+    for name, t, shape in (("prev_embedding", prev_embedding, (n, markov_w2.shape[1])), ("rows", rows, (n,)),
+                           ("labels", labels, (n,)), ("lm_head", lm_head, (markov_w2.shape[0], hidden.shape[1])),
+                           ("target_probs", target_probs, (target_probs.shape[0], markov_w2.shape[0]))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"head_loss_terms: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if n == 0:  # still a function of the parameters, so a batch without supervised slots can step
+        empty = hidden.float().sum(-1)
+        return empty, empty
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, prev_embedding, markov_w2))
+    recompute = grad and n * lm_head.shape[0] * 4 > HEAD_KEEP_BYTES
+    ce, l1 = [], []
+    for start in range(0, n, HEAD_CHUNK_ROWS):
+        part = slice(start, start + HEAD_CHUNK_ROWS)
+        args = (hidden[part], prev_embedding[part], rows[part], labels[part], lm_head, markov_w2, target_probs)
+        terms = checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args)
+        ce.append(terms[0])
+        l1.append(terms[1])
+    return torch.cat(ce), torch.cat(l1)
+
+
+@torch.no_grad()
+def teacher_probs(final_hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """softmax(final_hidden @ lm_head^T) in float32, [M, d] -> [M, V], HEAD_CHUNK_ROWS rows at a
+    time: the target's distribution at M positions from the LM head's input (TargetOutput's tap
+    num_layers), as the target computes its own logits (docs/dspark-algorithm.md §6.1)."""
+    out = torch.empty(final_hidden.shape[0], lm_head.shape[0], dtype=torch.float32, device=final_hidden.device)
+    for start in range(0, final_hidden.shape[0], HEAD_CHUNK_ROWS):
+        part = slice(start, start + HEAD_CHUNK_ROWS)
+        out[part] = _widened_product(final_hidden[part], lm_head).float().softmax(dim=-1)
+    return out
+
+
+def _decay(G: int, cfg, device) -> torch.Tensor:
+    return torch.exp(-torch.arange(G, dtype=torch.float32, device=device) / cfg.decay_gamma)
+
+
+def slot_sums(ce, l1, conf_logits, eval_mask, cfg) -> dict[str, torch.Tensor]:
+    """Weighted sums of the three terms and of the diagnostics over blocks [..., G] (ce, l1,
+    conf_logits, eval_mask all [..., G]); sums of several chunks add up (finish_loss)."""
+    soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
+    mask_f = eval_mask.float()
+    weight = _decay(eval_mask.shape[-1], cfg, eval_mask.device) * mask_f
+    return {
+        "ce": (ce * weight).sum(), "l1": (l1 * weight).sum(), "conf": (bce * weight).sum(), "weight": weight.sum(),
+        # Diagnostics (docs/dspark-algorithm.md §6.3): accept_rate@k = mean soft label, tau = 1 + sum_k prod_{i<=k} c*_i.
+        "accept": (soft_label * mask_f).flatten(0, -2).sum(0), "slots": mask_f.flatten(0, -2).sum(0),
+        "tau": ((1 + (soft_label * mask_f).cumprod(dim=-1).sum(-1)) * mask_f[..., 0]).sum(), "blocks": mask_f[..., 0].sum(),
+    }
+
+
+def row_sums(ce, l1, conf_logits, slot, block, num_blocks: int, G: int, cfg) -> dict[str, torch.Tensor]:
+    """slot_sums over the supervised slots of a batch given as rows: ce, l1, conf_logits [N], slot
+    [N] (k - 1 of each row) and block [N] (its block among num_blocks). A block's supervised slots
+    are a prefix of it (build_blocks' eval_mask), so its rows' soft labels, zero-filled to G, give
+    the same tau as the [..., G] form."""
+    soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
+    weight = _decay(G, cfg, ce.device)[slot]
+    ones = torch.ones_like(soft_label)
+    grid = soft_label.new_zeros(num_blocks * G).index_put_((block * G + slot,), soft_label).view(num_blocks, G)
+    starts = (slot == 0).float()
+    tau_per_block = 1 + grid.cumprod(dim=-1).sum(-1)
+    return {
+        "ce": (ce * weight).sum(), "l1": (l1 * weight).sum(), "conf": (bce * weight).sum(), "weight": weight.sum(),
+        "accept": soft_label.new_zeros(G).index_add_(0, slot, soft_label),
+        "slots": soft_label.new_zeros(G).index_add_(0, slot, ones),
+        "tau": (tau_per_block[block] * starts).sum(), "blocks": starts.sum(),
+    }
+
+
+def finish_loss(sums: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L = 0.1 CE + 0.9 L1 + 1.0 BCE, each a weighted mean (docs/dspark-algorithm.md §6.3), and the
+    step's metrics as 0-d device tensors (metrics_to_floats reads them, one sync for all)."""
+    denom = sums["weight"].detach().clamp(min=1e-12)
+    ce, l1, conf = (sums[key] / denom for key in ("ce", "l1", "conf"))
+    loss = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf
+    tau = torch.where(sums["blocks"] > 0, sums["tau"] / sums["blocks"].clamp(min=1), torch.ones_like(sums["tau"]))
+    metrics = {"loss": loss.detach(), "ce": ce.detach(), "l1": l1.detach(), "conf": conf.detach(), "tau": tau.detach(),
+               "accept": (sums["accept"] / sums["slots"].clamp(min=1)).detach()}
+    return loss, metrics
+
+
+def metrics_to_floats(metrics: dict) -> dict:
+    """A step's metrics with every tensor read back (floats; accept a list rounded to 4 places)."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = [round(x, 4) for x in value.tolist()] if value.dim() else value.item()
+        out[key] = value
+    return out
+
+
+def dspark_loss(draft_logits, target_logits, labels, conf_logits, eval_mask, cfg):
+    """The DSpark objective (docs/dspark-algorithm.md §6.3, §11 item 8) of blocks [..., G, V]: full L1
+    (not halved), decay exp(-(k-1)/gamma_w), weighted means, soft confidence label detached,
+    softmaxes in float32. Returns (loss, metrics as floats)."""
+    V = draft_logits.shape[-1]
+    ce, l1 = ops.draft_loss_terms(draft_logits.reshape(-1, V), target_logits.float().softmax(dim=-1).reshape(-1, V),
+                                  None, labels.reshape(-1))
+    loss, metrics = finish_loss(slot_sums(ce.view(labels.shape), l1.view(labels.shape), conf_logits, eval_mask, cfg), cfg)
+    return loss, metrics_to_floats(metrics)

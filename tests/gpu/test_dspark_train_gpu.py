@@ -1,0 +1,131 @@
+"""The fast DSpark training step on the GPU (issue 33), at the SmolLM2 drafter's widths: FlexAttention's
+block-sparse pass against the dense SDPA pass (loss and gradients), the compiled step against the eager
+one and no recompilation from batch to batch of one bucketed shape, and the bf16 capture store against
+online capture through a real (random) Llama target."""
+import dataclasses
+
+import pytest
+import torch
+
+from dspark.drafters.dspark.capture import BatchCapture, CaptureStore, capture
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.drafters.dspark.model import DSparkModel
+from dspark.drafters.dspark.train import TrainConfig, Trainer, capture_layers, train_step_loss
+from dspark.targets.llama import weights_to
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+V, D, TAPS = 49152, 576, (1, 7, 14, 21, 27)  # SmolLM2's vocabulary and width, the recipe's taps of its 30 layers
+
+
+def smollm2_sized_drafter(seed: int, layers: int = 2) -> DSparkModel:
+    """The recipe's drafter shape (GQA 9 x 64, 3 KV heads, FFN 1536, Markov rank 256, block 7) around a
+    random frozen embedding and LM head of SmolLM2's size."""
+    config = DSparkConfig(name="gpu-test", vocab_size=V, hidden_size=D, num_layers=layers, num_heads=9, num_kv_heads=3,
+                          head_dim=64, intermediate_size=1536, attention_type="gqa", rope_theta=100000.0,
+                          rope_interleaved=False, max_position_embeddings=2048, target_hidden_size=D, target_num_layers=30,
+                          target_layer_ids=TAPS, block_size=7, mask_token_id=V, markov_rank=256).validate()
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(V, D, generator=g) * 0.05
+    torch.manual_seed(seed)
+    model = DSparkModel(config, embed.cuda(), embed.cuda())
+    model.init_heads_like_deepspec()
+    return model.cuda()
+
+
+def random_batch(seed: int, B: int = 4, lengths=(300, 500)):
+    """Sequences (a quarter prompt) and a bf16 capture as a store gives it: the taps stacked, the LM
+    head's input (layer 30) last, of unit scale like the target's normed states."""
+    g = torch.Generator().manual_seed(seed)
+    ns = torch.randint(*lengths, (B,), generator=g).tolist()
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in ns]
+    masks = [torch.cat([torch.zeros(n // 4, dtype=torch.long), torch.ones(n - n // 4, dtype=torch.long)]) for n in ns]
+    layers = TAPS + (30,)
+    stacked = torch.randn(B, max(ns), len(layers), D, generator=g).to(torch.bfloat16).cuda()
+    captured = BatchCapture({layer: stacked[:, :, k] for k, layer in enumerate(layers)}, None, (layers, stacked))
+    return seqs, masks, captured
+
+
+def step(model, captured, seqs, masks, cfg, forward=None):
+    model.zero_grad(set_to_none=True)
+    loss, _ = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(7), forward=forward)
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+BASE = TrainConfig(num_anchors=256, teacher="lm_head", fast=True, anchor_bucket=128, length_bucket=256)
+
+
+def test_flex_attention_step_equals_the_dense_sdpa_step_in_float32():
+    """Loss and every gradient of the block-sparse pass against the dense-mask pass, float32 operands
+    (no autocast): they differ by the attention kernels' accumulation order and the TF32 that flex's
+    Triton dots may use (2^-11 relative per product): bounded by 5e-3 of each gradient's norm."""
+    model = smollm2_sized_drafter(1)
+    seqs, masks, captured = random_batch(2)
+    loss_dense, grads_dense = step(model, captured, seqs, masks, BASE)
+    loss_flex, grads_flex = step(model, captured, seqs, masks, dataclasses.replace(BASE, attention="flex"))
+    assert torch.isfinite(loss_flex) and abs(float(loss_flex - loss_dense)) <= 1e-4 * abs(float(loss_dense))
+    assert set(grads_flex) == set(grads_dense)
+    for name in grads_dense:
+        assert relative(grads_flex[name], grads_dense[name]) < 5e-3, name
+
+
+def test_compiled_bf16_step_equals_the_eager_one_and_does_not_recompile_per_batch():
+    """The step as the recipe trains it (bf16 autocast, flex, buckets) compiled against eager: the same
+    loss to bf16's resolution (the compiled graph fuses and rounds bf16 intermediates elsewhere, ~2^-8
+    relative each) and gradients within 3% of their norms; then two more batches of the same bucketed
+    shape (new anchors, other lengths) run without a recompilation."""
+    model = smollm2_sized_drafter(3)
+    model.autocast_dtype = torch.bfloat16
+    cfg = dataclasses.replace(BASE, attention="flex", compile=True, num_anchors=128)
+    trainer = Trainer(model, *random_batch(4)[:2], cfg)  # its compiled forward, as training builds it
+    seqs, masks, captured = random_batch(4)
+    loss_eager, grads_eager = step(model, captured, seqs, masks, cfg)
+    for _ in range(2):  # the first call compiles; the second shows a stable graph
+        loss_compiled, grads_compiled = step(model, captured, seqs, masks, cfg, forward=trainer.forward)
+    assert abs(float(loss_compiled - loss_eager)) <= 1e-2 * abs(float(loss_eager))
+    for name in grads_eager:
+        assert relative(grads_compiled[name], grads_eager[name]) < 3e-2, name
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seed in (5, 6):  # lengths in [300, 500): padded to 512; 128 anchors each
+            other_seqs, other_masks, other = random_batch(seed)
+            loss, _ = step(model, other, other_seqs, other_masks, cfg, forward=trainer.forward)
+            assert torch.isfinite(loss)
+    trainer.close()
+
+
+def tiny_llama_on_cuda(seed: int):
+    import test_dspark_train_fast as cpu_tests  # the CPU tests' random Llama, moved to the GPU
+
+    cpu = cpu_tests.tiny_llama(seed)
+    from dspark.targets.llama import LlamaTarget
+
+    return LlamaTarget(cpu.config, weights_to(cpu.weights, "cuda"), max_slots=4, max_seq_len=128, attention="batched"), cpu_tests
+
+
+def test_a_bf16_store_on_the_gpu_gives_the_online_capture_losses():
+    """A store of taps and the LM head's input (float32 and bf16) against capturing the batch with the
+    target's own logits, both through the fast step: float32 to the batched target's row-order noise,
+    bf16 within its rounding (2^-8 relative per stored value)."""
+    target, cpu_tests = tiny_llama_on_cuda(11)
+    seqs, masks = cpu_tests.data(target, 6, 12)
+    torch.manual_seed(13)
+    model = cpu_tests.llama_drafter(target).cuda()
+    cfg = TrainConfig(num_anchors=12, fast=True, attention="flex")
+    pick = [4, 1, 5]
+    online = capture(target, [seqs[i] for i in pick], tuple(model.config.target_layer_ids))
+    losses = {"online": float(train_step_loss(model, online, [seqs[i] for i in pick], [masks[i] for i in pick], cfg,
+                                              torch.Generator().manual_seed(1))[0])}
+    for dtype in (torch.float32, torch.bfloat16):
+        store_cfg = dataclasses.replace(cfg, teacher="lm_head")
+        store = CaptureStore(target, seqs, capture_layers(model, store_cfg), dtype=dtype)
+        store.fill(progress=False)
+        loss, _ = train_step_loss(model, store.batch(pick), [seqs[i] for i in pick], [masks[i] for i in pick], store_cfg,
+                                  torch.Generator().manual_seed(1))
+        losses[str(dtype)] = float(loss)
+    assert losses["torch.float32"] == pytest.approx(losses["online"], rel=1e-4), losses
+    assert losses["torch.bfloat16"] == pytest.approx(losses["online"], rel=2e-2), losses
