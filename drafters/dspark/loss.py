@@ -6,25 +6,19 @@ each term a mean weighted by w_k = exp(-(k-1)/4) over supervised slots. The term
 sets of slots (`slot_sums` for [..., G] blocks, `row_sums` for the supervised rows of a batch) and
 divided once (`finish_loss`), so a batch split into chunks gives the loss of the whole.
 
-`head_loss_terms` is the one place where the vocabulary-wide work happens: the draft logits of a
-vanilla-Markov drafter and the CE and L1 terms. A fused kernel with exactly its signature
-(bf16 GEMMs tiled over the vocabulary with the losses fused, never the float32 [rows, V] logits)
-replaces its body; `teacher_probs` is its target side.
+The vocabulary-wide work (a vanilla-Markov drafter's logits and the CE and L1 terms) is the op
+draft_head_loss (kernels/draft_loss: on CUDA bf16 GEMMs tiled over the vocabulary with the losses
+fused, never the float32 [rows, V] logits; docs/kernels.md §12); `teacher_probs` is its target side.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from dspark.kernels import ops
 
-# Rows of float32 logits a head_loss_terms chunk holds at once: 4096 x SmolLM2's 49,152 = 0.8 GB.
+# Rows of float32 teacher logits teacher_probs holds at once: 4096 x SmolLM2's 49,152 = 0.8 GB.
 HEAD_CHUNK_ROWS = 4096
-# Above this many bytes of float32 logits over all rows, each chunk's are recomputed in the backward
-# instead of kept (one more GEMM per chunk): ~30k SmolLM2 slots (5.9 GB) are kept, K3's 163,840-wide
-# vocabulary at the same rows (20 GB) is recomputed.
-HEAD_KEEP_BYTES = 8 << 30
 SUM_KEYS = ("ce", "l1", "conf", "weight", "accept", "slots", "tau", "blocks")
 
 
@@ -36,45 +30,6 @@ def _widened_product(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == dtype:
         return a.to(dtype) @ weight.t()
     return (a.to(weight.dtype) @ weight.t()).to(dtype)
-
-
-def _chunk_terms(hidden, prev_embedding, rows, labels, lm_head, markov_w2, target_probs):
-    logits = _widened_product(hidden, lm_head) + _widened_product(prev_embedding, markov_w2)
-    return ops.draft_loss_terms(logits, target_probs, rows, labels)
-
-
-def head_loss_terms(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
-                    markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ce [N], l1 [N]) float32 of the vanilla-Markov draft distribution of N slots:
-
-        z = hidden @ lm_head^T + prev_embedding @ markov_w2^T    (docs/dspark-algorithm.md §2.5)
-        ce = logsumexp(z) - z[label],   l1 = sum_v |softmax(z)_v - target_probs[rows]_v|
-
-    hidden [N, d], prev_embedding [N, r] (W1 of each slot's previous token), lm_head [V, d] (frozen),
-    markov_w2 [V, r], target_probs [M, V] float32 (the teacher's softmax, one row per position),
-    rows [N] long into target_probs, labels [N] long. Differentiable in hidden, prev_embedding and
-    markov_w2. Here: float32 logits in chunks of HEAD_CHUNK_ROWS rows and the op draft_loss_terms;
-    past HEAD_KEEP_BYTES of logits each chunk is recomputed in the backward (memory ~ one chunk's)."""
-    n = hidden.shape[0]
-    for name, t, shape in (("prev_embedding", prev_embedding, (n, markov_w2.shape[1])), ("rows", rows, (n,)),
-                           ("labels", labels, (n,)), ("lm_head", lm_head, (markov_w2.shape[0], hidden.shape[1])),
-                           ("target_probs", target_probs, (target_probs.shape[0], markov_w2.shape[0]))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"head_loss_terms: {name} has shape {tuple(t.shape)}, expected {shape}")
-    if n == 0:  # still a function of the parameters, so a batch without supervised slots can step
-        empty = hidden.float().sum(-1)
-        return empty, empty
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, prev_embedding, markov_w2))
-    recompute = grad and n * lm_head.shape[0] * 4 > HEAD_KEEP_BYTES
-    ce, l1 = [], []
-    for start in range(0, n, HEAD_CHUNK_ROWS):
-        part = slice(start, start + HEAD_CHUNK_ROWS)
-        args = (hidden[part], prev_embedding[part], rows[part], labels[part], lm_head, markov_w2, target_probs)
-        terms = checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args)
-        ce.append(terms[0])
-        l1.append(terms[1])
-    return torch.cat(ce), torch.cat(l1)
 
 
 @torch.no_grad()

@@ -5,8 +5,8 @@
   other path is tested against (and the step rounds 1-7 trained with).
 - `fast_step_loss`: all anchors in one pass (SDPA with the dense mask, or FlexAttention
   block-sparse: flex.py), the vocabulary-wide work only on the supervised slots (build_blocks'
-  eval_mask) through the seam loss.head_loss_terms, the teacher's softmax only at the positions
-  they read. Its host-side indexes are made on the CPU from the sampled anchors and reach the
+  eval_mask) through the op draft_head_loss (docs/kernels.md §12), the teacher's softmax only at
+  the positions they read. Its host-side indexes are made on the CPU from the sampled anchors and reach the
   device in one copy, so the step never waits for the device to learn a shape.
 
 Shapes: B sequences, S padded length, A blocks per sequence, G block size, d hidden, V vocab.
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import flex
 from .capture import BatchCapture
-from .loss import SUM_KEYS, finish_loss, head_loss_terms, row_sums, slot_sums, teacher_probs
+from .loss import SUM_KEYS, finish_loss, row_sums, slot_sums, teacher_probs
 from dspark.kernels import ops
 
 
@@ -230,8 +230,8 @@ def fast_step_loss(model, captured: BatchCapture, batch: Batch, cfg, forward=Non
     prev_embedding = model.markov_head.embed_previous(prev)
     target = _teacher_at(model, captured, teacher_positions, cfg)
     if c.markov_head_type == "vanilla":
-        ce, l1 = head_loss_terms(hidden, prev_embedding, model.lm_head, model.markov_head.markov_w2.weight,
-                                 target, rows, labels)
+        ce, l1 = ops.draft_head_loss(hidden, prev_embedding, model.lm_head, model.markov_head.markov_w2.weight,
+                                     target, rows, labels)
     else:  # the gated head's bias depends on the hidden state: the existing (unfused) path
         logits, _ = model.head_outputs(hidden, prev)
         ce, l1 = ops.draft_loss_terms(logits, target, rows, labels)
