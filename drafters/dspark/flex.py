@@ -89,11 +89,20 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+# The GPU kernels torch generates for FlexAttention need head dimensions of at least 16 (its
+# inductor lowering refuses smaller ones); the SDPA path has no such limit.
+MIN_GPU_HEAD_DIM = 16
+
+
 def flex_attend(queries, keys, values, mask, scale: float) -> torch.Tensor:
     """flex_attention([B, H, Q, dk], [B, H, KV, dk], [B, H, KV, dv]) under `mask`, compiled on a GPU
     (its eager form on the CPU computes the same function densely, forward only)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if queries.is_cuda and min(queries.shape[-1], values.shape[-1]) < MIN_GPU_HEAD_DIM:
+        raise ValueError(f"attention='flex': head dimensions {queries.shape[-1]} (keys) and {values.shape[-1]} "
+                         f"(values) on the GPU must be >= {MIN_GPU_HEAD_DIM}; train this drafter with "
+                         f"attention='sdpa'")
     if queries.is_cuda and not torch.compiler.is_compiling():
         return _compiled_flex()(queries, keys, values, block_mask=mask, scale=scale)
     return flex_attention(queries, keys, values, block_mask=mask, scale=scale)

@@ -115,7 +115,8 @@ def test_a_bf16_store_on_the_gpu_gives_the_online_capture_losses():
     seqs, masks = cpu_tests.data(target, 6, 12)
     torch.manual_seed(13)
     model = cpu_tests.llama_drafter(target).cuda()
-    cfg = TrainConfig(num_anchors=12, fast=True, attention="flex")
+    # The tiny drafter's heads of 8 are below FlexAttention's GPU minimum: the store is what this checks.
+    cfg = TrainConfig(num_anchors=12, fast=True, attention="sdpa")
     pick = [4, 1, 5]
     online = capture(target, [seqs[i] for i in pick], tuple(model.config.target_layer_ids))
     losses = {"online": float(train_step_loss(model, online, [seqs[i] for i in pick], [masks[i] for i in pick], cfg,
@@ -129,3 +130,12 @@ def test_a_bf16_store_on_the_gpu_gives_the_online_capture_losses():
         losses[str(dtype)] = float(loss)
     assert losses["torch.float32"] == pytest.approx(losses["online"], rel=1e-4), losses
     assert losses["torch.bfloat16"] == pytest.approx(losses["online"], rel=2e-2), losses
+
+
+def test_flex_attention_refuses_heads_below_its_gpu_minimum_naming_the_fix():
+    from dspark.drafters.dspark import flex
+
+    q = torch.randn(1, 2, 16, 8, device="cuda")
+    with pytest.raises(ValueError, match="attention='flex': head dimensions 8 .* must be >= 16; train this drafter "
+                                         "with attention='sdpa'"):
+        flex.flex_attend(q, q, q, None, 1.0)
