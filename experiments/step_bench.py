@@ -19,6 +19,10 @@ omitted, the projection adds them). For every (B, context, T) it reports:
   from the profiler scope of the op that launched each kernel, else from the kernel's name
   (`attribution` counts both); with --op-shapes, ops_by_shape: the torch ops with the most
   device time by their input shapes;
+- fallbacks: the op calls whose default implementation did not take their arguments, by op and
+  by what ran instead; a graphed point whose step would run an implementation that reads device
+  values on the host (a reference: it cannot be captured) stops the bench before anything is
+  timed, naming the op (one line, exit 2);
 - routed_experts_per_layer: the distinct experts each MoE layer ran, counted on the host after
   an extra eager step (outside every timed region);
 - floor_ms: the step's bytes (dspark.roofline.step_cost) with the routed experts as counted, over
@@ -434,8 +438,35 @@ def print_row(row: dict, setting: str) -> None:
           flush=True)
 
 
+class StepNotCapturable(Exception):
+    """A step that would synchronise the host inside its CUDA-graph capture (main: one line, exit 2)."""
+
+
+def fallbacks(selections) -> dict[str, int]:
+    """{"op: preferred -> chosen": calls} of the op calls that fell back from the device's default."""
+    counts = collections.Counter(f"{s.op}: {s.preferred} -> {s.chosen.name}" for s in selections if s.fallback)
+    return dict(sorted(counts.items()))
+
+
+def check_capturable(selections, label: str) -> None:
+    """StepNotCapturable naming the first op whose implementation reads device values on the host
+    (a reference the fast kernel passed the call to): checked before anything is timed, where a
+    capture would otherwise fail mid-run with a synchronisation error."""
+    blocking = [s for s in selections if s.blocks_capture]
+    if blocking:
+        ops = sorted({s.op for s in blocking})
+        raise StepNotCapturable(f"{label}: cannot be graphed: {blocking[0]}, which reads device values on the host "
+                                f"(ops that do: {', '.join(ops)})")
+
+
 def measure(row: dict, step, reset, args) -> None:
-    step()  # compile every kernel this shape uses
+    from dspark.kernels import registry
+
+    with registry.record_selections() as selections:
+        step()  # compile every kernel this shape uses
+    row["fallbacks"] = fallbacks(selections)
+    if not args.no_graph:
+        check_capturable(selections, f"{args.target} B={row['batch']} context={row['context']} T={row['T']}")
     row.update(profile_step(step))
     if args.op_shapes:
         row["ops_by_shape"] = ops_by_shape(step)
@@ -520,7 +551,11 @@ def main(argv=None) -> int:
         parser.error(f"--layers {args.layers}: {args.target} has {RANK_PRESETS[args.target][0].num_layers} layers")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    run(args)
+    try:
+        run(args)
+    except StepNotCapturable as error:
+        print(f"step_bench: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -125,3 +125,45 @@ def test_floors_from_counted_and_uniform_routing(bench):
     bench.add_floors(rank_row, K3, Shard(0, 16), [3] * 92, 4.2e12)
     assert rank_row["mode"] == "eager"
     assert rank_row["floor_bytes"] == roofline.step_cost(K3, context=8192, shard=Shard(0, 16), routed_experts=3).total_bytes
+
+
+def test_a_step_that_would_fall_back_to_a_host_reading_reference_stops_before_timing(bench, monkeypatch, capsys):
+    """check_capturable names the op whose implementation reads device values on the host; main
+    turns it into one line on stderr and exit 2. fallbacks counts every fallback by op."""
+    import dataclasses
+
+    from dspark.kernels import registry
+
+    reference = registry.implementations("mla_verify_attention")["reference"]
+    linear_reference = registry.implementations("linear")["reference"]
+    shapes = (((2, 8, 6, 512), torch.bfloat16),)
+    mla = registry.Selection("mla_verify_attention", "cuda:0", reference, "cute_sm90", shapes)
+    gemm = registry.Selection("linear", "cuda:0", linear_reference, "cute_sm90", (((32, 7168), torch.bfloat16),))
+    assert bench.fallbacks([gemm, gemm, mla]) == {"linear: cute_sm90 -> reference": 2,
+                                                  "mla_verify_attention: cute_sm90 -> reference": 1}
+    bench.check_capturable([gemm], "k3-rank B=4")  # cuBLAS: captured like any kernel
+    bench.check_capturable([dataclasses.replace(mla, device="cpu")], "on the CPU")
+    with pytest.raises(bench.StepNotCapturable, match=r"k3-rank B=2 .*mla_verify_attention on cuda:0 ran 'reference' "
+                                                      r"\('cute_sm90' does not take arguments"):
+        bench.check_capturable([gemm, mla], "k3-rank B=2 context=8192 T=8")
+
+    def stop(args):
+        raise bench.StepNotCapturable("k3-rank B=2 context=8192 T=8: cannot be graphed")
+
+    monkeypatch.setattr(bench, "run", stop)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.main(["--target", "k3-rank", "--layers", "2", "--batch", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "step_bench: k3-rank B=2 context=8192 T=8: cannot be graphed\n"
+
+
+def test_a_cpu_verify_records_every_op_and_blocks_nothing(bench):
+    from dspark.kernels import registry
+
+    target = K3Target(K3Model.random(K3_TINY, seed=1), max_slots=2, max_seq_len=16)
+    with registry.record_selections() as seen:
+        target.verify([0, 1], torch.randint(0, K3_TINY.vocab_size, (2, 3)), [3, 2])
+    ran = {s.op for s in seen}
+    assert {"linear", "kda_verify", "mla_verify_attention", "moe_route", "moe_experts", "rms_norm"} <= ran
+    assert all(s.chosen.name == "reference" and not s.fallback for s in seen)
+    assert not any(s.blocks_capture for s in seen)

@@ -318,3 +318,41 @@ def test_moe_experts_matches_a_float64_loop_and_is_token_invariant(gen):
         assert torch.equal(single[0], out[m]), f"token {m} not invariant"
     with pytest.raises(ValueError, match="w2_packed"):
         ops.moe_experts(latent, ids, route_weights, p1, s1, p3, s3, p1, s1, beta, linear_beta)
+
+
+def test_record_selections_names_fallbacks_and_what_blocks_a_capture(gen):
+    """registry.record_selections: each select() of the block, the implementation it ran, and
+    whether the device's default passed the call on (a fallback); a CUDA call that runs an
+    implementation reading device values on the host blocks a CUDA-graph capture."""
+    import dataclasses
+
+    from dspark.kernels import registry
+
+    op = "test_probe_selections"
+    registry.register(op, "host_reading", priority=0, reads_device_values=True)(lambda x: x)
+    registry.register(op, "fast", priority=10, supports=lambda x: x.shape[0] <= 4)(lambda x: x)
+    try:
+        with registry.record_selections() as seen:
+            registry.select(op, randn(gen, 2))
+            registry.select(op, randn(gen, 8))
+        registry.select(op, randn(gen, 8))  # outside the block: not recorded
+        assert [(s.chosen.name, s.preferred, s.fallback) for s in seen] == [
+            ("fast", "fast", False), ("host_reading", "fast", True)]
+        assert not any(s.blocks_capture for s in seen)  # on the CPU the values are host values
+        on_cuda = dataclasses.replace(seen[1], device="cuda:0")
+        assert on_cuda.blocks_capture
+        assert str(on_cuda) == (f"{op} on cuda:0 ran 'host_reading' ('fast' does not take arguments "
+                                "[((8,), torch.float32)])")
+    finally:
+        registry._IMPLS.pop(op)
+        registry._resolved.clear()
+
+
+@pytest.mark.parametrize("op", ["kda_verify", "kda_commit", "mla_verify_attention", "moe_experts",
+                                "rejection_sample", "synthetic_sample"])
+def test_the_references_that_read_device_values_say_so(op):
+    from dspark.kernels import registry
+
+    assert registry.implementations(op)["reference"].reads_device_values
+    assert not any(impl.reads_device_values for name, impl in registry.implementations(op).items()
+                   if name != "reference")

@@ -16,7 +16,7 @@ import torch
 from ..registry import register
 
 
-@register("mla_verify_attention", "reference", priority=0)
+@register("mla_verify_attention", "reference", priority=0, reads_device_values=True)
 def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:
     B, T, H, R = q_latent.shape
     P = q_pe.shape[-1]

@@ -76,7 +76,7 @@ def check_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3
                          f"and {tuple(route_weights.shape)}")
 
 
-@register("moe_experts", "reference", priority=0)
+@register("moe_experts", "reference", priority=0, reads_device_values=True)
 def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                 situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
     check_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
