@@ -181,57 +181,61 @@ def scope_class(event) -> str | None:
     return found
 
 
+def device_launches(events) -> list:
+    """The step's launches: every kernel, copy and fill on the device timeline, once each."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def kernels_by_class(events) -> tuple[dict, dict]:
-    """({class: {"kernels", "us"}}, {"scope": n, "name": m}) over one profiled step's events: a
-    kernel linked to its launching CPU op takes the class of the op's outermost scope (norms/glue
-    outside every scope: torch's own adds, copies, index ops); the rest (launches the profiler did
-    not link) are classed by name, each name's unlinked share of its device time."""
-    by_class = {cls: {"kernels": 0, "us": 0.0} for cls in CLASSES}
-    linked = collections.Counter()
+    """({class: {"kernels", "us"}}, {"scope": n, "name": m}) over one profiled step's events,
+    each launch (device_launches) classed exactly once: by the outermost op scope of the CPU op
+    the profiler linked it to (norms/glue outside every scope: torch's own adds, copies, index
+    ops), else by its name. Links are matched to launches by kernel name, so a launch the
+    profiler linked twice, a link without its launch, or a range linked to itself cannot count."""
+    links = collections.defaultdict(collections.deque)
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
             continue
-        cls = scope_class(event) or "norms/glue"
+        cls = scope_class(event) or "norms/glue"  # a scope's own range holds what it launched directly
         for kernel in event.kernels:
-            by_class[cls]["kernels"] += 1
-            by_class[cls]["us"] += kernel.duration
-            linked[kernel.name] += 1
-    device_calls, device_us = collections.Counter(), collections.Counter()
-    for event in events:
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            device_calls[event.name] += 1
-            device_us[event.name] += event.time_range.elapsed_us()
-    by_name = 0
-    for name, calls in device_calls.items():
-        unlinked = calls - min(calls, linked[name])
-        if unlinked:
-            cls = class_of_kernel(name)
-            by_class[cls]["kernels"] += unlinked
-            by_class[cls]["us"] += device_us[name] * unlinked / calls
-            by_name += unlinked
-    return by_class, {"scope": sum(linked.values()), "name": by_name}
+            links[kernel.name].append(cls)
+    by_class = {cls: {"kernels": 0, "us": 0.0} for cls in CLASSES}
+    attribution = {"scope": 0, "name": 0}
+    for launch in device_launches(events):
+        queue = links.get(launch.name)
+        if queue:
+            cls, how = queue.popleft(), "scope"
+        else:
+            cls, how = class_of_kernel(launch.name), "name"
+        attribution[how] += 1
+        by_class[cls]["kernels"] += 1
+        by_class[cls]["us"] += launch.time_range.elapsed_us()
+    return by_class, attribution
+
+
+def summarise_profile(events) -> dict:
+    """launches, gpu_kernel_ms, the 40 largest contributors by name (top), by_class and attribution
+    of one profiled step."""
+    totals, counts = collections.Counter(), collections.Counter()
+    launches = device_launches(events)
+    for evt in launches:
+        totals[evt.name] += evt.time_range.elapsed_us()
+        counts[evt.name] += 1
+    top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
+    by_class, attribution = kernels_by_class(events)
+    return {"launches": len(launches), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top,
+            "by_class": by_class, "attribution": attribution}
 
 
 def profile_step(step) -> dict:
-    """Device activity of one eager step: count, total ms, the largest contributors and the
-    split by op class."""
+    """Device activity of one eager step (summarise_profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with op_scopes(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    totals, counts = collections.Counter(), collections.Counter()
-    events = prof.events()
-    for evt in events:
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        totals[evt.name] += evt.time_range.elapsed_us()
-        counts[evt.name] += 1
-    top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
-    by_class, attribution = kernels_by_class(events)
-    return {"launches": sum(counts.values()), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top,
-            "by_class": by_class, "attribution": attribution}
+    return summarise_profile(prof.events())
 
 
 def ops_by_shape(step, top: int = 30) -> list[dict]:

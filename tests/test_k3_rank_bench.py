@@ -2,6 +2,7 @@
 classed by the op that launched them, the layer count that fits a GPU, the floors from the
 experts a step counted."""
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,8 +37,8 @@ def cpu_event(name, parent=None, kernels=()):
                            kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels])
 
 
-def device_event(name, us):
-    return SimpleNamespace(name=name, device_type=CUDA, kernels=[],
+def device_event(name, us, annotation=False):
+    return SimpleNamespace(name=name, device_type=CUDA, kernels=[], is_user_annotation=annotation,
                            time_range=SimpleNamespace(elapsed_us=lambda: us))
 
 
@@ -61,6 +62,32 @@ def test_kernels_take_the_class_of_the_outermost_scope_else_their_name(bench):
     assert by_class["KDA"] == {"kernels": 2, "us": 6.0}
     assert attribution == {"scope": 5, "name": 1}
     assert sum(v["kernels"] for v in by_class.values()) == len(device)
+
+
+def test_every_launch_is_classed_exactly_once(bench):
+    """What made the rank's GPU test read sum(by class) 99 != launches 98: a kernel the profiler
+    linked to two CPU ops, or a link without its launch, counted twice."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    us = [float(u) for u in torch.rand(5, generator=gen) * 10 + 1]
+    gemms = cpu_event("dspark:trunk GEMMs")
+    # the same launch linked to its op and again to the op's parent; a link whose launch the
+    # profile dropped
+    gemm = cpu_event("aten::mm", parent=gemms, kernels=[("nvjet_gemm", us[0])])
+    gemm_again = cpu_event("aten::matmul", parent=gemms, kernels=[("nvjet_gemm", us[0]), ("lost_kernel", 1.0)])
+    scope_range = cpu_event("dspark:experts")
+    experts = cpu_event("cute_call", parent=scope_range, kernels=[("expert_kernel_a", us[1])])
+    glue = cpu_event("aten::add", kernels=[("add_kernel", us[2])])
+    launches = [device_event("nvjet_gemm", us[0]), device_event("expert_kernel_a", us[1]),
+                device_event("add_kernel", us[2]), device_event("Memcpy DtoD", us[3]),
+                device_event("route_kernel", us[4])]
+    summary = bench.summarise_profile([gemms, gemm, gemm_again, scope_range, experts, glue, *launches])
+    by_class = summary["by_class"]
+    assert summary["launches"] == len(launches) == sum(c["kernels"] for c in by_class.values())
+    assert math.isclose(summary["gpu_kernel_ms"] * 1e3, sum(us))
+    assert math.isclose(sum(c["us"] for c in by_class.values()), sum(us))
+    assert {k: v["kernels"] for k, v in by_class.items() if v["kernels"]} == {
+        "trunk GEMMs": 1, "experts": 1, "norms/glue": 2, "routing": 1}
+    assert summary["attribution"] == {"scope": 3, "name": 2}
 
 
 @pytest.mark.parametrize("name, cls", [
