@@ -13,7 +13,8 @@ omitted, the projection adds them). For every (B, context, T) it reports:
   tokens (the user-visible step); graph_gpu_ms: the replay alone between CUDA events;
   graph_host_us: host time of the replay call and the readback's issue;
 - gpu_kernel_ms and launches: the sum of device activity and the number of kernels, copies and
-  fills in one eager step (torch profiler), with the largest contributors by name;
+  fills in one eager step (torch profiler; the ranges the op scopes below add to the device
+  timeline are not launches), with the largest contributors by name;
   kernels_per_layer = launches / layers; by_class: kernels and device time per op class
   (trunk GEMMs, experts, attention, KDA, routing, norms/glue, sampling, collective stand-ins),
   from the profiler scope of the op that launched each kernel, else from the kernel's name
@@ -181,9 +182,15 @@ def scope_class(event) -> str | None:
     return found
 
 
+def is_annotation(event) -> bool:
+    """A profiler range, not a launch: op_scopes' record_function ranges, on the CPU and as the
+    gpu_user_annotation the profiler adds on the device timeline for each one that launched work."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith(SCOPE)
+
+
 def device_launches(events) -> list:
     """The step's launches: every kernel, copy and fill on the device timeline, once each."""
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)]
 
 
 def kernels_by_class(events) -> tuple[dict, dict]:
@@ -215,7 +222,7 @@ def kernels_by_class(events) -> tuple[dict, dict]:
 
 def summarise_profile(events) -> dict:
     """launches, gpu_kernel_ms, the 40 largest contributors by name (top), by_class and attribution
-    of one profiled step."""
+    of one profiled step; annotations are not launches (is_annotation)."""
     totals, counts = collections.Counter(), collections.Counter()
     launches = device_launches(events)
     for evt in launches:

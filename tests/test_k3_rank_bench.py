@@ -64,30 +64,47 @@ def test_kernels_take_the_class_of_the_outermost_scope_else_their_name(bench):
     assert sum(v["kernels"] for v in by_class.values()) == len(device)
 
 
-def test_every_launch_is_classed_exactly_once(bench):
-    """What made the rank's GPU test read sum(by class) 99 != launches 98: a kernel the profiler
-    linked to two CPU ops, or a link without its launch, counted twice."""
+def test_every_launch_is_classed_exactly_once_and_annotations_are_not_launches(bench):
+    """What made the rank's GPU test read sum(by class) 99 != launches 98, and the k3-slice step
+    read 185 launches for 123: a kernel the profiler linked to two CPU ops (or a link without its
+    launch) counted twice, and the device-timeline ranges of the op scopes counted as launches."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    us = [float(u) for u in torch.rand(5, generator=gen) * 10 + 1]
+    us = [float(u) for u in torch.rand(7, generator=gen) * 10 + 1]
     gemms = cpu_event("dspark:trunk GEMMs")
     # the same launch linked to its op and again to the op's parent; a link whose launch the
-    # profile dropped
+    # profile dropped; a legacy link of the scope's own range
     gemm = cpu_event("aten::mm", parent=gemms, kernels=[("nvjet_gemm", us[0])])
     gemm_again = cpu_event("aten::matmul", parent=gemms, kernels=[("nvjet_gemm", us[0]), ("lost_kernel", 1.0)])
-    scope_range = cpu_event("dspark:experts")
+    scope_range = cpu_event("dspark:experts", kernels=[("dspark:experts", 50.0)])
     experts = cpu_event("cute_call", parent=scope_range, kernels=[("expert_kernel_a", us[1])])
     glue = cpu_event("aten::add", kernels=[("add_kernel", us[2])])
     launches = [device_event("nvjet_gemm", us[0]), device_event("expert_kernel_a", us[1]),
                 device_event("add_kernel", us[2]), device_event("Memcpy DtoD", us[3]),
                 device_event("route_kernel", us[4])]
-    summary = bench.summarise_profile([gemms, gemm, gemm_again, scope_range, experts, glue, *launches])
+    annotations = [device_event("dspark:trunk GEMMs", 30.0, annotation=True),
+                   device_event("dspark:experts", 50.0, annotation=True),
+                   device_event("dspark:norms/glue", 5.0)]  # by its name alone
+    events = [gemms, gemm, gemm_again, scope_range, experts, glue, *annotations, *launches]
+    summary = bench.summarise_profile(events)
     by_class = summary["by_class"]
     assert summary["launches"] == len(launches) == sum(c["kernels"] for c in by_class.values())
-    assert math.isclose(summary["gpu_kernel_ms"] * 1e3, sum(us))
-    assert math.isclose(sum(c["us"] for c in by_class.values()), sum(us))
+    assert math.isclose(summary["gpu_kernel_ms"] * 1e3, sum(us[:5]))
+    assert math.isclose(sum(c["us"] for c in by_class.values()), sum(us[:5]))
     assert {k: v["kernels"] for k, v in by_class.items() if v["kernels"]} == {
         "trunk GEMMs": 1, "experts": 1, "norms/glue": 2, "routing": 1}
     assert summary["attribution"] == {"scope": 3, "name": 2}
+    assert not any(row["name"].startswith("dspark:") for row in summary["top"])
+
+
+def test_the_slice_profile_counts_its_kernels_not_its_op_ranges(bench):
+    """The k3-slice's 185 = 123 launches + 62 op ranges (one per op call that launched work,
+    experiments/results/h100/step_bench.json's top list)."""
+    ranges = [device_event(f"dspark:{cls}", 1.0, annotation=True) for cls, n in
+              (("trunk GEMMs", 29), ("experts", 3), ("routing", 3), ("norms/glue", 19), ("KDA", 6),
+               ("attention", 1), ("sampling", 1)) for _ in range(n)]
+    kernels = [device_event(f"kernel_{j}", 1.0) for j in range(123)]
+    summary = bench.summarise_profile(ranges + kernels)
+    assert len(ranges) == 62 and summary["launches"] == 123
 
 
 @pytest.mark.parametrize("name, cls", [
