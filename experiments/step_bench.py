@@ -56,7 +56,6 @@ from dspark.cuda_graphs import StepGraph
 from dspark.kernels import ops
 from dspark.sampling import SamplingTensors
 from dspark.targets.kimi_k3 import PRESETS, RANK_PRESETS, K3Model, K3Target, Shard, first_layers, get_preset
-from dspark.targets.kimi_k3 import moe as k3_moe
 from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import tensor_dtype, tensor_specs
 
@@ -122,7 +121,8 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
 OP_CLASSES = {
     "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "moe_experts": "experts",
     "mla_verify_attention": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
-    "moe_route": "routing", "moe_route_logits": "routing", "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
+    "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
+    "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
     "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",
     "rejection_sample": "sampling",
 }
@@ -153,7 +153,7 @@ def op_scopes():
     from torch.profiler import record_function
 
     patches = [(ops, name, cls) for name, cls in OP_CLASSES.items()]
-    patches += [(k3_moe, "_router_logits", "routing"), (RankParallel, "local_pairs", "routing"),
+    patches += [(RankParallel, "local_pairs", "routing"),
                 (RankParallel, "all_gather", COLLECTIVES), (RankParallel, "all_reduce", COLLECTIVES)]
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
 

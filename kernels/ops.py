@@ -46,6 +46,12 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)
 
 
+def moe_router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 logits [M, E] = x [M, D] @ gate_weight [E, D]^T (docs/kimi-k3.md §1.2): what
+    moe_route selects from, computed alone where the selection needs other ranks' logits too."""
+    return select("moe_router_logits", x, gate_weight).fn(x, gate_weight)
+
+
 def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     """moe_route's selection from router logits [M, E] fp32 (computed elsewhere: a rank of a
     sharded router gathers them) -> (expert ids [M, k] long, weights [M, k] fp32)."""

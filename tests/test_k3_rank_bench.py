@@ -13,7 +13,6 @@ import torch
 from dspark import roofline
 from dspark.kernels import ops
 from dspark.targets.kimi_k3 import K3, K3_SLICE, K3_TINY, K3Model, K3Target, Shard
-from dspark.targets.kimi_k3 import moe as k3_moe
 from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import random_tensors
 
@@ -130,13 +129,13 @@ def test_op_scopes_name_the_rank_step_and_restore_the_ops(bench):
     the originals again."""
     from torch.profiler import ProfilerActivity, profile
 
-    originals = (ops.linear, k3_moe._router_logits, RankParallel.__dict__["all_gather"])
+    originals = (ops.linear, ops.moe_router_logits, RankParallel.__dict__["all_gather"])
     shard = Shard(1, 2)
     model = K3Model(K3_TINY, random_tensors(K3_TINY, 2, torch.float32, "cpu", shard), shard=shard, routing="busiest")
     target = K3Target(model, max_slots=1, max_seq_len=16)
     with bench.op_scopes(), profile(activities=[ProfilerActivity.CPU]) as prof:
         target.verify([0], torch.tensor([[3, 4, 5]]), [3])
-    assert (ops.linear, k3_moe._router_logits, RankParallel.__dict__["all_gather"]) == originals
+    assert (ops.linear, ops.moe_router_logits, RankParallel.__dict__["all_gather"]) == originals
     scopes = {event.name for event in prof.events() if event.name.startswith("dspark:")}
     assert scopes >= {"dspark:trunk GEMMs", "dspark:experts", "dspark:attention", "dspark:KDA", "dspark:routing",
                       "dspark:norms/glue", "dspark:collective stand-ins"}

@@ -356,3 +356,20 @@ def test_the_references_that_read_device_values_say_so(op):
     assert registry.implementations(op)["reference"].reads_device_values
     assert not any(impl.reads_device_values for name, impl in registry.implementations(op).items()
                    if name != "reference")
+
+
+def test_router_logits_are_the_fp32_router_and_what_moe_route_selects_from(gen):
+    """moe_router_logits (the rank's router GEMM alone, gathered before the selection) equals
+    x gate^T in float64 to fp32 rounding (1e-5 relative: bf16 inputs are exact in fp32, sums of
+    64 products), and moe_route is moe_route_logits of it, bit for bit."""
+    x = randn(gen, 5, K3_TINY.hidden_size, dtype=torch.bfloat16)
+    gate = randn(gen, K3_TINY.num_experts, K3_TINY.hidden_size, dtype=torch.bfloat16)
+    bias = randn(gen, K3_TINY.num_experts, scale=0.1)
+    logits = ops.moe_router_logits(x, gate)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), x.double() @ gate.double().t(), rtol=1e-5, atol=1e-5)
+    ids, weights = ops.moe_route(x, gate, bias, K3_TINY.num_experts_per_token, 2.5)
+    ids_l, weights_l = ops.moe_route_logits(logits, bias, K3_TINY.num_experts_per_token, 2.5)
+    assert torch.equal(ids, ids_l) and torch.equal(weights, weights_l)
+    with pytest.raises(ValueError, match="x / gate_weight"):
+        ops.moe_router_logits(x, gate[:, :-1])

@@ -30,11 +30,20 @@ def check_route(gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> No
         raise ValueError(f"bias: expected shape ({num_experts},), got {tuple(bias.shape)}")
 
 
+@register("moe_router_logits", "reference", priority=0)
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits: both operands widened to fp32 first (the CPU has no bf16 GEMM with fp32
+    output), through the row-invariant linear."""
+    if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"x / gate_weight: expected [M, D] and [E, D], got {tuple(x.shape)} and "
+                         f"{tuple(gate_weight.shape)}")
+    return ops.linear(x.float(), gate_weight.float())  # fp32 router (docs/kimi-k3.md §1.2)
+
+
 @register("moe_route", "reference", priority=0)
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     check_route(gate_weight, bias, top_k)
-    logits = ops.linear(x.float(), gate_weight.float())  # fp32 router (docs/kimi-k3.md §1.2)
-    return route_logits(logits, bias, top_k, scaling)
+    return route_logits(router_logits(x, gate_weight), bias, top_k, scaling)
 
 
 @register("moe_route_logits", "reference", priority=0)

@@ -43,6 +43,15 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     return ops.linear(x.float(), gate_weight.float())
 
 
+def supports_router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    return x.dim() == 2 and gate_weight.dim() == 2 and x.shape[1] == gate_weight.shape[1]
+
+
+# The router GEMM alone (a rank gathers the logits before selecting): cuBLAS's bf16 GEMM with fp32
+# output, as moe_route's first half.
+register("moe_router_logits", "cublas", devices=("cuda",), priority=10, supports=supports_router_logits)(router_logits)
+
+
 @register("moe_route", "triton", devices=("cuda",), priority=10, available=triton_available)
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     check_route(gate_weight, bias, top_k)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
-from dspark.kernels.moe.triton import router_logits
 
 from .config import K3Config
 
@@ -100,20 +99,13 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record
     return ops.linear(routed, weights.latent_up) + shared
 
 
-def _router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [M, E] as moe_route computes them: on CUDA a bf16 GEMM with fp32 output
-    (kernels/moe/triton.py), elsewhere both widened to fp32 first (kernels/moe/reference.py; the
-    CPU has no bf16 GEMM with fp32 output)."""
-    return router_logits(x, gate) if x.is_cuda else ops.linear(x.float(), gate.float())
-
-
 def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, parallel,
                     record: list | None = None) -> torch.Tensor:
     """One rank's share of the latent-MoE FFN: x [M, D] (the same on every rank) -> the rank's
     partial output, all-reduced by `parallel` (a parallel.RankParallel). `weights` holds the
     rank's parts: router and latent down rows, latent up and shared down columns, shared gate|up
     rows, its experts. `record` gets the local expert ids [M, k'] the rank's experts run on."""
-    logits = parallel.all_gather(_router_logits(x, weights.gate))
+    logits = parallel.all_gather(ops.moe_router_logits(x, weights.gate))
     latent = parallel.all_gather(ops.linear(x, weights.latent_down))
     ids, route_weights = ops.moe_route_logits(logits, weights.score_bias, cfg.num_experts_per_token,
                                               cfg.routed_scaling_factor)
