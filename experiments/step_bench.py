@@ -495,6 +495,7 @@ SWITCHES = {
     "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
     "moe_combine": ("dspark.kernels.moe.cute_sm90", "COMBINE", {"torch": "torch", "triton": "triton"}),
     "token_gather": ("dspark.kernels.moe.expert_layout", "TOKEN_GATHER", {"torch": "torch", "triton": "triton"}),
+    "linear_fused_reduce": ("dspark.kernels.linear.cute_host", "FUSED_REDUCE", {"0": False, "1": True}),
 }
 
 
@@ -506,7 +507,9 @@ def applied(setting: str):
     are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1` passes the KDA inputs to
     the kernel as strided slices or as contiguous copies; `moe_combine=torch|triton` adds up each
     token's expert outputs in three torch launches or one Triton launch; `token_gather=torch|triton`
-    builds the expert kernels' token operand in three torch launches or one Triton launch."""
+    builds the expert kernels' token operand in three torch launches or one Triton launch;
+    `linear_fused_reduce=0|1` sums the CuTe GEMMs' split-K partials in a second kernel or in the
+    GEMM kernel itself."""
     import importlib
 
     from dspark.kernels import registry
@@ -550,7 +553,8 @@ def main(argv=None) -> int:
     parser.add_argument("--setting", action="append",
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
                              "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
-                             "kda_strided_inputs=0|1, moe_combine=torch|triton")
+                             "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
+                             "linear_fused_reduce=0|1")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

@@ -210,3 +210,15 @@ def test_a_cpu_verify_records_every_op_and_blocks_nothing(bench):
     assert {"linear", "kda_verify", "mla_verify_attention", "moe_route", "moe_experts", "rms_norm"} <= ran
     assert all(s.chosen.name == "reference" and not s.fallback for s in seen)
     assert not any(s.blocks_capture for s in seen)
+
+
+def test_the_fused_reduction_switch_is_set_and_restored(bench):
+    from dspark.kernels.linear import cute_host
+
+    assert cute_host.FUSED_REDUCE is False  # the default until measured at the rank's shapes
+    with bench.applied("linear_fused_reduce=1"):
+        assert cute_host.FUSED_REDUCE is True
+    assert cute_host.FUSED_REDUCE is False
+    with pytest.raises(SystemExit, match="linear_fused_reduce='2'"):
+        with bench.applied("linear_fused_reduce=2"):
+            pass
