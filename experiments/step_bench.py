@@ -124,6 +124,7 @@ OP_CLASSES = {
     "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
     "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
     "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",
+    "moe_tail_inputs": "norms/glue",
     "rejection_sample": "sampling",
 }
 COLLECTIVES = "collective stand-ins"

@@ -69,6 +69,16 @@ def moe_experts(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Te
     return select("moe_experts", *tensors).fn(*tensors, situ_beta, situ_linear_beta)
 
 
+def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate_up: torch.Tensor, start: int,
+                    width: int, eps: float, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """The input of the latent MoE's output GEMM, [M, width + S] in shared_gate_up's dtype: columns
+    [start, start + width) of RMSNorm(routed [M, L] fp32; latent_norm) (normalised over all L),
+    then situ_glu of shared_gate_up [M, 2S]'s halves. Against [latent_up | shared_down] it gives
+    latent_up RMSNorm(routed) + shared_down SiTU(...) as one GEMM (dspark/targets/kimi_k3/moe.py)."""
+    args = (routed, latent_norm, shared_gate_up)
+    return select("moe_tail_inputs", *args).fn(*args, start, width, eps, situ_beta, situ_linear_beta)
+
+
 def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise):
     """Lossless acceptance of one verified block -> (num_accepted [B], next_token [B]) on the
     logits' device; contract: kernels/acceptance/reference.py. Dispatch sees the tensors only

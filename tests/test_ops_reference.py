@@ -373,3 +373,48 @@ def test_router_logits_are_the_fp32_router_and_what_moe_route_selects_from(gen):
     assert torch.equal(ids, ids_l) and torch.equal(weights, weights_l)
     with pytest.raises(ValueError, match="x / gate_weight"):
         ops.moe_router_logits(x, gate[:, :-1])
+
+
+def test_moe_tail_inputs_are_the_norm_window_beside_the_shared_activation(gen):
+    """moe_tail_inputs: the window of RMSNorm(routed) normalised over the whole row, then SiTU-GLU,
+    both as float64 formulas (1e-6: fp32 arithmetic on O(1) values, one rounding to fp32 at the
+    end), and bit for bit the rms_norm and situ_glu ops it replaces; one row alone gives that
+    row's bits (token invariance)."""
+    cfg = K3_TINY
+    L, S, start, width = 32, 12, 8, 16
+    routed = randn(gen, 5, L, scale=3.0)
+    norm = 1 + randn(gen, L, scale=0.1)
+    gate_up = randn(gen, 5, 2 * S, scale=2.0)
+    out = ops.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-6, cfg.situ_beta, cfg.situ_linear_beta)
+    assert out.shape == (5, width + S) and out.dtype == torch.float32
+    r, g, u = routed.double(), gate_up[:, :S].double(), gate_up[:, S:].double()
+    normed = r / torch.sqrt((r * r).mean(-1, keepdim=True) + 1e-6) * norm.double()
+    act = (cfg.situ_beta * torch.tanh(g / cfg.situ_beta) * torch.sigmoid(g)
+           * cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta))
+    torch.testing.assert_close(out.double(), torch.cat([normed[:, start : start + width], act], dim=-1),
+                               rtol=1e-6, atol=1e-6)
+    separate = torch.cat([ops.rms_norm(routed, norm, 1e-6)[:, start : start + width],
+                          ops.situ_glu(gate_up[:, :S], gate_up[:, S:], cfg.situ_beta, cfg.situ_linear_beta)], dim=-1)
+    assert torch.equal(out, separate)
+    for m in range(5):
+        one = ops.moe_tail_inputs(routed[m : m + 1], norm, gate_up[m : m + 1], start, width, 1e-6, cfg.situ_beta,
+                                  cfg.situ_linear_beta)
+        assert torch.equal(one[0], out[m]), f"row {m} not invariant"
+    bf16 = ops.moe_tail_inputs(routed, norm.bfloat16(), gate_up.bfloat16(), 0, L, 1e-6, 4.0, 25.0)
+    assert bf16.dtype == torch.bfloat16  # the output GEMM's dtype: the shared projection's
+
+
+@pytest.mark.parametrize("field, change", [
+    ("routed", lambda a: {**a, "routed": a["routed"].bfloat16()}),
+    ("latent_norm", lambda a: {**a, "latent_norm": a["latent_norm"][:-1]}),
+    ("shared_gate_up", lambda a: {**a, "shared_gate_up": a["shared_gate_up"][:, :-1]}),
+    ("start / width", lambda a: {**a, "start": 20, "width": 16}),
+    ("start / width", lambda a: {**a, "width": 0}),
+])
+def test_moe_tail_inputs_refuse_bad_arguments_naming_the_field(gen, field, change):
+    good = dict(routed=randn(gen, 3, 32), latent_norm=randn(gen, 32), shared_gate_up=randn(gen, 3, 24), start=8,
+                width=16)
+    args = change(good)
+    with pytest.raises(ValueError, match=field):
+        ops.moe_tail_inputs(args["routed"], args["latent_norm"], args["shared_gate_up"], args["start"], args["width"],
+                            1e-6, 4.0, 25.0)

@@ -74,6 +74,7 @@ def main(seed: int) -> None:
     check_route(gen)
     check_combine(gen)
     check_gather_tokens(gen)
+    check_tail_inputs(gen)
     check_draft_loss(gen)
     print("triton kernels: all checks passed")
 
@@ -109,6 +110,26 @@ def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, to
     out = torch.full((tokens, width), float("nan"), device=device)
     got = moe_triton.weighted_combine(rows.to(device), position.to(device), weights.to(device), out=out)
     close(got.cpu(), want, f"weighted_combine T={tokens} k={top_k} width={width}")
+
+
+def check_tail_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
+    """moe_tail_inputs against its reference in float64: the norm over all of a latent row of
+    non-power-of-two width with a window that is not the whole row (a rank's) or is (the whole
+    model's), and a shared activation of two column blocks, the second partial (strided rows, as
+    a column slice of a wider GEMM output); the output poisoned with NaN. Inputs are drawn on the CPU."""
+    from dspark.kernels.moe import reference as moe_ref
+
+    for latent, start, width, shared in ((3584, 448, 224, 1100), (96, 0, 96, 40)):
+        routed = torch.randn(5, latent, generator=gen) * 3
+        norm = torch.rand(latent, generator=gen) + 0.5
+        gate_up = (torch.randn(5, 2 * shared + 8, generator=gen) * 4)[:, 4 : 4 + 2 * shared]
+        gate_up[0, :3] = torch.tensor([80.0, -80.0, 1e-3])  # tanh's saturated ends and its centre
+        want = moe_ref.moe_tail_inputs(routed.double(), norm.double(), gate_up.double(), start, width, 1e-6, 3.0,
+                                       5.0)
+        out = torch.full((5, width + shared), float("nan"), dtype=dtype, device=device)
+        got = moe_triton.moe_tail_inputs(routed.to(device), norm.to(device), gate_up.to(device, dtype), start, width,
+                                         1e-6, 3.0, 5.0, out=out)
+        close(got.cpu(), want, f"moe_tail_inputs latent {latent} [{start}, +{width}) shared {shared}")
 
 
 def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 640) -> None:

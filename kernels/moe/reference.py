@@ -17,7 +17,7 @@ import torch
 
 from .. import ops
 from ..mxfp4 import dequantise
-from ..numerics import per_row, situ
+from ..numerics import per_row, rms_norm, situ
 from ..registry import register
 
 
@@ -103,3 +103,27 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     for slot in range(1, ids.shape[1]):  # fixed order: the top-k order
         routed = routed + route_weights[:, slot : slot + 1] * expert_out[:, slot]
     return routed
+
+
+def check_tail_inputs(routed, latent_norm, shared_gate_up, start: int, width: int) -> None:
+    """The arguments moe_tail_inputs takes (every implementation checks the same contract)."""
+    if routed.dim() != 2 or routed.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"routed: expected fp32 (float64: a reference run) [M, L], got {routed.dtype} "
+                         f"{tuple(routed.shape)}")
+    M, L = routed.shape
+    if tuple(latent_norm.shape) != (L,):
+        raise ValueError(f"latent_norm: expected shape ({L},), got {tuple(latent_norm.shape)}")
+    if shared_gate_up.dim() != 2 or shared_gate_up.shape[0] != M or shared_gate_up.shape[1] % 2:
+        raise ValueError(f"shared_gate_up: expected [{M}, 2S], got {tuple(shared_gate_up.shape)}")
+    if not (isinstance(start, int) and isinstance(width, int) and 0 <= start and 1 <= width and start + width <= L):
+        raise ValueError(f"start / width: columns [{start}, {start} + {width}) outside the latent's [0, {L})")
+
+
+@register("moe_tail_inputs", "reference", priority=0)
+def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate_up: torch.Tensor, start: int,
+                    width: int, eps: float, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """rms_norm's and situ_glu's references, side by side: [M, width + S] in shared_gate_up's dtype."""
+    check_tail_inputs(routed, latent_norm, shared_gate_up, start, width)
+    normed = rms_norm(routed, latent_norm, eps).to(shared_gate_up.dtype)[:, start : start + width]
+    gate, up = shared_gate_up.chunk(2, dim=-1)
+    return torch.cat([normed, situ(gate, up, situ_beta, situ_linear_beta)], dim=-1)

@@ -38,6 +38,9 @@ KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "
 DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight",
                               "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
+# Projections whose outputs are summed, fused along K (K3Model._fuse_columns): LatentMoEWeights.output_proj
+MOE_OUTPUT_PROJECTIONS = ("block_sparse_moe.routed_expert_up_proj.weight",
+                          "block_sparse_moe.shared_experts.down_proj.weight")
 
 
 def _stack_of_views(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -149,9 +152,8 @@ class K3Model:
             score_bias=self.tensors[f"{m}.gate.e_score_correction_bias"],
             latent_down=self.tensors[f"{m}.routed_expert_down_proj.weight"],
             latent_norm=self.tensors[f"{m}.routed_expert_norm.weight"],
-            latent_up=self.tensors[f"{m}.routed_expert_up_proj.weight"],
             shared_gate_up=self._fuse_rows(i, SHARED_GATE_UP_PROJECTIONS)[0],
-            shared_down=self.tensors[f"{m}.shared_experts.down_proj.weight"],
+            output_proj=self._fuse_columns(i, MOE_OUTPUT_PROJECTIONS),
             w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),
             w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
@@ -174,6 +176,18 @@ class K3Model:
             sizes.append(rows)
             start += rows
         return fused, sizes
+
+    def _fuse_columns(self, i: int, suffixes: tuple[str, ...]) -> torch.Tensor:
+        """One weight [N, sum K] for projections whose outputs are added: x_1 W_1^T + x_2 W_2^T
+        is then one GEMM of [x_1 | x_2]. The checkpoint names stay as column views of it."""
+        names = [f"{layout.layer_prefix(i)}.{suffix}" for suffix in suffixes]
+        fused = torch.cat([self.tensors[n] for n in names], dim=1)
+        start = 0
+        for n in names:
+            columns = self.tensors[n].shape[1]
+            self.tensors[n] = fused[:, start : start + columns]
+            start += columns
+        return fused
 
     def named_tensors(self):
         """(name, tensor) in the checkpoint layout; experts are views of the stacked tensors."""

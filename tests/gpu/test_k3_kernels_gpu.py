@@ -1,0 +1,85 @@
+"""The kernels added for the K3 rank's launch count (docs/kimi-k3.md §8.5), on the GPU at the
+rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fresh random inputs:
+
+- moe_tail_inputs (Triton) against its reference and float64. Tolerance: bf16 outputs of O(1)
+  values; the kernel rounds once where the reference does (the store), its fp32 reductions run
+  in another order: at most 1 bf16 ulp of the output per element plus 1e-3, mean under 1e-3 (the
+  bound of tests/gpu/test_triton_kernels_gpu.py for one rounding).
+- the skinny GEMM's fused split-K reduction (cute_host.FUSED_REDUCE) at the rank's split shapes,
+  against float64: relative Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3), the
+  bound of tests/gpu/test_linear_gpu.py; every element written; twice in a row (the arrival
+  counters must re-arm).
+"""
+import pytest
+import torch
+
+from dspark.kernels import cute_common, ops, registry
+from dspark.kernels.moe import reference as moe_ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(v.float().abs().clamp(min=2.0**-126))) - 7)
+
+
+def _close(got, want, what, roundings: int = 1):
+    assert torch.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite output"
+    err = (got.float() - want.float()).abs()
+    bound = roundings * _bf16_ulp(want) + 1e-3
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e} ({(err / bound).max().item():.2f}x the bound)"
+    assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
+
+
+# (latent, window start, window width, shared): a rank of 16 (rank 3's window) and the whole model
+TAIL_SHAPES = [(3584, 3 * 224, 224, 384), (3584, 0, 3584, 6144)]
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("latent, start, width, shared", TAIL_SHAPES)
+def test_moe_tail_inputs_match_the_reference(gen, rows, latent, start, width, shared):
+    from dspark.kernels.moe import triton as moe_triton
+
+    routed = torch.randn(rows, latent, device="cuda", generator=gen) * 2
+    norm = (torch.rand(latent, device="cuda", generator=gen) + 0.5).bfloat16()
+    gate_up = (torch.randn(rows, 2 * shared + 64, device="cuda", generator=gen) * 3).bfloat16()[:, 32 : 32 + 2 * shared]
+    out = torch.full((rows, width + shared), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = moe_triton.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0, out=out)
+    want = moe_ref.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0)
+    _close(got, want, f"moe_tail_inputs rows {rows} [{start}, +{width}) shared {shared}")
+    exact = moe_ref.moe_tail_inputs(routed.double(), norm.double(), gate_up.double(), start, width, 1e-5, 4.0, 25.0)
+    _close(got, exact, "moe_tail_inputs against float64")
+    assert registry.select("moe_tail_inputs", routed, norm, gate_up).name == "triton"
+    assert ops.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0).dtype == torch.bfloat16
+
+
+# k3-rank's split GEMMs (tests/test_linear_cute_compile.py RANK_SPLIT_SHAPES)
+RANK_SPLIT_SHAPES = {"kda_in": (3208, 7168), "latent_down": (224, 7168), "shared_gate_up": (768, 7168),
+                     "o_proj": (7168, 768), "moe_output": (7168, 608)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0)
+                    or not cute_common.cutlass_available(), reason="the sm_90a skinny GEMM")
+@pytest.mark.parametrize("name", sorted(RANK_SPLIT_SHAPES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_rank_split_gemms_with_either_reduction(gen, monkeypatch, name, fused):
+    from dspark.kernels.linear import cute_host, cute_sm90
+
+    monkeypatch.setattr(cute_host, "FUSED_REDUCE", fused)
+    n, k = RANK_SPLIT_SHAPES[name]
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    for m in (1, 8, 16):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        want = x.double() @ weight.double().t()
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            cute_sm90.skinny_gemm(x, weight, out)
+            torch.cuda.synchronize()
+            assert not out.isnan().any(), f"{name} M={m} fused={fused}: elements not written"
+            error = ((out.double() - want).norm() / want.norm()).item()
+            assert error <= 1e-2, f"{name} M={m} fused={fused}: relative error {error:.2e}"
