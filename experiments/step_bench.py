@@ -120,7 +120,7 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
 # are not ops, by the class their kernels count in.
 OP_CLASSES = {
     "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "moe_experts": "experts",
-    "mla_verify_attention": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
+    "mla_verify_attention": "attention", "mla_cache_rows": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
     "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
     "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
     "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",

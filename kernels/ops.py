@@ -41,6 +41,16 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
     return select("mla_verify_attention", *args).fn(*args, scale)
 
 
+def mla_cache_rows(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slots: torch.Tensor,
+                   cache_lens: torch.Tensor, lengths: torch.Tensor) -> None:
+    """In place: the latent rows [RMSNorm(c_kv) | k_pe] of B requests' T new tokens (kv [B*T, R + P],
+    norm_weight [R]) into a layer's cache pool [slots, L + 1, R + P] at slots[b], rows
+    cache_lens[b] + j; padding tokens (j >= lengths[b]) write the slot's spare row L (which of
+    them lands there last is unspecified: nothing reads it)."""
+    args = (kv, norm_weight, cache, slots, cache_lens, lengths)
+    return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths)
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     """K3 router -> (expert ids [M, k] long, weights [M, k] fp32)."""
     return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)

@@ -418,3 +418,44 @@ def test_moe_tail_inputs_refuse_bad_arguments_naming_the_field(gen, field, chang
     with pytest.raises(ValueError, match=field):
         ops.moe_tail_inputs(args["routed"], args["latent_norm"], args["shared_gate_up"], args["start"], args["width"],
                             1e-6, 4.0, 25.0)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_mla_cache_rows_land_past_each_committed_length_and_padding_on_the_spare_row(gen, index_dtype):
+    """mla_cache_rows: token j of request b at row cache_lens[b] + j of slot slots[b], as
+    [RMSNorm(c_kv) | k_pe] (the norm against float64 to fp32 rounding, 1e-6; k_pe exact); a padding
+    token on the slot's spare row; every other row untouched."""
+    B, T, R, P, L = 3, 4, 16, 8, 20
+    cache = randn(gen, 5, L + 1, R + P)
+    before = cache.clone()
+    kv = randn(gen, B * T, R + P + 6, scale=2.0)[:, 3 : 3 + R + P]  # strided rows: the fused GEMM's columns
+    weight = 1 + randn(gen, R, scale=0.1)
+    slots = torch.tensor([4, 0, 2], dtype=index_dtype)
+    cache_lens = torch.tensor([0, 7, L - 2], dtype=index_dtype)
+    lengths = torch.tensor([4, 1, 2], dtype=index_dtype)
+    ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths)
+    touched = torch.zeros(5, L + 1, dtype=torch.bool)
+    for b in range(B):
+        for j in range(int(lengths[b])):
+            slot, row = int(slots[b]), int(cache_lens[b]) + j
+            x = kv[b * T + j].double()
+            normed = x[:R] / torch.sqrt((x[:R] ** 2).mean() + 1e-6) * weight.double()
+            torch.testing.assert_close(cache[slot, row, :R].double(), normed, rtol=1e-6, atol=1e-6)
+            assert torch.equal(cache[slot, row, R:], kv[b * T + j, R:])
+            touched[slot, row] = True
+        touched[int(slots[b]), L] = True  # padding rows land on the spare row
+    assert torch.equal(cache[~touched], before[~touched])
+    spare_written = [int(slots[b]) for b in range(B) if int(lengths[b]) < T]
+    for slot in spare_written:
+        assert not torch.equal(cache[slot, L], before[slot, L])
+
+
+def test_mla_cache_rows_refuse_bad_arguments_naming_the_field(gen):
+    cache, kv, weight = randn(gen, 2, 9, 24), randn(gen, 6, 24), randn(gen, 16)
+    index = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="lengths"):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache, index, index, index[:1])
+    with pytest.raises(ValueError, match="kv / norm_weight"):
+        ops.mla_cache_rows(kv[:5], weight, 1e-6, cache, index, index, index)
+    with pytest.raises(ValueError, match="cache"):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache[..., :20], index, index, index)

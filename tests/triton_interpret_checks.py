@@ -75,6 +75,7 @@ def main(seed: int) -> None:
     check_combine(gen)
     check_gather_tokens(gen)
     check_tail_inputs(gen)
+    check_cache_rows(gen)
     check_draft_loss(gen)
     print("triton kernels: all checks passed")
 
@@ -130,6 +131,33 @@ def check_tail_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.flo
         got = moe_triton.moe_tail_inputs(routed.to(device), norm.to(device), gate_up.to(device, dtype), start, width,
                                          1e-6, 3.0, 5.0, out=out)
         close(got.cpu(), want, f"moe_tail_inputs latent {latent} [{start}, +{width}) shared {shared}")
+
+
+def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
+    """mla_cache_rows against its reference: a ragged batch (padding tokens on the spare rows) over
+    a pool of slots with strided kv rows; the norm to ATOL, k_pe and every untouched row exactly.
+    Inputs are drawn on the CPU; the cache poisoned with NaN except the rows already committed."""
+    from dspark.kernels.mla import reference as mla_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    B, T, R, P, L = 3, 4, 512, 64, 40
+    kv = (torch.randn(B * T, R + P + 16, generator=gen) * 2)[:, 8 : 8 + R + P]
+    weight = torch.rand(R, generator=gen) + 0.5
+    cache = torch.full((5, L + 1, R + P), float("nan"))
+    slots, cache_lens, lengths = torch.tensor([4, 0, 2]), torch.tensor([0, 7, L - 2]), torch.tensor([4, 1, 2])
+    want = cache.clone()
+    mla_ref.mla_cache_rows(kv, weight, 1e-6, want, slots, cache_lens, lengths)
+    got = cache.to(device=device, dtype=dtype)
+    mla_triton.mla_cache_rows(kv.to(device, dtype), weight.to(device), 1e-6, got, slots.to(device), cache_lens.to(device),
+                              lengths.to(device))
+    got = got.cpu()
+    if not torch.equal(got.isnan(), want.isnan()):
+        sys.exit("mla_cache_rows: wrote other rows than the reference")
+    written = ~want.isnan().all(-1)
+    written[:, L] = False  # a spare row holds one of its slot's padding rows, which one is unspecified
+    close(got[written][:, :R], want[written][:, :R].double(), "mla_cache_rows' normalised c_kv")
+    if not torch.equal(got[written][:, R:], want[written][:, R:]):
+        sys.exit("mla_cache_rows: k_pe differs from the reference")
 
 
 def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 640) -> None:

@@ -5,6 +5,9 @@ rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fre
   values; the kernel rounds once where the reference does (the store), its fp32 reductions run
   in another order: at most 1 bf16 ulp of the output per element plus 1e-3, mean under 1e-3 (the
   bound of tests/gpu/test_triton_kernels_gpu.py for one rounding).
+- mla_cache_rows (Triton) against its reference on a layer's pool of slots, a ragged batch: the
+  normalised c_kv to 2 bf16 ulps (rms_norm's two roundings, the same bound), k_pe and every row
+  it must not touch bit for bit.
 - the skinny GEMM's fused split-K reduction (cute_host.FUSED_REDUCE) at the rank's split shapes,
   against float64: relative Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3), the
   bound of tests/gpu/test_linear_gpu.py; every element written; twice in a row (the arrival
@@ -83,3 +86,25 @@ def test_the_rank_split_gemms_with_either_reduction(gen, monkeypatch, name, fuse
             assert not out.isnan().any(), f"{name} M={m} fused={fused}: elements not written"
             error = ((out.double() - want).norm() / want.norm()).item()
             assert error <= 1e-2, f"{name} M={m} fused={fused}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (1, 8), (4, 8), (8, 1)])
+def test_mla_cache_rows_match_the_reference(gen, batch, tokens):
+    from dspark.kernels.mla import reference as mla_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    R, P, L = 512, 64, 1024
+    pool = torch.full((batch + 2, L + 1, R + P), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kv = (torch.randn(batch * tokens, 2880, device="cuda", generator=gen) * 2).bfloat16()[:, 1536 : 1536 + R + P]
+    weight = (torch.rand(R, device="cuda", generator=gen) + 0.5).bfloat16()
+    slots = torch.randperm(batch + 2, device="cuda", generator=gen)[:batch]
+    cache_lens = torch.randint(0, L - tokens, (batch,), device="cuda", generator=gen)
+    lengths = torch.randint(1, tokens + 1, (batch,), device="cuda", generator=gen)
+    want = pool.clone()
+    mla_ref.mla_cache_rows(kv, weight, 1e-5, want, slots, cache_lens, lengths)
+    mla_triton.mla_cache_rows(kv, weight, 1e-5, pool, slots, cache_lens, lengths)
+    assert registry.select("mla_cache_rows", kv, weight, pool, slots, cache_lens, lengths).name == "triton"
+    assert torch.equal(pool[:, :L].isnan(), want[:, :L].isnan()), "rows written differ from the reference's"
+    written = ~want[:, :L].isnan().all(-1)
+    _close(pool[:, :L][written][:, :R], want[:, :L][written][:, :R], "mla_cache_rows c_kv", roundings=2)
+    assert torch.equal(pool[:, :L][written][:, R:], want[:, :L][written][:, R:]), "k_pe differs"

@@ -4,8 +4,9 @@ Per layer i (docs/kimi-k3.md §7, Block AttnRes): attention is KDA or gated MLA 
 cfg.layer_type(i) (§2, §3), the FFN is the dense SiTU-GLU MLP for i < first_k_dense, else the
 latent MoE (§1.2); after the last layer one more AttnRes mix, the final norm and lm_head.
 Projections go through `ops.linear`, KDA through `ops.kda_verify`, MLA attention through
-`ops.mla_verify_attention`, the MoE through moe.py; the elementwise parts are per row
-(kernels/numerics.py), so on the CPU a token's logits do not depend on its batch, bit for bit.
+`ops.mla_verify_attention` (its cache rows through `ops.mla_cache_rows`), the MoE through
+moe.py; the elementwise parts are per row (kernels/numerics.py), so on the CPU a token's logits
+do not depend on its batch, bit for bit.
 
 `forward` runs B requests of T tokens from their committed decode state without changing it,
 except that MLA rows of the new tokens are written past each slot's committed length (they are
@@ -232,9 +233,7 @@ class K3Model:
         q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
         c_q = ops.rms_norm(q_a, self._w(i, f"{a}.q_a_layernorm.weight"), eps)
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
-        c_kv = ops.rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
-        rows = torch.cat([c_kv, kv[:, R:]], dim=-1).view(B, T, R + P)
-        self._write_rows(cache, rows, slots, cache_lens, lengths)
+        ops.mla_cache_rows(kv, self._w(i, f"{a}.kv_a_layernorm.weight"), eps, cache, slots, cache_lens, lengths)
         w_uk_t, w_uv = self.mla_absorbed[i]
         q_latent = ops.linear_heads(q[:, :, :nope], w_uk_t)  # [B*T, H, R]
         q_pe = q[:, :, nope:].contiguous()
@@ -245,18 +244,6 @@ class K3Model:
         o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
         o = ops.sigmoid_gate(o, gate)
         return self._reduce(ops.linear(o, self._w(i, f"{a}.o_proj.weight")))
-
-    @staticmethod
-    def _write_rows(cache, rows, slots, cache_lens, lengths):
-        """The new tokens' latent rows go past each slot's committed length, in one scatter with
-        no host read of the lengths. cache [slots, L + 1, R + P] has one spare row per slot (index
-        L, never read): padding positions (j >= lengths[b]) write there."""
-        B, T = rows.shape[:2]
-        spare = cache.shape[1] - 1
-        offsets = torch.arange(T, device=rows.device)
-        valid = offsets[None, :] < lengths[:, None]
-        positions = torch.where(valid, cache_lens[:, None] + offsets[None, :], spare)
-        cache.index_put_((slots[:, None].expand(B, T), positions), rows.to(cache.dtype))
 
     def _ffn(self, i, y):
         cfg = self.cfg
