@@ -212,13 +212,15 @@ def test_a_cpu_verify_records_every_op_and_blocks_nothing(bench):
     assert not any(s.blocks_capture for s in seen)
 
 
-def test_the_fused_reduction_switch_is_set_and_restored(bench):
+def test_the_launch_switches_are_set_and_restored(bench):
+    from dspark.kernels import triton_common
     from dspark.kernels.linear import cute_host
 
-    assert cute_host.FUSED_REDUCE is False  # the default until measured at the rank's shapes
-    with bench.applied("linear_fused_reduce=1"):
-        assert cute_host.FUSED_REDUCE is True
-    assert cute_host.FUSED_REDUCE is False
+    # the defaults until measured at the rank's shapes
+    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False
+    with bench.applied("linear_fused_reduce=1,triton_pdl=1"):
+        assert cute_host.FUSED_REDUCE is True and triton_common.PDL is True
+    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False
     with pytest.raises(SystemExit, match="linear_fused_reduce='2'"):
         with bench.applied("linear_fused_reduce=2"):
             pass

@@ -8,7 +8,7 @@ its row, reads its request's slot, length and committed length on the device, an
 import torch
 
 from ..registry import register
-from ..triton_common import kernel_module, triton_available
+from ..triton_common import kernel_module, pdl_options, triton_available
 from .reference import check_cache_rows
 
 MAX_WIDTH = 4096  # R and P each live in one program's registers
@@ -21,7 +21,7 @@ def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, length
         kernel_module(__package__).cache_rows_kernel[(kv.shape[0],)](
             kv, kv.stride(0), norm_weight, cache, cache.stride(0), cache.stride(1), slots, cache_lens, lengths,
             T, R, P, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
-            BLOCK_P=1 << (P - 1).bit_length(), num_warps=4)
+            BLOCK_P=1 << (P - 1).bit_length(), **pdl_options(), num_warps=4)
 
 
 def supports(kv, norm_weight, cache, slots, cache_lens, lengths) -> bool:

@@ -2,13 +2,17 @@
 import triton
 import triton.language as tl
 
+from ..triton_pdl import prologue
+
 
 @triton.jit
 def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_row, slots_ptr, cache_lens_ptr,
-                      lengths_ptr, T, R, P, spare, eps, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                      lengths_ptr, T, R, P, spare, eps, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program per token (b, j): RMSNorm of its c_kv (rms_norm_kernel's rounding: the
     normalised row and the weighted one each rounded to kv's dtype) and its raw k_pe, stored at
     row cache_lens[b] + j of slot slots[b], or at the spare row for a padding token."""
+    prologue(PDL)
     token = tl.program_id(0)
     b = token // T
     j = token % T

@@ -14,7 +14,7 @@ import torch
 
 from .. import ops
 from ..registry import register
-from ..triton_common import kernel_module, triton_available
+from ..triton_common import kernel_module, pdl_options, triton_available
 from .reference import check_route, check_tail_inputs
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
@@ -32,7 +32,8 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
     if M:
         kernel_module(__package__).route_kernel[(M,)](
             logits, logits.stride(0), bias, ids, weights, E, float(scaling), TOP_K=top_k,
-            BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(16, 1 << (top_k - 1).bit_length()), num_warps=4)
+            BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(16, 1 << (top_k - 1).bit_length()),
+            **pdl_options(), num_warps=4)
     return ids, weights
 
 
@@ -84,7 +85,7 @@ def weighted_combine(rows: torch.Tensor, position: torch.Tensor, route_weights: 
     if T:
         kernel_module(__package__).combine_kernel[(T, -(-width // COMBINE_BLOCK))](
             rows, rows.stride(0), position.contiguous(), route_weights.contiguous(), out, out.stride(0), width,
-            TOP_K=top_k, BLOCK=COMBINE_BLOCK, num_warps=4)
+            TOP_K=top_k, BLOCK=COMBINE_BLOCK, **pdl_options(), num_warps=4)
     return out
 
 
@@ -108,7 +109,7 @@ def gather_tokens(x: torch.Tensor, slot_tokens: torch.Tensor, perm: torch.Tensor
     if S * tokens:
         kernel_module(__package__).gather_tokens_kernel[(S * tokens, -(-K // GATHER_BLOCK))](
             x, x.stride(0), slot_tokens.contiguous(), perm.contiguous(), out, K, float(2.0**scale_log2),
-            PERIOD=period, BLOCK=GATHER_BLOCK, num_warps=4)
+            PERIOD=period, BLOCK=GATHER_BLOCK, **pdl_options(), num_warps=4)
     return out
 
 
@@ -133,7 +134,7 @@ def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate
         kernel_module(__package__).tail_inputs_kernel[(M, 1 + -(-S // TAIL_BLOCK))](
             routed, routed.stride(0), latent_norm, shared_gate_up, shared_gate_up.stride(0), out, out.stride(0),
             L, start, width, S, float(eps), float(situ_beta), float(situ_linear_beta),
-            BLOCK_L=1 << (L - 1).bit_length(), BLOCK=TAIL_BLOCK, num_warps=4)
+            BLOCK_L=1 << (L - 1).bit_length(), BLOCK=TAIL_BLOCK, **pdl_options(), num_warps=4)
     return out
 
 

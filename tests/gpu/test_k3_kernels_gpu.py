@@ -12,6 +12,9 @@ rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fre
   against float64: relative Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3), the
   bound of tests/gpu/test_linear_gpu.py; every element written; twice in a row (the arrival
   counters must re-arm).
+- the Triton kernels under programmatic dependent launch (triton_common.PDL) in a CUDA graph: a
+  chain of dependent kernels replayed gives the eager, plain-launch results bit for bit (the same
+  kernels on the same inputs; a missing wait would read a predecessor's output early).
 """
 import pytest
 import torch
@@ -108,3 +111,32 @@ def test_mla_cache_rows_match_the_reference(gen, batch, tokens):
     written = ~want[:, :L].isnan().all(-1)
     _close(pool[:, :L][written][:, :R], want[:, :L][written][:, :R], "mla_cache_rows c_kv", roundings=2)
     assert torch.equal(pool[:, :L][written][:, R:], want[:, :L][written][:, R:]), "k_pe differs"
+
+
+def test_a_graph_of_dependent_triton_kernels_under_pdl_equals_plain_launches(gen, monkeypatch):
+    from dspark.kernels import triton_common
+
+    x = torch.randn(8, 7168, device="cuda", generator=gen).bfloat16()
+    w = (torch.rand(7168, device="cuda", generator=gen) + 0.5).bfloat16()
+    latent_norm = (torch.rand(3584, device="cuda", generator=gen) + 0.5).bfloat16()
+    shared_w = (torch.randn(768, 7168, device="cuda", generator=gen) / 7168**0.5).bfloat16()
+
+    def chain():
+        h = ops.rms_norm(x, w, 1e-5)  # each kernel reads the one before it
+        gate_up = ops.linear(h, shared_w)
+        routed = ops.rms_norm(h[:, :3584], latent_norm, 1e-5, out_dtype=torch.float32)
+        tail = ops.moe_tail_inputs(routed, latent_norm, gate_up, 224, 224, 1e-5, 4.0, 25.0)
+        return ops.sigmoid_gate(tail, tail)
+
+    want = chain().clone()
+    monkeypatch.setattr(triton_common, "PDL", True)
+    chain()  # compile the PDL variants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
