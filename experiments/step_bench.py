@@ -119,7 +119,8 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
 # The op classes of a step's kernels: each op of dspark.kernels.ops, and the rank's pieces that
 # are not ops, by the class their kernels count in.
 OP_CLASSES = {
-    "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "moe_experts": "experts",
+    "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "mla_absorb_q": "trunk GEMMs",
+    "mla_absorb_output": "trunk GEMMs", "moe_experts": "experts",
     "mla_verify_attention": "attention", "mla_cache_rows": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
     "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
     "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",

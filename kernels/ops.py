@@ -51,6 +51,18 @@ def mla_cache_rows(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cach
     return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths)
 
 
+def mla_absorb_q(q: torch.Tensor, w_uk_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated MLA's absorbed queries (docs/kimi-k3.md §3): q [M, H, nope + P] (q_b's output by head),
+    w_uk_t [H, R, nope] -> (q_latent [M, H, R] = W_UK_h^T q_nope_h, q_pe [M, H, P]), both contiguous."""
+    return select("mla_absorb_q", q, w_uk_t).fn(q, w_uk_t)
+
+
+def mla_absorb_output(o_latent: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated MLA's output before o_proj: o_latent [M, H, R], w_uv [H, V, R], gate [M, H*V] ->
+    sigmoid_gate(W_UV_h o_latent_h by head, as [M, H*V], gate)."""
+    return select("mla_absorb_output", o_latent, w_uv, gate).fn(o_latent, w_uv, gate)
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     """K3 router -> (expert ids [M, k] long, weights [M, k] fp32)."""
     return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)

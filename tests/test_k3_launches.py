@@ -22,17 +22,17 @@ PINNED = {
     (4, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 6, "kda_verify": 1, "moe_router_logits": 1,
                     "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
                    {"repeat": 2}),
-    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "linear_heads": 2, "mla_cache_rows": 1,
-                    "mla_verify_attention": 1, "sigmoid_gate": 1, "moe_router_logits": 1, "moe_route_logits": 1,
+    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "mla_cache_rows": 1, "mla_absorb_q": 1,
+                    "mla_verify_attention": 1, "mla_absorb_output": 1, "moe_router_logits": 1, "moe_route_logits": 1,
                     "moe_experts": 1, "moe_tail_inputs": 1},
-                   {"clone": 1, "repeat": 2}),
+                   {"repeat": 2}),
     (1, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 6, "kda_verify": 1, "moe_route": 1, "moe_experts": 1,
                     "moe_tail_inputs": 1},
                    {}),
-    (1, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "linear_heads": 2, "mla_cache_rows": 1,
-                    "mla_verify_attention": 1, "sigmoid_gate": 1, "moe_route": 1, "moe_experts": 1,
+    (1, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "mla_cache_rows": 1, "mla_absorb_q": 1,
+                    "mla_verify_attention": 1, "mla_absorb_output": 1, "moe_route": 1, "moe_experts": 1,
                     "moe_tail_inputs": 1},
-                   {"clone": 1}),
+                   {}),
 }
 
 

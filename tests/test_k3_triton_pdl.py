@@ -54,6 +54,9 @@ def launch_every_kernel(monkeypatch) -> list:
     index = torch.tensor([0, 1])
     mla.mla_cache_rows(torch.randn(4, 72, generator=gen), w, 1e-6, torch.randn(2, 9, 72, generator=gen), index,
                        index, index)
+    mla.mla_absorb_q(torch.randn(4, 2, 24, generator=gen), torch.randn(2, 32, 16, generator=gen))
+    mla.mla_absorb_output(torch.randn(4, 2, 32, generator=gen), torch.randn(2, 16, 32, generator=gen),
+                          torch.randn(4, 32, generator=gen))
     return recorder.launches
 
 
@@ -63,7 +66,7 @@ def test_every_step_kernel_launches_with_the_switch(monkeypatch, on):
     launches = launch_every_kernel(monkeypatch)
     assert {name for name, _ in launches} == {
         "rms_norm_kernel", "attn_res_mix_norm_kernel", "situ_glu_kernel", "sigmoid_gate_kernel", "route_kernel",
-        "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel"}
+        "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel", "absorb_kernel"}
     for name, kwargs in launches:
         assert kwargs["PDL"] is on, name
         assert kwargs.get("launch_pdl", False) is on, name

@@ -459,3 +459,33 @@ def test_mla_cache_rows_refuse_bad_arguments_naming_the_field(gen):
         ops.mla_cache_rows(kv[:5], weight, 1e-6, cache, index, index, index)
     with pytest.raises(ValueError, match="cache"):
         ops.mla_cache_rows(kv, weight, 1e-6, cache[..., :20], index, index, index)
+
+
+
+def test_mla_absorptions_are_the_per_head_products_and_the_gate(gen):
+    """mla_absorb_q: W_UK_h^T q_nope_h per head against float64 (1e-5: fp32 sums of 16 products)
+    and q_pe copied out exactly; mla_absorb_output: sigmoid(gate) * W_UV_h o_latent_h against
+    float64; both bit for bit the linear_heads / sigmoid_gate ops they replace, and token-invariant."""
+    M, H, R, nope, P, V = 5, 3, 32, 16, 8, 16
+    q = randn(gen, M, H, nope + P)
+    w_uk_t = randn(gen, H, R, nope, scale=nope**-0.5)
+    q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)
+    assert q_latent.is_contiguous() and q_pe.is_contiguous()
+    want = torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double())
+    torch.testing.assert_close(q_latent.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q_pe, q[:, :, nope:])
+    assert torch.equal(q_latent, ops.linear_heads(q[:, :, :nope], w_uk_t))
+    o_latent = randn(gen, M, H, R)
+    w_uv = randn(gen, H, V, R, scale=R**-0.5)
+    gate = randn(gen, M, H * V + 4)[:, 2 : 2 + H * V]  # a column slice of the fused input GEMM's output
+    out = ops.mla_absorb_output(o_latent, w_uv, gate)
+    product = torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(M, H * V)
+    torch.testing.assert_close(out.double(), product * torch.sigmoid(gate.double()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, ops.sigmoid_gate(ops.linear_heads(o_latent, w_uv).reshape(M, H * V), gate))
+    for m in range(M):
+        assert torch.equal(ops.mla_absorb_q(q[m : m + 1], w_uk_t)[0][0], q_latent[m])
+        assert torch.equal(ops.mla_absorb_output(o_latent[m : m + 1], w_uv, gate[m : m + 1])[0], out[m])
+    with pytest.raises(ValueError, match="q / w_uk_t"):
+        ops.mla_absorb_q(q[:, :2], w_uk_t)
+    with pytest.raises(ValueError, match="gate"):
+        ops.mla_absorb_output(o_latent, w_uv, gate[:, :-1])

@@ -76,6 +76,7 @@ def main(seed: int) -> None:
     check_gather_tokens(gen)
     check_tail_inputs(gen)
     check_cache_rows(gen)
+    check_absorb(gen)
     check_draft_loss(gen)
     print("triton kernels: all checks passed")
 
@@ -158,6 +159,29 @@ def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.floa
     close(got[written][:, :R], want[written][:, :R].double(), "mla_cache_rows' normalised c_kv")
     if not torch.equal(got[written][:, R:], want[written][:, R:]):
         sys.exit("mla_cache_rows: k_pe differs from the reference")
+
+
+def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
+    """mla_absorb_q / mla_absorb_output against float64: a row count that is not a tile's (the
+    rows and columns masked), several column blocks per head, q_pe copied exactly, the gate's
+    strided rows; outputs poisoned with NaN. Inputs are drawn on the CPU."""
+    from dspark.kernels.mla import triton as mla_triton
+
+    M, H, R, nope, P, V = 5, 3, 192, 64, 32, 96
+    q = torch.randn(M, H, nope + P, generator=gen)
+    w_uk_t = torch.randn(H, R, nope, generator=gen) * nope**-0.5
+    out, pe = (torch.full(shape, float("nan"), dtype=dtype, device=device) for shape in ((M, H, R), (M, H, P)))
+    mla_triton.mla_absorb_q(q.to(device, dtype), w_uk_t.to(device, dtype), out=out, pe=pe)
+    close(out.cpu(), torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double()), "mla_absorb_q")
+    if not torch.equal(pe.cpu(), q[:, :, nope:].to(dtype)):
+        sys.exit("mla_absorb_q: q_pe is not the rope columns")
+    o_latent = torch.randn(M, H, R, generator=gen)
+    w_uv = torch.randn(H, V, R, generator=gen) * R**-0.5
+    gate = (torch.randn(M, H * V + 8, generator=gen) * 2)[:, 4 : 4 + H * V]
+    out = torch.full((M, H * V), float("nan"), dtype=dtype, device=device)
+    mla_triton.mla_absorb_output(o_latent.to(device, dtype), w_uv.to(device, dtype), gate.to(device, dtype), out=out)
+    product = torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(M, H * V)
+    close(out.cpu(), product * torch.sigmoid(gate.double()), "mla_absorb_output")
 
 
 def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 640) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..numerics import rms_norm
 from ..registry import register
 
@@ -72,3 +73,35 @@ def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, length
     valid = offsets[None, :] < lengths[:, None]
     positions = torch.where(valid, cache_lens[:, None] + offsets[None, :], spare)
     cache.index_put_((slots[:, None].expand(B, T), positions), rows.to(cache.dtype))
+
+
+def check_absorb_q(q, w_uk_t) -> None:
+    if q.dim() != 3 or w_uk_t.dim() != 3 or w_uk_t.shape[0] != q.shape[1] or w_uk_t.shape[2] >= q.shape[2]:
+        raise ValueError(f"q / w_uk_t: expected [M, H, nope + P] and [H, R, nope], got {tuple(q.shape)} and "
+                         f"{tuple(w_uk_t.shape)}")
+
+
+@register("mla_absorb_q", "reference", priority=0)
+def mla_absorb_q(q, w_uk_t):
+    """linear_heads on the nope part, the rope part copied out."""
+    check_absorb_q(q, w_uk_t)
+    nope = w_uk_t.shape[2]
+    return ops.linear_heads(q[:, :, :nope], w_uk_t), q[:, :, nope:].contiguous()
+
+
+def check_absorb_output(o_latent, w_uv, gate) -> None:
+    if (o_latent.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[0] != o_latent.shape[1]
+            or w_uv.shape[2] != o_latent.shape[2]):
+        raise ValueError(f"o_latent / w_uv: expected [M, H, R] and [H, V, R], got {tuple(o_latent.shape)} and "
+                         f"{tuple(w_uv.shape)}")
+    M, H, V = o_latent.shape[0], w_uv.shape[0], w_uv.shape[1]
+    if tuple(gate.shape) != (M, H * V):
+        raise ValueError(f"gate: expected shape {(M, H * V)}, got {tuple(gate.shape)}")
+
+
+@register("mla_absorb_output", "reference", priority=0)
+def mla_absorb_output(o_latent, w_uv, gate):
+    """linear_heads, then the sigmoid output gate."""
+    check_absorb_output(o_latent, w_uv, gate)
+    o = ops.linear_heads(o_latent, w_uv).reshape(o_latent.shape[0], -1)
+    return ops.sigmoid_gate(o, gate)

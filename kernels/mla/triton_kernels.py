@@ -1,4 +1,4 @@
-"""Triton kernel of the MLA cache write (imported on first use)."""
+"""Triton kernels of the MLA layer's glue: the cache write and the absorptions (imported on first use)."""
 import triton
 import triton.language as tl
 
@@ -30,3 +30,41 @@ def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_r
     pe_inside = pe < P
     k_pe = tl.load(kv_ptr + token * stride_kv + R + pe, mask=pe_inside, other=0.0)
     tl.store(row + R + pe, k_pe.to(cache_ptr.dtype.element_ty), mask=pe_inside)
+
+
+@triton.jit
+def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride_oh, gate_ptr, stride_gm, pe_ptr,
+                  stride_pm, stride_ph, M, N, K, P, HAS_GATE: tl.constexpr, COPY_PE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program (h, nb): out[:, h, nb-th 64 columns] = x[:, h, :K] . w[h, those rows, :]^T over all M
+    rows (fp32 accumulation, rounded to out's dtype, as a GEMM does); with HAS_GATE the result
+    times sigmoid(gate) in fp32, rounded again (sigmoid_gate_kernel's arithmetic); with COPY_PE
+    program (h, 0) also copies x[:, h, K:K + P] to pe[:, h, :]."""
+    prologue(PDL)
+    h = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows[:, None] < M
+    col_in = cols[:, None] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = ks[None, :] < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + h * stride_xh + ks[None, :], mask=row_in & k_in, other=0.0)
+        w = tl.load(w_ptr + (h * N + cols[:, None]) * K + ks[None, :], mask=col_in & k_in, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    dtype = out_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    keep = row_in & (cols[None, :] < N)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + rows[:, None] * stride_gm + h * N + cols[None, :], mask=keep, other=0.0)
+        y = (y.to(tl.float32) * tl.sigmoid(g.to(dtype).to(tl.float32))).to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + h * stride_oh + cols[None, :], y, mask=keep)
+    if COPY_PE:
+        if nb == 0:
+            ps = tl.arange(0, BLOCK_P)
+            pe_keep = row_in & (ps[None, :] < P)
+            v = tl.load(x_ptr + rows[:, None] * stride_xm + h * stride_xh + K + ps[None, :], mask=pe_keep, other=0.0)
+            tl.store(pe_ptr + rows[:, None] * stride_pm + h * stride_ph + ps[None, :], v, mask=pe_keep)

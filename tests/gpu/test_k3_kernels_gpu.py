@@ -12,6 +12,9 @@ rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fre
   against float64: relative Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3), the
   bound of tests/gpu/test_linear_gpu.py; every element written; twice in a row (the arrival
   counters must re-arm).
+- mla_absorb_q / mla_absorb_output (Triton) at the rank's 6 heads against float64: relative
+  Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3, the GEMM tests' bound), q_pe
+  copied bit for bit, every element written.
 - the Triton kernels under programmatic dependent launch (triton_common.PDL) in a CUDA graph: a
   chain of dependent kernels replayed gives the eager, plain-launch results bit for bit (the same
   kernels on the same inputs; a missing wait would read a predecessor's output early).
@@ -140,3 +143,23 @@ def test_a_graph_of_dependent_triton_kernels_under_pdl_equals_plain_launches(gen
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_mla_absorptions_at_the_rank_heads(gen, rows):
+    H, R, nope, P, V = 6, 512, 128, 64, 128
+    q = torch.randn(rows, H, nope + P, device="cuda", generator=gen).bfloat16()
+    w_uk_t = (torch.randn(H, R, nope, device="cuda", generator=gen) / nope**0.5).bfloat16()
+    assert registry.select("mla_absorb_q", q, w_uk_t).name == "triton"
+    q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)
+    want = torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double())
+    assert torch.isfinite(q_latent).all() and ((q_latent.double() - want).norm() / want.norm()).item() <= 1e-2
+    assert torch.equal(q_pe, q[:, :, nope:])
+    o_latent = torch.randn(rows, H, R, device="cuda", generator=gen).bfloat16()
+    w_uv = (torch.randn(H, V, R, device="cuda", generator=gen) / R**0.5).bfloat16()
+    gate = (torch.randn(rows, 2880, device="cuda", generator=gen) * 2).bfloat16()[:, 2112 : 2112 + H * V]
+    assert registry.select("mla_absorb_output", o_latent, w_uv, gate).name == "triton"
+    out = ops.mla_absorb_output(o_latent, w_uv, gate)
+    want = (torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(rows, H * V)
+            * torch.sigmoid(gate.double()))
+    assert torch.isfinite(out).all() and ((out.double() - want).norm() / want.norm()).item() <= 1e-2

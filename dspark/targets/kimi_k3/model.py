@@ -227,7 +227,7 @@ class K3Model:
 
     def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens):
         cfg, a = self.cfg, "self_attn"
-        H, R, P, nope = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        H, R, P = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         eps = cfg.rms_norm_eps
         fused, sizes = self.fused_inputs[i]
         q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
@@ -235,14 +235,12 @@ class K3Model:
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
         ops.mla_cache_rows(kv, self._w(i, f"{a}.kv_a_layernorm.weight"), eps, cache, slots, cache_lens, lengths)
         w_uk_t, w_uv = self.mla_absorbed[i]
-        q_latent = ops.linear_heads(q[:, :, :nope], w_uk_t)  # [B*T, H, R]
-        q_pe = q[:, :, nope:].contiguous()
+        q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)  # [B*T, H, R], [B*T, H, P]
         o_latent = ops.mla_verify_attention(
             q_latent.view(B, T, H, R), q_pe.view(B, T, H, P), cache, slots, cache_lens, lengths,
             cfg.qk_head_dim**-0.5,
         ).view(B * T, H, R)
-        o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
-        o = ops.sigmoid_gate(o, gate)
+        o = ops.mla_absorb_output(o_latent, w_uv, gate)  # [B*T, H * v], gated
         return self._reduce(ops.linear(o, self._w(i, f"{a}.o_proj.weight")))
 
     def _ffn(self, i, y):
