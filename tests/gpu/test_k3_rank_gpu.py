@@ -18,8 +18,9 @@ from dspark.targets.kimi_k3 import K3, K3Target, load_target
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CONTEXT, T = 8192, 8
-OPS = ("linear", "linear_heads", "kda_verify", "mla_verify_attention", "moe_route_logits", "moe_experts",
-       "rms_norm", "attn_res_mix_norm", "add_attn_res_mix_norm", "situ_glu", "sigmoid_gate")
+OPS = ("linear", "linear_heads", "kda_verify", "mla_verify_attention", "mla_cache_rows", "mla_absorb_q",
+       "mla_absorb_output", "moe_router_logits", "moe_route_logits", "moe_experts", "moe_tail_inputs", "rms_norm",
+       "attn_res_mix_norm", "add_attn_res_mix_norm", "situ_glu", "sigmoid_gate")
 
 
 @pytest.fixture(scope="module")
