@@ -13,12 +13,17 @@ omitted, the projection adds them). For every (B, context, T) it reports:
   tokens (the user-visible step); graph_gpu_ms: the replay alone between CUDA events;
   graph_host_us: host time of the replay call and the readback's issue;
 - gpu_kernel_ms and launches: the sum of device activity and the number of kernels, copies and
-  fills in one eager step (torch profiler), with the largest contributors by name;
+  fills in one eager step (torch profiler; the ranges the op scopes below add to the device
+  timeline are not launches), with the largest contributors by name;
   kernels_per_layer = launches / layers; by_class: kernels and device time per op class
   (trunk GEMMs, experts, attention, KDA, routing, norms/glue, sampling, collective stand-ins),
   from the profiler scope of the op that launched each kernel, else from the kernel's name
   (`attribution` counts both); with --op-shapes, ops_by_shape: the torch ops with the most
   device time by their input shapes;
+- fallbacks: the op calls whose default implementation did not take their arguments, by op and
+  by what ran instead; a graphed point whose step would run an implementation that reads device
+  values on the host (a reference: it cannot be captured) stops the bench before anything is
+  timed, naming the op (one line, exit 2);
 - routed_experts_per_layer: the distinct experts each MoE layer ran, counted on the host after
   an extra eager step (outside every timed region);
 - floor_ms: the step's bytes (dspark.roofline.step_cost) with the routed experts as counted, over
@@ -51,7 +56,6 @@ from dspark.cuda_graphs import StepGraph
 from dspark.kernels import ops
 from dspark.sampling import SamplingTensors
 from dspark.targets.kimi_k3 import PRESETS, RANK_PRESETS, K3Model, K3Target, Shard, first_layers, get_preset
-from dspark.targets.kimi_k3 import moe as k3_moe
 from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import tensor_dtype, tensor_specs
 
@@ -115,10 +119,13 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
 # The op classes of a step's kernels: each op of dspark.kernels.ops, and the rank's pieces that
 # are not ops, by the class their kernels count in.
 OP_CLASSES = {
-    "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "moe_experts": "experts",
-    "mla_verify_attention": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
-    "moe_route": "routing", "moe_route_logits": "routing", "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
+    "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "mla_absorb_q": "trunk GEMMs",
+    "mla_absorb_output": "trunk GEMMs", "moe_experts": "experts",
+    "mla_verify_attention": "attention", "mla_cache_rows": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
+    "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
+    "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
     "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",
+    "moe_tail_inputs": "norms/glue",
     "rejection_sample": "sampling",
 }
 COLLECTIVES = "collective stand-ins"
@@ -148,7 +155,7 @@ def op_scopes():
     from torch.profiler import record_function
 
     patches = [(ops, name, cls) for name, cls in OP_CLASSES.items()]
-    patches += [(k3_moe, "_router_logits", "routing"), (RankParallel, "local_pairs", "routing"),
+    patches += [(RankParallel, "local_pairs", "routing"),
                 (RankParallel, "all_gather", COLLECTIVES), (RankParallel, "all_reduce", COLLECTIVES)]
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
 
@@ -177,57 +184,67 @@ def scope_class(event) -> str | None:
     return found
 
 
+def is_annotation(event) -> bool:
+    """A profiler range, not a launch: op_scopes' record_function ranges, on the CPU and as the
+    gpu_user_annotation the profiler adds on the device timeline for each one that launched work."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith(SCOPE)
+
+
+def device_launches(events) -> list:
+    """The step's launches: every kernel, copy and fill on the device timeline, once each."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)]
+
+
 def kernels_by_class(events) -> tuple[dict, dict]:
-    """({class: {"kernels", "us"}}, {"scope": n, "name": m}) over one profiled step's events: a
-    kernel linked to its launching CPU op takes the class of the op's outermost scope (norms/glue
-    outside every scope: torch's own adds, copies, index ops); the rest (launches the profiler did
-    not link) are classed by name, each name's unlinked share of its device time."""
-    by_class = {cls: {"kernels": 0, "us": 0.0} for cls in CLASSES}
-    linked = collections.Counter()
+    """({class: {"kernels", "us"}}, {"scope": n, "name": m}) over one profiled step's events,
+    each launch (device_launches) classed exactly once: by the outermost op scope of the CPU op
+    the profiler linked it to (norms/glue outside every scope: torch's own adds, copies, index
+    ops), else by its name. Links are matched to launches by kernel name, so a launch the
+    profiler linked twice, a link without its launch, or a range linked to itself cannot count."""
+    links = collections.defaultdict(collections.deque)
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
             continue
-        cls = scope_class(event) or "norms/glue"
+        cls = scope_class(event) or "norms/glue"  # a scope's own range holds what it launched directly
         for kernel in event.kernels:
-            by_class[cls]["kernels"] += 1
-            by_class[cls]["us"] += kernel.duration
-            linked[kernel.name] += 1
-    device_calls, device_us = collections.Counter(), collections.Counter()
-    for event in events:
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            device_calls[event.name] += 1
-            device_us[event.name] += event.time_range.elapsed_us()
-    by_name = 0
-    for name, calls in device_calls.items():
-        unlinked = calls - min(calls, linked[name])
-        if unlinked:
-            cls = class_of_kernel(name)
-            by_class[cls]["kernels"] += unlinked
-            by_class[cls]["us"] += device_us[name] * unlinked / calls
-            by_name += unlinked
-    return by_class, {"scope": sum(linked.values()), "name": by_name}
+            links[kernel.name].append(cls)
+    by_class = {cls: {"kernels": 0, "us": 0.0} for cls in CLASSES}
+    attribution = {"scope": 0, "name": 0}
+    for launch in device_launches(events):
+        queue = links.get(launch.name)
+        if queue:
+            cls, how = queue.popleft(), "scope"
+        else:
+            cls, how = class_of_kernel(launch.name), "name"
+        attribution[how] += 1
+        by_class[cls]["kernels"] += 1
+        by_class[cls]["us"] += launch.time_range.elapsed_us()
+    return by_class, attribution
+
+
+def summarise_profile(events) -> dict:
+    """launches, gpu_kernel_ms, the 40 largest contributors by name (top), by_class and attribution
+    of one profiled step; annotations are not launches (is_annotation)."""
+    totals, counts = collections.Counter(), collections.Counter()
+    launches = device_launches(events)
+    for evt in launches:
+        totals[evt.name] += evt.time_range.elapsed_us()
+        counts[evt.name] += 1
+    top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
+    by_class, attribution = kernels_by_class(events)
+    return {"launches": len(launches), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top,
+            "by_class": by_class, "attribution": attribution}
 
 
 def profile_step(step) -> dict:
-    """Device activity of one eager step: count, total ms, the largest contributors and the
-    split by op class."""
+    """Device activity of one eager step (summarise_profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with op_scopes(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    totals, counts = collections.Counter(), collections.Counter()
-    events = prof.events()
-    for evt in events:
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        totals[evt.name] += evt.time_range.elapsed_us()
-        counts[evt.name] += 1
-    top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
-    by_class, attribution = kernels_by_class(events)
-    return {"launches": sum(counts.values()), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top,
-            "by_class": by_class, "attribution": attribution}
+    return summarise_profile(prof.events())
 
 
 def ops_by_shape(step, top: int = 30) -> list[dict]:
@@ -434,8 +451,35 @@ def print_row(row: dict, setting: str) -> None:
           flush=True)
 
 
+class StepNotCapturable(Exception):
+    """A step that would synchronise the host inside its CUDA-graph capture (main: one line, exit 2)."""
+
+
+def fallbacks(selections) -> dict[str, int]:
+    """{"op: preferred -> chosen": calls} of the op calls that fell back from the device's default."""
+    counts = collections.Counter(f"{s.op}: {s.preferred} -> {s.chosen.name}" for s in selections if s.fallback)
+    return dict(sorted(counts.items()))
+
+
+def check_capturable(selections, label: str) -> None:
+    """StepNotCapturable naming the first op whose implementation reads device values on the host
+    (a reference the fast kernel passed the call to): checked before anything is timed, where a
+    capture would otherwise fail mid-run with a synchronisation error."""
+    blocking = [s for s in selections if s.blocks_capture]
+    if blocking:
+        ops = sorted({s.op for s in blocking})
+        raise StepNotCapturable(f"{label}: cannot be graphed: {blocking[0]}, which reads device values on the host "
+                                f"(ops that do: {', '.join(ops)})")
+
+
 def measure(row: dict, step, reset, args) -> None:
-    step()  # compile every kernel this shape uses
+    from dspark.kernels import registry
+
+    with registry.record_selections() as selections:
+        step()  # compile every kernel this shape uses
+    row["fallbacks"] = fallbacks(selections)
+    if not args.no_graph:
+        check_capturable(selections, f"{args.target} B={row['batch']} context={row['context']} T={row['T']}")
     row.update(profile_step(step))
     if args.op_shapes:
         row["ops_by_shape"] = ops_by_shape(step)
@@ -453,6 +497,8 @@ SWITCHES = {
     "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
     "moe_combine": ("dspark.kernels.moe.cute_sm90", "COMBINE", {"torch": "torch", "triton": "triton"}),
     "token_gather": ("dspark.kernels.moe.expert_layout", "TOKEN_GATHER", {"torch": "torch", "triton": "triton"}),
+    "linear_fused_reduce": ("dspark.kernels.linear.cute_host", "FUSED_REDUCE", {"0": False, "1": True}),
+    "triton_pdl": ("dspark.kernels.triton_common", "PDL", {"0": False, "1": True}),
 }
 
 
@@ -464,7 +510,10 @@ def applied(setting: str):
     are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1` passes the KDA inputs to
     the kernel as strided slices or as contiguous copies; `moe_combine=torch|triton` adds up each
     token's expert outputs in three torch launches or one Triton launch; `token_gather=torch|triton`
-    builds the expert kernels' token operand in three torch launches or one Triton launch."""
+    builds the expert kernels' token operand in three torch launches or one Triton launch;
+    `linear_fused_reduce=0|1` sums the CuTe GEMMs' split-K partials in a second kernel or in the
+    GEMM kernel itself; `triton_pdl=0|1` launches the step's Triton kernels plainly or with
+    programmatic dependent launch (kernels/triton_common.py)."""
     import importlib
 
     from dspark.kernels import registry
@@ -508,7 +557,8 @@ def main(argv=None) -> int:
     parser.add_argument("--setting", action="append",
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
                              "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
-                             "kda_strided_inputs=0|1, moe_combine=torch|triton")
+                             "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
+                             "linear_fused_reduce=0|1, triton_pdl=0|1")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")
@@ -520,7 +570,11 @@ def main(argv=None) -> int:
         parser.error(f"--layers {args.layers}: {args.target} has {RANK_PRESETS[args.target][0].num_layers} layers")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    run(args)
+    try:
+        run(args)
+    except StepNotCapturable as error:
+        print(f"step_bench: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -41,9 +41,37 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
     return select("mla_verify_attention", *args).fn(*args, scale)
 
 
+def mla_cache_rows(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slots: torch.Tensor,
+                   cache_lens: torch.Tensor, lengths: torch.Tensor) -> None:
+    """In place: the latent rows [RMSNorm(c_kv) | k_pe] of B requests' T new tokens (kv [B*T, R + P],
+    norm_weight [R]) into a layer's cache pool [slots, L + 1, R + P] at slots[b], rows
+    cache_lens[b] + j; padding tokens (j >= lengths[b]) write the slot's spare row L (which of
+    them lands there last is unspecified: nothing reads it)."""
+    args = (kv, norm_weight, cache, slots, cache_lens, lengths)
+    return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths)
+
+
+def mla_absorb_q(q: torch.Tensor, w_uk_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated MLA's absorbed queries (docs/kimi-k3.md §3): q [M, H, nope + P] (q_b's output by head),
+    w_uk_t [H, R, nope] -> (q_latent [M, H, R] = W_UK_h^T q_nope_h, q_pe [M, H, P]), both contiguous."""
+    return select("mla_absorb_q", q, w_uk_t).fn(q, w_uk_t)
+
+
+def mla_absorb_output(o_latent: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated MLA's output before o_proj: o_latent [M, H, R], w_uv [H, V, R], gate [M, H*V] ->
+    sigmoid_gate(W_UV_h o_latent_h by head, as [M, H*V], gate)."""
+    return select("mla_absorb_output", o_latent, w_uv, gate).fn(o_latent, w_uv, gate)
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     """K3 router -> (expert ids [M, k] long, weights [M, k] fp32)."""
     return select("moe_route", x, gate_weight, bias).fn(x, gate_weight, bias, top_k, scaling)
+
+
+def moe_router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 logits [M, E] = x [M, D] @ gate_weight [E, D]^T (docs/kimi-k3.md §1.2): what
+    moe_route selects from, computed alone where the selection needs other ranks' logits too."""
+    return select("moe_router_logits", x, gate_weight).fn(x, gate_weight)
 
 
 def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
@@ -61,6 +89,16 @@ def moe_experts(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Te
     some expert shapes)."""
     tensors = (latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     return select("moe_experts", *tensors).fn(*tensors, situ_beta, situ_linear_beta)
+
+
+def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate_up: torch.Tensor, start: int,
+                    width: int, eps: float, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """The input of the latent MoE's output GEMM, [M, width + S] in shared_gate_up's dtype: columns
+    [start, start + width) of RMSNorm(routed [M, L] fp32; latent_norm) (normalised over all L),
+    then situ_glu of shared_gate_up [M, 2S]'s halves. Against [latent_up | shared_down] it gives
+    latent_up RMSNorm(routed) + shared_down SiTU(...) as one GEMM (dspark/targets/kimi_k3/moe.py)."""
+    args = (routed, latent_norm, shared_gate_up)
+    return select("moe_tail_inputs", *args).fn(*args, start, width, eps, situ_beta, situ_linear_beta)
 
 
 def rejection_sample(target_logits, draft_tokens, num_drafts, draft_probs, sampling, uniforms, race_noise):

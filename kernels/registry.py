@@ -43,6 +43,9 @@ class Implementation:
     # An implementation that is fast only for some shapes says so here, and `select` passes
     # other calls to the next implementation by priority.
     supports: Callable[..., bool] | None = None
+    # Reads values of device tensors on the host (lengths, slots, ids): a synchronisation on
+    # CUDA, so a step that selects it cannot be captured in a CUDA graph (record_selections).
+    reads_device_values: bool = False
 
     def takes(self, *args) -> bool:
         return self.supports is None or self.supports(*args)
@@ -64,7 +67,34 @@ overrides: dict[str, str] = {}
 # The context's override table: sorted (op, implementation) pairs, hashable so it keys the cache.
 _scoped: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("dspark_kernel_overrides", default=())
 _resolved: dict[tuple[str, str, int | None, tuple[tuple[str, str], ...]], Implementation] = {}
+# The list record_selections appends every select() of its block to (None outside one).
+_recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("dspark_kernel_selections", default=None)
 _loaded = False
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One select(): the implementation that ran `op` on `device`, the one the device's default
+    (or override) would have run, and the argument shapes when they differ (a fallback)."""
+
+    op: str
+    device: str
+    chosen: Implementation
+    preferred: str
+    shapes: tuple = ()
+
+    @property
+    def fallback(self) -> bool:
+        return self.chosen.name != self.preferred
+
+    @property
+    def blocks_capture(self) -> bool:
+        """Whether this call synchronises the host with the device (see Implementation.reads_device_values)."""
+        return self.device.startswith("cuda") and self.chosen.reads_device_values
+
+    def __str__(self) -> str:
+        why = f" ({self.preferred!r} does not take arguments {list(self.shapes)})" if self.fallback else ""
+        return f"{self.op} on {self.device} ran {self.chosen.name!r}{why}"
 
 
 def register(op: str, name: str, **kwargs) -> Callable[[Callable], Callable]:
@@ -166,14 +196,32 @@ def select(op: str, *args: torch.Tensor) -> Implementation:
     device = args[0].device
     impl = resolve(op, device)
     if impl.takes(*args):
-        return impl
-    shapes = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
-    if _override(op) is not None:
-        raise ValueError(f"kernel override {op}={impl.name!r} does not support arguments {shapes}")
-    candidates = [i for i in implementations(op).values() if i.runs_on(device) and i.takes(*args)]
-    if not candidates:
-        raise RuntimeError(f"kernel op {op!r} has no implementation on {device} for arguments {shapes}")
-    return max(candidates, key=lambda i: i.priority)
+        chosen, shapes = impl, ()
+    else:
+        shapes = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+        if _override(op) is not None:
+            raise ValueError(f"kernel override {op}={impl.name!r} does not support arguments {list(shapes)}")
+        candidates = [i for i in implementations(op).values() if i.runs_on(device) and i.takes(*args)]
+        if not candidates:
+            raise RuntimeError(f"kernel op {op!r} has no implementation on {device} for arguments {list(shapes)}")
+        chosen = max(candidates, key=lambda i: i.priority)
+    recording = _recording.get()
+    if recording is not None:
+        recording.append(Selection(op, str(device), chosen, impl.name, shapes))
+    return chosen
+
+
+@contextlib.contextmanager
+def record_selections():
+    """Yields a list that every select() in this block (this context only) appends its
+    Selection to: which implementation each op call ran, and which calls fell back from the
+    device's default. A benchmark checks a step with it before capturing it in a CUDA graph."""
+    selections: list[Selection] = []
+    token = _recording.set(selections)
+    try:
+        yield selections
+    finally:
+        _recording.reset(token)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """What every Triton implementation shares: whether triton is installed (checked without
-importing it: importing triton takes seconds, and CPU-only machines may not have it), and the
-import of an op's kernel module on its first launch."""
+importing it: importing triton takes seconds, and CPU-only machines may not have it), the
+import of an op's kernel module on its first launch, and the programmatic-dependent-launch switch."""
 import functools
 import importlib
 import importlib.util
@@ -14,3 +14,19 @@ def triton_available() -> bool:
 def kernel_module(package: str):
     """`<package>.triton_kernels`, imported (with triton) on first use."""
     return importlib.import_module(f"{package}.triton_kernels")
+
+
+# Programmatic dependent launch of the step's Triton kernels (docs/kernels.md §5). On, each kernel
+# is launched with `launch_pdl` and begins with griddepcontrol.wait (so every read and write it
+# makes comes after the previous kernel has completed and is visible) and
+# griddepcontrol.launch_dependents (the next kernel may be launched now, to wait in its own
+# prologue): inside a CUDA graph, a kernel's launch then overlaps its predecessor's tail, as the
+# CuTe kernels' already do. Off until the rank's step measures it (experiments/step_bench.py
+# --setting triton_pdl=1).
+PDL = False
+
+
+def pdl_options() -> dict:
+    """The launch keyword arguments of a kernel with a `PDL: tl.constexpr` parameter that starts
+    with triton_pdl.prologue(PDL)."""
+    return {"PDL": True, "launch_pdl": True} if PDL else {"PDL": False}

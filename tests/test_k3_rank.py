@@ -155,7 +155,7 @@ def test_partial_outputs_sum_to_the_whole_layer(whole_tensors, world):
         return target.model._kda(0, h, B, T, lengths, *target._kda_pools[k], index)[0]
 
     def mla(target):
-        cache = target._mla_rows[:, target.model.mla_index[3]]
+        cache = target._mla_rows[target.model.mla_index[3]]
         return target.model._mla(3, h, B, T, lengths, cache, index, target.lengths.index_select(0, index))
 
     for name, layer in (("kda", kda), ("mla", mla), ("dense ffn", lambda t: t.model._ffn(0, h))):

@@ -2,6 +2,7 @@
 classed by the op that launched them, the layer count that fits a GPU, the floors from the
 experts a step counted."""
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +13,6 @@ import torch
 from dspark import roofline
 from dspark.kernels import ops
 from dspark.targets.kimi_k3 import K3, K3_SLICE, K3_TINY, K3Model, K3Target, Shard
-from dspark.targets.kimi_k3 import moe as k3_moe
 from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import random_tensors
 
@@ -36,8 +36,8 @@ def cpu_event(name, parent=None, kernels=()):
                            kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels])
 
 
-def device_event(name, us):
-    return SimpleNamespace(name=name, device_type=CUDA, kernels=[],
+def device_event(name, us, annotation=False):
+    return SimpleNamespace(name=name, device_type=CUDA, kernels=[], is_user_annotation=annotation,
                            time_range=SimpleNamespace(elapsed_us=lambda: us))
 
 
@@ -63,6 +63,49 @@ def test_kernels_take_the_class_of_the_outermost_scope_else_their_name(bench):
     assert sum(v["kernels"] for v in by_class.values()) == len(device)
 
 
+def test_every_launch_is_classed_exactly_once_and_annotations_are_not_launches(bench):
+    """What made the rank's GPU test read sum(by class) 99 != launches 98, and the k3-slice step
+    read 185 launches for 123: a kernel the profiler linked to two CPU ops (or a link without its
+    launch) counted twice, and the device-timeline ranges of the op scopes counted as launches."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    us = [float(u) for u in torch.rand(7, generator=gen) * 10 + 1]
+    gemms = cpu_event("dspark:trunk GEMMs")
+    # the same launch linked to its op and again to the op's parent; a link whose launch the
+    # profile dropped; a legacy link of the scope's own range
+    gemm = cpu_event("aten::mm", parent=gemms, kernels=[("nvjet_gemm", us[0])])
+    gemm_again = cpu_event("aten::matmul", parent=gemms, kernels=[("nvjet_gemm", us[0]), ("lost_kernel", 1.0)])
+    scope_range = cpu_event("dspark:experts", kernels=[("dspark:experts", 50.0)])
+    experts = cpu_event("cute_call", parent=scope_range, kernels=[("expert_kernel_a", us[1])])
+    glue = cpu_event("aten::add", kernels=[("add_kernel", us[2])])
+    launches = [device_event("nvjet_gemm", us[0]), device_event("expert_kernel_a", us[1]),
+                device_event("add_kernel", us[2]), device_event("Memcpy DtoD", us[3]),
+                device_event("route_kernel", us[4])]
+    annotations = [device_event("dspark:trunk GEMMs", 30.0, annotation=True),
+                   device_event("dspark:experts", 50.0, annotation=True),
+                   device_event("dspark:norms/glue", 5.0)]  # by its name alone
+    events = [gemms, gemm, gemm_again, scope_range, experts, glue, *annotations, *launches]
+    summary = bench.summarise_profile(events)
+    by_class = summary["by_class"]
+    assert summary["launches"] == len(launches) == sum(c["kernels"] for c in by_class.values())
+    assert math.isclose(summary["gpu_kernel_ms"] * 1e3, sum(us[:5]))
+    assert math.isclose(sum(c["us"] for c in by_class.values()), sum(us[:5]))
+    assert {k: v["kernels"] for k, v in by_class.items() if v["kernels"]} == {
+        "trunk GEMMs": 1, "experts": 1, "norms/glue": 2, "routing": 1}
+    assert summary["attribution"] == {"scope": 3, "name": 2}
+    assert not any(row["name"].startswith("dspark:") for row in summary["top"])
+
+
+def test_the_slice_profile_counts_its_kernels_not_its_op_ranges(bench):
+    """The k3-slice's 185 = 123 launches + 62 op ranges (one per op call that launched work,
+    experiments/results/h100/step_bench.json's top list)."""
+    ranges = [device_event(f"dspark:{cls}", 1.0, annotation=True) for cls, n in
+              (("trunk GEMMs", 29), ("experts", 3), ("routing", 3), ("norms/glue", 19), ("KDA", 6),
+               ("attention", 1), ("sampling", 1)) for _ in range(n)]
+    kernels = [device_event(f"kernel_{j}", 1.0) for j in range(123)]
+    summary = bench.summarise_profile(ranges + kernels)
+    assert len(ranges) == 62 and summary["launches"] == 123
+
+
 @pytest.mark.parametrize("name, cls", [
     ("kernel_cutlass_gemm_kernel_dsparkkernelslinearcute_sm90SkinnyGemmSm90_object_at__CopyAtom", "trunk GEMMs"),
     ("nvjet_sm90_tss_64x8_64x16_4x1_v_bz_splitK_TNT", "trunk GEMMs"),
@@ -86,13 +129,13 @@ def test_op_scopes_name_the_rank_step_and_restore_the_ops(bench):
     the originals again."""
     from torch.profiler import ProfilerActivity, profile
 
-    originals = (ops.linear, k3_moe._router_logits, RankParallel.__dict__["all_gather"])
+    originals = (ops.linear, ops.moe_router_logits, RankParallel.__dict__["all_gather"])
     shard = Shard(1, 2)
     model = K3Model(K3_TINY, random_tensors(K3_TINY, 2, torch.float32, "cpu", shard), shard=shard, routing="busiest")
     target = K3Target(model, max_slots=1, max_seq_len=16)
     with bench.op_scopes(), profile(activities=[ProfilerActivity.CPU]) as prof:
         target.verify([0], torch.tensor([[3, 4, 5]]), [3])
-    assert (ops.linear, k3_moe._router_logits, RankParallel.__dict__["all_gather"]) == originals
+    assert (ops.linear, ops.moe_router_logits, RankParallel.__dict__["all_gather"]) == originals
     scopes = {event.name for event in prof.events() if event.name.startswith("dspark:")}
     assert scopes >= {"dspark:trunk GEMMs", "dspark:experts", "dspark:attention", "dspark:KDA", "dspark:routing",
                       "dspark:norms/glue", "dspark:collective stand-ins"}
@@ -125,3 +168,59 @@ def test_floors_from_counted_and_uniform_routing(bench):
     bench.add_floors(rank_row, K3, Shard(0, 16), [3] * 92, 4.2e12)
     assert rank_row["mode"] == "eager"
     assert rank_row["floor_bytes"] == roofline.step_cost(K3, context=8192, shard=Shard(0, 16), routed_experts=3).total_bytes
+
+
+def test_a_step_that_would_fall_back_to_a_host_reading_reference_stops_before_timing(bench, monkeypatch, capsys):
+    """check_capturable names the op whose implementation reads device values on the host; main
+    turns it into one line on stderr and exit 2. fallbacks counts every fallback by op."""
+    import dataclasses
+
+    from dspark.kernels import registry
+
+    reference = registry.implementations("mla_verify_attention")["reference"]
+    linear_reference = registry.implementations("linear")["reference"]
+    shapes = (((2, 8, 6, 512), torch.bfloat16),)
+    mla = registry.Selection("mla_verify_attention", "cuda:0", reference, "cute_sm90", shapes)
+    gemm = registry.Selection("linear", "cuda:0", linear_reference, "cute_sm90", (((32, 7168), torch.bfloat16),))
+    assert bench.fallbacks([gemm, gemm, mla]) == {"linear: cute_sm90 -> reference": 2,
+                                                  "mla_verify_attention: cute_sm90 -> reference": 1}
+    bench.check_capturable([gemm], "k3-rank B=4")  # cuBLAS: captured like any kernel
+    bench.check_capturable([dataclasses.replace(mla, device="cpu")], "on the CPU")
+    with pytest.raises(bench.StepNotCapturable, match=r"k3-rank B=2 .*mla_verify_attention on cuda:0 ran 'reference' "
+                                                      r"\('cute_sm90' does not take arguments"):
+        bench.check_capturable([gemm, mla], "k3-rank B=2 context=8192 T=8")
+
+    def stop(args):
+        raise bench.StepNotCapturable("k3-rank B=2 context=8192 T=8: cannot be graphed")
+
+    monkeypatch.setattr(bench, "run", stop)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.main(["--target", "k3-rank", "--layers", "2", "--batch", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "step_bench: k3-rank B=2 context=8192 T=8: cannot be graphed\n"
+
+
+def test_a_cpu_verify_records_every_op_and_blocks_nothing(bench):
+    from dspark.kernels import registry
+
+    target = K3Target(K3Model.random(K3_TINY, seed=1), max_slots=2, max_seq_len=16)
+    with registry.record_selections() as seen:
+        target.verify([0, 1], torch.randint(0, K3_TINY.vocab_size, (2, 3)), [3, 2])
+    ran = {s.op for s in seen}
+    assert {"linear", "kda_verify", "mla_verify_attention", "moe_route", "moe_experts", "rms_norm"} <= ran
+    assert all(s.chosen.name == "reference" and not s.fallback for s in seen)
+    assert not any(s.blocks_capture for s in seen)
+
+
+def test_the_launch_switches_are_set_and_restored(bench):
+    from dspark.kernels import triton_common
+    from dspark.kernels.linear import cute_host
+
+    # the defaults until measured at the rank's shapes
+    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False
+    with bench.applied("linear_fused_reduce=1,triton_pdl=1"):
+        assert cute_host.FUSED_REDUCE is True and triton_common.PDL is True
+    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False
+    with pytest.raises(SystemExit, match="linear_fused_reduce='2'"):
+        with bench.applied("linear_fused_reduce=2"):
+            pass

@@ -130,3 +130,30 @@ def test_bad_inputs_raise_value_errors_naming_the_field(model, gen):
         target.commit([0], torch.tensor([4]))
     with pytest.raises(ValueError, match="k3-tiny"):
         load_target("k3-huge", max_slots=1, max_seq_len=8)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_every_mla_layer_pool_reaches_the_op_contiguous(model, gen, monkeypatch, batch):
+    """The CuTe MLA kernels take one layer's cache as a contiguous [slots, L + 1, R + P] tensor
+    (kernels/mla/cute_host.py check_arguments; a slot-major pool was contiguous only at one slot,
+    so every batch of two or more fell back to the reference). Each pool the op gets is one,
+    and it is the memory mla_cache shows for that layer."""
+    from dspark.kernels import ops
+
+    seen = []
+    original = ops.mla_verify_attention
+
+    def spy(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale):
+        seen.append(kv_cache)
+        return original(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale)
+
+    monkeypatch.setattr(ops, "mla_verify_attention", spy)
+    target = K3Target(model, max_slots=batch, max_seq_len=MAX_SEQ)
+    target.mla_cache.normal_(generator=gen)
+    tokens = torch.randint(0, K3_TINY.vocab_size, (batch, 2), generator=gen)
+    target.verify(list(range(batch)), tokens, [2] * batch)
+    assert len(seen) == len(K3_TINY.mla_layers)
+    for k, pool in enumerate(seen):
+        assert pool.is_contiguous() and tuple(pool.shape) == (batch, MAX_SEQ + 1, K3_TINY.kv_cache_width)
+        assert pool[:, :MAX_SEQ].data_ptr() == target.mla_cache[:, k].data_ptr()
+        assert torch.equal(pool[:, :MAX_SEQ], target.mla_cache[:, k])

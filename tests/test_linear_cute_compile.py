@@ -111,3 +111,25 @@ def test_shape_check_accepts_k3_shapes_and_rejects_what_the_kernel_cannot_take()
     assert not cute_host.shape_supported(4, 1536, 7168, torch.bfloat16, (1, 1536))  # transposed weight
     # CPU tensors never go to the CUDA kernel
     assert not cute_host.supports(torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(64, 7168, dtype=torch.bfloat16))
+
+
+# k3-rank's split GEMMs (one rank of TP16, docs/kimi-k3.md §8.1): KDA input rows (q|k|v|g|f_a|b,
+# padded to 8), latent down (28 splits of 2 tiles), shared gate|up, o_proj
+RANK_SPLIT_SHAPES = {"kda_in": (3208, 7168), "latent_down": (224, 7168), "shared_gate_up": (768, 7168),
+                     "o_proj": (7168, 768)}
+
+
+@pytest.mark.parametrize("name", sorted(RANK_SPLIT_SHAPES))
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_103a"])
+def test_the_rank_split_gemms_compile_with_the_fused_reduction(name, arch):
+    # cute_host.FUSED_REDUCE: one launch per linear (the last CTA of each tile sums the splits)
+    n, k = RANK_SPLIT_SHAPES[name]
+    if arch == "sm_90a":
+        compiled, splits = cute_sm90.compile_skinny_gemm(n, k, 8, torch.bfloat16, arch, fused_reduce=True,
+                                                         extra_options=("--keep-ptx",))
+    else:
+        compiled, splits = cute_sm100.compile_skinny_gemm(n, k, torch.bfloat16, arch, fused_reduce=True,
+                                                          extra_options=("--keep-ptx",))
+    ptx = compiled.__ptx__
+    assert splits > 1 and ptx.count(".entry") == 1
+    assert "atom.global.acq_rel.add" in ptx and ".local" not in ptx

@@ -17,6 +17,7 @@ if cute_common.cutlass_available():
 
 needs_cutlass = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
 HEADS = 96
+RANK_HEADS = 96 // 16  # one rank of K3 served TP16 (docs/kimi-k3.md §8)
 
 
 @pytest.fixture(autouse=True)
@@ -183,3 +184,39 @@ def test_argument_checks_name_the_field():
         mla_common.check_arguments(q_latent, q_pe, kv, slots, cache_lens, lengths)
     # the registry predicate turns the same checks into "not mine": CPU tensors go elsewhere
     assert not mla_common.supports(q_latent, q_pe, kv, slots, cache_lens, lengths)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch,split_kv", [("sm_90a", False), ("sm_90a", True), ("sm_103a", False), ("sm_103a", True)])
+def test_the_rank_heads_compile(arch, split_kv):
+    # k3-rank's 6 heads: T x 6 query rows in one 64-row tile (B, T, slots, max_len are runtime
+    # values: one build serves B = 1..8, T = 1..16)
+    build = cute_sm90 if arch == "sm_90a" else cute_sm100
+    ptx = build.compile_mla_verify(RANK_HEADS, split_kv, torch.int64, arch, extra_options=("--keep-ptx",)).__ptx__
+    if arch == "sm_90a":
+        assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and "wgmma" not in ptx
+    assert "cp.async.bulk.tensor" in ptx and "griddepcontrol.wait" in ptx
+    assert ptx.count(".entry") == (2 if split_kv else 1)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_the_rank_shapes_pass_every_check_but_the_device(batch, tokens):
+    """The rank's verify at B = 1..8: a layer's pool of a layer-major cache (K3Target's layout)
+    passes every argument check (on the CPU only the device check is left); a slot-major pool of
+    several slots is refused as kv_cache (what made B = 2 fall back to the reference)."""
+    layers, max_len = 3, 128
+    q_latent = torch.randn(batch, tokens, RANK_HEADS, 512).bfloat16()
+    q_pe = torch.randn(batch, tokens, RANK_HEADS, 64).bfloat16()
+    index = (torch.arange(batch), torch.full((batch,), 100), torch.full((batch,), tokens))
+    layer_major = torch.randn(layers, batch, max_len + 1, 576).bfloat16()
+    with pytest.raises(ValueError, match="CUDA"):
+        mla_common.check_arguments(q_latent, q_pe, layer_major[1], *index)
+    if batch > 1:
+        slot_major = torch.randn(batch, layers, max_len + 1, 576).bfloat16()[:, 1]  # the old [slots, layers, ...]
+        with pytest.raises(ValueError, match="kv_cache: must be contiguous"):
+            mla_common.check_arguments(q_latent, q_pe, slot_major, *index)
+    splits = mla_common.choose_splits(batch, tokens, RANK_HEADS, 8192 + 16, mla_common.H200_SMS)
+    assert batch * mla_common.row_tiles(tokens, RANK_HEADS) * splits <= mla_common.H200_SMS

@@ -318,3 +318,174 @@ def test_moe_experts_matches_a_float64_loop_and_is_token_invariant(gen):
         assert torch.equal(single[0], out[m]), f"token {m} not invariant"
     with pytest.raises(ValueError, match="w2_packed"):
         ops.moe_experts(latent, ids, route_weights, p1, s1, p3, s3, p1, s1, beta, linear_beta)
+
+
+def test_record_selections_names_fallbacks_and_what_blocks_a_capture(gen):
+    """registry.record_selections: each select() of the block, the implementation it ran, and
+    whether the device's default passed the call on (a fallback); a CUDA call that runs an
+    implementation reading device values on the host blocks a CUDA-graph capture."""
+    import dataclasses
+
+    from dspark.kernels import registry
+
+    op = "test_probe_selections"
+    registry.register(op, "host_reading", priority=0, reads_device_values=True)(lambda x: x)
+    registry.register(op, "fast", priority=10, supports=lambda x: x.shape[0] <= 4)(lambda x: x)
+    try:
+        with registry.record_selections() as seen:
+            registry.select(op, randn(gen, 2))
+            registry.select(op, randn(gen, 8))
+        registry.select(op, randn(gen, 8))  # outside the block: not recorded
+        assert [(s.chosen.name, s.preferred, s.fallback) for s in seen] == [
+            ("fast", "fast", False), ("host_reading", "fast", True)]
+        assert not any(s.blocks_capture for s in seen)  # on the CPU the values are host values
+        on_cuda = dataclasses.replace(seen[1], device="cuda:0")
+        assert on_cuda.blocks_capture
+        assert str(on_cuda) == (f"{op} on cuda:0 ran 'host_reading' ('fast' does not take arguments "
+                                "[((8,), torch.float32)])")
+    finally:
+        registry._IMPLS.pop(op)
+        registry._resolved.clear()
+
+
+@pytest.mark.parametrize("op", ["kda_verify", "kda_commit", "mla_verify_attention", "moe_experts",
+                                "rejection_sample", "synthetic_sample"])
+def test_the_references_that_read_device_values_say_so(op):
+    from dspark.kernels import registry
+
+    assert registry.implementations(op)["reference"].reads_device_values
+    assert not any(impl.reads_device_values for name, impl in registry.implementations(op).items()
+                   if name != "reference")
+
+
+def test_router_logits_are_the_fp32_router_and_what_moe_route_selects_from(gen):
+    """moe_router_logits (the rank's router GEMM alone, gathered before the selection) equals
+    x gate^T in float64 to fp32 rounding (1e-5 relative: bf16 inputs are exact in fp32, sums of
+    64 products), and moe_route is moe_route_logits of it, bit for bit."""
+    x = randn(gen, 5, K3_TINY.hidden_size, dtype=torch.bfloat16)
+    gate = randn(gen, K3_TINY.num_experts, K3_TINY.hidden_size, dtype=torch.bfloat16)
+    bias = randn(gen, K3_TINY.num_experts, scale=0.1)
+    logits = ops.moe_router_logits(x, gate)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), x.double() @ gate.double().t(), rtol=1e-5, atol=1e-5)
+    ids, weights = ops.moe_route(x, gate, bias, K3_TINY.num_experts_per_token, 2.5)
+    ids_l, weights_l = ops.moe_route_logits(logits, bias, K3_TINY.num_experts_per_token, 2.5)
+    assert torch.equal(ids, ids_l) and torch.equal(weights, weights_l)
+    with pytest.raises(ValueError, match="x / gate_weight"):
+        ops.moe_router_logits(x, gate[:, :-1])
+
+
+def test_moe_tail_inputs_are_the_norm_window_beside_the_shared_activation(gen):
+    """moe_tail_inputs: the window of RMSNorm(routed) normalised over the whole row, then SiTU-GLU,
+    both as float64 formulas (1e-6: fp32 arithmetic on O(1) values, one rounding to fp32 at the
+    end), and bit for bit the rms_norm and situ_glu ops it replaces; one row alone gives that
+    row's bits (token invariance)."""
+    cfg = K3_TINY
+    L, S, start, width = 32, 12, 8, 16
+    routed = randn(gen, 5, L, scale=3.0)
+    norm = 1 + randn(gen, L, scale=0.1)
+    gate_up = randn(gen, 5, 2 * S, scale=2.0)
+    out = ops.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-6, cfg.situ_beta, cfg.situ_linear_beta)
+    assert out.shape == (5, width + S) and out.dtype == torch.float32
+    r, g, u = routed.double(), gate_up[:, :S].double(), gate_up[:, S:].double()
+    normed = r / torch.sqrt((r * r).mean(-1, keepdim=True) + 1e-6) * norm.double()
+    act = (cfg.situ_beta * torch.tanh(g / cfg.situ_beta) * torch.sigmoid(g)
+           * cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta))
+    torch.testing.assert_close(out.double(), torch.cat([normed[:, start : start + width], act], dim=-1),
+                               rtol=1e-6, atol=1e-6)
+    separate = torch.cat([ops.rms_norm(routed, norm, 1e-6)[:, start : start + width],
+                          ops.situ_glu(gate_up[:, :S], gate_up[:, S:], cfg.situ_beta, cfg.situ_linear_beta)], dim=-1)
+    assert torch.equal(out, separate)
+    for m in range(5):
+        one = ops.moe_tail_inputs(routed[m : m + 1], norm, gate_up[m : m + 1], start, width, 1e-6, cfg.situ_beta,
+                                  cfg.situ_linear_beta)
+        assert torch.equal(one[0], out[m]), f"row {m} not invariant"
+    bf16 = ops.moe_tail_inputs(routed, norm.bfloat16(), gate_up.bfloat16(), 0, L, 1e-6, 4.0, 25.0)
+    assert bf16.dtype == torch.bfloat16  # the output GEMM's dtype: the shared projection's
+
+
+@pytest.mark.parametrize("field, change", [
+    ("routed", lambda a: {**a, "routed": a["routed"].bfloat16()}),
+    ("latent_norm", lambda a: {**a, "latent_norm": a["latent_norm"][:-1]}),
+    ("shared_gate_up", lambda a: {**a, "shared_gate_up": a["shared_gate_up"][:, :-1]}),
+    ("start / width", lambda a: {**a, "start": 20, "width": 16}),
+    ("start / width", lambda a: {**a, "width": 0}),
+])
+def test_moe_tail_inputs_refuse_bad_arguments_naming_the_field(gen, field, change):
+    good = dict(routed=randn(gen, 3, 32), latent_norm=randn(gen, 32), shared_gate_up=randn(gen, 3, 24), start=8,
+                width=16)
+    args = change(good)
+    with pytest.raises(ValueError, match=field):
+        ops.moe_tail_inputs(args["routed"], args["latent_norm"], args["shared_gate_up"], args["start"], args["width"],
+                            1e-6, 4.0, 25.0)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_mla_cache_rows_land_past_each_committed_length_and_padding_on_the_spare_row(gen, index_dtype):
+    """mla_cache_rows: token j of request b at row cache_lens[b] + j of slot slots[b], as
+    [RMSNorm(c_kv) | k_pe] (the norm against float64 to fp32 rounding, 1e-6; k_pe exact); a padding
+    token on the slot's spare row; every other row untouched."""
+    B, T, R, P, L = 3, 4, 16, 8, 20
+    cache = randn(gen, 5, L + 1, R + P)
+    before = cache.clone()
+    kv = randn(gen, B * T, R + P + 6, scale=2.0)[:, 3 : 3 + R + P]  # strided rows: the fused GEMM's columns
+    weight = 1 + randn(gen, R, scale=0.1)
+    slots = torch.tensor([4, 0, 2], dtype=index_dtype)
+    cache_lens = torch.tensor([0, 7, L - 2], dtype=index_dtype)
+    lengths = torch.tensor([4, 1, 2], dtype=index_dtype)
+    ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths)
+    touched = torch.zeros(5, L + 1, dtype=torch.bool)
+    for b in range(B):
+        for j in range(int(lengths[b])):
+            slot, row = int(slots[b]), int(cache_lens[b]) + j
+            x = kv[b * T + j].double()
+            normed = x[:R] / torch.sqrt((x[:R] ** 2).mean() + 1e-6) * weight.double()
+            torch.testing.assert_close(cache[slot, row, :R].double(), normed, rtol=1e-6, atol=1e-6)
+            assert torch.equal(cache[slot, row, R:], kv[b * T + j, R:])
+            touched[slot, row] = True
+        touched[int(slots[b]), L] = True  # padding rows land on the spare row
+    assert torch.equal(cache[~touched], before[~touched])
+    spare_written = [int(slots[b]) for b in range(B) if int(lengths[b]) < T]
+    for slot in spare_written:
+        assert not torch.equal(cache[slot, L], before[slot, L])
+
+
+def test_mla_cache_rows_refuse_bad_arguments_naming_the_field(gen):
+    cache, kv, weight = randn(gen, 2, 9, 24), randn(gen, 6, 24), randn(gen, 16)
+    index = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="lengths"):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache, index, index, index[:1])
+    with pytest.raises(ValueError, match="kv / norm_weight"):
+        ops.mla_cache_rows(kv[:5], weight, 1e-6, cache, index, index, index)
+    with pytest.raises(ValueError, match="cache"):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache[..., :20], index, index, index)
+
+
+
+def test_mla_absorptions_are_the_per_head_products_and_the_gate(gen):
+    """mla_absorb_q: W_UK_h^T q_nope_h per head against float64 (1e-5: fp32 sums of 16 products)
+    and q_pe copied out exactly; mla_absorb_output: sigmoid(gate) * W_UV_h o_latent_h against
+    float64; both bit for bit the linear_heads / sigmoid_gate ops they replace, and token-invariant."""
+    M, H, R, nope, P, V = 5, 3, 32, 16, 8, 16
+    q = randn(gen, M, H, nope + P)
+    w_uk_t = randn(gen, H, R, nope, scale=nope**-0.5)
+    q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)
+    assert q_latent.is_contiguous() and q_pe.is_contiguous()
+    want = torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double())
+    torch.testing.assert_close(q_latent.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q_pe, q[:, :, nope:])
+    assert torch.equal(q_latent, ops.linear_heads(q[:, :, :nope], w_uk_t))
+    o_latent = randn(gen, M, H, R)
+    w_uv = randn(gen, H, V, R, scale=R**-0.5)
+    gate = randn(gen, M, H * V + 4)[:, 2 : 2 + H * V]  # a column slice of the fused input GEMM's output
+    out = ops.mla_absorb_output(o_latent, w_uv, gate)
+    product = torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(M, H * V)
+    torch.testing.assert_close(out.double(), product * torch.sigmoid(gate.double()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, ops.sigmoid_gate(ops.linear_heads(o_latent, w_uv).reshape(M, H * V), gate))
+    for m in range(M):
+        assert torch.equal(ops.mla_absorb_q(q[m : m + 1], w_uk_t)[0][0], q_latent[m])
+        assert torch.equal(ops.mla_absorb_output(o_latent[m : m + 1], w_uv, gate[m : m + 1])[0], out[m])
+    with pytest.raises(ValueError, match="q / w_uk_t"):
+        ops.mla_absorb_q(q[:, :2], w_uk_t)
+    with pytest.raises(ValueError, match="gate"):
+        ops.mla_absorb_output(o_latent, w_uv, gate[:, :-1])

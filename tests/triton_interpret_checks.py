@@ -74,6 +74,9 @@ def main(seed: int) -> None:
     check_route(gen)
     check_combine(gen)
     check_gather_tokens(gen)
+    check_tail_inputs(gen)
+    check_cache_rows(gen)
+    check_absorb(gen)
     check_draft_loss(gen)
     print("triton kernels: all checks passed")
 
@@ -109,6 +112,76 @@ def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, to
     out = torch.full((tokens, width), float("nan"), device=device)
     got = moe_triton.weighted_combine(rows.to(device), position.to(device), weights.to(device), out=out)
     close(got.cpu(), want, f"weighted_combine T={tokens} k={top_k} width={width}")
+
+
+def check_tail_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
+    """moe_tail_inputs against its reference in float64: the norm over all of a latent row of
+    non-power-of-two width with a window that is not the whole row (a rank's) or is (the whole
+    model's), and a shared activation of two column blocks, the second partial (strided rows, as
+    a column slice of a wider GEMM output); the output poisoned with NaN. Inputs are drawn on the CPU."""
+    from dspark.kernels.moe import reference as moe_ref
+
+    for latent, start, width, shared in ((3584, 448, 224, 1100), (96, 0, 96, 40)):
+        routed = torch.randn(5, latent, generator=gen) * 3
+        norm = torch.rand(latent, generator=gen) + 0.5
+        gate_up = (torch.randn(5, 2 * shared + 8, generator=gen) * 4)[:, 4 : 4 + 2 * shared]
+        gate_up[0, :3] = torch.tensor([80.0, -80.0, 1e-3])  # tanh's saturated ends and its centre
+        want = moe_ref.moe_tail_inputs(routed.double(), norm.double(), gate_up.double(), start, width, 1e-6, 3.0,
+                                       5.0)
+        out = torch.full((5, width + shared), float("nan"), dtype=dtype, device=device)
+        got = moe_triton.moe_tail_inputs(routed.to(device), norm.to(device), gate_up.to(device, dtype), start, width,
+                                         1e-6, 3.0, 5.0, out=out)
+        close(got.cpu(), want, f"moe_tail_inputs latent {latent} [{start}, +{width}) shared {shared}")
+
+
+def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
+    """mla_cache_rows against its reference: a ragged batch (padding tokens on the spare rows) over
+    a pool of slots with strided kv rows; the norm to ATOL, k_pe and every untouched row exactly.
+    Inputs are drawn on the CPU; the cache poisoned with NaN except the rows already committed."""
+    from dspark.kernels.mla import reference as mla_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    B, T, R, P, L = 3, 4, 512, 64, 40
+    kv = (torch.randn(B * T, R + P + 16, generator=gen) * 2)[:, 8 : 8 + R + P]
+    weight = torch.rand(R, generator=gen) + 0.5
+    cache = torch.full((5, L + 1, R + P), float("nan"))
+    slots, cache_lens, lengths = torch.tensor([4, 0, 2]), torch.tensor([0, 7, L - 2]), torch.tensor([4, 1, 2])
+    want = cache.clone()
+    mla_ref.mla_cache_rows(kv, weight, 1e-6, want, slots, cache_lens, lengths)
+    got = cache.to(device=device, dtype=dtype)
+    mla_triton.mla_cache_rows(kv.to(device, dtype), weight.to(device), 1e-6, got, slots.to(device), cache_lens.to(device),
+                              lengths.to(device))
+    got = got.cpu()
+    if not torch.equal(got.isnan(), want.isnan()):
+        sys.exit("mla_cache_rows: wrote other rows than the reference")
+    written = ~want.isnan().all(-1)
+    written[:, L] = False  # a spare row holds one of its slot's padding rows, which one is unspecified
+    close(got[written][:, :R], want[written][:, :R].double(), "mla_cache_rows' normalised c_kv")
+    if not torch.equal(got[written][:, R:], want[written][:, R:]):
+        sys.exit("mla_cache_rows: k_pe differs from the reference")
+
+
+def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
+    """mla_absorb_q / mla_absorb_output against float64: a row count that is not a tile's (the
+    rows and columns masked), several column blocks per head, q_pe copied exactly, the gate's
+    strided rows; outputs poisoned with NaN. Inputs are drawn on the CPU."""
+    from dspark.kernels.mla import triton as mla_triton
+
+    M, H, R, nope, P, V = 5, 3, 192, 64, 32, 96
+    q = torch.randn(M, H, nope + P, generator=gen)
+    w_uk_t = torch.randn(H, R, nope, generator=gen) * nope**-0.5
+    out, pe = (torch.full(shape, float("nan"), dtype=dtype, device=device) for shape in ((M, H, R), (M, H, P)))
+    mla_triton.mla_absorb_q(q.to(device, dtype), w_uk_t.to(device, dtype), out=out, pe=pe)
+    close(out.cpu(), torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double()), "mla_absorb_q")
+    if not torch.equal(pe.cpu(), q[:, :, nope:].to(dtype)):
+        sys.exit("mla_absorb_q: q_pe is not the rope columns")
+    o_latent = torch.randn(M, H, R, generator=gen)
+    w_uv = torch.randn(H, V, R, generator=gen) * R**-0.5
+    gate = (torch.randn(M, H * V + 8, generator=gen) * 2)[:, 4 : 4 + H * V]
+    out = torch.full((M, H * V), float("nan"), dtype=dtype, device=device)
+    mla_triton.mla_absorb_output(o_latent.to(device, dtype), w_uv.to(device, dtype), gate.to(device, dtype), out=out)
+    product = torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(M, H * V)
+    close(out.cpu(), product * torch.sigmoid(gate.double()), "mla_absorb_output")
 
 
 def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 640) -> None:

@@ -172,5 +172,5 @@ def synthetic_sample(
     return num_accepted, next_token
 
 
-register("rejection_sample", "reference", priority=0)(rejection_sample)
-register("synthetic_sample", "reference", priority=0)(synthetic_sample)
+register("rejection_sample", "reference", priority=0, reads_device_values=True)(rejection_sample)
+register("synthetic_sample", "reference", priority=0, reads_device_values=True)(synthetic_sample)

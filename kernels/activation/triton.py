@@ -7,7 +7,7 @@ elementwise kernels; on the few rows of a verify step each is a launch of a few 
 import torch
 
 from ..registry import register
-from ..triton_common import kernel_module, triton_available
+from ..triton_common import kernel_module, pdl_options, triton_available
 
 BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,7 +28,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device) if out is None else out.view(g.shape)
     if out.numel():
         _kernels().situ_glu_kernel[_grid(g)](g, u, g.stride(0), u.stride(0), out, out.stride(0), g.shape[1],
-                                              float(beta), float(linear_beta), BLOCK=BLOCK, num_warps=4)
+                                              float(beta), float(linear_beta), BLOCK=BLOCK, **pdl_options(),
+                                              num_warps=4)
     return out.view(gate.shape)
 
 
@@ -37,7 +38,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None =
     out = torch.empty(xr.shape, dtype=x.dtype, device=x.device) if out is None else out.view(xr.shape)
     if out.numel():
         _kernels().sigmoid_gate_kernel[_grid(xr)](xr, gr, xr.stride(0), gr.stride(0), out, out.stride(0), xr.shape[1],
-                                                   BLOCK=BLOCK, num_warps=4)
+                                                   BLOCK=BLOCK, **pdl_options(), num_warps=4)
     return out.view(x.shape)
 
 

@@ -2,6 +2,8 @@
 import triton
 import triton.language as tl
 
+from ..triton_pdl import prologue
+
 
 @triton.jit
 def _tanh(x):
@@ -11,7 +13,8 @@ def _tanh(x):
 
 @triton.jit
 def situ_glu_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, beta, linear_beta,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -22,7 +25,9 @@ def situ_glu_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, 
 
 
 @triton.jit
-def sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_g, out_ptr, stride_o, n, BLOCK: tl.constexpr):
+def sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_g, out_ptr, stride_o, n, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    prologue(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

@@ -86,7 +86,7 @@ def _l2_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-@register("kda_verify", "reference", priority=0)
+@register("kda_verify", "reference", priority=0, reads_device_values=True)
 def kda_verify(
     q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
     state, lengths, *, lower_bound: float, eps: float, l2_eps: float = 1e-6, slots=None,
@@ -156,7 +156,7 @@ def kda_verify(
     return out, records
 
 
-@register("kda_commit", "reference", priority=0)
+@register("kda_commit", "reference", priority=0, reads_device_values=True)
 def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records: KDARecords, num_tokens, slots=None) -> None:
     B = records.keys.shape[0]
     _check("num_tokens", torch.as_tensor(num_tokens), (B,))

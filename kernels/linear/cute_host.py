@@ -16,6 +16,12 @@ FEW_STAGES, MANY_STAGES = 4, 5
 MIN_K_TILES_TO_SPLIT = 9
 H200_SMS = 132
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+# Split-K reduction: False sums the splits in a second small kernel (measured best at full-width
+# K3 shapes on the H200, experiments/notes/skinny_gemm.md); True has the last CTA of each tile sum
+# them in the GEMM kernel, one launch per linear instead of two, for steps whose GEMMs are so small
+# that launches dominate (a TP16 rank: docs/kimi-k3.md §8.5). experiments/step_bench.py
+# --setting linear_fused_reduce=1 times it.
+FUSED_REDUCE = False
 
 # Kimi K3 trunk GEMMs (weight N x K; docs/kernels.md §0 shapes, §7 row 1): what the split-K
 # heuristic is tuned for and what the GPU test and the bench cover. Shapes that occur twice

@@ -29,7 +29,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .. import cute_common
 from ..cute_pipelines import deferred_pipeline
-from . import cute_parts
+from . import cute_host, cute_parts
 from .cute_host import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports
 
 TOKENS = 16  # UMMA N for M = 128 must be a multiple of 16
@@ -301,7 +301,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
         raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}] tensor on {x.device}, got {out.dtype} {tuple(out.shape)}")
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
-    compiled, splits = compile_skinny_gemm(n, weight.shape[1], x.dtype, cute_common.target_arch(x.device))
+    compiled, splits = compile_skinny_gemm(n, weight.shape[1], x.dtype, cute_common.target_arch(x.device),
+                                           fused_reduce=cute_host.FUSED_REDUCE)
     if workspace is None:
         workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     compiled(x, weight, out, workspace, split_counters(x.device, n))

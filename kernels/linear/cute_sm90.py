@@ -39,7 +39,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .. import cute_common
 from ..cute_pipelines import deferred_pipeline
-from . import cute_parts
+from . import cute_host, cute_parts
 from .cute_host import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports, token_tile
 
 
@@ -308,7 +308,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
         raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}] tensor on {x.device}, got {out.dtype} {tuple(out.shape)}")
     if not x.is_contiguous() or x.data_ptr() % 16:  # TMA needs a 16-byte-aligned base
         x = x.clone(memory_format=torch.contiguous_format)
-    compiled, splits = compile_skinny_gemm(n, weight.shape[1], token_tile(m), x.dtype, cute_common.target_arch(x.device))
+    compiled, splits = compile_skinny_gemm(n, weight.shape[1], token_tile(m), x.dtype, cute_common.target_arch(x.device),
+                                           fused_reduce=cute_host.FUSED_REDUCE)
     if workspace is None:
         # fp32 split-K partials; with one split it is never touched (the caching allocator makes
         # the allocation free, and the compiled signature stays the same).

@@ -1,6 +1,8 @@
-"""mla: absorbed gated-MLA attention of the T verify queries over the latent cache."""
+"""mla: absorbed gated-MLA attention of the T verify queries over the latent cache, and the
+write of the new tokens' latent rows into it."""
 from ..cute_common import register_cute_module
-from . import reference  # noqa: F401  (registers the reference implementation)
+from . import reference  # noqa: F401  (registers the reference implementations)
+from . import triton  # noqa: F401  (the cache write; imports triton only when first used)
 from .cute_host import supports
 
 # CuTe DSL kernels, imported (with cutlass) on their first call: Hopper, and Blackwell (never

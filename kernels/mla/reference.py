@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
+from ..numerics import rms_norm
 from ..registry import register
 
 
-@register("mla_verify_attention", "reference", priority=0)
+@register("mla_verify_attention", "reference", priority=0, reads_device_values=True)
 def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:
     B, T, H, R = q_latent.shape
     P = q_pe.shape[-1]
@@ -42,3 +44,64 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
             scores = (q_latent[b, j].to(compute) @ c_kv.t() + q_pe[b, j].to(compute) @ k_pe.t()) * scale  # [H, L]
             out[b, j] = (torch.softmax(scores, dim=-1) @ c_kv).to(out.dtype)
     return out
+
+
+def check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths) -> int:
+    """The arguments mla_cache_rows takes (every implementation checks the same contract) -> T."""
+    B = slots.shape[0] if slots.dim() == 1 else -1
+    for name, tensor in (("slots", slots), ("cache_lens", cache_lens), ("lengths", lengths)):
+        if tuple(tensor.shape) != (B,) or tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected an int32/int64 [B] tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    R = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
+    if kv.dim() != 2 or kv.shape[1] <= R or R < 1 or B < 1 or kv.shape[0] % B:
+        raise ValueError(f"kv / norm_weight: expected [B*T, R + P] rows for B={B} and [R], got {tuple(kv.shape)} "
+                         f"and {tuple(norm_weight.shape)}")
+    if cache.dim() != 3 or cache.shape[2] != kv.shape[1] or cache.shape[1] < 2:
+        raise ValueError(f"cache: expected [slots, max_len + 1, {kv.shape[1]}], got {tuple(cache.shape)}")
+    return kv.shape[0] // B
+
+
+@register("mla_cache_rows", "reference", priority=0)
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths) -> None:
+    """The rows in one scatter with no host read of the lengths: the spare row L of each slot (never
+    read) takes the padding tokens' rows."""
+    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths)
+    B, R = slots.shape[0], norm_weight.shape[0]
+    rows = torch.cat([rms_norm(kv[:, :R], norm_weight, eps), kv[:, R:]], dim=-1).view(B, T, -1)
+    spare = cache.shape[1] - 1
+    offsets = torch.arange(T, device=kv.device)
+    valid = offsets[None, :] < lengths[:, None]
+    positions = torch.where(valid, cache_lens[:, None] + offsets[None, :], spare)
+    cache.index_put_((slots[:, None].expand(B, T), positions), rows.to(cache.dtype))
+
+
+def check_absorb_q(q, w_uk_t) -> None:
+    if q.dim() != 3 or w_uk_t.dim() != 3 or w_uk_t.shape[0] != q.shape[1] or w_uk_t.shape[2] >= q.shape[2]:
+        raise ValueError(f"q / w_uk_t: expected [M, H, nope + P] and [H, R, nope], got {tuple(q.shape)} and "
+                         f"{tuple(w_uk_t.shape)}")
+
+
+@register("mla_absorb_q", "reference", priority=0)
+def mla_absorb_q(q, w_uk_t):
+    """linear_heads on the nope part, the rope part copied out."""
+    check_absorb_q(q, w_uk_t)
+    nope = w_uk_t.shape[2]
+    return ops.linear_heads(q[:, :, :nope], w_uk_t), q[:, :, nope:].contiguous()
+
+
+def check_absorb_output(o_latent, w_uv, gate) -> None:
+    if (o_latent.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[0] != o_latent.shape[1]
+            or w_uv.shape[2] != o_latent.shape[2]):
+        raise ValueError(f"o_latent / w_uv: expected [M, H, R] and [H, V, R], got {tuple(o_latent.shape)} and "
+                         f"{tuple(w_uv.shape)}")
+    M, H, V = o_latent.shape[0], w_uv.shape[0], w_uv.shape[1]
+    if tuple(gate.shape) != (M, H * V):
+        raise ValueError(f"gate: expected shape {(M, H * V)}, got {tuple(gate.shape)}")
+
+
+@register("mla_absorb_output", "reference", priority=0)
+def mla_absorb_output(o_latent, w_uv, gate):
+    """linear_heads, then the sigmoid output gate."""
+    check_absorb_output(o_latent, w_uv, gate)
+    o = ops.linear_heads(o_latent, w_uv).reshape(o_latent.shape[0], -1)
+    return ops.sigmoid_gate(o, gate)

@@ -17,7 +17,7 @@ import torch
 
 from .. import ops
 from ..mxfp4 import dequantise
-from ..numerics import per_row, situ
+from ..numerics import per_row, rms_norm, situ
 from ..registry import register
 
 
@@ -30,11 +30,20 @@ def check_route(gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> No
         raise ValueError(f"bias: expected shape ({num_experts},), got {tuple(bias.shape)}")
 
 
+@register("moe_router_logits", "reference", priority=0)
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits: both operands widened to fp32 first (the CPU has no bf16 GEMM with fp32
+    output), through the row-invariant linear."""
+    if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"x / gate_weight: expected [M, D] and [E, D], got {tuple(x.shape)} and "
+                         f"{tuple(gate_weight.shape)}")
+    return ops.linear(x.float(), gate_weight.float())  # fp32 router (docs/kimi-k3.md §1.2)
+
+
 @register("moe_route", "reference", priority=0)
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     check_route(gate_weight, bias, top_k)
-    logits = ops.linear(x.float(), gate_weight.float())  # fp32 router (docs/kimi-k3.md §1.2)
-    return route_logits(logits, bias, top_k, scaling)
+    return route_logits(router_logits(x, gate_weight), bias, top_k, scaling)
 
 
 @register("moe_route_logits", "reference", priority=0)
@@ -76,7 +85,7 @@ def check_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3
                          f"and {tuple(route_weights.shape)}")
 
 
-@register("moe_experts", "reference", priority=0)
+@register("moe_experts", "reference", priority=0, reads_device_values=True)
 def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                 situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
     check_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
@@ -94,3 +103,27 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     for slot in range(1, ids.shape[1]):  # fixed order: the top-k order
         routed = routed + route_weights[:, slot : slot + 1] * expert_out[:, slot]
     return routed
+
+
+def check_tail_inputs(routed, latent_norm, shared_gate_up, start: int, width: int) -> None:
+    """The arguments moe_tail_inputs takes (every implementation checks the same contract)."""
+    if routed.dim() != 2 or routed.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"routed: expected fp32 (float64: a reference run) [M, L], got {routed.dtype} "
+                         f"{tuple(routed.shape)}")
+    M, L = routed.shape
+    if tuple(latent_norm.shape) != (L,):
+        raise ValueError(f"latent_norm: expected shape ({L},), got {tuple(latent_norm.shape)}")
+    if shared_gate_up.dim() != 2 or shared_gate_up.shape[0] != M or shared_gate_up.shape[1] % 2:
+        raise ValueError(f"shared_gate_up: expected [{M}, 2S], got {tuple(shared_gate_up.shape)}")
+    if not (isinstance(start, int) and isinstance(width, int) and 0 <= start and 1 <= width and start + width <= L):
+        raise ValueError(f"start / width: columns [{start}, {start} + {width}) outside the latent's [0, {L})")
+
+
+@register("moe_tail_inputs", "reference", priority=0)
+def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate_up: torch.Tensor, start: int,
+                    width: int, eps: float, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    """rms_norm's and situ_glu's references, side by side: [M, width + S] in shared_gate_up's dtype."""
+    check_tail_inputs(routed, latent_norm, shared_gate_up, start, width)
+    normed = rms_norm(routed, latent_norm, eps).to(shared_gate_up.dtype)[:, start : start + width]
+    gate, up = shared_gate_up.chunk(2, dim=-1)
+    return torch.cat([normed, situ(gate, up, situ_beta, situ_linear_beta)], dim=-1)

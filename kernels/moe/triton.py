@@ -14,8 +14,8 @@ import torch
 
 from .. import ops
 from ..registry import register
-from ..triton_common import kernel_module, triton_available
-from .reference import check_route
+from ..triton_common import kernel_module, pdl_options, triton_available
+from .reference import check_route, check_tail_inputs
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
 # (False: both widened to fp32 first, as the reference does). experiments/router_bench.py.
@@ -32,7 +32,8 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
     if M:
         kernel_module(__package__).route_kernel[(M,)](
             logits, logits.stride(0), bias, ids, weights, E, float(scaling), TOP_K=top_k,
-            BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(16, 1 << (top_k - 1).bit_length()), num_warps=4)
+            BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(16, 1 << (top_k - 1).bit_length()),
+            **pdl_options(), num_warps=4)
     return ids, weights
 
 
@@ -41,6 +42,15 @@ def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     if LOW_PRECISION_GEMM and x.dtype == gate_weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
     return ops.linear(x.float(), gate_weight.float())
+
+
+def supports_router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    return x.dim() == 2 and gate_weight.dim() == 2 and x.shape[1] == gate_weight.shape[1]
+
+
+# The router GEMM alone (a rank gathers the logits before selecting): cuBLAS's bf16 GEMM with fp32
+# output, as moe_route's first half.
+register("moe_router_logits", "cublas", devices=("cuda",), priority=10, supports=supports_router_logits)(router_logits)
 
 
 @register("moe_route", "triton", devices=("cuda",), priority=10, available=triton_available)
@@ -75,7 +85,7 @@ def weighted_combine(rows: torch.Tensor, position: torch.Tensor, route_weights: 
     if T:
         kernel_module(__package__).combine_kernel[(T, -(-width // COMBINE_BLOCK))](
             rows, rows.stride(0), position.contiguous(), route_weights.contiguous(), out, out.stride(0), width,
-            TOP_K=top_k, BLOCK=COMBINE_BLOCK, num_warps=4)
+            TOP_K=top_k, BLOCK=COMBINE_BLOCK, **pdl_options(), num_warps=4)
     return out
 
 
@@ -99,5 +109,41 @@ def gather_tokens(x: torch.Tensor, slot_tokens: torch.Tensor, perm: torch.Tensor
     if S * tokens:
         kernel_module(__package__).gather_tokens_kernel[(S * tokens, -(-K // GATHER_BLOCK))](
             x, x.stride(0), slot_tokens.contiguous(), perm.contiguous(), out, K, float(2.0**scale_log2),
-            PERIOD=period, BLOCK=GATHER_BLOCK, num_warps=4)
+            PERIOD=period, BLOCK=GATHER_BLOCK, **pdl_options(), num_warps=4)
     return out
+
+
+TAIL_BLOCK = 1024  # shared-activation columns per program
+TAIL_MAX_LATENT = 16384  # the routed row lives in one program's registers
+
+
+def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate_up: torch.Tensor, start: int,
+                    width: int, eps: float, situ_beta: float, situ_linear_beta: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.moe_tail_inputs in one launch: per row, program 0 normalises the routed row and stores
+    its window, programs 1.. the shared activation's column blocks. out: an optional contiguous
+    [M, width + S] buffer (tests poison it first)."""
+    check_tail_inputs(routed, latent_norm, shared_gate_up, start, width)
+    M, L = routed.shape
+    S = shared_gate_up.shape[1] // 2
+    dtype = shared_gate_up.dtype
+    out = torch.empty(M, width + S, dtype=dtype, device=routed.device) if out is None else out
+    if tuple(out.shape) != (M, width + S) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {dtype} [{M}, {width + S}], got {out.dtype} {tuple(out.shape)}")
+    if M:
+        kernel_module(__package__).tail_inputs_kernel[(M, 1 + -(-S // TAIL_BLOCK))](
+            routed, routed.stride(0), latent_norm, shared_gate_up, shared_gate_up.stride(0), out, out.stride(0),
+            L, start, width, S, float(eps), float(situ_beta), float(situ_linear_beta),
+            BLOCK_L=1 << (L - 1).bit_length(), BLOCK=TAIL_BLOCK, **pdl_options(), num_warps=4)
+    return out
+
+
+def supports_tail_inputs(routed, latent_norm, shared_gate_up) -> bool:
+    return (routed.dim() == 2 and routed.dtype == torch.float32 and routed.stride(-1) == 1
+            and routed.shape[1] <= TAIL_MAX_LATENT
+            and latent_norm.is_contiguous() and shared_gate_up.dim() == 2 and shared_gate_up.stride(-1) == 1
+            and shared_gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+register("moe_tail_inputs", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_tail_inputs)(moe_tail_inputs)

@@ -1,15 +1,19 @@
 """Triton kernels of the K3 MoE (imported on first use): the router's selection, the expert
-kernels' B operand (the slots' token rows, K-permuted and scaled) and the weighted combination of
-each token's expert outputs."""
+kernels' B operand (the slots' token rows, K-permuted and scaled), the weighted combination of
+each token's expert outputs and the input of the block's output GEMM (normed latent | shared
+activation)."""
 import triton
 import triton.language as tl
+
+from ..triton_pdl import prologue
 
 
 @triton.jit
 def route_kernel(logits_ptr, stride_l, bias_ptr, ids_ptr, weights_ptr, num_experts, scaling,
-                 TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                 TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program per token: sigmoid scores, the top-k by score + bias (picked one at a time,
     the lowest index among equal keys), and the chosen raw scores over their sum times scaling."""
+    prologue(PDL)
     row = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     inside = experts < num_experts
@@ -34,9 +38,10 @@ def route_kernel(logits_ptr, stride_l, bias_ptr, ids_ptr, weights_ptr, num_exper
 
 @triton.jit
 def combine_kernel(rows_ptr, stride_r, position_ptr, weights_ptr, out_ptr, stride_o, width,
-                   TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                   TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over j in top-k order of weights[t, j] * rows[position[t, j]], in float32; one
     program per (token, column block)."""
+    prologue(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < width
@@ -50,9 +55,10 @@ def combine_kernel(rows_ptr, stride_r, position_ptr, weights_ptr, out_ptr, strid
 
 @triton.jit
 def gather_tokens_kernel(x_ptr, stride_x, slot_tokens_ptr, perm_ptr, out_ptr, K, scale,
-                         PERIOD: tl.constexpr, BLOCK: tl.constexpr):
+                         PERIOD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out row r (= slot * tokens + t), columns of block pid 1: x[slot_tokens[r]] read through the
     K permutation (period PERIOD), times scale; one program per (row, column block)."""
+    prologue(PDL)
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < K
@@ -60,3 +66,37 @@ def gather_tokens_kernel(x_ptr, stride_x, slot_tokens_ptr, perm_ptr, out_ptr, K,
     source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
     v = tl.load(x_ptr + token * stride_x + source, mask=inside, other=0.0)
     tl.store(out_ptr + r * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1), as kernels/activation's situ_glu_kernel (the same bits)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def tail_inputs_kernel(routed_ptr, stride_r, norm_ptr, gate_up_ptr, stride_g, out_ptr, stride_o, L, start, width, S,
+                       eps, beta, linear_beta, BLOCK_L: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, 0): RMSNorm of the fp32 routed row over all L columns (rms_norm_kernel's
+    rounding: fp32 input, so none before the store), columns [start, start + width) stored at
+    out[row, 0:width]. Program (row, b > 0): SiTU-GLU of shared columns [(b-1)*BLOCK, b*BLOCK),
+    stored after them (situ_glu_kernel's arithmetic)."""
+    prologue(PDL)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    if part == 0:
+        offs = tl.arange(0, BLOCK_L)
+        inside = offs < L
+        x = tl.load(routed_ptr + row * stride_r + offs, mask=inside, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, axis=0) / L + eps)
+        w = tl.load(norm_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        keep = inside & (offs >= start) & (offs < start + width)
+        tl.store(out_ptr + row * stride_o + tl.where(keep, offs - start, 0), (w * y).to(dtype), mask=keep)
+    else:
+        offs = (part - 1) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < S
+        g = tl.load(gate_up_ptr + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
+        act = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
+        tl.store(out_ptr + row * stride_o + width + offs, act.to(dtype), mask=inside)

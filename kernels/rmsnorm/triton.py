@@ -9,7 +9,7 @@ forty launches per mix, each a few microseconds on a handful of rows (docs/kerne
 import torch
 
 from ..registry import register
-from ..triton_common import kernel_module, triton_available
+from ..triton_common import kernel_module, pdl_options, triton_available
 
 MAX_WIDTH = 16384  # the row lives in registers: 16384 fp32 over 16 warps is 32 per thread
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     block, warps = _launch_shape(rows.shape[1])
     if rows.shape[0]:
         _kernels().rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1],
-                                                     float(eps), BLOCK=block, num_warps=warps)
+                                                     float(eps), BLOCK=block, **pdl_options(), num_warps=warps)
     return out.view(x.shape)
 
 
@@ -75,7 +75,7 @@ def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, 
         _kernels().attn_res_mix_norm_kernel[(M,)](
             checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            BLOCK=block, CANDIDATES=candidates, HAS_DELTA=has_delta, num_warps=warps)
+            BLOCK=block, CANDIDATES=candidates, HAS_DELTA=has_delta, **pdl_options(), num_warps=warps)
 
 
 def _row_major(x: torch.Tensor) -> bool:

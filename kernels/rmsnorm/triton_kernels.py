@@ -6,9 +6,12 @@ these kernels under, cannot call tl.sum inside a nested @triton.jit helper."""
 import triton
 import triton.language as tl
 
+from ..triton_pdl import prologue
+
 
 @triton.jit
-def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
@@ -25,11 +28,12 @@ def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl
 def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dm, total_ptr,
                              stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
                              NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
-                             HAS_DELTA: tl.constexpr):
+                             HAS_DELTA: tl.constexpr, PDL: tl.constexpr):
     """AttnRes mix over {checkpoints[0..NUM_CKPT), current} followed by RMSNorm, per row. The
     checkpoint count is a compile-time constant (a model has a handful: one build each), so the
     candidate loops unroll. HAS_DELTA: current is cur + delta, rounded to the output dtype as a
     torch add would, and also stored to total (add_attn_res_mix_norm)."""
+    prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < d

@@ -13,28 +13,41 @@ import pytest
 import torch
 
 from dspark.kernels import registry
-from dspark.targets.kimi_k3 import K3, load_target
+from dspark.targets.kimi_k3 import K3, K3Target, load_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CONTEXT, T = 8192, 8
-OPS = ("linear", "linear_heads", "kda_verify", "mla_verify_attention", "moe_route_logits", "moe_experts",
-       "rms_norm", "attn_res_mix_norm", "add_attn_res_mix_norm", "situ_glu", "sigmoid_gate")
+OPS = ("linear", "linear_heads", "kda_verify", "mla_verify_attention", "mla_cache_rows", "mla_absorb_q",
+       "mla_absorb_output", "moe_router_logits", "moe_route_logits", "moe_experts", "moe_tail_inputs", "rms_norm",
+       "attn_res_mix_norm", "add_attn_res_mix_norm", "situ_glu", "sigmoid_gate")
 
 
-def test_rank_layers_match_the_reference_kernels():
-    target = load_target("k3-rank", max_slots=1, max_seq_len=CONTEXT + 16, dtype=torch.bfloat16, device="cuda",
-                         layers=4)
+@pytest.fixture(scope="module")
+def rank_model():
+    return load_target("k3-rank", max_slots=1, max_seq_len=CONTEXT + 16, dtype=torch.bfloat16, device="cuda",
+                       layers=4).model
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_rank_layers_match_the_reference_kernels(rank_model, batch):
+    """At B = 2 and 4 the MLA layer's cache pool holds several slots: the CuTe kernel must take it
+    (the registry records no fallback to a host-reading implementation)."""
+    target = K3Target(rank_model, max_slots=batch, max_seq_len=CONTEXT + 16)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     target.kda_state.normal_(0.0, 0.02, generator=gen)
     target.conv_state.normal_(0.0, 1.0, generator=gen)
     target.mla_cache[:, :, :CONTEXT].normal_(0.0, 1.0, generator=gen)
-    target.lengths[0] = CONTEXT
-    tokens = torch.randint(0, K3.vocab_size, (1, T), device="cuda", generator=gen)
-    fast = target.verify([0], tokens, torch.tensor([T])).logits.clone()
+    target.lengths[:] = CONTEXT
+    slots, lengths = list(range(batch)), torch.full((batch,), T)
+    tokens = torch.randint(0, K3.vocab_size, (batch, T), device="cuda", generator=gen)
+    with registry.record_selections() as selections:
+        fast = target.verify(slots, tokens, lengths).logits.clone()
+    assert not [str(s) for s in selections if s.blocks_capture]
+    assert {s.chosen.name for s in selections if s.op == "mla_verify_attention"} == {"cute_sm90"}
     with registry.scoped(tuple((op, "reference") for op in OPS)):
-        reference = target.verify([0], tokens, torch.tensor([T])).logits
+        reference = target.verify(slots, tokens, lengths).logits
     assert torch.isfinite(fast).all()
     error = (fast - reference).norm() / reference.norm()
-    print(f"k3-rank 4 layers, verify T={T} at {CONTEXT}: relative L2 error {error:.2e}")
+    print(f"k3-rank 4 layers, B={batch}, verify T={T} at {CONTEXT}: relative L2 error {error:.2e}")
     assert error < 3e-2

@@ -4,8 +4,9 @@ Per layer i (docs/kimi-k3.md §7, Block AttnRes): attention is KDA or gated MLA 
 cfg.layer_type(i) (§2, §3), the FFN is the dense SiTU-GLU MLP for i < first_k_dense, else the
 latent MoE (§1.2); after the last layer one more AttnRes mix, the final norm and lm_head.
 Projections go through `ops.linear`, KDA through `ops.kda_verify`, MLA attention through
-`ops.mla_verify_attention`, the MoE through moe.py; the elementwise parts are per row
-(kernels/numerics.py), so on the CPU a token's logits do not depend on its batch, bit for bit.
+`ops.mla_verify_attention` (its cache rows through `ops.mla_cache_rows`), the MoE through
+moe.py; the elementwise parts are per row (kernels/numerics.py), so on the CPU a token's logits
+do not depend on its batch, bit for bit.
 
 `forward` runs B requests of T tokens from their committed decode state without changing it,
 except that MLA rows of the new tokens are written past each slot's committed length (they are
@@ -38,6 +39,9 @@ KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "
 DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight",
                               "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
+# Projections whose outputs are summed, fused along K (K3Model._fuse_columns): LatentMoEWeights.output_proj
+MOE_OUTPUT_PROJECTIONS = ("block_sparse_moe.routed_expert_up_proj.weight",
+                          "block_sparse_moe.shared_experts.down_proj.weight")
 
 
 def _stack_of_views(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -149,9 +153,8 @@ class K3Model:
             score_bias=self.tensors[f"{m}.gate.e_score_correction_bias"],
             latent_down=self.tensors[f"{m}.routed_expert_down_proj.weight"],
             latent_norm=self.tensors[f"{m}.routed_expert_norm.weight"],
-            latent_up=self.tensors[f"{m}.routed_expert_up_proj.weight"],
             shared_gate_up=self._fuse_rows(i, SHARED_GATE_UP_PROJECTIONS)[0],
-            shared_down=self.tensors[f"{m}.shared_experts.down_proj.weight"],
+            output_proj=self._fuse_columns(i, MOE_OUTPUT_PROJECTIONS),
             w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),
             w2_packed=stacked("w2", "weight_packed"), w2_scale=stacked("w2", "weight_scale"),
@@ -174,6 +177,18 @@ class K3Model:
             sizes.append(rows)
             start += rows
         return fused, sizes
+
+    def _fuse_columns(self, i: int, suffixes: tuple[str, ...]) -> torch.Tensor:
+        """One weight [N, sum K] for projections whose outputs are added: x_1 W_1^T + x_2 W_2^T
+        is then one GEMM of [x_1 | x_2]. The checkpoint names stay as column views of it."""
+        names = [f"{layout.layer_prefix(i)}.{suffix}" for suffix in suffixes]
+        fused = torch.cat([self.tensors[n] for n in names], dim=1)
+        start = 0
+        for n in names:
+            columns = self.tensors[n].shape[1]
+            self.tensors[n] = fused[:, start : start + columns]
+            start += columns
+        return fused
 
     def named_tensors(self):
         """(name, tensor) in the checkpoint layout; experts are views of the stacked tensors."""
@@ -212,37 +227,21 @@ class K3Model:
 
     def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens):
         cfg, a = self.cfg, "self_attn"
-        H, R, P, nope = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        H, R, P = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         eps = cfg.rms_norm_eps
         fused, sizes = self.fused_inputs[i]
         q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
         c_q = ops.rms_norm(q_a, self._w(i, f"{a}.q_a_layernorm.weight"), eps)
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
-        c_kv = ops.rms_norm(kv[:, :R], self._w(i, f"{a}.kv_a_layernorm.weight"), eps)
-        rows = torch.cat([c_kv, kv[:, R:]], dim=-1).view(B, T, R + P)
-        self._write_rows(cache, rows, slots, cache_lens, lengths)
+        ops.mla_cache_rows(kv, self._w(i, f"{a}.kv_a_layernorm.weight"), eps, cache, slots, cache_lens, lengths)
         w_uk_t, w_uv = self.mla_absorbed[i]
-        q_latent = ops.linear_heads(q[:, :, :nope], w_uk_t)  # [B*T, H, R]
-        q_pe = q[:, :, nope:].contiguous()
+        q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)  # [B*T, H, R], [B*T, H, P]
         o_latent = ops.mla_verify_attention(
             q_latent.view(B, T, H, R), q_pe.view(B, T, H, P), cache, slots, cache_lens, lengths,
             cfg.qk_head_dim**-0.5,
         ).view(B * T, H, R)
-        o = ops.linear_heads(o_latent, w_uv).reshape(B * T, H * cfg.v_head_dim)
-        o = ops.sigmoid_gate(o, gate)
+        o = ops.mla_absorb_output(o_latent, w_uv, gate)  # [B*T, H * v], gated
         return self._reduce(ops.linear(o, self._w(i, f"{a}.o_proj.weight")))
-
-    @staticmethod
-    def _write_rows(cache, rows, slots, cache_lens, lengths):
-        """The new tokens' latent rows go past each slot's committed length, in one scatter with
-        no host read of the lengths. cache [slots, L + 1, R + P] has one spare row per slot (index
-        L, never read): padding positions (j >= lengths[b]) write there."""
-        B, T = rows.shape[:2]
-        spare = cache.shape[1] - 1
-        offsets = torch.arange(T, device=rows.device)
-        valid = offsets[None, :] < lengths[:, None]
-        positions = torch.where(valid, cache_lens[:, None] + offsets[None, :], spare)
-        cache.index_put_((slots[:, None].expand(B, T), positions), rows.to(cache.dtype))
 
     def _ffn(self, i, y):
         cfg = self.cfg

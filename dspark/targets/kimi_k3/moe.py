@@ -5,6 +5,9 @@ Per token x [D]:
     h = latent_down x                                            [latent]
     routed = moe_experts(h, ids, weights)                        (MXFP4 experts, weighted, summed)
     out = latent_up RMSNorm(routed; routed_expert_norm) + shared_down situ(shared_gate x, shared_up x)
+The last line is one GEMM, [RMSNorm(routed) | situ(...)] against [latent_up | shared_down]
+(ops.moe_tail_inputs builds its input in one launch): the two products are summed in the GEMM's
+fp32 accumulator and rounded once, where two GEMMs and an add would round three times.
 Every projection is `ops.linear`; the elementwise parts are per row (kernels/numerics.py), so on
 the CPU a token's output does not depend on the tokens beside it, bit for bit.
 
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
-from dspark.kernels.moe.triton import router_logits
 
 from .config import K3Config
 
@@ -38,15 +40,20 @@ class LatentMoEWeights:
     (experiments/results/h200/kernels_bench.json, "mla_g/shared_gate_up"), and a layer saves a
     GEMM and its split-K reduction. latent_down stays apart: fused with them, the heuristic would
     run the 15872-row matrix unsplit, one CTA per SM, which reached 0.74 of the ceiling on the
-    12288-row one. `from_parts` builds one from the separate matrices."""
+    12288-row one.
+
+    The block's two output projections, latent up [D, latent] and shared down [D, S], are held
+    side by side along K as `output_proj` [D, latent + S]: their sum is one GEMM of the
+    concatenated inputs (ops.moe_tail_inputs), which saves a GEMM, the add after it, and on a
+    rank the copy of its latent window (docs/kimi-k3.md §8.5). `from_parts` builds one from the
+    separate matrices."""
 
     gate: torch.Tensor  # [E, D] router
     score_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
     latent_down: torch.Tensor  # [latent, D]
-    latent_norm: torch.Tensor  # [latent]
-    latent_up: torch.Tensor  # [D, latent]
+    latent_norm: torch.Tensor  # [latent] (a rank's: the whole latent; it normalises the summed latent)
     shared_gate_up: torch.Tensor  # [2S, D]: shared_gate | shared_up
-    shared_down: torch.Tensor  # [D, S]
+    output_proj: torch.Tensor  # [D, latent' + S]: latent_up | shared_down (latent' the rank's columns)
     w1_packed: torch.Tensor
     w1_scale: torch.Tensor
     w3_packed: torch.Tensor
@@ -55,28 +62,58 @@ class LatentMoEWeights:
     w2_scale: torch.Tensor
 
     def __post_init__(self):
-        shared = self.shared_down.shape[1]
-        if self.shared_gate_up.dim() != 2 or self.shared_gate_up.shape[0] != 2 * shared:
-            raise ValueError(f"LatentMoEWeights.shared_gate_up: expected [2 x {shared}, D] (shared_gate | "
-                             f"shared_up), got {tuple(self.shared_gate_up.shape)}")
+        if self.shared_gate_up.dim() != 2 or self.shared_gate_up.shape[0] % 2:
+            raise ValueError(f"LatentMoEWeights.shared_gate_up: expected [2S, D] (shared_gate | shared_up), "
+                             f"got {tuple(self.shared_gate_up.shape)}")
+        shared = self.shared_gate_up.shape[0] // 2
+        if self.output_proj.dim() != 2 or self.output_proj.shape[1] <= shared:
+            raise ValueError(f"LatentMoEWeights.output_proj: expected [D, latent + {shared}] (latent_up | "
+                             f"shared_down), got {tuple(self.output_proj.shape)}")
 
     @classmethod
-    def from_parts(cls, *, shared_gate, shared_up, **others) -> "LatentMoEWeights":
-        """From separate shared gate and up projections (copied into one tensor)."""
-        return cls(shared_gate_up=torch.cat([shared_gate, shared_up]), **others)
+    def from_parts(cls, *, shared_gate, shared_up, latent_up, shared_down, **others) -> "LatentMoEWeights":
+        """From the separate projections (copied into the fused tensors)."""
+        return cls(shared_gate_up=torch.cat([shared_gate, shared_up]),
+                   output_proj=torch.cat([latent_up, shared_down], dim=1), **others)
+
+    @property
+    def shared_size(self) -> int:
+        return self.shared_gate_up.shape[0] // 2
 
     @property
     def shared_gate(self) -> torch.Tensor:
-        return self.shared_gate_up[: self.shared_down.shape[1]]
+        return self.shared_gate_up[: self.shared_size]
 
     @property
     def shared_up(self) -> torch.Tensor:
-        return self.shared_gate_up[self.shared_down.shape[1] :]
+        return self.shared_gate_up[self.shared_size :]
+
+    @property
+    def latent_width(self) -> int:
+        """The latent columns latent_up holds (all of them; a rank's share on a rank)."""
+        return self.output_proj.shape[1] - self.shared_size
+
+    @property
+    def latent_up(self) -> torch.Tensor:
+        return self.output_proj[:, : self.latent_width]
+
+    @property
+    def shared_down(self) -> torch.Tensor:
+        return self.output_proj[:, self.latent_width :]
 
     @property
     def experts(self) -> tuple[torch.Tensor, ...]:
         """The routed experts in ops.moe_experts' argument order."""
         return (self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale, self.w2_packed, self.w2_scale)
+
+
+def _output(x: torch.Tensor, routed: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config,
+            start: int) -> torch.Tensor:
+    """latent_up RMSNorm(routed)[start : start + latent'] + shared_down SiTU(shared_gate x, shared_up x)
+    as one GEMM of [normed latent window | shared activation] against output_proj."""
+    tail = ops.moe_tail_inputs(routed, weights.latent_norm, ops.linear(x, weights.shared_gate_up), start,
+                               weights.latent_width, cfg.rms_norm_eps, cfg.situ_beta, cfg.situ_linear_beta)
+    return ops.linear(tail, weights.output_proj)
 
 
 def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record: list | None = None) -> torch.Tensor:
@@ -91,20 +128,10 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record
         record.append(ids)
     latent = ops.linear(x, weights.latent_down)
     routed = ops.moe_experts(latent, ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
-    routed = ops.rms_norm(routed, weights.latent_norm, cfg.rms_norm_eps, out_dtype=x.dtype)
     # The shared experts run in line: on a side stream, concurrently with the routed path, they
     # cost more per k3-slice step inside the step's CUDA graph than they saved (the fork and
     # join; the A/B is in experiments/notes/step.md).
-    shared_gate, shared_up = ops.linear(x, weights.shared_gate_up).chunk(2, dim=-1)
-    shared = ops.linear(ops.situ_glu(shared_gate, shared_up, cfg.situ_beta, cfg.situ_linear_beta), weights.shared_down)
-    return ops.linear(routed, weights.latent_up) + shared
-
-
-def _router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [M, E] as moe_route computes them: on CUDA a bf16 GEMM with fp32 output
-    (kernels/moe/triton.py), elsewhere both widened to fp32 first (kernels/moe/reference.py; the
-    CPU has no bf16 GEMM with fp32 output)."""
-    return router_logits(x, gate) if x.is_cuda else ops.linear(x.float(), gate.float())
+    return _output(x, routed, weights, cfg, 0)
 
 
 def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, parallel,
@@ -113,7 +140,7 @@ def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, p
     partial output, all-reduced by `parallel` (a parallel.RankParallel). `weights` holds the
     rank's parts: router and latent down rows, latent up and shared down columns, shared gate|up
     rows, its experts. `record` gets the local expert ids [M, k'] the rank's experts run on."""
-    logits = parallel.all_gather(_router_logits(x, weights.gate))
+    logits = parallel.all_gather(ops.moe_router_logits(x, weights.gate))
     latent = parallel.all_gather(ops.linear(x, weights.latent_down))
     ids, route_weights = ops.moe_route_logits(logits, weights.score_bias, cfg.num_experts_per_token,
                                               cfg.routed_scaling_factor)
@@ -121,8 +148,4 @@ def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, p
     if record is not None:
         record.append(local_ids)
     partial = ops.moe_experts(latent, local_ids, local_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
-    routed = ops.rms_norm(parallel.all_reduce(partial), weights.latent_norm, cfg.rms_norm_eps, out_dtype=x.dtype)
-    shared_gate, shared_up = ops.linear(x, weights.shared_gate_up).chunk(2, dim=-1)
-    shared = ops.linear(ops.situ_glu(shared_gate, shared_up, cfg.situ_beta, cfg.situ_linear_beta), weights.shared_down)
-    mine = routed[:, parallel.latent].contiguous()
-    return parallel.all_reduce(ops.linear(mine, weights.latent_up) + shared)
+    return parallel.all_reduce(_output(x, parallel.all_reduce(partial), weights, cfg, parallel.latent.start))

@@ -78,9 +78,15 @@ class K3Target:
         # One spare row per slot past max_seq_len: the padding positions of a ragged batch write
         # their rows there, so the rows of a whole [B, T] block go in with one scatter (no
         # per-request loop reading lengths on the host). Nothing ever reads the spare row.
-        self._mla_rows = torch.zeros(max_slots, n_mla, max_seq_len + 1, cfg.kv_cache_width, dtype=model.dtype,
+        # Layer-major [n_mla, slots, L + 1, R + P]: each layer's pool is one contiguous
+        # [slots, L + 1, R + P] tensor, the layout the CuTe MLA kernels' TMA descriptor takes
+        # (kernels/mla/cute_host.py check_arguments); slot-major, a layer's pool is contiguous
+        # only at one slot and any batch of two or more fell back to the host-reading reference.
+        self._mla_rows = torch.zeros(n_mla, max_slots, max_seq_len + 1, cfg.kv_cache_width, dtype=model.dtype,
                                      device=dev)
-        self.mla_cache = self._mla_rows[:, :, :max_seq_len]
+        self._mla_pools = list(self._mla_rows.unbind(0))
+        # [slots, n_mla, max_seq_len, R + P] as callers index it (slot first), a view
+        self.mla_cache = self._mla_rows.transpose(0, 1)[:, :, :max_seq_len]
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=dev)
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         # The last verify: (slots, KDA records, host lengths or None, T).
@@ -153,7 +159,7 @@ class K3Target:
         tokens = tokens.to(self.device, torch.long, non_blocking=True)
         state = DecodeState(
             kda=self._kda_pools,
-            mla=[self._mla_rows[:, k] for k in range(self._mla_rows.shape[1])],
+            mla=self._mla_pools,
             slots=index,
             cache_lens=self.lengths.index_select(0, index),
         )

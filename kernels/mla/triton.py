@@ -1,0 +1,96 @@
+"""The MLA layer's glue in one Triton launch each (contracts: reference.py).
+
+Why: a rank's MLA layer did its cache write in seven launches (the norm of c_kv, a cat, an arange,
+a compare, an add, a where and the scatter), each absorption in two (a batched GEMM and the copy of
+its head-major result) and the rope part's copy and the output gate in one each, every one a few
+microseconds on a handful of rows (docs/kimi-k3.md §8.5):
+- mla_cache_rows: one program per token normalises its row, reads its request's slot, length and
+  committed length on the device, and stores the row;
+- mla_absorb_q / mla_absorb_output: one program per (head, 64 output columns) multiplies all the
+  rows by its weight tile (tl.dot, fp32 accumulation) and writes the token-major result; the first
+  column block of each head also copies q_pe out, or the epilogue applies the sigmoid gate.
+  Taken for few heads (a rank's 6): the whole model's 96 keep cuBLAS's batched GEMM until measured.
+"""
+import torch
+
+from ..registry import register
+from ..triton_common import kernel_module, pdl_options, triton_available
+from .reference import check_absorb_output, check_absorb_q, check_cache_rows
+
+MAX_WIDTH = 4096  # R and P each live in one program's registers
+
+
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths) -> None:
+    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths)
+    R, P = norm_weight.shape[0], kv.shape[1] - norm_weight.shape[0]
+    if kv.shape[0]:
+        kernel_module(__package__).cache_rows_kernel[(kv.shape[0],)](
+            kv, kv.stride(0), norm_weight, cache, cache.stride(0), cache.stride(1), slots, cache_lens, lengths,
+            T, R, P, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
+            BLOCK_P=1 << (P - 1).bit_length(), **pdl_options(), num_warps=4)
+
+
+def supports(kv, norm_weight, cache, slots, cache_lens, lengths) -> bool:
+    return (kv.dim() == 2 and kv.stride(-1) == 1 and cache.dim() == 3 and cache.stride(-1) == 1
+            and norm_weight.dim() == 1 and norm_weight.is_contiguous()
+            and norm_weight.shape[0] <= MAX_WIDTH and kv.shape[1] - norm_weight.shape[0] <= MAX_WIDTH
+            and kv.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(t.is_contiguous() for t in (slots, cache_lens, lengths)))
+
+
+register("mla_cache_rows", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports)(mla_cache_rows)
+
+
+ABSORB_BLOCK_N, ABSORB_BLOCK_K = 64, 64
+ABSORB_MAX_ROWS = 64  # all of a step's rows in one tile (B x T <= 8 x 8)
+ABSORB_MAX_HEADS = 16
+
+
+def _absorb(x, w, out, K, gate=None, pe=None) -> None:
+    """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K] contiguous), gated by
+    gate [M, H*N] when given; pe: the rope columns x[:, :, K:] copied there when given."""
+    M, H = x.shape[0], x.shape[1]
+    N = w.shape[1]
+    P = x.shape[2] - K
+    gate_args = (gate, gate.stride(0)) if gate is not None else (out, 0)
+    pe_args = (pe, pe.stride(0), pe.stride(1)) if pe is not None else (out, 0, 0)
+    if M:
+        kernel_module(__package__).absorb_kernel[(H, -(-N // ABSORB_BLOCK_N))](
+            x, x.stride(0), x.stride(1), w, out, out.stride(0), N, *gate_args, *pe_args, M, N, K, P,
+            HAS_GATE=gate is not None, COPY_PE=pe is not None, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
+            BLOCK_N=ABSORB_BLOCK_N, BLOCK_K=ABSORB_BLOCK_K, BLOCK_P=max(16, 1 << max(P - 1, 0).bit_length()),
+            **pdl_options(), num_warps=4)
+
+
+def mla_absorb_q(q, w_uk_t, out=None, pe=None):
+    """out / pe: optional contiguous [M, H, R] / [M, H, P] buffers (tests poison them first)."""
+    check_absorb_q(q, w_uk_t)
+    M, H, width = q.shape
+    R, nope = w_uk_t.shape[1], w_uk_t.shape[2]
+    out = torch.empty(M, H, R, dtype=q.dtype, device=q.device) if out is None else out
+    pe = torch.empty(M, H, width - nope, dtype=q.dtype, device=q.device) if pe is None else pe
+    _absorb(q, w_uk_t, out, nope, pe=pe)
+    return out, pe
+
+
+def mla_absorb_output(o_latent, w_uv, gate, out=None):
+    """out: an optional contiguous [M, H*V] buffer (tests poison it first)."""
+    check_absorb_output(o_latent, w_uv, gate)
+    M, H, V = o_latent.shape[0], w_uv.shape[0], w_uv.shape[1]
+    out = torch.empty(M, H * V, dtype=o_latent.dtype, device=o_latent.device) if out is None else out
+    _absorb(o_latent, w_uv, out.view(M, H, V), o_latent.shape[2], gate=gate)
+    return out
+
+
+def _absorbs(x, w) -> bool:
+    return (x.dim() == 3 and w.dim() == 3 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.stride(-1) == 1 and w.is_contiguous() and x.shape[0] <= ABSORB_MAX_ROWS
+            and x.shape[1] <= ABSORB_MAX_HEADS and w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0)
+
+
+register("mla_absorb_q", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=lambda q, w_uk_t: _absorbs(q, w_uk_t))(mla_absorb_q)
+register("mla_absorb_output", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=lambda o, w_uv, gate: _absorbs(o, w_uv) and gate.dim() == 2 and gate.stride(-1) == 1
+         and gate.dtype == o.dtype)(mla_absorb_output)

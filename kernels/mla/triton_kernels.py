@@ -1,0 +1,70 @@
+"""Triton kernels of the MLA layer's glue: the cache write and the absorptions (imported on first use)."""
+import triton
+import triton.language as tl
+
+from ..triton_pdl import prologue
+
+
+@triton.jit
+def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_row, slots_ptr, cache_lens_ptr,
+                      lengths_ptr, T, R, P, spare, eps, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                      PDL: tl.constexpr):
+    """One program per token (b, j): RMSNorm of its c_kv (rms_norm_kernel's rounding: the
+    normalised row and the weighted one each rounded to kv's dtype) and its raw k_pe, stored at
+    row cache_lens[b] + j of slot slots[b], or at the spare row for a padding token."""
+    prologue(PDL)
+    token = tl.program_id(0)
+    b = token // T
+    j = token % T
+    dtype = kv_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    position = tl.where(j < tl.load(lengths_ptr + b), tl.load(cache_lens_ptr + b) + j, spare).to(tl.int64)
+    row = cache_ptr + slot * stride_slot + position * stride_row
+    offs = tl.arange(0, BLOCK_R)
+    inside = offs < R
+    x = tl.load(kv_ptr + token * stride_kv + offs, mask=inside, other=0.0).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(dtype).to(tl.float32)
+    tl.store(row + offs, (w * y).to(dtype).to(cache_ptr.dtype.element_ty), mask=inside)
+    pe = tl.arange(0, BLOCK_P)
+    pe_inside = pe < P
+    k_pe = tl.load(kv_ptr + token * stride_kv + R + pe, mask=pe_inside, other=0.0)
+    tl.store(row + R + pe, k_pe.to(cache_ptr.dtype.element_ty), mask=pe_inside)
+
+
+@triton.jit
+def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride_oh, gate_ptr, stride_gm, pe_ptr,
+                  stride_pm, stride_ph, M, N, K, P, HAS_GATE: tl.constexpr, COPY_PE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program (h, nb): out[:, h, nb-th 64 columns] = x[:, h, :K] . w[h, those rows, :]^T over all M
+    rows (fp32 accumulation, rounded to out's dtype, as a GEMM does); with HAS_GATE the result
+    times sigmoid(gate) in fp32, rounded again (sigmoid_gate_kernel's arithmetic); with COPY_PE
+    program (h, 0) also copies x[:, h, K:K + P] to pe[:, h, :]."""
+    prologue(PDL)
+    h = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows[:, None] < M
+    col_in = cols[:, None] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = ks[None, :] < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + h * stride_xh + ks[None, :], mask=row_in & k_in, other=0.0)
+        w = tl.load(w_ptr + (h * N + cols[:, None]) * K + ks[None, :], mask=col_in & k_in, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    dtype = out_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    keep = row_in & (cols[None, :] < N)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + rows[:, None] * stride_gm + h * N + cols[None, :], mask=keep, other=0.0)
+        y = (y.to(tl.float32) * tl.sigmoid(g.to(dtype).to(tl.float32))).to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + h * stride_oh + cols[None, :], y, mask=keep)
+    if COPY_PE:
+        if nb == 0:
+            ps = tl.arange(0, BLOCK_P)
+            pe_keep = row_in & (ps[None, :] < P)
+            v = tl.load(x_ptr + rows[:, None] * stride_xm + h * stride_xh + K + ps[None, :], mask=pe_keep, other=0.0)
+            tl.store(pe_ptr + rows[:, None] * stride_pm + h * stride_ph + ps[None, :], v, mask=pe_keep)

@@ -1,0 +1,165 @@
+"""The kernels added for the K3 rank's launch count (docs/kimi-k3.md §8.5), on the GPU at the
+rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fresh random inputs:
+
+- moe_tail_inputs (Triton) against its reference and float64. Tolerance: bf16 outputs of O(1)
+  values; the kernel rounds once where the reference does (the store), its fp32 reductions run
+  in another order: at most 1 bf16 ulp of the output per element plus 1e-3, mean under 1e-3 (the
+  bound of tests/gpu/test_triton_kernels_gpu.py for one rounding).
+- mla_cache_rows (Triton) against its reference on a layer's pool of slots, a ragged batch: the
+  normalised c_kv to 2 bf16 ulps (rms_norm's two roundings, the same bound), k_pe and every row
+  it must not touch bit for bit.
+- the skinny GEMM's fused split-K reduction (cute_host.FUSED_REDUCE) at the rank's split shapes,
+  against float64: relative Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3), the
+  bound of tests/gpu/test_linear_gpu.py; every element written; twice in a row (the arrival
+  counters must re-arm).
+- mla_absorb_q / mla_absorb_output (Triton) at the rank's 6 heads against float64: relative
+  Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3, the GEMM tests' bound), q_pe
+  copied bit for bit, every element written.
+- the Triton kernels under programmatic dependent launch (triton_common.PDL) in a CUDA graph: a
+  chain of dependent kernels replayed gives the eager, plain-launch results bit for bit (the same
+  kernels on the same inputs; a missing wait would read a predecessor's output early).
+"""
+import pytest
+import torch
+
+from dspark.kernels import cute_common, ops, registry
+from dspark.kernels.moe import reference as moe_ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(v.float().abs().clamp(min=2.0**-126))) - 7)
+
+
+def _close(got, want, what, roundings: int = 1):
+    assert torch.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite output"
+    err = (got.float() - want.float()).abs()
+    bound = roundings * _bf16_ulp(want) + 1e-3
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e} ({(err / bound).max().item():.2f}x the bound)"
+    assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
+
+
+# (latent, window start, window width, shared): a rank of 16 (rank 3's window) and the whole model
+TAIL_SHAPES = [(3584, 3 * 224, 224, 384), (3584, 0, 3584, 6144)]
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("latent, start, width, shared", TAIL_SHAPES)
+def test_moe_tail_inputs_match_the_reference(gen, rows, latent, start, width, shared):
+    from dspark.kernels.moe import triton as moe_triton
+
+    routed = torch.randn(rows, latent, device="cuda", generator=gen) * 2
+    norm = (torch.rand(latent, device="cuda", generator=gen) + 0.5).bfloat16()
+    gate_up = (torch.randn(rows, 2 * shared + 64, device="cuda", generator=gen) * 3).bfloat16()[:, 32 : 32 + 2 * shared]
+    out = torch.full((rows, width + shared), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = moe_triton.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0, out=out)
+    want = moe_ref.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0)
+    _close(got, want, f"moe_tail_inputs rows {rows} [{start}, +{width}) shared {shared}")
+    exact = moe_ref.moe_tail_inputs(routed.double(), norm.double(), gate_up.double(), start, width, 1e-5, 4.0, 25.0)
+    _close(got, exact, "moe_tail_inputs against float64")
+    assert registry.select("moe_tail_inputs", routed, norm, gate_up).name == "triton"
+    assert ops.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0).dtype == torch.bfloat16
+
+
+# k3-rank's split GEMMs (tests/test_linear_cute_compile.py RANK_SPLIT_SHAPES)
+RANK_SPLIT_SHAPES = {"kda_in": (3208, 7168), "latent_down": (224, 7168), "shared_gate_up": (768, 7168),
+                     "o_proj": (7168, 768), "moe_output": (7168, 608)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0)
+                    or not cute_common.cutlass_available(), reason="the sm_90a skinny GEMM")
+@pytest.mark.parametrize("name", sorted(RANK_SPLIT_SHAPES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_rank_split_gemms_with_either_reduction(gen, monkeypatch, name, fused):
+    from dspark.kernels.linear import cute_host, cute_sm90
+
+    monkeypatch.setattr(cute_host, "FUSED_REDUCE", fused)
+    n, k = RANK_SPLIT_SHAPES[name]
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    for m in (1, 8, 16):
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        want = x.double() @ weight.double().t()
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            cute_sm90.skinny_gemm(x, weight, out)
+            torch.cuda.synchronize()
+            assert not out.isnan().any(), f"{name} M={m} fused={fused}: elements not written"
+            error = ((out.double() - want).norm() / want.norm()).item()
+            assert error <= 1e-2, f"{name} M={m} fused={fused}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (1, 8), (4, 8), (8, 1)])
+def test_mla_cache_rows_match_the_reference(gen, batch, tokens):
+    from dspark.kernels.mla import reference as mla_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    R, P, L = 512, 64, 1024
+    pool = torch.full((batch + 2, L + 1, R + P), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kv = (torch.randn(batch * tokens, 2880, device="cuda", generator=gen) * 2).bfloat16()[:, 1536 : 1536 + R + P]
+    weight = (torch.rand(R, device="cuda", generator=gen) + 0.5).bfloat16()
+    slots = torch.randperm(batch + 2, device="cuda", generator=gen)[:batch]
+    cache_lens = torch.randint(0, L - tokens, (batch,), device="cuda", generator=gen)
+    lengths = torch.randint(1, tokens + 1, (batch,), device="cuda", generator=gen)
+    want = pool.clone()
+    mla_ref.mla_cache_rows(kv, weight, 1e-5, want, slots, cache_lens, lengths)
+    mla_triton.mla_cache_rows(kv, weight, 1e-5, pool, slots, cache_lens, lengths)
+    assert registry.select("mla_cache_rows", kv, weight, pool, slots, cache_lens, lengths).name == "triton"
+    assert torch.equal(pool[:, :L].isnan(), want[:, :L].isnan()), "rows written differ from the reference's"
+    written = ~want[:, :L].isnan().all(-1)
+    _close(pool[:, :L][written][:, :R], want[:, :L][written][:, :R], "mla_cache_rows c_kv", roundings=2)
+    assert torch.equal(pool[:, :L][written][:, R:], want[:, :L][written][:, R:]), "k_pe differs"
+
+
+def test_a_graph_of_dependent_triton_kernels_under_pdl_equals_plain_launches(gen, monkeypatch):
+    from dspark.kernels import triton_common
+
+    x = torch.randn(8, 7168, device="cuda", generator=gen).bfloat16()
+    w = (torch.rand(7168, device="cuda", generator=gen) + 0.5).bfloat16()
+    latent_norm = (torch.rand(3584, device="cuda", generator=gen) + 0.5).bfloat16()
+    shared_w = (torch.randn(768, 7168, device="cuda", generator=gen) / 7168**0.5).bfloat16()
+
+    def chain():
+        h = ops.rms_norm(x, w, 1e-5)  # each kernel reads the one before it
+        gate_up = ops.linear(h, shared_w)
+        routed = ops.rms_norm(h[:, :3584], latent_norm, 1e-5, out_dtype=torch.float32)
+        tail = ops.moe_tail_inputs(routed, latent_norm, gate_up, 224, 224, 1e-5, 4.0, 25.0)
+        return ops.sigmoid_gate(tail, tail)
+
+    want = chain().clone()
+    monkeypatch.setattr(triton_common, "PDL", True)
+    chain()  # compile the PDL variants outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_mla_absorptions_at_the_rank_heads(gen, rows):
+    H, R, nope, P, V = 6, 512, 128, 64, 128
+    q = torch.randn(rows, H, nope + P, device="cuda", generator=gen).bfloat16()
+    w_uk_t = (torch.randn(H, R, nope, device="cuda", generator=gen) / nope**0.5).bfloat16()
+    assert registry.select("mla_absorb_q", q, w_uk_t).name == "triton"
+    q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)
+    want = torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double())
+    assert torch.isfinite(q_latent).all() and ((q_latent.double() - want).norm() / want.norm()).item() <= 1e-2
+    assert torch.equal(q_pe, q[:, :, nope:])
+    o_latent = torch.randn(rows, H, R, device="cuda", generator=gen).bfloat16()
+    w_uv = (torch.randn(H, V, R, device="cuda", generator=gen) / R**0.5).bfloat16()
+    gate = (torch.randn(rows, 2880, device="cuda", generator=gen) * 2).bfloat16()[:, 2112 : 2112 + H * V]
+    assert registry.select("mla_absorb_output", o_latent, w_uv, gate).name == "triton"
+    out = ops.mla_absorb_output(o_latent, w_uv, gate)
+    want = (torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(rows, H * V)
+            * torch.sigmoid(gate.double()))
+    assert torch.isfinite(out).all() and ((out.double() - want).norm() / want.norm()).item() <= 1e-2

@@ -1,0 +1,86 @@
+"""Launches per layer of the K3 forward, counted on the CPU (tests/launch_counter.py), pinned so
+that they cannot creep back (docs/kimi-k3.md §8.5).
+
+A layer's count is the forward of the first i + 1 layers minus that of the first i (k3-tiny
+keeps K3's layer pattern: layer 1 is KDA + latent MoE, layer 7 gated MLA + latent MoE, neither
+sealing an AttnRes block). The rank is rank 0 of 4 with the busiest rank's routing and the
+collectives omitted, as experiments/step_bench.py builds k3-rank; the whole model is k3-slice's
+code path. Op calls are what the ops' kernels launch (one or a few each on the GPU); glue is the
+torch ops between them, one GPU kernel each. A change that removes launches updates these pins.
+"""
+import pytest
+import torch
+
+from dspark.targets.kimi_k3 import K3_TINY, K3Model, K3Target, Shard, first_layers
+from dspark.targets.kimi_k3.model import DecodeState
+from launch_counter import counting
+
+KDA_MOE, MLA_MOE = 1, 7  # k3-tiny layers of each kind, away from a block seal
+
+# {(world, layer): (op calls by op, glue by aten op)}
+PINNED = {
+    (4, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 6, "kda_verify": 1, "moe_router_logits": 1,
+                    "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
+                   {"repeat": 2}),
+    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "mla_cache_rows": 1, "mla_absorb_q": 1,
+                    "mla_verify_attention": 1, "mla_absorb_output": 1, "moe_router_logits": 1, "moe_route_logits": 1,
+                    "moe_experts": 1, "moe_tail_inputs": 1},
+                   {"repeat": 2}),
+    (1, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 6, "kda_verify": 1, "moe_route": 1, "moe_experts": 1,
+                    "moe_tail_inputs": 1},
+                   {}),
+    (1, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "mla_cache_rows": 1, "mla_absorb_q": 1,
+                    "mla_verify_attention": 1, "mla_absorb_output": 1, "moe_route": 1, "moe_experts": 1,
+                    "moe_tail_inputs": 1},
+                   {}),
+}
+
+
+def forward_launches(layers: int, world: int, batch: int, tokens: int):
+    cfg = first_layers(K3_TINY, layers)
+    shard = Shard(0, world)
+    model = K3Model.random(cfg, seed=3, dtype=torch.bfloat16, shard=shard,
+                           routing="busiest" if world > 1 else "exact")
+    target = K3Target(model, max_slots=batch, max_seq_len=32)
+    target.lengths.fill_(5)
+    slots = torch.arange(batch)
+    state = DecodeState(kda=target._kda_pools, mla=target._mla_pools, slots=slots,
+                        cache_lens=target.lengths.index_select(0, slots))
+    ids = torch.randint(0, cfg.vocab_size, (batch, tokens))
+    lengths = torch.full((batch,), tokens)
+    model.forward(ids, lengths, state)  # the first call builds the busiest rank's tables
+    with counting() as launches:
+        model.forward(ids, lengths, state)
+    assert not launches.syncs, f"the forward reads device values on the host: {launches}"
+    return launches
+
+
+@pytest.mark.parametrize("world, layer", sorted(PINNED))
+@pytest.mark.parametrize("batch, tokens", [(1, 8), (2, 3)])
+def test_launches_per_layer_are_pinned(world, layer, batch, tokens):
+    before = forward_launches(layer, world, batch, tokens)
+    after = forward_launches(layer + 1, world, batch, tokens)
+    ops, glue = after.ops - before.ops, after.glue - before.glue
+    assert (before.ops - after.ops, before.glue - after.glue) == ({}, {})  # a layer only adds
+    want_ops, want_glue = PINNED[world, layer]
+    kind = K3_TINY.layer_type(layer)
+    assert (dict(ops), dict(glue)) == (want_ops, want_glue), (
+        f"world {world}, {kind} layer {layer}: {sum(ops.values())} op calls {dict(ops)}, "
+        f"{sum(glue.values())} glue {dict(glue)}")
+
+
+def test_the_counter_sees_glue_and_op_calls_and_not_views():
+    from dspark.kernels import ops
+
+    x = torch.randn(4, 8)
+    w = torch.randn(6, 8)
+    with counting() as launches:
+        y = ops.linear(x, w)  # one op call; its reference's own aten ops are not glue
+        z = y[:, :3].contiguous() + 1.0  # a copy and an add
+        z.view(-1).t()  # views: nothing
+        torch.empty(3)  # an allocation: nothing
+        float(z[0, 0])  # a host read
+    assert dict(launches.ops) == {"linear": 1}
+    assert dict(launches.glue) == {"clone": 1, "add": 1}
+    assert dict(launches.syncs) == {"_local_scalar_dense": 1}
+    assert launches.total == 3
