@@ -859,8 +859,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--max-experts-per-rank", type=float, default=None,
                         help="measured busiest-rank experts per layer for the EP floor (default: uniform expectation)")
     parser.add_argument("--comm", default=None, metavar="FILE|model",
-                        help="add communication to the batch-1 projection on 16 GB300: a comm_bench.py JSON "
-                             "(experiments/results/h200x8/comm_bench.json) or 'model' (the GB300 NVLink 5 model)")
+                        help="add communication to the batch-1 projection on 16 GB300: the JSON that "
+                             "experiments/comm_bench.py writes on a multi-GPU machine (none has run it yet), or "
+                             "'model' (the GB300 NVLink 5 model)")
     parser.add_argument("--measured", default=None, metavar="FILE",
                         help="a step_bench.py result: of k3-rank, project batch-1 tokens/s on 8 and 16 GB300 from the "
                              "rank's measured step plus cited communication (docs/kimi-k3.md §8.4); of k3-slice, scale "
