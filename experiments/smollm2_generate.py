@@ -20,7 +20,7 @@ wave (exit 3 = stopped at --time-limit or --max-waves, rerun; 0 = done). The fin
 atomically in the layout of experiments/data/smollm2_selfdistil_10732.npz (tokens = prompt + response,
 uint16; offsets; prompt_index into the train split; prompt_lengths) plus per sequence its temperature,
 top_p and ended_at_eos, and `meta` (a JSON string, also written beside it as .json: commit, command,
-seconds, device). --parts-dir also cuts it into parts a device call brings back (experiments/staging.py),
+seconds, device). --parts-dir also cuts it into parts a device call brings back (tools/lab/staging.py),
 beside a copy of the .json.
 
     python experiments/smollm2_generate.py --gguf /tmp/smollm2/smollm2.gguf --out /tmp/gen/smollm2_selfdistil.npz \\
@@ -44,8 +44,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dspark.targets.llama import rms_norm, rotate_halves
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "experiments"))  # staging, make_smollm2_data: scripts beside this one
+sys.path.insert(0, str(REPO / "experiments"))  # make_smollm2_data: a script beside this one
+sys.path.insert(0, str(REPO / "tools" / "lab"))  # staging: the lab's device logistics
 
 EXIT_DONE, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 2, 3
 
@@ -136,17 +139,6 @@ def make_waves(lengths: np.ndarray, greedy: np.ndarray, batch: int) -> list[np.n
 
 
 # ---- the model ---------------------------------------------------------------------------------------
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the Hugging Face layout (as dspark.targets.llama): x [..., heads, hd], cos/sin [..., 1, hd/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 @contextlib.contextmanager
 def _tf32(enabled: bool):
     """TF32 for float32 matmuls (the LM head) inside the block when `enabled`, the global setting restored
@@ -198,24 +190,24 @@ class BatchDecoder:
     def _qkv(self, x: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor):
         """q [..., heads, hd], k and v [..., kv_heads, hd] in dtype, RoPE applied in float32."""
         c = self.config
-        qkv = F.linear(_rms_norm(x, layer["attn_norm"], c.rms_norm_eps).to(self.dtype), layer["qkv"])
+        qkv = F.linear(rms_norm(x, layer["attn_norm"], c.rms_norm_eps).to(self.dtype), layer["qkv"])
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         lead = qkv.shape[:-1]
-        q = _rotate_halves(qkv[..., :q_width].float().view(*lead, c.num_heads, c.head_dim), cos, sin)
-        k = _rotate_halves(qkv[..., q_width:q_width + kv_width].float().view(*lead, c.num_kv_heads, c.head_dim), cos, sin)
+        q = rotate_halves(qkv[..., :q_width].float().view(*lead, c.num_heads, c.head_dim), cos, sin)
+        k = rotate_halves(qkv[..., q_width:q_width + kv_width].float().view(*lead, c.num_kv_heads, c.head_dim), cos, sin)
         v = qkv[..., q_width + kv_width:].view(*lead, c.num_kv_heads, c.head_dim)
         return q.to(self.dtype), k.to(self.dtype), v
 
     def _mlp(self, x: torch.Tensor, attended: torch.Tensor, layer: dict) -> torch.Tensor:
         c = self.config
         x = x + F.linear(attended, layer["attn_output"]).float()
-        gate_up = F.linear(_rms_norm(x, layer["ffn_norm"], c.rms_norm_eps).to(self.dtype), layer["gate_up"])
+        gate_up = F.linear(rms_norm(x, layer["ffn_norm"], c.rms_norm_eps).to(self.dtype), layer["gate_up"])
         gate, up = gate_up[..., :c.intermediate_size], gate_up[..., c.intermediate_size:]
         return x + F.linear(F.silu(gate) * up, layer["ffn_down"]).float()
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         with _tf32(self.head_tf32):
-            return F.linear(_rms_norm(x, self.output_norm, self.config.rms_norm_eps), self.head)
+            return F.linear(rms_norm(x, self.output_norm, self.config.rms_norm_eps), self.head)
 
     def prefill(self, first_row: int, prompts: list[torch.Tensor]) -> torch.Tensor:
         """Write the K/V of `prompts` (1-D long tensors, right-padded together) into cache rows

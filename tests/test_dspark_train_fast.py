@@ -235,6 +235,8 @@ def test_tile_masks_cover_exactly_the_visible_pairs():
 
 
 @pytest.mark.parametrize("attention_type", ["gqa", "mla"])
+# On the CPU flex attention runs uncompiled, the dense form it warns about: that is what is compared here.
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 def test_flex_attention_pass_equals_the_dense_sdpa_pass(attention_type):
     """The backbone through FlexAttention's BlockMask (its CPU form: forward only) equals the one
     through SDPA's dense mask, float32, on a pass long enough for several tiles."""

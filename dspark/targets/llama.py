@@ -193,12 +193,12 @@ def load_llama_gguf(path: str | Path) -> tuple[LlamaConfig, LlamaWeights, GGUFFi
     return config, weights, gguf
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Llama RMSNorm: x / sqrt(mean(x^2) + eps) * weight, reduced along each row on its own.
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the Hugging Face layout: x [N, heads, hd], cos/sin [N, 1, hd/2] for each row's position."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -371,9 +371,9 @@ class LlamaTarget:
         x = w.embedding[token_ids]
         flat_taps = {-1: x} if -1 in tap_layers else {}
         for layer_index, layer in enumerate(w.layers):
-            qkv = linear(_rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
-            q = _rotate_halves(qkv[:, :q_width].reshape(num_rows, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate_halves(qkv[:, q_width:q_width + kv_width].reshape(num_rows, c.num_kv_heads, c.head_dim), cos, sin)
+            qkv = linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
+            q = rotate_halves(qkv[:, :q_width].reshape(num_rows, c.num_heads, c.head_dim), cos, sin)
+            k = rotate_halves(qkv[:, q_width:q_width + kv_width].reshape(num_rows, c.num_kv_heads, c.head_dim), cos, sin)
             v = qkv[:, q_width + kv_width:].reshape(num_rows, c.num_kv_heads, c.head_dim)
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
@@ -384,12 +384,12 @@ class LlamaTarget:
                     self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
                 ])
             x = x + linear(attended, layer.attn_output)
-            gate_up = linear(_rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
+            gate_up = linear(rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
             gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
             x = x + linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
             if layer_index in tap_layers:
                 flat_taps[layer_index] = x
-        final = _rms_norm(x, w.output_norm, c.rms_norm_eps)
+        final = rms_norm(x, w.output_norm, c.rms_norm_eps)
         if self.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
             flat_taps[self.num_layers] = final
         logits = linear(final, w.output)

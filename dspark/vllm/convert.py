@@ -423,17 +423,25 @@ _METHOD_TO_DRAFTER = {"ngram": "ngram", "dspark": "dspark"}
 _VLLM_LOOKUP_DEFAULT = 5
 
 
+def speculative_config_json(text: str) -> dict:
+    """A --speculative-config value: a JSON object, as vLLM takes it (one line naming the flag
+    otherwise)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config {text!r}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config {text!r}: must be a JSON object like vLLM's")
+    return config
+
+
 def from_vllm_config(config: dict | str) -> tuple[SpecConfig, bool]:
     """A vLLM speculative_config (dict or JSON text) as (SpecConfig, block_verification).
 
     Only what dspark's engine has is accepted; a field it has no equivalent for is refused by
     name rather than dropped. vLLM's batch-size schedule is rewritten to our exact-gate reading
     (gaps take the previous range's K, the last range extends to every larger batch)."""
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config {config!r}: not JSON ({exc})") from None
+    config = speculative_config_json(config) if isinstance(config, str) else config
     if not isinstance(config, dict):
         raise ValueError(f"--speculative-config {config!r}: must be a JSON object like vLLM's")
     unknown = sorted(set(config) - set(OUR_FIELD))

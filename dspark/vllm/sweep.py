@@ -30,7 +30,7 @@ import numpy as np
 from dspark.config import SpecConfig
 from dspark.files import write_atomic
 
-from .convert import convert, from_vllm_config, vllm_only_fields
+from .convert import convert, from_vllm_config, speculative_config_json, vllm_only_fields
 from .validate import vllm_importable
 
 SCHEMA = "dspark.sweep-vllm/2"
@@ -152,16 +152,6 @@ _SWEEP_READS = ("num_speculative_tokens", "synthetic_acceptance_length", "enable
 _VLLM_BACKEND_ALSO_READS = ("method", "model", "draft_sample_method", "prompt_lookup_min", "prompt_lookup_max")
 
 
-def _config_json(text: str) -> dict:
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config {text!r}: not JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--speculative-config {text!r}: must be a JSON object like vLLM's")
-    return config
-
-
 def apply_speculative_config(args: argparse.Namespace, defaults: dict) -> None:
     """Fold `--speculative-config` into the sweep's own flags (k, AL, policy; the drafter path for
     the vLLM backend), and say on one stderr line which of its fields the sweep ignores. A
@@ -169,7 +159,7 @@ def apply_speculative_config(args: argparse.Namespace, defaults: dict) -> None:
     is; a flag given both ways and a field vLLM has never had are refused."""
     if args.speculative_config is None:
         return
-    config = _config_json(args.speculative_config)
+    config = speculative_config_json(args.speculative_config)
     vllm_only = vllm_only_fields(config)
     spec, _ = from_vllm_config({name: value for name, value in config.items() if name not in vllm_only})
     reads = _SWEEP_READS + (_VLLM_BACKEND_ALSO_READS + tuple(vllm_only) if args.backend == "vllm" else ())
@@ -239,7 +229,7 @@ def _point_configs(args, ks: list[int], als: list[float]) -> dict:
     """Every speculative config of the grid, checked by our own rules before the first model loads.
     The settings of a --speculative-config that the grid does not vary (draft_sample_method, the
     n-gram window, ...) are kept."""
-    config = _config_json(args.speculative_config) if args.speculative_config else {}
+    config = speculative_config_json(args.speculative_config) if args.speculative_config else {}
     extra = vllm_only_fields(config)  # vLLM's own fields, passed on as they came
     base = from_vllm_config({n: v for n, v in config.items() if n not in extra})[0] if config else SpecConfig()
     configs = {}

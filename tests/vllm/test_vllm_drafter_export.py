@@ -31,6 +31,9 @@ from dspark.drafters.dspark import K3_TINY_DSPARK, DSparkModel
 from dspark.vllm import write_tiny_target
 from dspark.vllm.export import export_drafter, import_drafter
 
+# vLLM 0.32's own modules still define torch.jit script methods, which torch 2.13 deprecates: theirs to change.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 GQA_TINY = dataclasses.replace(K3_TINY_DSPARK, name="qwen3-tiny_dspark", attention_type="gqa", num_kv_heads=2,
                                head_dim=16, rope_interleaved=False, rope_scaling=None)
 SEED = int(torch.randint(0, 2**31, ()))

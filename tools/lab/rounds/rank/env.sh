@@ -1,4 +1,4 @@
-# Sourced by this round's scripts: CuTe DSL and apache-tvm-ffi (carried in .gpu), the package
+# Sourced by the rank rounds' scripts: CuTe DSL and apache-tvm-ffi (carried in .gpu), the package
 # layout, the commit the tree was copied at (passed as the first argument).
 R=$PWD
 source .gpu/env.sh

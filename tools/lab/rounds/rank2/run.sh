@@ -2,7 +2,7 @@
 # Issue 36, second part: ONE call of <= 9 minutes on an H100 (tools/lab/rounds/rank2/README.md).
 # Usage, from the checkout's root on the GPU machine: bash tools/lab/rounds/rank2/run.sh COMMIT
 set -u
-source tools/lab/rounds/rank2/env.sh "$1"
+source tools/lab/rounds/rank/env.sh "$1"  # the same set-up as the first rank round
 cd /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
