@@ -79,13 +79,18 @@ def tiny_data(path: Path, tok) -> None:
                         source_names=np.array(["test"]), meta=np.array("{}"))
 
 
-def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+def tiny_data_for_the_gguf(path):
+    """tiny_data with the SmolLM2 GGUF's tokenizer (the test skips without the GGUF), one CPU thread."""
     try:
         gguf = find_smollm2_gguf()
     except MissingAssetError as error:
         pytest.skip(str(error))
     torch.set_num_threads(1)
-    tiny_data(tmp_path / "data.npz", GGUFTokenizer(GGUFFile(gguf).metadata))
+    tiny_data(path, GGUFTokenizer(GGUFFile(gguf).metadata))
+
+
+def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+    tiny_data_for_the_gguf(tmp_path / "data.npz")
     out = tmp_path / "results.json"
     argv = ["run", "--data", str(tmp_path / "data.npz"), "--work-dir", str(tmp_path / "work"), "--out", str(out),
             "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3", "--prefill-chunk", "2", "--steps", "2", "--eval-plan", "humaneval:greedy,mtbench:t1",
@@ -152,13 +157,7 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
 def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
     """experiments/smollm2_init_ab.py at a tiny size: each start trains through the recipe's own
     train_variant, layers copied as named, and the held-out checks are recorded."""
-    try:
-        gguf = find_smollm2_gguf()
-    except MissingAssetError as error:
-        pytest.skip(str(error))
-    torch.set_num_threads(1)
-    tok = GGUFTokenizer(GGUFFile(gguf).metadata)
-    tiny_data(tmp_path / "data.npz", tok)
+    tiny_data_for_the_gguf(tmp_path / "data.npz")
     prompts = recipe.load_prompt_sets(tmp_path / "data.npz")["train"]
     answers = [torch.randint(0, 49152, (5,), generator=torch.Generator().manual_seed(i)) for i in range(len(prompts))]
     recipe.save_sequences(tmp_path / "seqs.npz", list(range(len(prompts))),
@@ -194,12 +193,7 @@ def test_the_lr_ab_picks_the_peak_for_a_run_on_a_given_sequence_file(tmp_path, c
     """--sequences (a generated file), --lr-ab at two peaks (held-out AL each, paired ratios to the
     best), --lr auto taking the winner, the capture store written by the first call and loaded by the
     next, and one-line refusals."""
-    try:
-        gguf = find_smollm2_gguf()
-    except MissingAssetError as error:
-        pytest.skip(str(error))
-    torch.set_num_threads(1)
-    tiny_data(tmp_path / "data.npz", GGUFTokenizer(GGUFFile(gguf).metadata))
+    tiny_data_for_the_gguf(tmp_path / "data.npz")
     prompts = recipe.load_prompt_sets(tmp_path / "data.npz")["train"]
     g = torch.Generator().manual_seed(5)
     answers = [torch.randint(3, 49152, (int(n),), generator=g) for n in (6, 9, 4, 7)]

@@ -272,7 +272,6 @@ class LlamaTarget:
         for slot in slots:
             if self.cache_lengths[slot]:
                 raise ValueError(f"slots: slot {slot} holds {self.cache_lengths[slot]} tokens; release it before prefilling it again")
-        rows = []
         for r, prompt in enumerate(prompts):
             if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
                 raise ValueError(f"prompts[{r}]: must be a 1-D long tensor, got {getattr(prompt, 'shape', prompt)!r}")
