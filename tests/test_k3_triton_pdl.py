@@ -4,7 +4,9 @@ default; docs/kernels.md §5), checked without a GPU:
 - every host function of the step's Triton kernels launches with PDL=True and launch_pdl=True when
   the switch is on, and with PDL=False and no launch_pdl when it is off;
 - compiled for sm_90 (Triton's own ptxas, no device), a kernel's PTX has griddepcontrol.wait before
-  its first global load and griddepcontrol.launch_dependents with the switch on, and neither off.
+  its first global load and griddepcontrol.launch_dependents with the switch on, and neither off;
+- every one of them compiles for sm_90 and sm_100 as its host function launches it (CI's only
+  compile of these kernels: the interpreter that runs them on the CPU does not type-check).
 """
 import importlib
 
@@ -17,26 +19,41 @@ triton = pytest.importorskip("triton")
 
 
 class Recorder:
-    """Stands in for a kernel module: every kernel launch records (kernel name, keyword arguments)."""
+    """Stands in for a kernel module: every kernel launch records (kernel name, keyword arguments),
+    and in `calls` (package, kernel name, positional arguments, keyword arguments)."""
 
     def __init__(self):
         self.launches = []
+        self.calls = []
+        self.package = None
 
     def __getattr__(self, name):
-        recorder = self
+        recorder, package = self, self.package
 
         class Launcher:
             def __getitem__(self, grid):
-                return lambda *args, **kwargs: recorder.launches.append((name, kwargs))
+                def launch(*args, **kwargs):
+                    recorder.launches.append((name, kwargs))
+                    recorder.calls.append((package, name, args, kwargs))
+                return launch
 
         return Launcher()
 
 
-def launch_every_kernel(monkeypatch) -> list:
+def _recorder_for(recorder):
+    def kernel_module(package):
+        recorder.package = package
+        return recorder
+    return kernel_module
+
+
+def launch_every_kernel(monkeypatch, dtype=torch.float32) -> Recorder:
+    """Every host function of the step's Triton kernels, called once on CPU tensors of `dtype`
+    (the kernels are recorded, not run)."""
     recorder = Recorder()
     modules = [importlib.import_module(f"dspark.kernels.{op}.triton") for op in ("rmsnorm", "activation", "moe", "mla")]
     for module in modules:
-        monkeypatch.setattr(module, "kernel_module", lambda package: recorder)
+        monkeypatch.setattr(module, "kernel_module", _recorder_for(recorder))
     norm, act, moe, mla = modules
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     x = torch.randn(4, 64, generator=gen)
@@ -57,13 +74,13 @@ def launch_every_kernel(monkeypatch) -> list:
     mla.mla_absorb_q(torch.randn(4, 2, 24, generator=gen), torch.randn(2, 32, 16, generator=gen))
     mla.mla_absorb_output(torch.randn(4, 2, 32, generator=gen), torch.randn(2, 16, 32, generator=gen),
                           torch.randn(4, 32, generator=gen))
-    return recorder.launches
+    return recorder
 
 
 @pytest.mark.parametrize("on", [False, True])
 def test_every_step_kernel_launches_with_the_switch(monkeypatch, on):
     monkeypatch.setattr(triton_common, "PDL", on)
-    launches = launch_every_kernel(monkeypatch)
+    launches = launch_every_kernel(monkeypatch).launches
     assert {name for name, _ in launches} == {
         "rms_norm_kernel", "attn_res_mix_norm_kernel", "situ_glu_kernel", "sigmoid_gate_kernel", "route_kernel",
         "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel", "absorb_kernel"}
@@ -101,3 +118,56 @@ def test_the_prologue_waits_before_the_first_load(pdl):
         assert ("griddepcontrol.wait" in ptx) is pdl and ("griddepcontrol.launch_dependents" in ptx) is pdl
         if pdl:
             assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+_POINTER_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+                  torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+
+
+def _signature(kernel, args: tuple, kwargs: dict, float_pointer: str | None) -> tuple[dict, dict]:
+    """The signature and constexprs Triton's launcher would build from a recorded launch: a tensor
+    is a pointer to its dtype (every floating one to `float_pointer` when given), an int i32 or i64
+    by its size, a float fp32; keyword arguments that name parameters are the constexprs."""
+    signature = {}
+    for name, value in zip(kernel.arg_names, args):
+        if isinstance(value, torch.Tensor):
+            kind = _POINTER_TYPES[value.dtype]
+            signature[name] = "*" + (float_pointer if float_pointer and value.is_floating_point() else kind)
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {name} has an unexpected type {type(value).__name__}")
+    constexprs = {name: value for name, value in kwargs.items() if name in kernel.arg_names}
+    signature.update({name: "constexpr" for name in constexprs})
+    missing = [name for name in kernel.arg_names if name not in signature]
+    assert not missing, f"{kernel.__name__}: parameters not passed by the launch: {missing}"
+    return signature, constexprs
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("arch", [90, 100])
+def test_every_step_kernel_compiles_as_launched(monkeypatch, arch, pdl):
+    """Each of the step's Triton kernels, compiled (Triton's front end and its ptxas, no device) with
+    the constexprs and argument types its host function launches it with, for Hopper and Blackwell,
+    with fp32 and with bf16 tensors. A kernel that the interpreter runs can still fail to compile
+    (Triton types each name across both branches of an `if`): this is where that shows first."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setattr(triton_common, "PDL", pdl)
+    calls = launch_every_kernel(monkeypatch).calls
+    compiled = set()
+    for package, name, args, kwargs in calls:
+        kernel = getattr(importlib.import_module(f"{package}.triton_kernels"), name)
+        options = {key: kwargs[key] for key in ("num_warps", "num_stages", "launch_pdl") if key in kwargs}
+        for float_pointer in (None, "bf16"):
+            signature, constexprs = _signature(kernel, args, kwargs, float_pointer)
+            ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                 target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+            assert f".target sm_{arch}" in ptx, name
+            compiled.add(name)
+    assert compiled == {name for _, name, _, _ in calls} and len(compiled) == 10

@@ -75,28 +75,42 @@ def _tanh(x):
 
 
 @triton.jit
+def _tail_norm_row(routed_ptr, stride_r, norm_ptr, out_ptr, stride_o, row, L, start, width, eps,
+                   BLOCK_L: tl.constexpr):
+    offs = tl.arange(0, BLOCK_L)
+    inside = offs < L
+    x = tl.load(routed_ptr + row * stride_r + offs, mask=inside, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / L + eps)
+    w = tl.load(norm_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    keep = inside & (offs >= start) & (offs < start + width)
+    tl.store(out_ptr + row * stride_o + tl.where(keep, offs - start, 0), (w * y).to(out_ptr.dtype.element_ty),
+             mask=keep)
+
+
+@triton.jit
+def _tail_glu_block(gate_up_ptr, stride_g, out_ptr, stride_o, row, block, width, S, beta, linear_beta,
+                    BLOCK: tl.constexpr):
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < S
+    g = tl.load(gate_up_ptr + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
+    act = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
+    tl.store(out_ptr + row * stride_o + width + offs, act.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def tail_inputs_kernel(routed_ptr, stride_r, norm_ptr, gate_up_ptr, stride_g, out_ptr, stride_o, L, start, width, S,
                        eps, beta, linear_beta, BLOCK_L: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, 0): RMSNorm of the fp32 routed row over all L columns (rms_norm_kernel's
     rounding: fp32 input, so none before the store), columns [start, start + width) stored at
     out[row, 0:width]. Program (row, b > 0): SiTU-GLU of shared columns [(b-1)*BLOCK, b*BLOCK),
-    stored after them (situ_glu_kernel's arithmetic)."""
+    stored after them (situ_glu_kernel's arithmetic). Each branch is its own function: Triton
+    requires a name bound in both branches of an `if` to have one type, and the two parts' blocks
+    differ in width."""
     prologue(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
-    dtype = out_ptr.dtype.element_ty
     if part == 0:
-        offs = tl.arange(0, BLOCK_L)
-        inside = offs < L
-        x = tl.load(routed_ptr + row * stride_r + offs, mask=inside, other=0.0).to(tl.float32)
-        y = x * tl.rsqrt(tl.sum(x * x, axis=0) / L + eps)
-        w = tl.load(norm_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        keep = inside & (offs >= start) & (offs < start + width)
-        tl.store(out_ptr + row * stride_o + tl.where(keep, offs - start, 0), (w * y).to(dtype), mask=keep)
+        _tail_norm_row(routed_ptr, stride_r, norm_ptr, out_ptr, stride_o, row, L, start, width, eps, BLOCK_L)
     else:
-        offs = (part - 1) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < S
-        g = tl.load(gate_up_ptr + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(gate_up_ptr + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
-        act = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
-        tl.store(out_ptr + row * stride_o + width + offs, act.to(dtype), mask=inside)
+        _tail_glu_block(gate_up_ptr, stride_g, out_ptr, stride_o, row, part - 1, width, S, beta, linear_beta, BLOCK)
