@@ -3,6 +3,7 @@ scaled_dot_product_attention call, drafters/dspark/model.py) under the bf16 auto
 uses, against the float64 per-block reference; and a training step without recomputation against
 one with it."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -225,7 +226,11 @@ def test_a_graphed_drafter_on_a_graphed_target_launches_steps_ahead():
         engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=7), cuda_graphs=True, launch_ahead=ahead)
         outs = [o.token_ids for o in engine.generate(prompts, params)]
         runs.append((outs, engine.metrics.num_launched_ahead, dict(drafter._graphs.replays)))
+        # A k3-slice is ~58 GB: the first must be gone before the second is built, and engines
+        # and their graphs sit in reference cycles (tests/gpu/conftest.py).
         del engine, drafter, model, target
+        gc.collect()
+        torch.cuda.empty_cache()
     (want, none_ahead, _), (got, ahead, replays) = runs
     assert got == want and [len(o) for o in want] == [30, 22, 26]
     assert none_ahead == 0 and ahead >= 3, f"{ahead} steps launched ahead"

@@ -3,8 +3,10 @@ rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fre
 
 - moe_tail_inputs (Triton) against its reference and float64. Tolerance: bf16 outputs of O(1)
   values; the kernel rounds once where the reference does (the store), its fp32 reductions run
-  in another order: at most 1 bf16 ulp of the output per element plus 1e-3, mean under 1e-3 (the
-  bound of tests/gpu/test_triton_kernels_gpu.py for one rounding).
+  in another order: at most 1 bf16 ulp of the output per element plus 1e-3. Mean: under 1e-3
+  against the bf16 reference (the bound of tests/gpu/test_triton_kernels_gpu.py for one
+  rounding); against float64, which the store's rounding alone moves by up to half an ulp (the
+  SiTU-GLU half reaches values of ~10, ulp 1/16), under half the mean ulp plus 1e-3.
 - mla_cache_rows (Triton) against its reference on a layer's pool of slots, a ragged batch: the
   normalised c_kv to 2 bf16 ulps (rms_norm's two roundings, the same bound), k_pe and every row
   it must not touch bit for bit.
@@ -37,12 +39,15 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(v.float().abs().clamp(min=2.0**-126))) - 7)
 
 
-def _close(got, want, what, roundings: int = 1):
+def _close(got, want, what, roundings: int = 1, exact: bool = False):
+    """`exact`: `want` is unrounded (float64), so the mean error may reach half the mean ulp."""
     assert torch.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite output"
     err = (got.float() - want.float()).abs()
-    bound = roundings * _bf16_ulp(want) + 1e-3
+    ulp = _bf16_ulp(want)
+    bound = roundings * ulp + 1e-3
     assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e} ({(err / bound).max().item():.2f}x the bound)"
-    assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
+    mean_bound = 0.5 * ulp.mean().item() + 1e-3 if exact else 1e-3
+    assert err.mean().item() < mean_bound, f"{what}: mean error {err.mean().item():.3e} (bound {mean_bound:.3e})"
 
 
 # (latent, window start, window width, shared): a rank of 16 (rank 3's window) and the whole model
@@ -62,7 +67,7 @@ def test_moe_tail_inputs_match_the_reference(gen, rows, latent, start, width, sh
     want = moe_ref.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0)
     _close(got, want, f"moe_tail_inputs rows {rows} [{start}, +{width}) shared {shared}")
     exact = moe_ref.moe_tail_inputs(routed.double(), norm.double(), gate_up.double(), start, width, 1e-5, 4.0, 25.0)
-    _close(got, exact, "moe_tail_inputs against float64")
+    _close(got, exact, "moe_tail_inputs against float64", exact=True)
     assert registry.select("moe_tail_inputs", routed, norm, gate_up).name == "triton"
     assert ops.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0).dtype == torch.bfloat16
 

@@ -4,11 +4,17 @@ registry picks (CuTe DSL / Triton) against the same model on the plain-torch ref
 a verify of 8 tokens over an 8k context laid down at random (never zeros). The busiest-rank
 routing is a fixed table, so both runs read the same experts.
 
-Tolerance: relative L2 error of the logits 3e-2: bf16 activations through four layers of
-different GEMM and reduction orders (the kernels' own GPU tests bound each op; this checks that
-they take the rank's shapes: 6 heads, 56 experts, 224-wide latent slices); a wrong shard shape or
-a kernel that ignores the rank's strides gives errors of order 1.
+Both bf16 runs are measured against a float32 twin of the model (the same weights, cast up) on
+the reference kernels. Tolerance: the fast kernels' relative L2 error of the logits at most 1.5x
+the bf16 reference kernels' own (bf16 activations through four layers; the fast kernels round
+in other places: the fused MoE output GEMM once where the reference rounds twice, split-K
+reductions in fp32) and under 5e-2. Two bf16 runs differ from each other by ~3e-2 on random
+inputs, which is why neither is the other's reference. The kernels' own GPU tests bound each op;
+this checks that they take the rank's shapes: 6 heads, 56 experts, 224-wide latent slices. A
+wrong shard shape or a kernel that ignores the rank's strides gives errors of order 1.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,8 +35,37 @@ def rank_model():
                        layers=4).model
 
 
+def _copy_into(src, dst) -> int:
+    """Copy every tensor of `src` into the tensor at the same place in `dst` (dicts, tuples,
+    lists, dataclasses), casting; returns how many were copied."""
+    if isinstance(src, torch.Tensor):
+        assert dst.shape == src.shape, (dst.shape, src.shape)
+        dst.copy_(src)
+        return 1
+    if isinstance(src, dict):
+        assert src.keys() == dst.keys()
+        return sum(_copy_into(src[k], dst[k]) for k in src)
+    if isinstance(src, (tuple, list)):
+        return sum(_copy_into(a, b) for a, b in zip(src, dst, strict=True))
+    if dataclasses.is_dataclass(src):
+        return sum(_copy_into(getattr(src, f.name), getattr(dst, f.name)) for f in dataclasses.fields(src))
+    return 0
+
+
+@pytest.fixture(scope="module")
+def float32_twin(rank_model):
+    """The rank model's weights in float32: a float32 build of the preset, every weight then
+    overwritten by the bf16 model's (cast up exactly; the MXFP4 experts copied as they are)."""
+    twin = load_target("k3-rank", max_slots=1, max_seq_len=CONTEXT + 16, dtype=torch.float32, device="cuda",
+                       layers=4).model
+    copied = sum(_copy_into(getattr(rank_model, name), getattr(twin, name))
+                 for name in ("tensors", "moe", "conv_weights", "mla_absorbed", "fused_inputs", "ffn_inputs"))
+    assert copied > 40
+    return twin
+
+
 @pytest.mark.parametrize("batch", [1, 2, 4])
-def test_rank_layers_match_the_reference_kernels(rank_model, batch):
+def test_rank_layers_match_the_reference_kernels(rank_model, float32_twin, batch):
     """At B = 2 and 4 the MLA layer's cache pool holds several slots: the CuTe kernel must take it
     (the registry records no fallback to a host-reading implementation)."""
     target = K3Target(rank_model, max_slots=batch, max_seq_len=CONTEXT + 16)
@@ -47,7 +82,13 @@ def test_rank_layers_match_the_reference_kernels(rank_model, batch):
     assert {s.chosen.name for s in selections if s.op == "mla_verify_attention"} == {"cute_sm90"}
     with registry.scoped(tuple((op, "reference") for op in OPS)):
         reference = target.verify(slots, tokens, lengths).logits
-    assert torch.isfinite(fast).all()
-    error = (fast - reference).norm() / reference.norm()
-    print(f"k3-rank 4 layers, B={batch}, verify T={T} at {CONTEXT}: relative L2 error {error:.2e}")
-    assert error < 3e-2
+    twin = K3Target(float32_twin, max_slots=batch, max_seq_len=CONTEXT + 16)
+    for name in ("kda_state", "conv_state", "mla_cache", "lengths"):
+        getattr(twin, name).copy_(getattr(target, name))
+    with registry.scoped(tuple((op, "reference") for op in OPS)):
+        exact = twin.verify(slots, tokens, lengths).logits
+    assert torch.isfinite(fast).all() and torch.isfinite(exact).all()
+    fast_error, reference_error = ((x.float() - exact).norm() / exact.norm() for x in (fast, reference))
+    print(f"k3-rank 4 layers, B={batch}, verify T={T} at {CONTEXT}: relative L2 error against float32 "
+          f"{fast_error:.2e} (bf16 reference kernels {reference_error:.2e})")
+    assert fast_error <= 1.5 * reference_error and fast_error < 5e-2
