@@ -9,7 +9,7 @@ cd /tmp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 tests=("$R/tests/gpu"); [ $# -gt 0 ] && tests=("${@/#/$R/tests/gpu/}")
-timeout "$limit" python3 -m pytest "${tests[@]}" -q -rsx --durations=25 -p no:cacheprovider \
+timeout "$limit" python3 -m pytest "${tests[@]}" -q -rsxP --durations=25 -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 echo "gpu suite rc=$?"
 grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
