@@ -411,8 +411,10 @@ def save_wave(path: Path, prompt_index: np.ndarray, answers: list[tuple[np.ndarr
 
 def load_wave(path: Path) -> WaveOutput:
     with np.load(path) as d:
+        # Each d[...] decompresses its array anew: read the responses once, not once per row.
+        flat = d["responses"].astype(np.int64)
         bounds = np.concatenate([[0], np.cumsum(d["response_lengths"])])
-        responses = [d["responses"][bounds[i] : bounds[i + 1]].astype(np.int64) for i in range(len(bounds) - 1)]
+        responses = [flat[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
         return WaveOutput(d["prompt_index"], responses, d["ended_at_eos"])
 
 
