@@ -19,8 +19,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Split-K reduction: False sums the splits in a second small kernel (measured best at full-width
 # K3 shapes on the H200, experiments/notes/skinny_gemm.md); True has the last CTA of each tile sum
 # them in the GEMM kernel, one launch per linear instead of two, for steps whose GEMMs are so small
-# that launches dominate (a TP16 rank: docs/kimi-k3.md §8.5). experiments/step_bench.py
-# --setting linear_fused_reduce=1 times it.
+# that launches dominate (a TP16 rank: docs/kimi-k3.md §8.5). Measured there too, it lost at batch
+# 1 (§8.5), so it stays off; experiments/step_bench.py --setting linear_fused_reduce=1 times it.
 FUSED_REDUCE = False
 
 # Kimi K3 trunk GEMMs (weight N x K; docs/kernels.md §0 shapes, §7 row 1): what the split-K
