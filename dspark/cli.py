@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class _OneLineErrors(argparse.ArgumentParser):
+class OneLineErrors(argparse.ArgumentParser):
     """argparse, with its usage errors as one line (`dspark <command>: error: ...`, exit 2)
     instead of the usage block followed by the error."""
 
@@ -45,7 +45,7 @@ class _BothKSpellings:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `dspark` parser with every subcommand listed; `command`'s own options are configured
     (its module imported), the others stay empty until they are the one being run."""
-    parser = _OneLineErrors(prog="dspark", description="DSpark speculative decoding for Kimi K3",
+    parser = OneLineErrors(prog="dspark", description="DSpark speculative decoding for Kimi K3",
                             epilog="dspark <command> --help shows a command's options.")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>", title="commands")
     for name, (module_name, text) in COMMANDS.items():

@@ -27,6 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.cli import OneLineErrors
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "experiments" / "results"
 README = REPO / "README.md"
@@ -488,11 +490,6 @@ def with_section(readme: str, body: str) -> str:
         raise TablesError("README has no generated performance section: put the two marker lines "
                           f"{BEGIN!r} and {END!r} where it goes")
     return readme[:start] + BEGIN + "\n\n" + body + "\n" + readme[end:]
-
-
-class OneLineErrors(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:

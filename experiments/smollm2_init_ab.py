@@ -132,7 +132,7 @@ def parse(argv=None) -> tuple[argparse.Namespace, list[str]]:
                                  epilog="Other options go to the recipe (smollm2_dspark.py run --help): "
                                         "--steps, --batch-size, --eval-every, --train-prompts, --work-dir ...")
     ap.add_argument("--starts", default="random,first,last", help=f"comma-separated, of {', '.join(STARTS)}")
-    ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"))
+    ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_58278.npz"))
     ap.add_argument("--held-out-sequences", type=int, default=32,
                     help="the file's last sequences, kept out of training for the teacher-forced check")
     ap.add_argument("--max-length", type=int, default=0, help="keep only sequences of at most this many tokens (0: all)")

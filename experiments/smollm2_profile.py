@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="committed tokens per request in the decode step")
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_10732.npz"),
+    ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_58278.npz"),
                     help="the training batch: the recipe's first from this file ('' random sequences of --seq-len)")
     ap.add_argument("--seq-len", type=int, default=768,
                     help="without --sequences: the longest sequence (lengths in [half, this])")

