@@ -7,9 +7,9 @@ set -u
 source tools/lab/device_env.sh
 export DSPARK_GIT_COMMIT=$1
 mode=${2:-run}
-python3 experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2 || exit 1
-[ "$mode" = keep ] && exit 0
-if [ "$mode" = join ]; then
+if [ "$mode" != run ]; then
+  python3 experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2 || exit 1
+  [ "$mode" = keep ] && exit 0
   python3 experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 || exit 1
 fi
 python3 -m pip install -q --no-index --no-deps --target /tmp/site experiments/stage/gguf-0.19.0-py3-none-any.whl 2>/dev/null
