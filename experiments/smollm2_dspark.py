@@ -64,6 +64,11 @@ ends a leg after training, and the last leg calibrates and evaluates. Held-out c
 step counted over every leg. A leg carries the weights only: AdamW's moments (float32, 4x the bf16 weights'
 bytes) stay on the machine, so each leg warms up again; a leg that others continue runs --decay-frac 0 (its peak
 held to the end) and the last one decays. With the fast step, one session holds >= 10k steps: legs are for more.
+
+When the two drafters do not fit one session, each trains to the end in its own: `run --variants dspark
+--only-train` and `pack` in the first session (no AdamW moments to carry: its training is finished), then
+`run --variants dflash_ablation --finished K/drafters.safetensors` in the next, which trains the ablation and
+evaluates both, DSpark as packed (bf16).
 """
 from __future__ import annotations
 
@@ -292,22 +297,23 @@ def train_configs(args, legs_before: int = 0, lr: float | None = None, steps: in
 
 # ---- drafters carried from one session to the next ------------------------------------------------
 # A session's device time holds ~1,400-2,500 lockstep steps, and its machine is gone when it ends. A pack keeps
-# what training made, both variants' trained parameters in bf16 (the ablation's frozen heads left out), with
+# what training made, the trained variants' parameters in bf16 (the ablation's frozen heads left out), with
 # each one's legs (steps, seed, commit); it travels in returnable parts (tools/lab/staging.py) and a later
 # session's `run --start-from` continues from it. AdamW's moments are not kept: each leg warms up again.
 def pack_drafters(work: Path, keep_dir: Path) -> dict:
-    """keep_dir/drafters.safetensors from the variants trained in `work`, split into parts that come back
-    from a call; returns the manifest with each variant's legs."""
+    """keep_dir/drafters.safetensors from the variants trained in `work` (both, or the --variants a run
+    trained), split into parts that come back from a call; returns the manifest with each variant's legs."""
     kept = work / "results.json"
     if not kept.is_file():
         raise RecipeError(f"pack: {kept} is missing; pack runs in the call after training, on the same machine")
     results = json.loads(kept.read_text())
     earlier = results.get("start_from", {}).get("legs", {})
     tensors, lineage = {}, {}
-    for name in VARIANTS:
+    trained = [name for name in VARIANTS if trained_steps(work / name)]
+    if not trained:
+        raise RecipeError(f"pack: {work} holds no trained drafter; train first")
+    for name in trained:
         steps = trained_steps(work / name)
-        if steps == 0:
-            raise RecipeError(f"pack: {work / name} holds no trained {name}; train first")
         config = DSparkConfig.load(work / name)
         for key, tensor in read_tensors(work / name).items():
             if not (name == "dflash_ablation" and key.startswith(ABLATION_FROZEN)):
@@ -322,25 +328,31 @@ def pack_drafters(work: Path, keep_dir: Path) -> dict:
     return {**manifest, "variants": {name: v["legs"] for name, v in lineage.items()}}
 
 
-def read_pack(path: Path) -> dict:
-    """A pack's lineage and tensors: {"file", "sha256", "variants": {name: {"config", "legs", "tensors"}}}."""
+def read_pack(path: Path, option: str = "--start-from") -> dict:
+    """A pack's lineage and tensors: {"file", "sha256", "variants": {name: {"config", "legs", "tensors"}}},
+    for the variants it holds (`require_variants` checks that a run's are there)."""
     if not path.is_file():
-        raise RecipeError(f"--start-from={str(path)!r}: no such file (join its parts first)")
+        raise RecipeError(f"{option}={str(path)!r}: no such file (join its parts first)")
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except SafetensorError as error:  # truncated or not safetensors at all
-        raise RecipeError(f"--start-from={str(path)!r}: not a safetensors file ({error})") from None
+        raise RecipeError(f"{option}={str(path)!r}: not a safetensors file ({error})") from None
     if "dspark_pack" not in meta:
-        raise RecipeError(f"--start-from={str(path)!r}: not a drafter pack (no dspark_pack metadata)")
+        raise RecipeError(f"{option}={str(path)!r}: not a drafter pack (no dspark_pack metadata)")
     lineage = json.loads(meta["dspark_pack"])
-    missing = [name for name in VARIANTS if name not in lineage]
-    if missing:
-        raise RecipeError(f"--start-from={str(path)!r}: holds no {missing[0]}")
+    held = [name for name in VARIANTS if name in lineage]
     variants = {name: {**lineage[name], "tensors": {key[len(name) + 1:]: t for key, t in tensors.items()
-                                                    if key.startswith(name + ".")}} for name in VARIANTS}
-    return {"file": path.name, "sha256": file_sha256(path), "variants": variants}
+                                                    if key.startswith(name + ".")}} for name in held}
+    return {"file": path.name, "sha256": file_sha256(path), "variants": variants, "option": option}
+
+
+def require_variants(pack: dict, names) -> None:
+    missing = [name for name in names if name not in pack["variants"]]
+    if missing:
+        raise RecipeError(f"{pack['option']}={pack['file']!r}: holds no {missing[0]} (it holds "
+                          f"{', '.join(pack['variants'])})")
 
 
 def load_packed(model: DSparkModel, name: str, start: dict) -> None:
@@ -350,18 +362,18 @@ def load_packed(model: DSparkModel, name: str, start: dict) -> None:
     ours = model.config.to_json_dict()
     for key in sorted(set(ours) | set(packed["config"])):
         if ours.get(key) != packed["config"].get(key):
-            raise ValueError(f"--start-from={start['file']!r}: {name}'s {key} is {packed['config'].get(key)!r}, "
+            raise ValueError(f"{start['option']}={start['file']!r}: {name}'s {key} is {packed['config'].get(key)!r}, "
                              f"this run builds {ours.get(key)!r}")
     trainable = {key: p for key, p in model.named_parameters() if p.requires_grad}
     extra, absent = sorted(set(packed["tensors"]) - set(trainable)), sorted(set(trainable) - set(packed["tensors"]))
     if extra or absent:
-        raise ValueError(f"--start-from={start['file']!r}: {name} " + (f"carries {extra[0]!r}, not a trained parameter"
+        raise ValueError(f"{start['option']}={start['file']!r}: {name} " + (f"carries {extra[0]!r}, not a trained parameter"
                          if extra else f"lacks {absent[0]!r}"))
     with torch.no_grad():
         for key, p in trainable.items():
             tensor = packed["tensors"][key]
             if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(f"--start-from={start['file']!r}: {name}.{key} has shape {tuple(tensor.shape)}, "
+                raise ValueError(f"{start['option']}={start['file']!r}: {name}.{key} has shape {tuple(tensor.shape)}, "
                                  f"this run builds {tuple(p.shape)}")
             p.copy_(tensor.to(p.dtype))
 
@@ -766,10 +778,36 @@ def peak_lr(args) -> float | None:
     return value
 
 
+def finished_pack(args) -> dict | None:
+    """--finished: the pack of the drafters this run does not train (--variants), evaluated as they are. A run
+    that evaluates needs every variant, trained here or finished there; checked before any work."""
+    untrained = [name for name in VARIANTS if name not in args.variants]
+    if not args.finished:
+        if untrained and not args.only_train:
+            raise ValueError(f"--variants={','.join(args.variants)}: the evaluation needs {untrained[0]} too; give "
+                             "--finished with a pack that holds it, or --only-train")
+        return None
+    if not untrained:
+        raise ValueError(f"--finished={args.finished!r}: this run trains every drafter (--variants), none is finished")
+    pack = read_pack(Path(args.finished), option="--finished")
+    require_variants(pack, untrained)
+    return pack
+
+
+def variant_list(value: str) -> tuple[str, ...]:
+    """--variants: a comma-separated subset of VARIANTS, in VARIANTS' order."""
+    names = [name for name in value.split(",") if name]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated names out of {', '.join(VARIANTS)}")
+    return tuple(name for name in VARIANTS if name in names)
+
+
 def training_phase(args, make_target, seqs, masks, held_out, work: Path, results: dict, save, deadline, start,
-                   fingerprint: str) -> dict:
-    """The capture store (built only while some training is left), the --lr-ab runs, then DSpark and the
-    ablation to --steps each. Returns the trained models."""
+                   fingerprint: str, finished: dict | None = None) -> dict:
+    """The capture store (built only while some training is left), the --lr-ab runs, then the --variants
+    (DSpark, the ablation) to --steps each. Returns the trained models, and --finished's drafters as they
+    are (their bf16 parameters)."""
     target = make_target(args.batch_size)
     check_target = make_target(max(1, len(held_out)))  # the held-out prompts decode as one batch
     results["training_data"] = {**results.get("training_data", {}), "sequences": len(seqs),
@@ -778,7 +816,7 @@ def training_phase(args, make_target, seqs, masks, held_out, work: Path, results
     left = lambda name, steps: trained_steps(work / name) < steps  # noqa: E731
     ab_left = bool(args.lr_ab) and "best" not in results.get("lr_ab", {})
     store = None
-    if ab_left or any(left(name, args.steps) for name in VARIANTS):
+    if ab_left or any(left(name, args.steps) for name in args.variants):
         layers = drafter_config(target, "dspark", args.layers, args.markov_rank).target_layer_ids + (target.num_layers,)
         store = capture_store(args, target, layers, seqs, work, results, fingerprint)
     common = dict(check_target=check_target, store=store)
@@ -789,7 +827,14 @@ def training_phase(args, make_target, seqs, masks, held_out, work: Path, results
             raise StoppedEarly(f"--only-lr-ab: the best peak learning rate is {best:g}")
     results["peak_lr"] = lr
     models = train_variants(args, target, seqs, masks, held_out, work, results, save, deadline, start=start, lr=lr,
-                            **common)
+                            variants=args.variants, **common)
+    if finished is not None:
+        results["finished_from"] = {"file": finished["file"], "sha256": finished["sha256"],
+                                    "legs": {name: v["legs"] for name, v in finished["variants"].items()
+                                             if name not in args.variants}}
+        for name in VARIANTS:
+            if name not in models:
+                models[name] = new_model(target, name, args, finished).eval()
     del store, common
     if target.device.type == "cuda":
         torch.cuda.empty_cache()  # the store's memory goes back before the evaluation targets are built
@@ -837,7 +882,9 @@ def run(args) -> dict:
                          "hidden_size": config.hidden_size, "num_layers": config.num_layers, "vocab_size": config.vocab_size}
     init_layer_ids(args.init_layers, args.layers, config.num_layers)  # checked before any long phase
     start = read_pack(Path(args.start_from)) if args.start_from else None
+    finished = finished_pack(args)
     if start is not None:
+        require_variants(start, args.variants)
         if args.init_layers:
             raise ValueError(f"--start-from={args.start_from!r} and --init-layers={args.init_layers!r}: a leg "
                              "continues from its pack; --init-layers starts the first leg only")
@@ -881,7 +928,7 @@ def run(args) -> dict:
         args.anchor_bucket = anchors if args.anchor_bucket < 0 else args.anchor_bucket
         args.length_bucket = length if args.length_bucket < 0 else args.length_bucket
     models = training_phase(args, make_target, seqs, masks, held_out, work, results, save, deadline, start,
-                            results["target"]["sha256"])
+                            results["target"]["sha256"], finished)
     phase_done("train")
     if args.only_train:  # a leg that others continue (pack): no calibration or evaluation
         return results
@@ -991,6 +1038,12 @@ def parse(argv=None) -> argparse.Namespace:
                                                 "each first, held-out AL compared (e.g. 6e-4,1.2e-3,2e-3)")
     for name, default in {"warmup_frac": 0.02, "decay_frac": 0.12}.items():
         r.add_argument("--" + name.replace("_", "-"), type=float, default=default)
+    r.add_argument("--variants", type=variant_list, default=",".join(VARIANTS),
+                   help="the drafters this run trains (comma-separated: dspark, dflash_ablation); the others come "
+                        "from --finished")
+    r.add_argument("--finished", default="",
+                   help="a pack (`pack`) of drafters trained to the end in an earlier session, evaluated as they "
+                        "are: the ones --variants leaves out")
     r.add_argument("--cache-gib", type=cache_gib, default="auto",
                    help="the capture store's size: auto (what the GPU holds beside training; every sequence on the "
                         "CPU), -1 every sequence, 0 none (each step captures its batch), or GiB")

@@ -1,5 +1,6 @@
 """Training in legs (experiments/smollm2_dspark.py): both trained drafters packed in bf16 with their
-lineage, split into parts that come back from a device call, and loaded by the next leg's --start-from."""
+lineage, split into parts that come back from a device call, and loaded by the next leg's --start-from
+(or, finished, by a run that evaluates it: --finished, tests/test_smollm2_recipe.py)."""
 import json
 import sys
 from pathlib import Path
@@ -106,7 +107,7 @@ def test_a_pack_that_does_not_fit_the_run_is_refused_by_name(tmp_path):
         recipe.read_pack(tmp_path / "cut.safetensors")
     with pytest.raises(recipe.RecipeError, match="no such file"):
         recipe.read_pack(tmp_path / "nothing.safetensors")
-    with pytest.raises(recipe.RecipeError, match="holds no trained dspark"):
+    with pytest.raises(recipe.RecipeError, match="untrained holds no trained drafter; train first"):
         save_checkpoint(variant("dspark", 5), tmp_path / "untrained" / "dspark")
         (tmp_path / "untrained" / "results.json").write_text("{}")
         recipe.pack_drafters(tmp_path / "untrained", tmp_path / "keep2")

@@ -22,6 +22,8 @@ import smollm2_dspark as recipe  # noqa: E402
 import smollm2_init_ab as init_ab  # noqa: E402
 import staging  # noqa: E402
 
+from dspark.drafters.dspark.checkpoint import read_tensors  # noqa: E402
+
 
 def test_the_gguf_is_staged_in_three_parts_that_each_fit_a_call(tmp_path):
     source = tmp_path / "model.gguf"
@@ -167,6 +169,47 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert "--init-layers starts the first leg only" in capsys.readouterr().err
     assert recipe.main([a for a in leg2 if a not in ("--start-from", str(pack))]) == 2  # nor a fresh one
     assert "rerun with the same --start-from" in capsys.readouterr().err
+
+
+def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, capsys):
+    """A run that does not fit one session: DSpark alone to --steps and packed (the first session), then the
+    ablation trained in a fresh work folder and both evaluated, DSpark from the pack as it is (its bf16
+    parameters, not trained further); runs that could not evaluate are refused before any work."""
+    tiny_data_for_the_gguf(tmp_path / "data.npz")
+    base = ["run", "--data", str(tmp_path / "data.npz"), "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3",
+            "--prefill-chunk", "2", "--steps", "2", "--eval-plan", "humaneval:greedy", "--batch-size", "2",
+            "--num-anchors", "4", "--anchor-chunk", "0", "--layers", "1", "--markov-rank", "8", "--eval-every", "2",
+            "--held-out-prompts", "1", "--held-out-tokens", "3", "--eval-tokens", "5", "--eval-batch", "2",
+            "--bootstrap", "20", "--speed-prompts", "1", "--attention", "per_query", "--log-every", "1"]
+    first, second = tmp_path / "first", tmp_path / "second"
+
+    def call(work: Path, out: str, *extra: str) -> int:
+        return recipe.main(base + ["--work-dir", str(work), "--out", str(tmp_path / out), *extra])
+
+    assert call(first, "a.json", "--sequences", "", "--variants", "dspark") == 2  # nothing to evaluate the ablation
+    assert "--variants=dspark: the evaluation needs dflash_ablation too" in capsys.readouterr().err
+    assert call(first, "a.json", "--sequences", "", "--variants", "dspark", "--only-train") == 0
+    assert recipe.trained_steps(first / "dspark") == 2 and not (first / "dflash_ablation").exists()
+    assert recipe.main(["pack", "--work-dir", str(first), "--keep-dir", str(tmp_path / "keep")]) == 0
+    pack = staging.join(recipe.PACK_NAME, tmp_path / "keep")
+    assert list(recipe.read_pack(pack)["variants"]) == ["dspark"]
+    capsys.readouterr()
+    sequences = ["--sequences", str(first / "sequences.npz")]
+    assert call(second, "b.json", *sequences, "--variants", "dspark", "--finished", str(pack)) == 2
+    assert "holds no dflash_ablation (it holds dspark)" in capsys.readouterr().err
+
+    assert call(second, "b.json", *sequences, "--variants", "dflash_ablation", "--finished", str(pack)) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["complete"] and list(result["training"]) == ["dflash_ablation"]
+    assert result["finished_from"]["legs"]["dspark"][0]["steps"] == 2 and not (second / "dspark").exists()
+    boot = result["eval"]["humaneval"]["greedy"]["bootstrap"]
+    assert {"dspark", "dflash_ablation", "ngram"} <= set(boot)
+    assert result["eval"]["humaneval"]["greedy"]["greedy_equals_plain"]["dspark"]["identical"] == 1
+    # the evaluated DSpark is the packed one: its calibrated checkpoint holds the pack's bf16 parameters
+    packed = recipe.read_pack(pack)["variants"]["dspark"]["tensors"]
+    calibrated = read_tensors(second / "dspark_calibrated")
+    for key, tensor in packed.items():
+        torch.testing.assert_close(calibrated[key].float(), tensor.float(), rtol=0, atol=0)
 
 
 def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):

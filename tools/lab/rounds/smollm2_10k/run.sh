@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
 # tools/lab/rounds/smollm2_10k/README.md. Usage, from the checkout's root on the GPU machine:
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT keep          # calls A and B: keep the part carried
+#   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT keep-pack     # session 2's A and B: also the pack's parts
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT join          # call C: keep part 3, join, then run
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT               # later calls: resume the run
+# VARIANTS (dspark or dflash_ablation) picks the drafter this session trains; FINISHED, the other's pack.
 set -u
 source tools/lab/device_env.sh
 export DSPARK_GIT_COMMIT=$1
 mode=${2:-run}
 if [ "$mode" != run ]; then
   python3 experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2 || exit 1
+  if [ "$mode" = keep-pack ]; then
+    mkdir -p /tmp/smollm2/pack && cp experiments/stage/pack/* /tmp/smollm2/pack/ || exit 1
+    ls /tmp/smollm2/pack/drafters.safetensors.part* | wc -l; exit 0
+  fi
   [ "$mode" = keep ] && exit 0
   python3 experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 || exit 1
 fi
 python3 -m pip install -q --no-index --no-deps --target /tmp/site experiments/stage/gguf-0.19.0-py3-none-any.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PYTHONPATH
+extra=()
+[ "${VARIANTS:-dspark}" = dspark ] && extra=(--only-train)
+if [ -n "${FINISHED:-}" ]; then
+  [ -f "$FINISHED" ] || python3 experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2/pack \
+    --file drafters.safetensors || exit 1
+  extra=(--finished "$FINISHED")
+fi
 timeout $((575 - SECONDS)) python3 experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf \
-  --work-dir /tmp/smollm2/work --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 --eval-every 2500 \
+  --work-dir /tmp/smollm2/work --variants "${VARIANTS:-dspark}" "${extra[@]}" \
+  --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 --eval-every 2500 \
   --speed-prompts 2 --capture-file '' --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
 echo "run rc $?"
 grep -E "capture store|step [0-9]+|held-out|phase" "$OUT/run.log" | tail -12
