@@ -92,6 +92,26 @@ def test_bad_arguments_are_value_errors_naming_the_argument(impl, case):
         fn(*(args[name] for name in names))
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_indices_checked_skips_only_the_device_read_of_the_ranges(impl, monkeypatch):
+    """indices_checked=True: the index ranges (the op's one read back from the device) are the caller's;
+    every other check stays."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    names = ("hidden", "prev_embedding", "lm_head", "markov_w2", "target_probs", "rows", "labels")
+    fn = registry.implementations("draft_head_loss")[impl].fn
+    reads = []
+    monkeypatch.setattr(head_reference, "_check_ranges", lambda *a: reads.append(a))
+    args = dict(zip(names, _inputs(gen)))
+    with pytest.raises(ValueError, match="draft_head_loss: lm_head requires grad"):
+        fn(*(args[n] for n in names[:2]), args["lm_head"].clone().requires_grad_(True),
+           *(args[n] for n in names[3:]), indices_checked=True)
+    if impl == "reference":  # the Triton one would run its kernels past the checks: CUDA only
+        fn(*(args[n] for n in names), indices_checked=True)
+        assert reads == []
+        fn(*(args[n] for n in names))
+        assert len(reads) == 1
+
+
 def test_triton_partition_options_are_checked():
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):

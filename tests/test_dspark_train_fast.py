@@ -151,6 +151,22 @@ def test_fast_step_equals_the_reference_step(attention_type, markov):
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_the_fast_step_checks_its_labels_on_the_host():
+    """The loss op is told its indices are checked (no read back from the device): the step checks the
+    labels against the LM head's vocabulary itself, before copying them, and names them."""
+    target = SyntheticTarget(seed=SEED % 89)
+    seqs, masks = data(target, 3, SEED % 1013)
+    captured = capture(target, seqs, (0, 2))
+    torch.manual_seed(SEED % 101)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
+    cfg = TrainConfig(num_anchors=9, fast=True)
+    bad = [s.clone() for s in seqs]
+    bad[1][masks[1].bool()] = target.vocab_size  # every supervised token of one sequence past the vocabulary
+    with pytest.raises(ValueError, match=rf"batch: labels .* must lie in \[0, {target.vocab_size}\), got values in "
+                                         rf"\[\d+, {target.vocab_size}\]"):
+        train_step_loss(model, captured, bad, masks, cfg, torch.Generator().manual_seed(SEED))
+
+
 def test_the_compiled_pass_equals_the_eager_one_and_one_shape_compiles_once(monkeypatch):
     """The trainer's torch.compile of the blocks' pass, traced by dynamo and AOTAutograd (the aot_eager
     backend: the graphs inductor would compile, run by eager kernels, as the CPU has no compiler to

@@ -217,6 +217,12 @@ def fast_step_loss(model, captured: BatchCapture, batch: Batch, cfg, forward=Non
     device = model.context_proj.weight.device
     S, (B, A, G) = batch.width, batch.block.shape
     plan = RowPlan.of(batch)
+    vocab = model.lm_head.shape[0]
+    # Checked here, on the host, so the loss op need not read its indices back from the device (rows
+    # are torch.unique's inverse: in range by construction).
+    if plan.labels.numel() and (int(plan.labels.min()) < 0 or int(plan.labels.max()) >= vocab):
+        raise ValueError(f"batch: labels (the sequences' next tokens) must lie in [0, {vocab}), got values in "
+                         f"[{int(plan.labels.min())}, {int(plan.labels.max())}]")
     block, positions, anchors, sel, slot, block_of, teacher_positions, rows, labels, prev = to_device(
         [batch.block, batch.positions, batch.anchors, plan.sel, plan.slot, plan.block, plan.teacher_positions,
          plan.rows, plan.labels, plan.prev], device)
@@ -231,7 +237,7 @@ def fast_step_loss(model, captured: BatchCapture, batch: Batch, cfg, forward=Non
     target = _teacher_at(model, captured, teacher_positions, cfg)
     if c.markov_head_type == "vanilla":
         ce, l1 = ops.draft_head_loss(hidden, prev_embedding, model.lm_head, model.markov_head.markov_w2.weight,
-                                     target, rows, labels)
+                                     target, rows, labels, indices_checked=True)
     else:  # the gated head's bias depends on the hidden state: the existing (unfused) path
         logits, _ = model.head_outputs(hidden, prev)
         ce, l1 = ops.draft_loss_terms(logits, target, rows, labels)

@@ -42,9 +42,11 @@ def _indices(name: str, tensor, length: int) -> None:
         raise ValueError(f"draft_head_loss: {name} must be a [{length}] long tensor, got {what}")
 
 
-def check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels) -> None:
+def check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels,
+                    check_ranges: bool = True) -> None:
     """ValueError naming the argument for a shape, dtype, device or index out of contract.
-    The index ranges are checked on the device with one synchronisation."""
+    The index ranges are checked on the device with one synchronisation, unless check_ranges is
+    False (the caller checked them: ops.draft_head_loss's indices_checked)."""
     _matrix("hidden", hidden)
     N, d = hidden.shape
     _matrix("prev_embedding", prev_embedding, rows=N)
@@ -70,7 +72,7 @@ def check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, ro
     for name, tensor in tensors.items():
         if tensor.device != hidden.device:
             raise ValueError(f"draft_head_loss: {name} is on {tensor.device}, hidden on {hidden.device}")
-    if N:
+    if N and check_ranges:
         _check_ranges(labels, V, rows, target_probs.shape[0])
 
 
@@ -85,8 +87,8 @@ def _check_ranges(labels: torch.Tensor, V: int, rows: torch.Tensor | None, M: in
 @register("draft_head_loss", "reference", priority=0)
 def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
                     markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels)
+                    labels: torch.Tensor, *, indices_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, not indices_checked)
     operands = (hidden, prev_embedding, lm_head, markov_w2)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in operands) else torch.float32
     logits = hidden.to(dtype) @ lm_head.to(dtype).t() + prev_embedding.to(dtype) @ markov_w2.to(dtype).t()

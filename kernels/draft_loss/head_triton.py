@@ -177,12 +177,13 @@ class _DraftHeadLoss(torch.autograd.Function):
 
 def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
                     markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
-                    labels: torch.Tensor, *, splits: int | None = None,
+                    labels: torch.Tensor, *, indices_checked: bool = False, splits: int | None = None,
                     chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op (contract: head_reference.py). splits: the forward's vocabulary splits (default:
-    vocab_splits' choice); chunk_rows: the backward's rows per chunk (default: GRAD_BUFFER_BYTES).
-    Both change the work's partition only; the tests set them to reach every path at small sizes."""
-    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels)
+    """The op (contract: head_reference.py; indices_checked: ops.draft_head_loss). splits: the forward's
+    vocabulary splits (default: vocab_splits' choice); chunk_rows: the backward's rows per chunk
+    (default: GRAD_BUFFER_BYTES). Both change the work's partition only; the tests set them to reach
+    every path at small sizes."""
+    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, not indices_checked)
     for name, value in (("splits", splits), ("chunk_rows", chunk_rows)):
         if value is not None and value < 1:
             raise ValueError(f"draft_head_loss: {name} must be >= 1, got {value}")
