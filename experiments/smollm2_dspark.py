@@ -3,27 +3,27 @@
 Phases, each resumable from the files it leaves in --work-dir (so a run can span several time-limited
 GPU calls; rerun the same command and it continues):
   1. training data: --sequences (default experiments/data/smollm2_selfdistil_58278.npz, every training
-     prompt's answer from experiments/smollm2_generate.py on the H100; any file in its layout), the loss
-     masks covering each response. With --sequences '' the
-     target self-distils instead: it answers every training prompt of experiments/data/smollm2_prompts.npz
-     (dspark.drafters.dspark.train.generate_sequences; --gen-batch prompts share the target's slots,
-     --prefill-chunk of them prefilled per step), up to --gen-tokens new tokens, stopping at EOS (kept),
-     half greedy and half at T = 1 -> work/sequences.npz (uint16).
-  2. training: the target's taps and the LM head's input captured once for every sequence and kept on the
-     GPU in bf16 (drafters/dspark/capture.py; its size printed first; --cache-gib bounds it, by default
-     to what the GPU holds beside training: the default data's 24.4M tokens take 157 GiB, so an H100
-     keeps ~30% of the sequences and captures the rest per step, as many captures as a rotating shard
-     visiting each sequence once per epoch would make; --work-dir/capture.bin lets later calls load it); with --lr-ab, DSpark trains
+     prompt's answer from experiments/smollm2_generate.py on the H100; any file in its layout), the loss masks
+     covering each response. With --sequences '' the target self-distils instead: it answers every training
+     prompt of experiments/data/smollm2_prompts.npz (dspark.drafters.dspark.train.generate_sequences;
+     --gen-batch prompts share the target's slots, --prefill-chunk of them prefilled per step), up to
+     --gen-tokens new tokens, stopping at EOS (kept), half greedy and half at T = 1 -> work/sequences.npz
+     (uint16).
+  2. training: the target's taps and the LM head's input captured once for every sequence and kept on the GPU
+     in bf16 (drafters/dspark/capture.py; its size printed first; --cache-gib bounds it, by default to what
+     the GPU holds beside training: the default data's 24.4M tokens take 157 GiB, so an H100 keeps ~30% of the
+     sequences and captures the rest per step, as many captures as a rotating shard visiting each sequence
+     once per epoch would make; --work-dir/capture.bin lets later calls load it); with --lr-ab, DSpark trains
      --lr-ab-steps at each peak learning rate and the best one's held-out AL picks --lr auto; then DSpark
      (Markov head + confidence head, 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4) and, in its own run to the same
      --steps, the DFlash ablation (CE only, no Markov correction, confidence head untrained;
-     docs/dspark-algorithm.md §6.4). AdamW with warm-up then warmup-stable-decay (or cosine), heads started
-     as DeepSpec's (--head-init); the fast step (drafters/dspark/steps.py: every anchor at once through
+     docs/dspark-algorithm.md §6.4). AdamW with warm-up then warmup-stable-decay (or cosine), heads started as
+     DeepSpec's (--head-init); the fast step (drafters/dspark/steps.py: every anchor at once through
      FlexAttention's block-sparse mask, the vocabulary-wide loss on the supervised slots only, buckets of
      anchors and length, torch.compile) or the reference (--no-fast). Held-out acceptance (--held-out-prompts
-     calibration prompts x --held-out-tokens, calibrate.run_rounds: speculative decoding on the engine,
-     every draft verified) with a 95% bootstrap interval over prompts, every --eval-every steps, against the
-     step and the area under the learning rate.
+     calibration prompts x --held-out-tokens, calibrate.run_rounds: speculative decoding on the engine, every
+     draft verified) with a 95% bootstrap interval over prompts, every --eval-every steps, against the step
+     and the area under the learning rate.
   3. STS calibration of the DSpark confidence head on rounds decoded on the engine from the held-out
      calibration prompts (docs/dspark-algorithm.md §5.2).
   4. batch-1 tokens/s of plain decoding and each drafter in the engine (--speed-prompts HumanEval prompts).
@@ -36,13 +36,14 @@ GPU calls; rerun the same command and it continues):
 Results go atomically to --out after every phase.
 
 The GGUF (93.8 MiB) is more than one GPU call carries (64 MiB), so it travels in three parts
-(tools/lab/staging.py; each fits beside the tree and its 15.8 MB training data); write all the commands before the first call (the machine keeps /tmp only while it
-stays warm):
+(tools/lab/staging.py; each fits beside the tree and its 15.8 MB training data); write all the commands
+before the first call (the machine keeps /tmp only while it stays warm):
   here:        python experiments/smollm2_dspark.py split     (experiments/stage/smollm2.gguf.part{1,2,3} + manifest)
-  GPU call 1:  carry [experiments/stage/smollm2.gguf.part1, experiments/stage/smollm2.gguf.manifest.json]
+  GPU calls 1, 2: carry [experiments/stage/smollm2.gguf.part1 (then part2), the .manifest.json beside it]
                python experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2
-  GPU call 2:  carry [experiments/stage/smollm2.gguf.part2, experiments/stage/smollm2.gguf.manifest.json]
-               python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 && python experiments/smollm2_dspark.py \
+  GPU call 3:  carry [experiments/stage/smollm2.gguf.part3, experiments/stage/smollm2.gguf.manifest.json]
+               python experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2 && \
+                 python experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 && python experiments/smollm2_dspark.py \
                  run --gguf /tmp/smollm2/smollm2.gguf --time-limit 420 --out $OUT/smollm2_dspark.json
                (the H200 has no `gguf` package: carry a gguf wheel, e.g. `pip download gguf` into
                experiments/stage/, and `pip install --no-deps --target /tmp/site` it first, with
