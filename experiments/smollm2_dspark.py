@@ -453,7 +453,7 @@ def cache_gib(value: str) -> str | float:
         gib = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r}: 'auto', -1 (every sequence), 0 (none) or GiB > 0") from None
-    if gib < 0 and gib != -1 or gib != gib:
+    if math.isnan(gib) or (gib < 0 and gib != -1):
         raise argparse.ArgumentTypeError(f"{value!r}: 'auto', -1 (every sequence), 0 (none) or GiB > 0")
     return gib
 
