@@ -83,6 +83,10 @@ class Target(Protocol):
     def release(self, slots: list[int]) -> None:
         """Forget the requests in these slots so the slots can be reused."""
 
+    # Optional, outside the protocol: causal_taps(sequences, tap_layers) -> {layer: [B, S, d]}, the
+    # taps verify on free slots would return, from a stateless forward without logits (LlamaTarget).
+    # A drafter's trainer uses it when present (drafters/dspark/capture.py capture_taps).
+
 
 @dataclass
 class Proposal:

@@ -301,6 +301,36 @@ def test_a_compiled_flex_pass_traces_its_block_mask_once_per_shape(monkeypatch):
 
 
 # ---- the capture store --------------------------------------------------------------------------
+def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
+    """LlamaTarget.causal_taps (no cache, no logits) gives the taps verify on free slots gives, ragged
+    sequences padded with zeros, to float32 summation order (1e-5); capture_taps chunks it by max_slots
+    and a logits-free store fills from it; a token outside the vocabulary is named by its sequence."""
+    from dspark.drafters.dspark.capture import capture_taps
+
+    target = tiny_llama(SEED, max_slots=2)
+    g = torch.Generator().manual_seed(SEED)
+    seqs = [torch.randint(0, target.vocab_size, (int(n),), generator=g) for n in torch.randint(3, 41, (5,), generator=g)]
+    layers = (-1, 0, 2, target.num_layers)
+    _, want = capture(target, seqs, layers)
+    got_logits, got = capture_taps(target, seqs, layers)
+    assert got_logits is None and set(got) == set(layers)
+    for layer in layers:
+        assert got[layer].shape == want[layer].shape
+        torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5, msg=f"seed {SEED}: layer {layer}")
+        for i, s in enumerate(seqs):
+            assert not got[layer][i, len(s):].any() and got[layer][i, : len(s)].abs().sum() > 0
+    store = CaptureStore(target, seqs, (0, 2, target.num_layers), dtype=torch.float32)
+    store.fill(progress=False)
+    batch = store.batch([4, 1])
+    for layer in (0, 2):
+        torch.testing.assert_close(batch.taps[layer][0, : len(seqs[4])], want[layer][4, : len(seqs[4])],
+                                   rtol=1e-5, atol=1e-5)
+    bad = [seqs[0], seqs[1].clone()]
+    bad[1][-1] = target.vocab_size
+    with pytest.raises(ValueError, match=rf"sequences\[1\]: token {target.vocab_size} outside the vocabulary"):
+        target.causal_taps(bad, layers)
+
+
 def test_a_store_gives_the_online_capture_losses_and_keeps_what_fits():
     """Taps and the LM head's input captured once (float32) give the losses of capturing every
     step with the target's own logits; bf16 within its rounding; a byte budget caches the first

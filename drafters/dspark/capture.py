@@ -1,6 +1,8 @@
 """What training reads of the target: its tapped hidden states and its distribution per position.
 
-`capture` runs a batch through the target (online capture, one prefill per step). `CaptureStore`
+`capture` runs a batch through the target (online capture, one verify per step on free slots);
+`capture_taps`, for a trainer that never reads the target's logits, runs a target's stateless
+causal forward when it has one (`causal_taps`: no cache, no logits). `CaptureStore`
 runs every training sequence through it once and keeps the result on the device, as DeepSpec's
 offline target cache does (docs/dspark-algorithm.md §6.1): the drafter's taps and, for the
 teacher, the LM head's input (TargetOutput's tap num_layers; the teacher's softmax then comes
@@ -51,6 +53,21 @@ def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
         for layer in tap_layers:
             taps[layer].append(F.pad(out.taps[layer], (0, 0, 0, pad)))
     return torch.cat(logits), {layer: torch.cat(t) for layer, t in taps.items()}
+
+
+@torch.no_grad()
+def capture_taps(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
+    """capture's (logits, taps) without the logits (None): the target's causal_taps, in chunks of at
+    most max_slots sequences, padded to the longest; capture itself for a target without it."""
+    if not hasattr(type(target), "causal_taps"):
+        return None, capture(target, sequences, tap_layers)[1]
+    width = max(s.shape[0] for s in sequences)
+    taps = {layer: [] for layer in tap_layers}
+    for start in range(0, len(sequences), target.max_slots):
+        chunk = target.causal_taps(sequences[start : start + target.max_slots], tap_layers)
+        for layer in tap_layers:
+            taps[layer].append(F.pad(chunk[layer], (0, 0, 0, width - chunk[layer].shape[1])))
+    return None, {layer: torch.cat(t) for layer, t in taps.items()}
 
 
 @dataclass
@@ -104,10 +121,12 @@ class CaptureStore:
 
     def __init__(self, target, sequences: list[torch.Tensor], layers: tuple[int, ...], *, logits: bool = False,
                  dtype: torch.dtype = torch.bfloat16, budget_bytes: int | None = None, fingerprint: str = ""):
+        """The store captures with `capture`, or, when it keeps no logits, `capture_taps`."""
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes!r}: must be >= 0 (None = every sequence)")
         self.target, self.sequences, self.layers, self.dtype = target, sequences, tuple(layers), dtype
         self.keeps_logits = logits
+        self._capture = capture if logits else capture_taps
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.row_bytes = itemsize * (len(layers) * target.hidden_size + (target.vocab_size if logits else 0))
         lengths = [int(s.shape[0]) for s in sequences]
@@ -140,7 +159,7 @@ class CaptureStore:
         step = self.target.max_slots
         for start in tqdm(range(0, self.cached, step), desc="capture", disable=not progress):
             chunk = self.sequences[start : min(start + step, self.cached)]
-            logits, taps = capture(self.target, chunk, self.layers)
+            logits, taps = self._capture(self.target, chunk, self.layers)
             for i, s in enumerate(chunk):
                 rows = slice(self.offsets[start + i], self.offsets[start + i + 1])
                 n = s.shape[0]
@@ -168,7 +187,8 @@ class CaptureStore:
         logits = self.logits[index] if self.logits is not None else None
         online = [row for row, i in enumerate(pick) if i >= self.cached]
         if online:
-            online_logits, online_taps = capture(self.target, [self.sequences[pick[row]] for row in online], self.layers)
+            online_logits, online_taps = self._capture(self.target, [self.sequences[pick[row]] for row in online],
+                                                       self.layers)
             for j, row in enumerate(online):
                 n = lengths[row]
                 stacked[row, :n] = torch.stack([online_taps[layer][j, :n] for layer in self.layers], dim=1).to(self.dtype)

@@ -396,6 +396,46 @@ class LlamaTarget:
         places = (request, column, len(counts), width)
         return TargetOutput(logits=self._pad(logits, *places), taps={l: self._pad(t, *places) for l, t in flat_taps.items()})
 
+    @torch.no_grad()
+    def causal_taps(self, sequences: list[torch.Tensor], tap_layers) -> dict[int, torch.Tensor]:
+        """Taps {layer: [B, S, d]} of whole sequences from position 0, padded with zeros to the
+        longest: what verify on free slots returns as taps (dspark.protocols.TargetOutput), to float
+        summation order, without the cache, the slots or the logits. One causal attention per layer
+        over the right-padded batch (a valid position never sees a pad after it). For a drafter's
+        trainer, which reads taps and the LM head's input (tap num_layers) and never the logits."""
+        taps = self._check_taps(tap_layers)
+        if not sequences or any(s.dim() != 1 or not 1 <= len(s) <= self.max_seq_len for s in sequences):
+            raise ValueError(f"sequences: need 1-D token tensors of 1 to max_seq_len={self.max_seq_len} tokens")
+        c, w = self.config, self.weights
+        lengths = [len(s) for s in sequences]
+        B, S = len(sequences), max(lengths)
+        tokens = torch.stack([torch.nn.functional.pad(s.to(torch.long), (0, S - len(s))) for s in sequences])
+        fed = torch.arange(S) < torch.tensor(lengths)[:, None]
+        self._check_token_ids("sequences", tokens, fed.to(tokens.device))  # where they are: the host, for a trainer
+        tokens, fed = tokens.to(self.device, non_blocking=True), fed.to(self.device, non_blocking=True)
+        cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        group = c.num_heads // c.num_kv_heads
+        x = w.embedding[tokens]  # [B, S, d]
+        out = {-1: x} if -1 in taps else {}
+        for layer_index, layer in enumerate(w.layers):
+            qkv = torch.nn.functional.linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
+            q = rotate_halves(qkv[..., :q_width].reshape(B, S, c.num_heads, c.head_dim), cos, sin)
+            k = rotate_halves(qkv[..., q_width:q_width + kv_width].reshape(B, S, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[..., q_width + kv_width:].reshape(B, S, c.num_kv_heads, c.head_dim)
+            k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))  # query head h reads kv head h // group
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale)
+            x = x + torch.nn.functional.linear(attended.transpose(1, 2).reshape(B, S, q_width), layer.attn_output)
+            gate_up = torch.nn.functional.linear(rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
+            gate, up = gate_up[..., :c.intermediate_size], gate_up[..., c.intermediate_size:]
+            x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
+            if layer_index in taps:
+                out[layer_index] = x
+        if self.num_layers in taps:
+            out[self.num_layers] = rms_norm(x, w.output_norm, c.rms_norm_eps)
+        return {layer: torch.where(fed[..., None], t, 0.0) for layer, t in out.items()}
+
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
         of one-token decoding at that position, whatever else is in the batch."""
