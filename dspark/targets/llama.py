@@ -356,7 +356,6 @@ class LlamaTarget:
         slots_host = torch.tensor(slots)[request]
         positions, row_slots = positions_host.to(self.device), slots_host.to(self.device)
         request, column = request.to(self.device), column.to(self.device)
-        num_rows = len(token_ids)
         batched = self.attention == "batched"
         if batched:
             plan = self._batch_plan(slots, starts, counts, request, column)
@@ -364,16 +363,12 @@ class LlamaTarget:
             query_places = list(zip(slots_host.tolist(), positions_host.tolist()))  # (slot, position) per row
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         linear = torch.nn.functional.linear if batched else ops.linear
         x = w.embedding[token_ids]
         flat_taps = {-1: x} if -1 in tap_layers else {}
         for layer_index, layer in enumerate(w.layers):
-            qkv = linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
-            q = rotate_halves(qkv[:, :q_width].reshape(num_rows, c.num_heads, c.head_dim), cos, sin)
-            k = rotate_halves(qkv[:, q_width:q_width + kv_width].reshape(num_rows, c.num_kv_heads, c.head_dim), cos, sin)
-            v = qkv[:, q_width + kv_width:].reshape(num_rows, c.num_kv_heads, c.head_dim)
+            q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
             if batched:
@@ -382,10 +377,7 @@ class LlamaTarget:
                 attended = torch.stack([
                     self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
                 ])
-            x = x + linear(attended, layer.attn_output)
-            gate_up = linear(rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
-            gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
-            x = x + linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
+            x = self._ffn(layer, x + linear(attended, layer.attn_output), linear)
             if layer_index in tap_layers:
                 flat_taps[layer_index] = x
         final = rms_norm(x, w.output_norm, c.rms_norm_eps)
@@ -395,6 +387,25 @@ class LlamaTarget:
         width = width or max(counts)
         places = (request, column, len(counts), width)
         return TargetOutput(logits=self._pad(logits, *places), taps={l: self._pad(t, *places) for l, t in flat_taps.items()})
+
+    def _attention_inputs(self, layer: LlamaLayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's q [..., heads, hd] and k, v [..., kv_heads, hd] for hidden states x [..., d],
+        q and k rotated at the positions cos/sin hold."""
+        c = self.config
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
+        lead = qkv.shape[:-1]
+        q = rotate_halves(qkv[..., :q_width].reshape(*lead, c.num_heads, c.head_dim), cos, sin)
+        k = rotate_halves(qkv[..., q_width:q_width + kv_width].reshape(*lead, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, qkv[..., q_width + kv_width:].reshape(*lead, c.num_kv_heads, c.head_dim)
+
+    def _ffn(self, layer: LlamaLayerWeights, x: torch.Tensor, linear) -> torch.Tensor:
+        """x plus one layer's SiLU-gated MLP of it."""
+        c = self.config
+        gate_up = linear(rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
+        gate, up = gate_up[..., :c.intermediate_size], gate_up[..., c.intermediate_size:]
+        return x + linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
 
     @torch.no_grad()
     def causal_taps(self, sequences: list[torch.Tensor], tap_layers) -> dict[int, torch.Tensor]:
@@ -408,28 +419,22 @@ class LlamaTarget:
             raise ValueError(f"sequences: need 1-D token tensors of 1 to max_seq_len={self.max_seq_len} tokens")
         c, w = self.config, self.weights
         lengths = [len(s) for s in sequences]
-        B, S = len(sequences), max(lengths)
+        S = max(lengths)
         tokens = torch.stack([torch.nn.functional.pad(s.to(torch.long), (0, S - len(s))) for s in sequences])
         fed = torch.arange(S) < torch.tensor(lengths)[:, None]
         self._check_token_ids("sequences", tokens, fed.to(tokens.device))  # where they are: the host, for a trainer
         tokens, fed = tokens.to(self.device, non_blocking=True), fed.to(self.device, non_blocking=True)
         cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        linear = torch.nn.functional.linear
         group = c.num_heads // c.num_kv_heads
         x = w.embedding[tokens]  # [B, S, d]
         out = {-1: x} if -1 in taps else {}
         for layer_index, layer in enumerate(w.layers):
-            qkv = torch.nn.functional.linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv)
-            q = rotate_halves(qkv[..., :q_width].reshape(B, S, c.num_heads, c.head_dim), cos, sin)
-            k = rotate_halves(qkv[..., q_width:q_width + kv_width].reshape(B, S, c.num_kv_heads, c.head_dim), cos, sin)
-            v = qkv[..., q_width + kv_width:].reshape(B, S, c.num_kv_heads, c.head_dim)
+            q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
             k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))  # query head h reads kv head h // group
             attended = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale)
-            x = x + torch.nn.functional.linear(attended.transpose(1, 2).reshape(B, S, q_width), layer.attn_output)
-            gate_up = torch.nn.functional.linear(rms_norm(x, layer.ffn_norm, c.rms_norm_eps), layer.gate_up)
-            gate, up = gate_up[..., :c.intermediate_size], gate_up[..., c.intermediate_size:]
-            x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.ffn_down)
+            x = self._ffn(layer, x + linear(attended.transpose(1, 2).flatten(-2), layer.attn_output), linear)
             if layer_index in taps:
                 out[layer_index] = x
         if self.num_layers in taps:
