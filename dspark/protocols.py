@@ -85,7 +85,7 @@ class Target(Protocol):
 
     # Optional, outside the protocol: causal_taps(sequences, tap_layers) -> {layer: [B, S, d]}, the
     # taps verify on free slots would return, from a stateless forward without logits (LlamaTarget).
-    # A drafter's trainer uses it when present (drafters/dspark/capture.py capture_taps).
+    # A drafter's trainer uses it when present (drafters/dspark/capture.py capture, logits=False).
 
 
 @dataclass

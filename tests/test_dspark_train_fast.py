@@ -303,16 +303,14 @@ def test_a_compiled_flex_pass_traces_its_block_mask_once_per_shape(monkeypatch):
 # ---- the capture store --------------------------------------------------------------------------
 def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
     """LlamaTarget.causal_taps (no cache, no logits) gives the taps verify on free slots gives, ragged
-    sequences padded with zeros, to float32 summation order (1e-5); capture_taps chunks it by max_slots
-    and a logits-free store fills from it; a token outside the vocabulary is named by its sequence."""
-    from dspark.drafters.dspark.capture import capture_taps
-
+    sequences padded with zeros, to float32 summation order (1e-5); capture without logits chunks it by
+    max_slots and a logits-free store fills from it; a token outside the vocabulary is named by its sequence."""
     target = tiny_llama(SEED, max_slots=2)
     g = torch.Generator().manual_seed(SEED)
     seqs = [torch.randint(0, target.vocab_size, (int(n),), generator=g) for n in torch.randint(3, 41, (5,), generator=g)]
     layers = (-1, 0, 2, target.num_layers)
     _, want = capture(target, seqs, layers)
-    got_logits, got = capture_taps(target, seqs, layers)
+    got_logits, got = capture(target, seqs, layers, logits=False)
     assert got_logits is None and set(got) == set(layers)
     for layer in layers:
         assert got[layer].shape == want[layer].shape

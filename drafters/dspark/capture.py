@@ -1,8 +1,8 @@
 """What training reads of the target: its tapped hidden states and its distribution per position.
 
-`capture` runs a batch through the target (online capture, one verify per step on free slots);
-`capture_taps`, for a trainer that never reads the target's logits, runs a target's stateless
-causal forward when it has one (`causal_taps`: no cache, no logits). `CaptureStore`
+`capture` runs a batch through the target (online capture, one verify per step on free slots; for
+a trainer that never reads the target's logits, the target's stateless causal forward where it
+has one: `causal_taps`, no cache, no logits). `CaptureStore`
 runs every training sequence through it once and keeps the result on the device, as DeepSpec's
 offline target cache does (docs/dspark-algorithm.md §6.1): the drafter's taps and, for the
 teacher, the LM head's input (TargetOutput's tap num_layers; the teacher's softmax then comes
@@ -31,43 +31,35 @@ from dspark.files import atomic_path, write_atomic
 
 
 @torch.no_grad()
-def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
-    """Online capture of the target's logits [B, S, V] at every position and taps
-    {layer: [B, S, d]}, in chunks of at most max_slots sequences. Prefill returns only the last
-    position's logits, so each chunk is a verify on free slots (an empty prefix, nothing
-    committed), which returns every position's."""
-    logits, taps = [], {layer: [] for layer in tap_layers}
+def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...], logits: bool = True):
+    """Online capture of the target's logits [B, S, V] at every position (None with logits=False)
+    and taps {layer: [B, S, d]}, in chunks of at most max_slots sequences, padded to the longest.
+    Prefill returns only the last position's logits, so each chunk is a verify on free slots (an
+    empty prefix, nothing committed), which returns every position's. Without logits, a target's
+    causal_taps serves where it has one: a stateless forward, no cache and no logits."""
+    taps_only = not logits and hasattr(type(target), "causal_taps")
+    kept_logits, taps = [], {layer: [] for layer in tap_layers}
     width = max(s.shape[0] for s in sequences)
+    widen = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
     for start in range(0, len(sequences), target.max_slots):
         chunk = sequences[start : start + target.max_slots]
-        slots = list(range(len(chunk)))
-        lengths = [s.shape[0] for s in chunk]
-        tokens = torch.stack([F.pad(s, (0, max(lengths) - s.shape[0])) for s in chunk]).to(target.device)
-        target.release(slots)
-        try:
-            out = target.verify(slots, tokens, lengths, tap_layers)
-        finally:
+        if taps_only:
+            chunk_taps = target.causal_taps(chunk, tap_layers)
+        else:
+            slots = list(range(len(chunk)))
+            lengths = [s.shape[0] for s in chunk]
+            tokens = torch.stack([F.pad(s, (0, max(lengths) - s.shape[0])) for s in chunk]).to(target.device)
             target.release(slots)
-        pad = width - out.logits.shape[1]
-        logits.append(F.pad(out.logits, (0, 0, 0, pad)))
+            try:
+                out = target.verify(slots, tokens, lengths, tap_layers)
+            finally:
+                target.release(slots)
+            chunk_taps = out.taps
+            if logits:
+                kept_logits.append(widen(out.logits))
         for layer in tap_layers:
-            taps[layer].append(F.pad(out.taps[layer], (0, 0, 0, pad)))
-    return torch.cat(logits), {layer: torch.cat(t) for layer, t in taps.items()}
-
-
-@torch.no_grad()
-def capture_taps(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]):
-    """capture's (logits, taps) without the logits (None): the target's causal_taps, in chunks of at
-    most max_slots sequences, padded to the longest; capture itself for a target without it."""
-    if not hasattr(type(target), "causal_taps"):
-        return None, capture(target, sequences, tap_layers)[1]
-    width = max(s.shape[0] for s in sequences)
-    taps = {layer: [] for layer in tap_layers}
-    for start in range(0, len(sequences), target.max_slots):
-        chunk = target.causal_taps(sequences[start : start + target.max_slots], tap_layers)
-        for layer in tap_layers:
-            taps[layer].append(F.pad(chunk[layer], (0, 0, 0, width - chunk[layer].shape[1])))
-    return None, {layer: torch.cat(t) for layer, t in taps.items()}
+            taps[layer].append(widen(chunk_taps[layer]))
+    return (torch.cat(kept_logits) if logits else None), {layer: torch.cat(t) for layer, t in taps.items()}
 
 
 @dataclass
@@ -121,12 +113,10 @@ class CaptureStore:
 
     def __init__(self, target, sequences: list[torch.Tensor], layers: tuple[int, ...], *, logits: bool = False,
                  dtype: torch.dtype = torch.bfloat16, budget_bytes: int | None = None, fingerprint: str = ""):
-        """The store captures with `capture`, or, when it keeps no logits, `capture_taps`."""
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes!r}: must be >= 0 (None = every sequence)")
         self.target, self.sequences, self.layers, self.dtype = target, sequences, tuple(layers), dtype
         self.keeps_logits = logits
-        self._capture = capture if logits else capture_taps
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.row_bytes = itemsize * (len(layers) * target.hidden_size + (target.vocab_size if logits else 0))
         lengths = [int(s.shape[0]) for s in sequences]
@@ -159,7 +149,7 @@ class CaptureStore:
         step = self.target.max_slots
         for start in tqdm(range(0, self.cached, step), desc="capture", disable=not progress):
             chunk = self.sequences[start : min(start + step, self.cached)]
-            logits, taps = self._capture(self.target, chunk, self.layers)
+            logits, taps = capture(self.target, chunk, self.layers, logits=self.keeps_logits)
             for i, s in enumerate(chunk):
                 rows = slice(self.offsets[start + i], self.offsets[start + i + 1])
                 n = s.shape[0]
@@ -187,8 +177,8 @@ class CaptureStore:
         logits = self.logits[index] if self.logits is not None else None
         online = [row for row, i in enumerate(pick) if i >= self.cached]
         if online:
-            online_logits, online_taps = self._capture(self.target, [self.sequences[pick[row]] for row in online],
-                                                       self.layers)
+            online_logits, online_taps = capture(self.target, [self.sequences[pick[row]] for row in online],
+                                                 self.layers, logits=self.keeps_logits)
             for j, row in enumerate(online):
                 n = lengths[row]
                 stacked[row, :n] = torch.stack([online_taps[layer][j, :n] for layer in self.layers], dim=1).to(self.dtype)

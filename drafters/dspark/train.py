@@ -36,7 +36,7 @@ from dspark.files import file_mode, write_atomic
 from dspark.progress import progress as progress_display
 from dspark.targets import eos_ids
 
-from .capture import BatchCapture, CaptureStore, capture, capture_taps  # noqa: F401 (capture: re-exported)
+from .capture import BatchCapture, CaptureStore, capture  # noqa: F401 (capture: the online path, re-exported)
 from .checkpoint import TRAINER_STATE_FILE, load_trainer_state, load_weights, read_tensors, save_checkpoint
 from .loss import dspark_loss, metrics_to_floats  # noqa: F401 (dspark_loss re-exported)
 from .model import DSparkModel
@@ -438,10 +438,11 @@ def train_together(
     last_step = first.config.steps if stop_after is None else min(first.config.steps, first.step + stop_after)
     bar = progress_display(first.config.steps, initial=first.step, desc="train", unit="step", disable=not progress)
     # Online, a batch is captured with logits only for a trainer whose teacher reads them.
-    online = capture if any(t.config.teacher == "logits" for t in trainers.values()) else capture_taps
+    logits = any(t.config.teacher == "logits" for t in trainers.values())
     while first.step < last_step:
         pick = first.batch()
-        captured = store.batch(pick) if store is not None else online(target, [first.sequences[i] for i in pick], layers)
+        captured = (store.batch(pick) if store is not None
+                    else capture(target, [first.sequences[i] for i in pick], layers, logits=logits))
         for name, t in trainers.items():
             if t.batch() != pick:  # same configs and data give the same batches; this guards a mix-up
                 raise ValueError(f"train_together: trainer {name!r} draws another batch at step {t.step}")
