@@ -438,10 +438,16 @@ def check_plan(work_dir: Path, plan: dict) -> None:
         write_atomic(path, json.dumps(plan, indent=1, sort_keys=True) + "\n")
         return
     earlier = json.loads(path.read_text())
-    for key in sorted(set(plan) | set(earlier)):
-        if plan.get(key) != earlier.get(key):
-            raise ValueError(f"--work-dir={str(work_dir)!r} holds a run with {key}={earlier.get(key)!r}, this one has "
-                             f"{plan.get(key)!r}; rerun with the same settings or give a fresh --work-dir")
+    key = first_difference(plan, earlier)
+    if key is not None:
+        raise ValueError(f"--work-dir={str(work_dir)!r} holds a run with {key}={earlier.get(key)!r}, this one has "
+                         f"{plan.get(key)!r}; rerun with the same settings or give a fresh --work-dir")
+
+
+def first_difference(plan: dict, earlier: dict, ignore: tuple[str, ...] = ()) -> str | None:
+    """The first key (in sorted order, outside `ignore`) on which two plans differ, or None."""
+    return next((key for key in sorted(set(plan) | set(earlier))
+                 if key not in ignore and plan.get(key) != earlier.get(key)), None)
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -538,6 +544,10 @@ def _record_call(work_dir: Path, entry: dict) -> list[dict]:
     return calls
 
 
+# What a plan records of the machine that generates; --assemble-only takes them from the run.
+MACHINE_FIELDS = ("gguf_sha256", "dtype", "device")
+
+
 def _plan_of_finished_run(work_dir: Path, own_plan: dict) -> tuple[dict, list[dict]]:
     """--assemble-only: the plan and calls of the run in work_dir, which must have generated every
     wave under this command's settings and prompts (the machine's fields, device, dtype and GGUF,
@@ -546,19 +556,15 @@ def _plan_of_finished_run(work_dir: Path, own_plan: dict) -> tuple[dict, list[di
     if not (plan_path.is_file() and calls_path.is_file()):
         raise ValueError(f"--work-dir={str(work_dir)!r}: no plan.json and calls.json of a run to assemble")
     plan = json.loads(plan_path.read_text())
-    for key in sorted(set(own_plan) | set(plan)):
-        if key not in MACHINE_FIELDS and own_plan.get(key) != plan.get(key):
-            raise ValueError(f"--work-dir={str(work_dir)!r} holds a run with {key}={plan.get(key)!r}, this command "
-                             f"has {own_plan.get(key)!r}")
+    key = first_difference(own_plan, plan, ignore=MACHINE_FIELDS)
+    if key is not None:
+        raise ValueError(f"--work-dir={str(work_dir)!r} holds a run with {key}={plan.get(key)!r}, this command "
+                         f"has {own_plan.get(key)!r}")
     calls = json.loads(calls_path.read_text())
     if not any(call.get("complete") for call in calls):
         raise ValueError(f"--work-dir={str(work_dir)!r}: the run has not generated every wave; rerun it without "
                          "--assemble-only")
     return plan, calls
-
-
-# What a plan records of the machine that generates; --assemble-only takes them from the run.
-MACHINE_FIELDS = ("gguf_sha256", "dtype", "device")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -616,9 +622,10 @@ def generate_waves(args, prompts: list[np.ndarray], settings: Settings, work_dir
     if device.type == "cuda":
         torch.cuda.synchronize()
     now = time.monotonic()
+    machine = provenance(device)
     calls = _record_call(work_dir, {"seconds": round(now - started, 1), "generate_seconds": round(now - generating, 1),
-                                    "complete": complete, "device": provenance(device)["device_name"],
-                                    "git_commit": provenance(device)["git_commit"]})
+                                    "complete": complete, "device": machine["device_name"],
+                                    "git_commit": machine["git_commit"]})
     return calls if complete else None
 
 
