@@ -452,7 +452,7 @@ def cache_gib(value: str) -> str | float:
     try:
         gib = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: 'auto', -1 (every sequence), 0 (none) or GiB > 0") from None
+        gib = math.nan
     if math.isnan(gib) or (gib < 0 and gib != -1):
         raise argparse.ArgumentTypeError(f"{value!r}: 'auto', -1 (every sequence), 0 (none) or GiB > 0")
     return gib
