@@ -88,7 +88,8 @@ def _check_ranges(labels: torch.Tensor, V: int, rows: torch.Tensor | None, M: in
 def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
                     markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
                     labels: torch.Tensor, *, indices_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, not indices_checked)
+    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels,
+                    check_ranges=not indices_checked)
     operands = (hidden, prev_embedding, lm_head, markov_w2)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in operands) else torch.float32
     logits = hidden.to(dtype) @ lm_head.to(dtype).t() + prev_embedding.to(dtype) @ markov_w2.to(dtype).t()

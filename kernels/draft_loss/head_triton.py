@@ -183,7 +183,8 @@ def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head:
     vocabulary splits (default: vocab_splits' choice); chunk_rows: the backward's rows per chunk
     (default: GRAD_BUFFER_BYTES). Both change the work's partition only; the tests set them to reach
     every path at small sizes."""
-    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, not indices_checked)
+    check_arguments(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels,
+                    check_ranges=not indices_checked)
     for name, value in (("splits", splits), ("chunk_rows", chunk_rows)):
         if value is not None and value < 1:
             raise ValueError(f"draft_head_loss: {name} must be >= 1, got {value}")
