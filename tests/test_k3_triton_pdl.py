@@ -19,23 +19,24 @@ triton = pytest.importorskip("triton")
 
 
 class Recorder:
-    """Stands in for a kernel module: every kernel launch records (kernel name, keyword arguments),
-    and in `calls` (package, kernel name, positional arguments, keyword arguments)."""
+    """Stands in for a kernel module: every kernel launch records (package, kernel name, positional
+    arguments, keyword arguments) in `calls`."""
 
     def __init__(self):
-        self.launches = []
         self.calls = []
         self.package = None
+
+    @property
+    def launches(self) -> list[tuple[str, dict]]:
+        """(kernel name, keyword arguments) of every launch."""
+        return [(name, kwargs) for _, name, _, kwargs in self.calls]
 
     def __getattr__(self, name):
         recorder, package = self, self.package
 
         class Launcher:
             def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    recorder.launches.append((name, kwargs))
-                    recorder.calls.append((package, name, args, kwargs))
-                return launch
+                return lambda *args, **kwargs: recorder.calls.append((package, name, args, kwargs))
 
         return Launcher()
 
