@@ -13,6 +13,8 @@ host-side aten calls, and the largest GPU kernels and host ops by name:
   AdamW) before issue 33 and now, in one run on the same batch (training_pieces says what each is);
   both in the precision the recipe trains in (TF32 float32 matmuls, the backbone under bf16 autocast);
 - held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
+- capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
+  sequences of its batch that the capture store does not hold (capture_pieces says what each is).
 
     python experiments/smollm2_profile.py --pieces train --out experiments/results/h200/smollm2_profile_train.json
 """
@@ -189,6 +191,35 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     save()
 
 
+def capture_pieces(config, weights, args, out: dict, save) -> None:
+    """What a training step pays for the part of its batch the capture store does not hold, on the
+    recipe's first batch: capture_taps, the target's taps and LM-head input as the recipe's online
+    capture takes them now (causal_taps: float32 weights, TF32 matmuls); capture_taps_autocast, the
+    same forward under bf16 autocast (bf16 GEMMs and attention, float32 residual; the store keeps
+    bf16 anyway); store_online, CaptureStore.batch with nothing cached (the capture plus the gather
+    and the per-row copies into the batch)."""
+    ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
+    sequences, _, data = profiled_batch(args, ns, config)
+    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=data["buckets"][1], attention="batched")
+    layers = tuple(recipe.drafter_config(target, "dspark", ns.layers, ns.markov_rank).target_layer_ids) + (config.num_layers,)
+    out["capture_batch"] = data
+    cuda = target.device.type == "cuda"
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cuda)
+    store = CaptureStore(target, sequences, layers, dtype=torch.bfloat16, budget_bytes=0)
+    store.fill(progress=False)
+    pieces = {"capture_taps": lambda: capture(target, sequences, layers, logits=False),
+              "store_online": lambda: store.batch(list(range(len(sequences))))}
+    with recipe.tf32_on_cuda(target.device):
+        for name, fn in pieces.items():
+            fn()  # allocator warm-up
+            out[name] = measured(fn, 5)
+            save()
+        with autocast:
+            pieces["capture_taps"]()
+            out["capture_taps_autocast"] = measured(pieces["capture_taps"], 5)
+            save()
+
+
 def profiled_batch(args, ns, config) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
     """The first batch the recipe trains on from --sequences (its lengths and loss masks are what set a
     step's cost; the tokens are the file's), with the recipe's one-shape buckets of that file; without a
@@ -233,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each training piece (compiles)")
     ap.add_argument("--held-out-prompts", type=int, default=64, help="0: no held_out piece")
     ap.add_argument("--held-out-tokens", type=int, default=128)
-    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, train")
+    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, capture, train")
     ap.add_argument("--reference-loss", action="store_true",
                     help="the training step with the torch reference of draft_loss_terms (default on CUDA: Triton)")
     ap.add_argument("--seed", type=int, default=0)
@@ -261,6 +292,8 @@ def main(argv=None) -> int:
         save()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if "capture" in pieces:
+        capture_pieces(config, weights, args, result, save)
     if "train" in pieces:
         try:
             training_pieces(config, weights, args, result, save)
@@ -268,11 +301,12 @@ def main(argv=None) -> int:
             print(f"smollm2_profile: error: {error}", file=sys.stderr)
             return 2
     save()
-    for name in ("decode", "capture", "train_before", "train_after", "held_out"):
+    for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "store_online", "train_before",
+                 "train_after", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"
-            print(f"{name:9s} wall {r['wall_ms']:9.1f} ms  gpu {r['gpu_ms']:9.1f} ms  kernels {r['kernels']:6d}  "
+            print(f"{name:21s} wall {r['wall_ms']:9.1f} ms  gpu {r['gpu_ms']:9.1f} ms  kernels {r['kernels']:6d}  "
                   f"aten {r['aten_calls']:6d}  top: {top}")
     return 0
 
