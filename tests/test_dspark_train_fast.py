@@ -329,6 +329,38 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
         target.causal_taps(bad, layers)
 
 
+def test_causal_taps_launch_as_many_ops_for_one_sequence_as_for_many():
+    """The online capture's cost on a GPU was its launches (one SDPA per sequence per layer): causal_taps
+    now dispatches the same float ops whatever the batch size, and a row's taps stay its own to float
+    rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # The layers' float work, which runs on the GPU; the token ids are padded on the host.
+            self.ops += any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in torch.utils._pytree.tree_leaves(out))
+            return out
+
+    target = tiny_llama(SEED % 1019, max_slots=8)
+    g = torch.Generator().manual_seed(SEED)
+    seqs = [torch.randint(0, target.vocab_size, (int(n),), generator=g) for n in torch.randint(3, 41, (7,), generator=g)]
+    layers = (0, target.num_layers)
+    counts, taps = [], []
+    for batch in ([seqs[0]], seqs):
+        with Count() as count:
+            taps.append(target.causal_taps(batch, layers))
+        counts.append(count.ops)
+    assert counts[0] == counts[1], f"ops for 1 and {len(seqs)} sequences: {counts}"
+    for layer in layers:
+        n = len(seqs[0])
+        torch.testing.assert_close(taps[1][layer][0, :n], taps[0][layer][0, :n], rtol=1e-5, atol=1e-6)
+
+
 def test_a_store_gives_the_online_capture_losses_and_keeps_what_fits():
     """Taps and the LM head's input captured once (float32) give the losses of capturing every
     step with the target's own logits; bf16 within its rounding; a byte budget caches the first

@@ -179,11 +179,13 @@ class CaptureStore:
         if online:
             online_logits, online_taps = capture(self.target, [self.sequences[pick[row]] for row in online],
                                                  self.layers, logits=self.keeps_logits)
-            for j, row in enumerate(online):
-                n = lengths[row]
-                stacked[row, :n] = torch.stack([online_taps[layer][j, :n] for layer in self.layers], dim=1).to(self.dtype)
-                if logits is not None:
-                    logits[row, :n] = online_logits[j, :n].to(self.dtype)
+            # One copy for all online rows: past each row's length both sides are zero (the store's pad
+            # row; capture's padding).
+            rows = torch.tensor(online, device=stacked.device)
+            width_online = online_taps[self.layers[0]].shape[1]
+            stacked[rows, :width_online] = torch.stack([online_taps[layer] for layer in self.layers], dim=2).to(self.dtype)
+            if logits is not None:
+                logits[rows, :width_online] = online_logits.to(self.dtype)
         taps = {layer: stacked[:, :, k] for k, layer in enumerate(self.layers)}
         return BatchCapture(taps=taps, logits=logits, stacked=(self.layers, stacked))
 

@@ -411,39 +411,39 @@ class LlamaTarget:
     def causal_taps(self, sequences: list[torch.Tensor], tap_layers) -> dict[int, torch.Tensor]:
         """Taps {layer: [B, S, d]} of whole sequences from position 0, padded with zeros to the
         longest: what verify on free slots returns as taps (dspark.protocols.TargetOutput), to float
-        summation order, without the cache, the slots or the logits. As in verify, the GEMMs run over
-        the flat rows of every sequence, and each sequence attends over itself alone (one causal
-        SDPA, its own length): a row's value does not depend on the other sequences of its batch,
-        whose padding would otherwise change SDPA's blocking. For a drafter's trainer, which reads
-        taps and the LM head's input (tap num_layers) and never the logits."""
+        summation order, without the cache, the slots or the logits. For a drafter's trainer, which
+        reads taps and the LM head's input (tap num_layers) and never the logits.
+
+        The batch runs right-padded, [B, S] rows through every op and one causal SDPA per layer:
+        a real row i attends keys 0..i, all real, so padding never enters its softmax. A launch count
+        that does not grow with B is the point: a loop of one SDPA per sequence was ~280 kernels a
+        layer at B = 16 and host-bound (experiments/notes/smollm2.md). A row's value therefore
+        depends on its batch's shape to float rounding (the kernels block by S), not bitwise."""
         taps = self._check_taps(tap_layers)
         if not sequences or any(s.dim() != 1 or not 1 <= len(s) <= self.max_seq_len for s in sequences):
             raise ValueError(f"sequences: need 1-D token tensors of 1 to max_seq_len={self.max_seq_len} tokens")
         c, w = self.config, self.weights
         lengths = [len(s) for s in sequences]
         B, S = len(sequences), max(lengths)
-        padded = torch.stack([torch.nn.functional.pad(s.to(torch.long), (0, S - len(s))) for s in sequences])
-        fed = torch.arange(S, device=padded.device) < torch.tensor(lengths, device=padded.device)[:, None]
+        padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True).to(torch.long)
+        fed = torch.arange(S) < torch.tensor(lengths)[:, None]
         self._check_token_ids("sequences", padded, fed)  # where they are: the host, for a trainer
-        request, column = (t.to(self.device, non_blocking=True) for t in _row_places(lengths))
-        cos, sin = self.rope_cos[column].unsqueeze(1), self.rope_sin[column].unsqueeze(1)
-        spans = torch.tensor([0] + lengths).cumsum(0).tolist()
+        fed = fed.to(self.device, non_blocking=True)[..., None]
+        cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]: each column's position
         linear = torch.nn.functional.linear
         group = c.num_heads // c.num_kv_heads
-        x = w.embedding[torch.cat([s.to(torch.long) for s in sequences]).to(self.device, non_blocking=True)]  # [N, d]
+        x = w.embedding[padded.to(self.device, non_blocking=True)]  # [B, S, d]
         out = {-1: x} if -1 in taps else {}
         for layer_index, layer in enumerate(w.layers):
-            q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
+            q, k, v = (t.transpose(1, 2) for t in self._attention_inputs(layer, x, cos, sin, linear))  # [B, h, S, hd]
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
-            attended = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-                *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=self.scale).transpose(0, 1)
-                for a, b in zip(spans, spans[1:])])  # [N, heads, hd]
-            x = self._ffn(layer, x + linear(attended.flatten(1), layer.attn_output), linear)
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            x = self._ffn(layer, x + linear(attended.transpose(1, 2).flatten(2), layer.attn_output), linear)
             if layer_index in taps:
                 out[layer_index] = x
         if self.num_layers in taps:
             out[self.num_layers] = rms_norm(x, w.output_norm, c.rms_norm_eps)
-        return {layer: self._pad(t, request, column, B, S) for layer, t in out.items()}
+        return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
