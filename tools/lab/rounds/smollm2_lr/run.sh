@@ -27,8 +27,8 @@ export PYTHONPATH=/tmp/site:$PYTHONPATH
 # captured per step (--cache-gib 0: the A/B's 48k sequences are not worth a store of a third of them).
 timeout $((575 - SECONDS)) python3 experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf \
   --work-dir /tmp/smollm2/work --variants dspark --init-layers 25,26,27,28,29 \
-  --lr-ab 6e-4,1.2e-3,2e-3 --lr-ab-steps 1000 --only-lr-ab --cache-gib 0 \
+  --lr-ab 6e-4,1.2e-3,2e-3 --lr-ab-steps 1000 --only-lr-ab --only-train --cache-gib 0 \
   --capture-file '' --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_lr_ab.json" > "$OUT/run.log" 2>&1
-echo "run rc $? (3: the A/B is done)"
+echo "run rc $? (3: stopped early; done once the log names the best peak)"
 grep -E "step [0-9]+|held-out|phase|best" "$OUT/run.log" | tail -16
 tail -3 "$OUT/run.log"
