@@ -97,6 +97,7 @@ from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, re
 from dspark.drafters.dspark.capture import CaptureStore
 from dspark.drafters.dspark.train import (TrainConfig, Trainer, generate_sequences, lr_area, response_loss_masks,
                                           train_together)
+from dspark.drafters.hybrid import HybridDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.files import atomic_path, write_atomic
@@ -662,11 +663,17 @@ def tokens_per_second(target, drafter, prompts, eos: int, max_tokens: int) -> fl
 
 def make_drafters(models: dict[str, DSparkModel], target, mode: str) -> dict:
     """T > 0 drafts probabilistically (drafts sampled from q, q returned for rejection sampling);
-    greedy decoding drafts the argmax."""
+    greedy decoding drafts the argmax. The hybrid (issue 33's optional row, never counted as DSpark):
+    n-gram's continuation where a match of >= 2 tokens exists, DSpark's block otherwise."""
     method = "greedy" if mode == "greedy" else "probabilistic"
-    drafters = {name: DSparkDrafter(m, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=method)
-                for name, m in models.items()}
+
+    def dspark_drafter(model):
+        return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=method)
+
+    drafters = {name: dspark_drafter(m) for name, m in models.items()}
     drafters["ngram"] = NgramDrafter(1, 4)
+    if "dspark" in models:
+        drafters["hybrid"] = HybridDrafter(dspark_drafter(models["dspark"]), NgramDrafter(2, 4))
     return drafters
 
 
@@ -681,7 +688,8 @@ def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, d
             raise StoppedEarly(f"evaluation: before {set_name} {mode} (--time-limit)")
         sampling = SamplingParams(temperature=temperature, max_tokens=args.eval_tokens)
         runs, recorder = {}, RoundRecorder(BLOCK)  # DSpark's confidence rounds come from its own run
-        for name, drafter in make_drafters(models, target, mode).items():
+        drafters = make_drafters(models, target, mode)
+        for name, drafter in drafters.items():
             runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed,
                                     observer=recorder if name == "dspark" else None)
         entry = {"prompts": len(prompts), "bootstrap": bootstrap(runs, args.bootstrap, args.seed)}
@@ -689,6 +697,8 @@ def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, d
                                                       "acceptance_length_vllm", "drafts")}
                                 | {"output_tokens": int(sum(r["tokens"])), "steps": int(sum(r["steps"]))}
                                 for d, r in runs.items()}
+        if "hybrid" in drafters:
+            entry["per_drafter"]["hybrid"]["rows"] = dict(drafters["hybrid"].rows)  # which drafter drafted a step's row
         if mode == "greedy":
             plain = engine_run(target, None, prompts, sampling, eos, args.seed)["token_ids"]
             entry["greedy_equals_plain"] = greedy_agreement(plain, runs)

@@ -137,15 +137,18 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert result["capture_store"]["cached_sequences"] == 4 and (tmp_path / "work" / "capture.bin.json").is_file()
     for set_name, mode in (("humaneval", "greedy"), ("mtbench", "t1")):
         boot = result["eval"][set_name][mode]["bootstrap"]
-        for drafter in ("dspark", "dflash_ablation", "ngram"):
+        for drafter in ("dspark", "dflash_ablation", "ngram", "hybrid"):
             low, high = boot[drafter]["ci95"]
             assert 1.0 <= low <= boot[drafter]["acceptance_length"] <= high <= 1.0 + recipe.BLOCK
+        rows = result["eval"][set_name][mode]["per_drafter"]["hybrid"]["rows"]  # who drafted the hybrid's rows
+        assert set(rows) == {"ngram", "dspark"} and sum(rows.values()) > 0
         assert "dspark_over_ngram" in boot and len(result["eval"][set_name][mode]["confidence"]["sts"]["positions"]) == 7
         for drafter, entry in result["eval"][set_name][mode]["per_drafter"].items():  # vLLM's AL beside ours
             assert 1.0 <= entry["acceptance_length_vllm"] <= 1.0 + recipe.BLOCK and entry["drafts"] <= entry["steps"]
     # The CPU reference target is row-invariant: greedy output equals plain decoding's exactly.
     agreement = result["eval"]["humaneval"]["greedy"]["greedy_equals_plain"]
-    assert {name: a["identical"] for name, a in agreement.items()} == {"dspark": 1, "dflash_ablation": 1, "ngram": 1}
+    assert {name: a["identical"] for name, a in agreement.items()} == {"dspark": 1, "dflash_ablation": 1, "ngram": 1,
+                                                                        "hybrid": 1}
     assert len(result["calibration"]["temperatures"]) == 7 and set(result["tokens_per_s_batch1"]) >= {"plain", "ngram"}
     with np.load(tmp_path / "work" / "sequences.npz") as seqs:
         assert seqs["tokens"].dtype == np.uint16 and len(seqs["offsets"]) == 5

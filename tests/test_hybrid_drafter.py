@@ -1,0 +1,77 @@
+"""The hybrid drafter (drafters/hybrid.py): n-gram's continuation where a request repeats itself,
+DSpark's block elsewhere. Greedy output equals plain decoding with both drafters proposing rows,
+and probabilistic drafting keeps the target's sequence distribution (the shared chi-square test,
+shown to fail with the broken sampler)."""
+import os
+import types
+
+import pytest
+import torch
+
+from dspark.config import SamplingParams, SpecConfig
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.hybrid import HybridDrafter
+from dspark.drafters.ngram import NgramDrafter
+from dspark.engine import Engine
+from dspark.targets.toy import MarkovTarget
+from dspark_fixtures import one_thread  # noqa: F401 (autouse fixture)
+
+from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
+
+
+def toy_dspark(target, slots: int, method: str = "greedy") -> DSparkDrafter:
+    """A random one-layer DSpark drafter over the toy Markov target's vocabulary."""
+    vocab = target.vocab_size
+    cfg = DSparkConfig(name="toy_dspark", vocab_size=vocab, hidden_size=target.hidden_size, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=4, intermediate_size=16, attention_type="gqa", rope_interleaved=False,
+                       max_position_embeddings=256, target_hidden_size=target.hidden_size, target_num_layers=1,
+                       target_layer_ids=(-1,), block_size=2, mask_token_id=vocab - 1, markov_rank=4).validate()
+    return DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()), slots, max_seq_len=target.max_seq_len,
+                         draft_sample_method=method)
+
+
+def test_greedy_hybrid_output_equals_plain_decoding_with_both_drafters_proposing():
+    """The order-2 toy target's greedy text is a function of its last two tokens: over 8 tokens
+    (64 pairs) it must repeat a pair within 66 tokens and cycle from there, so n-gram matches
+    come; a prompt of two distinct tokens has no 2-token match, so DSpark drafts the first step."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    prompts = [torch.randperm(8)[:2].tolist() for _ in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+    def target():
+        return MarkovTarget(8, seed=seed % 1000, max_slots=3, max_seq_len=128)
+
+    plain = Engine(target(), None, SpecConfig(num_speculative_tokens=0)).generate(prompts, greedy)
+    speculative = target()
+    hybrid = HybridDrafter(toy_dspark(speculative, 3), NgramDrafter(2, 4))
+    outs = Engine(speculative, hybrid, SpecConfig(num_speculative_tokens=2)).generate(prompts, greedy)
+    for ours, reference in zip(outs, plain):
+        assert ours.token_ids == reference.token_ids, (seed, ours.request_id)
+    assert hybrid.rows["ngram"] > 0 and hybrid.rows["dspark"] >= len(prompts), (seed, hybrid.rows)
+
+
+@pytest.mark.parametrize("sampler,should_pass", [(None, True), (broken_sampler, False)])
+def test_probabilistic_hybrid_drafts_preserve_the_distribution(sampler, should_pass):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    n = 20_000
+    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
+    dspark = toy_dspark(target, n, "probabilistic")
+    # One-token matches, so that most steps mix n-gram (one-hot q) and DSpark (sampled q) rows.
+    hybrid = HybridDrafter(dspark, NgramDrafter(1, 2))
+    engine = Engine(target, hybrid, SpecConfig(num_speculative_tokens=2, draft_sample_method="probabilistic", seed=seed),
+                    sampler=sampler)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
+    outputs = engine.generate([PROMPT] * n, params)
+    assert all(len(o.token_ids) == GEN for o in outputs)
+    assert min(hybrid.rows.values()) > n // 10, hybrid.rows
+    pvalue = chi2_pvalue(outputs, exact_sequence_probs(target, params))
+    assert (pvalue > 1e-3) == should_pass, (seed, pvalue)
+
+
+def test_a_dspark_drafter_that_commits_on_the_device_is_refused():
+    with pytest.raises(ValueError, match="commits on the device"):
+        HybridDrafter(types.SimpleNamespace(commits_on_device=True), NgramDrafter(2, 4))
