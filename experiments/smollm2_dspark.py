@@ -909,7 +909,7 @@ def run(args) -> dict:
         raise RecipeError(f"--work-dir={args.work_dir!r} continues {results['start_from']['file']!r}: "
                           "rerun with the same --start-from")
     if args.profile_json:  # the training step before and after (experiments/smollm2_profile.py)
-        results["step_profile"] = step_profile(Path(args.profile_json))
+        results["step_profile"] = [step_profile(Path(path)) for path in args.profile_json]
     eos = config.eos_token_id
     sets = load_prompt_sets(Path(args.data))
     fits = lambda p: not args.max_prompt_len or len(p) <= args.max_prompt_len  # noqa: E731
@@ -984,13 +984,15 @@ def evaluation_phase(args, make_target, models, sets, calibration, eos: int, wor
 
 def step_profile(path: Path) -> dict:
     """The DSpark training step before and after (experiments/smollm2_profile.py's train_before and
-    train_after): wall, GPU time, kernels, aten calls and peak memory of each."""
+    train_after) and what a batch's capture outside the store costs (capture_taps, store_online):
+    wall, GPU time, kernels, aten calls and peak memory of each piece the file has."""
     if not path.is_file():
         raise RecipeError(f"--profile-json={str(path)!r}: no such file")
     profile = json.loads(path.read_text())
     keys = ("wall_ms", "gpu_ms", "kernels", "aten_calls", "peak_memory_gib")
     return {"file": path.name, "git_commit": profile.get("git_commit"), "device": profile.get("device"),
-            **{piece: {k: profile[piece].get(k) for k in keys} for piece in ("train_before", "train_after") if piece in profile}}
+            **{piece: {k: profile[piece].get(k) for k in keys}
+               for piece in ("train_before", "train_after", "capture_taps", "store_online") if piece in profile}}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -1073,8 +1075,9 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")
-    r.add_argument("--profile-json", default="", help="experiments/smollm2_profile.py's output: the step before/after, "
-                                                        "copied into the results")
+    r.add_argument("--profile-json", action="append", default=[],
+                   help="experiments/smollm2_profile.py's output (repeatable: --pieces train and --pieces capture): "
+                        "the step before/after and the capture outside the store, copied into the results")
     return ap.parse_args(argv)
 
 

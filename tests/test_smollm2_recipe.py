@@ -65,6 +65,23 @@ def test_init_layers_option_names_the_value():
         recipe.init_layer_ids("0,30", 2, 30)
 
 
+def test_the_step_profiles_are_copied_into_the_results(tmp_path):
+    """--profile-json, given twice (smollm2_profile.py --pieces train, then --pieces capture), lands in
+    the results as one entry per file with the pieces each has; a missing file is named."""
+    piece = {"wall_ms": 38.4, "gpu_ms": 29.8, "kernels": 740, "aten_calls": 2154, "peak_memory_gib": 7.8, "top_gpu": []}
+    files = {"train.json": {"git_commit": "abc1234", "train_before": piece, "train_after": piece},
+             "capture.json": {"git_commit": "def5678", "capture_taps": piece, "store_online": piece}}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    args = recipe.parse(["run", "--profile-json", str(tmp_path / "train.json"), "--profile-json", str(tmp_path / "capture.json")])
+    profiles = [recipe.step_profile(Path(path)) for path in args.profile_json]
+    assert [sorted(k for k in p if k not in ("file", "git_commit", "device")) for p in profiles] == [
+        ["train_after", "train_before"], ["capture_taps", "store_online"]]
+    assert profiles[1]["capture_taps"] == {k: piece[k] for k in ("wall_ms", "gpu_ms", "kernels", "aten_calls", "peak_memory_gib")}
+    with pytest.raises(recipe.RecipeError, match="missing.json"):
+        recipe.step_profile(tmp_path / "missing.json")
+
+
 def test_static_buckets_give_every_batch_of_the_data_one_shape():
     """The most valid anchors of any sequence (capped, a multiple of 16) and its longest length (a
     multiple of 128): every batch's anchors and width then round up to exactly these."""

@@ -30,7 +30,8 @@ fi
 timeout $((575 - SECONDS)) python3 experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf \
   --work-dir /tmp/smollm2/work --variants "${VARIANTS:-dspark}" "${extra[@]}" \
   --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 --eval-every 2500 \
-  --speed-prompts 2 --capture-file '' --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
+  --speed-prompts 2 --capture-file '' --profile-json experiments/results/h100/smollm2_profile_train.json \
+  --profile-json experiments/results/h100/smollm2_profile_capture.json --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
 echo "run rc $?"
 grep -E "capture store|step [0-9]+|held-out|phase" "$OUT/run.log" | tail -12
 tail -3 "$OUT/run.log"
