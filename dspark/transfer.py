@@ -8,12 +8,18 @@ import torch
 from .cuda_graphs import current_stream
 
 
-def long_tensor_on(values: list[int], device: torch.device) -> torch.Tensor:
-    """A long tensor of `values` on `device` (pinned staging and an asynchronous copy on CUDA)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
+def tensor_on(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on `device`: on CUDA through a pinned copy and an asynchronous upload,
+    which the host does not wait for (the caching host allocator keeps the pinned block until the
+    upload has run)."""
+    if torch.device(device).type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def long_tensor_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of `values` on `device` (pinned staging and an asynchronous copy on CUDA)."""
+    return tensor_on(torch.tensor(values, dtype=torch.long), device)
 
 
 class LongStaging:

@@ -358,7 +358,7 @@ def test_causal_taps_launch_as_many_ops_for_one_sequence_as_for_many():
     assert counts[0] == counts[1], f"ops for 1 and {len(seqs)} sequences: {counts}"
     for layer in layers:
         n = len(seqs[0])
-        torch.testing.assert_close(taps[1][layer][0, :n], taps[0][layer][0, :n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(taps[1][layer][0, :n], taps[0][layer][0, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_a_store_gives_the_online_capture_losses_and_keeps_what_fits():
@@ -393,8 +393,9 @@ def test_a_store_gives_the_online_capture_losses_and_keeps_what_fits():
     whole, part = stores["all"].batch(pick, width=48), stores["part"].batch(pick, width=48)
     assert part.stacked[1].shape == (3, 48, 3, target.hidden_size)
     # Cached or captured now, the same values, up to the batched target's float32 rounding over another
-    # batch shape (its GEMMs block differently: not bitwise, ~1e-7 relative).
-    torch.testing.assert_close(part.stacked[1], whole.stacked[1], rtol=1e-5, atol=1e-6)
+    # batch shape (its GEMMs and its padded SDPA block differently: not bitwise, seen up to ~1.1e-6 on
+    # values of unit scale); a wrong row or position moves them by O(1).
+    torch.testing.assert_close(part.stacked[1], whole.stacked[1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_saved_store_loads_only_for_the_same_sequences(tmp_path):

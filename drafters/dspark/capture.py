@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dspark.files import atomic_path, write_atomic
+from dspark.transfer import long_tensor_on, tensor_on
 
 
 @torch.no_grad()
@@ -48,7 +49,7 @@ def capture(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...], 
         else:
             slots = list(range(len(chunk)))
             lengths = [s.shape[0] for s in chunk]
-            tokens = torch.stack([F.pad(s, (0, max(lengths) - s.shape[0])) for s in chunk]).to(target.device)
+            tokens = tensor_on(torch.stack([F.pad(s, (0, max(lengths) - s.shape[0])) for s in chunk]), target.device)
             target.release(slots)
             try:
                 out = target.verify(slots, tokens, lengths, tap_layers)
@@ -172,7 +173,7 @@ class CaptureStore:
         for row, (i, n) in enumerate(zip(pick, lengths)):
             if i < self.cached:
                 index[row, :n] = torch.arange(self.offsets[i], self.offsets[i] + n)
-        index = index.to(self.taps.device, non_blocking=True)
+        index = tensor_on(index, self.taps.device)
         stacked = self.taps[index]  # [B, width, layers, d]
         logits = self.logits[index] if self.logits is not None else None
         online = [row for row, i in enumerate(pick) if i >= self.cached]
@@ -181,7 +182,7 @@ class CaptureStore:
                                                  self.layers, logits=self.keeps_logits)
             # One copy for all online rows: past each row's length both sides are zero (the store's pad
             # row; capture's padding).
-            rows = torch.tensor(online, device=stacked.device)
+            rows = long_tensor_on(online, stacked.device)
             width_online = online_taps[self.layers[0]].shape[1]
             stacked[rows, :width_online] = torch.stack([online_taps[layer] for layer in self.layers], dim=2).to(self.dtype)
             if logits is not None:

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from dspark.transfer import tensor_on
+
 TILE = 128  # FlexAttention's default sparse block size, for queries and keys alike
 
 
@@ -73,8 +75,8 @@ def block_mask(anchors: torch.Tensor, context: int, block_size: int, device):
 
     partial, full = tile_masks(anchors, context, block_size)
     host = (*_ordered(partial), *_ordered(full))
-    count, indices, full_count, full_indices = (t.to(device, non_blocking=True) for t in host)
-    mask_mod = slot_mask(anchors.to(device, non_blocking=True), context, block_size)
+    count, indices, full_count, full_indices = (tensor_on(t, device) for t in host)
+    mask_mod = slot_mask(tensor_on(anchors, device), context, block_size)
     q_len = anchors.shape[1] * block_size
     return BlockMask.from_kv_blocks(count, indices, full_count, full_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                     seq_lengths=(q_len, context + q_len))

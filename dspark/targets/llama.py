@@ -25,6 +25,7 @@ import torch
 
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
+from dspark.transfer import tensor_on
 
 from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf, optional_int
 from .prefill import checked_chunk_tokens, prefill_in_chunks
@@ -428,11 +429,11 @@ class LlamaTarget:
         padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True).to(torch.long)
         fed = torch.arange(S) < torch.tensor(lengths)[:, None]
         self._check_token_ids("sequences", padded, fed)  # where they are: the host, for a trainer
-        fed = fed.to(self.device, non_blocking=True)[..., None]
+        fed = tensor_on(fed, self.device)[..., None]
         cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]: each column's position
         linear = torch.nn.functional.linear
         group = c.num_heads // c.num_kv_heads
-        x = w.embedding[padded.to(self.device, non_blocking=True)]  # [B, S, d]
+        x = w.embedding[tensor_on(padded, self.device)]  # [B, S, d]
         out = {-1: x} if -1 in taps else {}
         for layer_index, layer in enumerate(w.layers):
             q, k, v = (t.transpose(1, 2) for t in self._attention_inputs(layer, x, cos, sin, linear))  # [B, h, S, hd]

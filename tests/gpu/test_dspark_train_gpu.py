@@ -3,6 +3,7 @@ block-sparse pass against the dense SDPA pass (loss and gradients), the compiled
 one and no recompilation from batch to batch of one bucketed shape, and the bf16 capture store against
 online capture through a real (random) Llama target."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -139,3 +140,39 @@ def test_flex_attention_refuses_heads_below_its_gpu_minimum_naming_the_fix():
     with pytest.raises(ValueError, match="attention='flex': head dimensions 8 .* must be >= 16; train this drafter "
                                          "with attention='sdpa'"):
         flex.flex_attend(q, q, q, None, 1.0)
+
+
+def test_a_steps_host_work_does_not_wait_for_the_gpu():
+    """The block mask, the store's gather with its online capture, and the target's causal taps
+    upload their host indices through pinned memory: queued behind a long kernel, each returns to the
+    host before the kernel ends (a pageable copy would wait for the whole stream), and the values,
+    read after it, are the ones computed with the stream idle."""
+    from dspark.drafters.dspark import flex
+
+    target, cpu_tests = tiny_llama_on_cuda(17)
+    seqs, _ = cpu_tests.data(target, 6, 18)
+    store = CaptureStore(target, seqs, (0, 2, target.num_layers), dtype=torch.float32,
+                         budget_bytes=(len(seqs[0]) + len(seqs[1])) * 3 * target.hidden_size * 4)
+    store.fill(progress=False)
+    anchors = torch.sort(torch.randint(1, 40, (3, 12)), dim=1).values
+    def uploaded_mask():
+        mask = flex.block_mask(anchors, 48, 4, "cuda")
+        return torch.cat([mask.kv_num_blocks.flatten(), mask.kv_indices.flatten()])
+
+    work = {"block_mask": uploaded_mask,
+            "store_batch": lambda: store.batch([4, 1, 5]).stacked[1],
+            "causal_taps": lambda: target.causal_taps([seqs[i] for i in (2, 3)], (0, target.num_layers))[0]}
+    idle = {name: fn().clone() for name, fn in work.items()}
+    torch.cuda.synchronize()
+    for name, fn in work.items():
+        fn()  # allocator and pinned-block warm-up
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy stream at the H100's clocks
+        began = time.perf_counter()
+        queued = fn()
+        host = time.perf_counter() - began
+        stream_left = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert stream_left, f"{name}: the stream went idle while the host worked ({host:.3f} s)"
+        assert host < 0.3, f"{name}: {host:.3f} s on the host behind a busy stream: it waited for the GPU"
+        torch.testing.assert_close(queued, idle[name], rtol=0, atol=0, msg=name)

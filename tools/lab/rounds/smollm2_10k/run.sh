@@ -6,6 +6,7 @@
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT               # later calls: resume the run
 # VARIANTS (dspark or dflash_ablation) picks the drafter this session trains; FINISHED, the other's pack.
 set -u
+R=$PWD
 source tools/lab/device_env.sh
 export DSPARK_GIT_COMMIT=$1
 mode=${2:-run}
@@ -14,6 +15,11 @@ if [ "$mode" != run ]; then
   if [ "$mode" = keep-pack ]; then
     mkdir -p /tmp/smollm2/pack && cp experiments/stage/pack/* /tmp/smollm2/pack/ || exit 1
     ls /tmp/smollm2/pack/drafters.safetensors.part* | wc -l; exit 0
+  fi
+  if [ "$mode" = keep ] && [ ! -f /tmp/smollm2/.tested ]; then  # call A: the training path's GPU tests first
+    (cd /tmp && timeout 150 python3 -m pytest "$R/tests/gpu/test_dspark_train_gpu.py" \
+      "$R/tests/gpu/test_transfer_gpu.py" -q -p no:cacheprovider > "$OUT/gpu_tests_train.log" 2>&1
+     echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests_train.log"); touch /tmp/smollm2/.tested
   fi
   [ "$mode" = keep ] && exit 0
   python3 experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 || exit 1
