@@ -499,6 +499,7 @@ SWITCHES = {
     "token_gather": ("dspark.kernels.moe.expert_layout", "TOKEN_GATHER", {"torch": "torch", "triton": "triton"}),
     "linear_fused_reduce": ("dspark.kernels.linear.cute_host", "FUSED_REDUCE", {"0": False, "1": True}),
     "triton_pdl": ("dspark.kernels.triton_common", "PDL", {"0": False, "1": True}),
+    "linear_hopper_rows": ("dspark.kernels.linear.cute_host", "HOPPER_MAX_TOKENS", {"16": 16, "64": 64}),
 }
 
 
@@ -513,7 +514,8 @@ def applied(setting: str):
     builds the expert kernels' token operand in three torch launches or one Triton launch;
     `linear_fused_reduce=0|1` sums the CuTe GEMMs' split-K partials in a second kernel or in the
     GEMM kernel itself; `triton_pdl=0|1` launches the step's Triton kernels plainly or with
-    programmatic dependent launch (kernels/triton_common.py)."""
+    programmatic dependent launch (kernels/triton_common.py); `linear_hopper_rows=16|64` sends a step's
+    GEMMs of 17-64 rows to cuBLAS or to the Hopper skinny GEMM's 32- and 64-row tiles."""
     import importlib
 
     from dspark.kernels import registry
@@ -558,7 +560,7 @@ def main(argv=None) -> int:
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
                              "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
                              "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
-                             "linear_fused_reduce=0|1, triton_pdl=0|1")
+                             "linear_fused_reduce=0|1, triton_pdl=0|1, linear_hopper_rows=16|64")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

@@ -217,10 +217,10 @@ def test_the_launch_switches_are_set_and_restored(bench):
     from dspark.kernels.linear import cute_host
 
     # the defaults until measured at the rank's shapes
-    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False
-    with bench.applied("linear_fused_reduce=1,triton_pdl=1"):
-        assert cute_host.FUSED_REDUCE is True and triton_common.PDL is True
-    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False
+    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False and cute_host.HOPPER_MAX_TOKENS == 16
+    with bench.applied("linear_fused_reduce=1,triton_pdl=1,linear_hopper_rows=64"):
+        assert cute_host.FUSED_REDUCE is True and triton_common.PDL is True and cute_host.HOPPER_MAX_TOKENS == 64
+    assert cute_host.FUSED_REDUCE is False and triton_common.PDL is False and cute_host.HOPPER_MAX_TOKENS == 16
     with pytest.raises(SystemExit, match="linear_fused_reduce='2'"):
         with bench.applied("linear_fused_reduce=2"):
             pass

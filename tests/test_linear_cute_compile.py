@@ -4,7 +4,8 @@ Nothing runs here (no GPU): each kernel variant is traced, lowered and assembled
 with the target named explicitly, and the PTX must contain the tensor-core instructions the design
 relies on: `wgmma` for sm_90a (Hopper), `tcgen05` for sm_103a (GB300). Shapes: a split-K one
 (KDA o_proj), one with an N tail (MLA kv_a, N = 576) and a no-split wide one (KDA q/k/v/g), each
-at M = 1, 8 (token tile 8) and 16 (token tile 16). Skips when nvidia-cutlass-dsl is not installed.
+at M = 1, 8, 16, 32 and 64 (token tiles 8, 16, 32 and 64 on Hopper). Skips when nvidia-cutlass-dsl is
+not installed.
 """
 import pytest
 import torch
@@ -18,7 +19,7 @@ if cute_common.cutlass_available():
 pytestmark = pytest.mark.skipif(not cute_common.cutlass_available(), reason="nvidia-cutlass-dsl not installed")
 
 SHAPES = {"kda_o": (7168, 12288), "mla_kv_a": (576, 7168), "kda_qkvg": (49152, 7168)}
-TOKEN_COUNTS = (1, 8, 16)
+TOKEN_COUNTS = (1, 8, 16, 32, 64)
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +106,12 @@ def test_shape_check_accepts_k3_shapes_and_rejects_what_the_kernel_cannot_take()
         for m in (1, 16):
             assert cute_host.shape_supported(m, n, k, torch.bfloat16, (k, 1))
     assert not cute_host.shape_supported(17, 1536, 7168, torch.bfloat16, (7168, 1))  # > 16 tokens
+    # The Hopper kernel's tiles reach 64 rows; the registry sends it HOPPER_MAX_TOKENS.
+    assert cute_host.shape_supported(64, 1536, 7168, torch.bfloat16, (7168, 1), max_tokens=cute_host.TOKEN_TILES[-1])
+    assert not cute_host.shape_supported(65, 1536, 7168, torch.bfloat16, (7168, 1), max_tokens=cute_host.TOKEN_TILES[-1])
+    assert [cute_host.token_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    with pytest.raises(ValueError, match="m=65: more tokens than the largest tile"):
+        cute_host.token_tile(65)
     assert not cute_host.shape_supported(0, 1536, 7168, torch.bfloat16, (7168, 1))
     assert not cute_host.shape_supported(4, 1536, 7168, torch.float32, (7168, 1))  # dtype
     assert not cute_host.shape_supported(4, 1536, 7164, torch.bfloat16, (7164, 1))  # K % 8

@@ -7,7 +7,13 @@ import torch
 
 WEIGHT_TILE = 128  # weight rows per CTA (two m64 WGMMAs)
 K_TILE = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row per stage
-MAX_TOKENS = 16
+MAX_TOKENS = 16  # rows of every skinny kernel (the Blackwell one's N is 16)
+TOKEN_TILES = (8, 16, 32, 64)  # WGMMA N of the Hopper kernel: up to 64 rows (a batch of 8 verifying 8 tokens)
+# The rows the registry sends to the Hopper kernel. Tiles of 32 and 64 compile
+# (tests/test_linear_cute_compile.py) but have not run on a GPU yet: until tests/gpu/test_linear_gpu.py
+# passes there and experiments/step_bench.py --setting linear_hopper_rows=64 shows them faster than the
+# reference (cuBLAS) they replace, a step of more than 16 rows goes to the reference.
+HOPPER_MAX_TOKENS = 16
 # Pipeline depth (choose_stages). 4 x 18 KB of tiles per CTA lets three CTAs share an SM, so 396
 # CTAs are resident at once; 5 stages allow two per SM (264 resident) with deeper prefetch each.
 FEW_STAGES, MANY_STAGES = 4, 5
@@ -44,8 +50,12 @@ K3_TRUNK_SHAPES = {
 
 
 def token_tile(m: int) -> int:
-    """WGMMA N for m tokens: 8 when it fits (half the B traffic and MMA work), else 16."""
-    return 8 if m <= 8 else 16
+    """WGMMA N for m tokens: the smallest of TOKEN_TILES that holds them (8 when it fits: half the B
+    traffic and MMA work of 16)."""
+    for tile in TOKEN_TILES:
+        if m <= tile:
+            return tile
+    raise ValueError(f"m={m}: more tokens than the largest tile ({TOKEN_TILES[-1]})")
 
 
 def choose_splits(n: int, k: int, num_sms: int = H200_SMS) -> int:
@@ -79,11 +89,12 @@ def choose_stages(n: int, splits: int, num_sms: int = H200_SMS) -> int:
     return FEW_STAGES if splits == 1 and ctas <= 3 * num_sms else MANY_STAGES
 
 
-def shape_supported(m: int, n: int, k: int, dtype: torch.dtype, weight_stride: tuple[int, int]) -> bool:
-    """The problems this kernel computes: M <= 16 tokens, bf16/fp16, a row-major weight whose rows
+def shape_supported(m: int, n: int, k: int, dtype: torch.dtype, weight_stride: tuple[int, int],
+                    max_tokens: int = MAX_TOKENS) -> bool:
+    """The problems a kernel computes: M <= max_tokens, bf16/fp16, a row-major weight whose rows
     are 16-byte multiples (TMA needs 16-byte-aligned strides)."""
     return (
-        1 <= m <= MAX_TOKENS
+        1 <= m <= max_tokens
         and dtype in SUPPORTED_DTYPES
         and k % 8 == 0
         and n % 8 == 0
@@ -92,8 +103,9 @@ def shape_supported(m: int, n: int, k: int, dtype: torch.dtype, weight_stride: t
     )
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Registry predicate: anything else must go to another implementation."""
+def supports(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = MAX_TOKENS) -> bool:
+    """Registry predicate (of the Blackwell kernel; supports_hopper the Hopper one's): anything
+    else must go to another implementation."""
     return (
         x.dim() == 2
         and weight.dim() == 2
@@ -102,8 +114,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.shape[1] == weight.shape[1]
         and weight.data_ptr() % 16 == 0
-        and shape_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, weight.stride())
+        and shape_supported(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, weight.stride(), max_tokens)
     )
+
+
+def supports_hopper(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Hopper kernel's registry predicate: up to HOPPER_MAX_TOKENS rows (read at each call, so a
+    bench setting can raise it)."""
+    return supports(x, weight, HOPPER_MAX_TOKENS)
 
 
 _counters: dict[tuple, torch.Tensor] = {}

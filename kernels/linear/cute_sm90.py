@@ -1,9 +1,10 @@
-"""Skinny dense GEMM for Hopper (sm_90a) in CuTe DSL: y[M, N] = x[M, K] @ W[N, K]^T, M <= 16.
+"""Skinny dense GEMM for Hopper (sm_90a) in CuTe DSL: y[M, N] = x[M, K] @ W[N, K]^T, M <= 64.
 
 Design (docs/kernels.md §7 row 1, §1.1; §5 for PDL):
 - Swap-AB: the weight is the wide WGMMA "A" operand (a 128-row weight tile = two m64 WGMMAs of one
-  warpgroup), the <= 16 tokens are the WGMMA "N" side (N = 8 or 16). The accumulator is y^T for
-  the tile, 128 x N fp32.
+  warpgroup), the <= 64 tokens are the WGMMA "N" side (N = 8, 16, 32 or 64: cute_host.TOKEN_TILES;
+  the registry sends it at most cute_host.HOPPER_MAX_TOKENS). The accumulator is y^T for the tile,
+  128 x N fp32.
 - TMA loads of weight and token tiles into a multi-stage mbarrier pipeline (PipelineTmaAsync);
   warp 0 produces, the warpgroup consumes. Out-of-bounds rows/columns (N = 576, M < token tile)
   are zero-filled by TMA, and the epilogue stores only in-bounds elements.
@@ -40,7 +41,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .. import cute_common
 from ..cute_pipelines import deferred_pipeline
 from . import cute_host, cute_parts
-from .cute_host import K_TILE, MAX_TOKENS, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports, token_tile
+from .cute_host import K_TILE, TOKEN_TILES, WEIGHT_TILE, choose_splits, choose_stages, split_counters, supports, token_tile
 
 
 class SkinnyGemmSm90:
@@ -262,8 +263,8 @@ def compile_skinny_gemm(
     `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
     Returns (compiled function taking (x, w, y, workspace, counters) torch tensors, split-K factor).
     """
-    if tokens not in (8, 16):
-        raise ValueError(f"tokens={tokens} must be 8 or 16")
+    if tokens not in TOKEN_TILES:
+        raise ValueError(f"tokens={tokens} must be one of {TOKEN_TILES}")
     k_tiles = math.ceil(k / K_TILE)
     if splits is None:
         splits = choose_splits(n, k)
@@ -297,10 +298,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
 
     `workspace` ([splits, M, N] fp32) may be given to reuse or poison it; it is allocated if None.
     """
-    if not supports(x, weight):
+    if not supports(x, weight, TOKEN_TILES[-1]):
         raise ValueError(
             f"cute_sm90 linear: unsupported x {tuple(x.shape)} {x.dtype} / weight {tuple(weight.shape)} "
-            f"{weight.dtype} stride {weight.stride()} (needs M <= {MAX_TOKENS}, K and N multiples of 8, "
+            f"{weight.dtype} stride {weight.stride()} (needs M <= {TOKEN_TILES[-1]}, K and N multiples of 8, "
             "bf16/fp16, contiguous weight)"
         )
     m, n = x.shape[0], weight.shape[0]

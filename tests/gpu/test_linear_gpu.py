@@ -1,4 +1,5 @@
-"""GPU numerics of the CuTe DSL skinny GEMM at every Kimi K3 trunk shape and M in {1, 2, 4, 8, 16}:
+"""GPU numerics of the CuTe DSL skinny GEMM at every Kimi K3 trunk shape and M in {1, 2, 4, 8, 16}
+(and 24, 32, 64 on Hopper, whose token tiles reach 64):
 kernels/linear/cute_sm90.py on Hopper (run on the H200), cute_sm100.py on Blackwell (never run
 yet: this file is what must pass on a B200/GB300 before that kernel is trusted).
 
@@ -33,7 +34,7 @@ def compile_for(n: int, k: int, m: int, **options):
         )
     return cute_sm100.compile_skinny_gemm(n, k, torch.bfloat16, cute_common.target_arch(), **options)
 
-TOKEN_COUNTS = (1, 2, 4, 8, 16)
+TOKEN_COUNTS = (1, 2, 4, 8, 16) + ((24, 32, 64) if kernel is cute_sm90 else ())
 REL_TOL = 1e-2
 
 
@@ -76,6 +77,14 @@ def test_registry_picks_the_cute_kernel_and_falls_back_for_unsupported_shapes():
     # 17 tokens, fp32 and a transposed weight are outside the kernel: the reference takes them.
     too_many = torch.randn(17, k, device="cuda").to(torch.bfloat16)
     assert registry.select("linear", too_many, weight).name == "reference"
+    if kernel is cute_sm90:  # the Hopper kernel takes up to 64 rows once HOPPER_MAX_TOKENS allows it
+        previous = cute_host.HOPPER_MAX_TOKENS
+        cute_host.HOPPER_MAX_TOKENS = cute_host.TOKEN_TILES[-1]
+        try:
+            assert registry.select("linear", too_many, weight).name == "cute_sm90"
+            assert registry.select("linear", torch.randn(65, k, device="cuda").to(torch.bfloat16), weight).name == "reference"
+        finally:
+            cute_host.HOPPER_MAX_TOKENS = previous
     assert registry.select("linear", x.float(), weight.float()).name == "reference"
     assert registry.select("linear", x[:, :n], weight.t()).name == "reference"
 
