@@ -65,7 +65,6 @@ def add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_proj, out_
 def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, eps, out) -> None:
     M, d = current.shape
     block, warps = _launch_shape(d)
-    candidates = triton_block(checkpoints.shape[0] + 1)
     has_delta = delta is not None
     if has_delta:
         delta_args = (delta, delta.stride(0), total, total.stride(0))
@@ -75,7 +74,7 @@ def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, 
         _kernels().attn_res_mix_norm_kernel[(M,)](
             checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            BLOCK=block, CANDIDATES=candidates, HAS_DELTA=has_delta, **pdl_options(), num_warps=warps)
+            BLOCK=block, HAS_DELTA=has_delta, **pdl_options(), num_warps=warps)
 
 
 def _row_major(x: torch.Tensor) -> bool:

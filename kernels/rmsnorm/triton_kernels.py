@@ -25,40 +25,49 @@ def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl
 
 
 @triton.jit
+def _sum_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dm, total_ptr,
                              stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
-                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
-                             HAS_DELTA: tl.constexpr, PDL: tl.constexpr):
-    """AttnRes mix over {checkpoints[0..NUM_CKPT), current} followed by RMSNorm, per row. The
-    checkpoint count is a compile-time constant (a model has a handful: one build each), so the
-    candidate loops unroll. HAS_DELTA: current is cur + delta, rounded to the output dtype as a
-    torch add would, and also stored to total (add_attn_res_mix_norm)."""
+                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr):
+    """AttnRes mix over {current, checkpoints[0..NUM_CKPT)} followed by RMSNorm, per row, in one pass
+    over the candidates: each candidate's score takes one reduction (its dot with the pseudo-query and
+    its sum of squares together) and folds into an online softmax, the running weighted sum and total
+    rescaled when the largest score grows. Every candidate row is read once, and a row costs
+    NUM_CKPT + 2 block-wide reductions (one per candidate, the norm's): at batch 1 one program runs
+    the whole step's mix, and its reductions, not its bytes, set its time. The checkpoint count is a
+    compile-time constant (a model has a handful: one build each), so the loop unrolls. HAS_DELTA:
+    current is cur + delta, rounded to the output dtype as a torch add would, and also stored to
+    total (add_attn_res_mix_norm)."""
     prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
     dtype = out_ptr.dtype.element_ty
-    which = tl.arange(0, CANDIDATES)
     score_w = (tl.load(mix_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                * tl.load(mix_proj_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-    scores = tl.full([CANDIDATES], float("-inf"), tl.float32)
-    for c in tl.static_range(0, NUM_CKPT):
-        x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-        scores = tl.where(which == c, tl.sum(x * score_w, axis=0) * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps), scores)
     current = tl.load(cur_ptr + row * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         current = (current + tl.load(delta_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(total_ptr + row * stride_t + offs, current, mask=mask)
         current = current.to(tl.float32)
-    scores = tl.where(which == NUM_CKPT, tl.sum(current * score_w, axis=0) * tl.rsqrt(tl.sum(current * current, axis=0) / d + eps), scores)
-    p = tl.exp(scores - tl.max(scores, axis=0))
-    p = p / tl.sum(p, axis=0)
-    acc = tl.zeros([BLOCK], tl.float32)
+    dot, square = tl.reduce((current * score_w, current * current), 0, _sum_pair)
+    best = dot * tl.rsqrt(square / d + eps)  # the largest score so far; current's weight is exp(0) = 1
+    acc = current
+    weights = 1.0
     for c in tl.static_range(0, NUM_CKPT):
         x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.where(which == c, p, 0.0), axis=0) * x
-    acc += tl.sum(tl.where(which == NUM_CKPT, p, 0.0), axis=0) * current
-    mixed = acc.to(dtype).to(tl.float32)  # the mix's output is a tensor of current's dtype
+        dot, square = tl.reduce((x * score_w, x * x), 0, _sum_pair)
+        score = dot * tl.rsqrt(square / d + eps)
+        grown = tl.maximum(best, score)
+        scale, weight = tl.exp(best - grown), tl.exp(score - grown)
+        acc = acc * scale + weight * x
+        weights = weights * scale + weight
+        best = grown
+    mixed = (acc / weights).to(dtype).to(tl.float32)  # the mix's output is a tensor of current's dtype
     y = (mixed * tl.rsqrt(tl.sum(mixed * mixed, axis=0) / d + eps)).to(dtype).to(tl.float32)
     w = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype), mask=mask)
