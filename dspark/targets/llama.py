@@ -417,9 +417,10 @@ class LlamaTarget:
 
         The batch runs right-padded, [B, S] rows through every op and one causal SDPA per layer:
         a real row i attends keys 0..i, all real, so padding never enters its softmax. A launch count
-        that does not grow with B is the point: a loop of one SDPA per sequence was ~280 kernels a
-        layer at B = 16 and host-bound (experiments/notes/smollm2.md). A row's value therefore
-        depends on its batch's shape to float rounding (the kernels block by S), not bitwise."""
+        that does not grow with B is the point: a loop of one SDPA per sequence launched per sequence
+        and layer and left the capture host-bound (experiments/notes/smollm2.md, round 9). A row's
+        value therefore depends on its batch's shape to float rounding (the kernels block by S), not
+        bitwise."""
         taps = self._check_taps(tap_layers)
         if not sequences or any(s.dim() != 1 or not 1 <= len(s) <= self.max_seq_len for s in sequences):
             raise ValueError(f"sequences: need 1-D token tensors of 1 to max_seq_len={self.max_seq_len} tokens")
