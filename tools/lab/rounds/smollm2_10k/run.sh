@@ -16,10 +16,14 @@ if [ "$mode" != run ]; then
     mkdir -p /tmp/smollm2/pack && cp experiments/stage/pack/* /tmp/smollm2/pack/ || exit 1
     ls /tmp/smollm2/pack/drafters.safetensors.part* | wc -l; exit 0
   fi
-  if [ "$mode" = keep ] && [ ! -f /tmp/smollm2/.tested ]; then  # call A: the training path's GPU tests first
+  if [ "$mode" = keep ] && [ ! -f /tmp/smollm2/.tested ]; then  # call A: the training path's GPU tests
     (cd /tmp && timeout 150 python3 -m pytest "$R/tests/gpu/test_dspark_train_gpu.py" \
       "$R/tests/gpu/test_transfer_gpu.py" -q -p no:cacheprovider > "$OUT/gpu_tests_train.log" 2>&1
      echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests_train.log"); touch /tmp/smollm2/.tested
+    # and the step and the capture as this commit runs them (the run copies them into its results)
+    timeout 200 python3 experiments/smollm2_profile.py --pieces capture,train --held-out-prompts 0 \
+      --out /tmp/smollm2/smollm2_profile.json > "$OUT/profile.log" 2>&1
+    echo "profile rc $?"; tail -6 "$OUT/profile.log"; cp /tmp/smollm2/smollm2_profile.json "$OUT/" 2>/dev/null
   fi
   [ "$mode" = keep ] && exit 0
   python3 experiments/smollm2_dspark.py join --keep-dir /tmp/smollm2 || exit 1
@@ -33,11 +37,18 @@ if [ -n "${FINISHED:-}" ]; then
     --file drafters.safetensors || exit 1
   extra=(--finished "$FINISHED")
 fi
+# The step's profile from call A on this machine, else the committed ones (each names its device)
+profile=()
+if [ -f /tmp/smollm2/smollm2_profile.json ]; then profile=(--profile-json /tmp/smollm2/smollm2_profile.json)
+else
+  for f in experiments/results/*/smollm2_profile_train.json experiments/results/*/smollm2_profile_capture.json; do
+    [ -f "$f" ] && profile+=(--profile-json "$f")
+  done
+fi
 timeout $((575 - SECONDS)) python3 experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf \
   --work-dir /tmp/smollm2/work --variants "${VARIANTS:-dspark}" "${extra[@]}" \
   --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 --eval-every 2500 \
-  --speed-prompts 2 --capture-file '' --profile-json experiments/results/h100/smollm2_profile_train.json \
-  --profile-json experiments/results/h100/smollm2_profile_capture.json --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
+  --speed-prompts 2 --capture-file '' "${profile[@]}" --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
 echo "run rc $?"
 grep -E "capture store|step [0-9]+|held-out|phase" "$OUT/run.log" | tail -12
 tail -3 "$OUT/run.log"
