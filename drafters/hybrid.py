@@ -41,8 +41,7 @@ class HybridDrafter(Drafter):
         rest = [i for i, n in enumerate(matched) if n == 0]
         self.rows["ngram"] += len(slots) - len(rest)
         self.rows["dspark"] += len(rest)
-        tokens = looked_up.tokens.clone()
-        num_drafts = looked_up.num_drafts.clone()
+        tokens, num_drafts = looked_up.tokens, looked_up.num_drafts  # fresh tensors: edited in place
         probs = None
         if rest:
             at = torch.tensor(rest, device=tokens.device)

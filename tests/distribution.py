@@ -7,6 +7,7 @@ import torch
 from scipy import stats
 
 from dspark.config import SamplingParams
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 from dspark.sampling import SamplingTensors, processed_probs, rejection_sample
 from dspark.targets.toy import MarkovTarget
 
@@ -50,3 +51,15 @@ def chi2_pvalue(outputs, expected_probs):
     exp = np.append(exp[~small], exp[small].sum())
     obs = np.append(obs[~small], obs[small].sum())
     return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def toy_dspark(target: MarkovTarget, slots: int, method: str = "greedy") -> DSparkDrafter:
+    """A random one-layer DSpark drafter over the toy Markov target's vocabulary (its taps: the
+    embedding, layer -1), for the drafter tests that run the distribution test or greedy identity."""
+    vocab = target.vocab_size
+    cfg = DSparkConfig(name="toy_dspark", vocab_size=vocab, hidden_size=target.hidden_size, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=4, intermediate_size=16, attention_type="gqa", rope_interleaved=False,
+                       max_position_embeddings=256, target_hidden_size=target.hidden_size, target_num_layers=1,
+                       target_layer_ids=(-1,), block_size=2, mask_token_id=vocab - 1, markov_rank=4).validate()
+    return DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()), slots, max_seq_len=target.max_seq_len,
+                         draft_sample_method=method)

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from dspark.config import SamplingParams, SpecConfig
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 from dspark.engine import Engine
 from dspark.targets.toy import MarkovTarget
 
-from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
+from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs, toy_dspark
 
 
 @pytest.mark.parametrize("sampler,should_pass", [(None, True), (broken_sampler, False)])
@@ -26,12 +25,7 @@ def test_probabilistic_dspark_drafts_preserve_the_distribution(sampler, should_p
     torch.manual_seed(seed)
     n = 20_000
     target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
-    cfg = DSparkConfig(name="toy_dspark", vocab_size=V, hidden_size=target.hidden_size, num_layers=1, num_heads=2,
-                       num_kv_heads=1, head_dim=4, intermediate_size=16, attention_type="gqa", rope_interleaved=False,
-                       max_position_embeddings=64, target_hidden_size=target.hidden_size, target_num_layers=1,
-                       target_layer_ids=(-1,), block_size=2, mask_token_id=V - 1, markov_rank=4).validate()
-    model = DSparkModel(cfg, *target.embedding_weights())
-    drafter = DSparkDrafter(model, n, max_seq_len=16, draft_sample_method="probabilistic")
+    drafter = toy_dspark(target, n, "probabilistic")
     engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=2, draft_sample_method="probabilistic", seed=seed),
                     sampler=sampler)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)

@@ -9,25 +9,13 @@ import pytest
 import torch
 
 from dspark.config import SamplingParams, SpecConfig
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 from dspark.drafters.hybrid import HybridDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
 from dspark.targets.toy import MarkovTarget
 from dspark_fixtures import one_thread  # noqa: F401 (autouse fixture)
 
-from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
-
-
-def toy_dspark(target, slots: int, method: str = "greedy") -> DSparkDrafter:
-    """A random one-layer DSpark drafter over the toy Markov target's vocabulary."""
-    vocab = target.vocab_size
-    cfg = DSparkConfig(name="toy_dspark", vocab_size=vocab, hidden_size=target.hidden_size, num_layers=1, num_heads=2,
-                       num_kv_heads=1, head_dim=4, intermediate_size=16, attention_type="gqa", rope_interleaved=False,
-                       max_position_embeddings=256, target_hidden_size=target.hidden_size, target_num_layers=1,
-                       target_layer_ids=(-1,), block_size=2, mask_token_id=vocab - 1, markov_rank=4).validate()
-    return DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()), slots, max_seq_len=target.max_seq_len,
-                         draft_sample_method=method)
+from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs, toy_dspark
 
 
 def test_greedy_hybrid_output_equals_plain_decoding_with_both_drafters_proposing():
