@@ -13,6 +13,10 @@ tokens. Per mode and context, medians over --repeats of:
   only commits use) over the --bandwidth-gbps read ceiling.
 After each commit the request is cropped back to its context, so every call sees the same one.
 
+--world N times one tensor-parallel rank's share of the drafter instead (config.rank_share,
+docs/kimi-k3.md §8.6): 1/N of the heads, FFN and vocabulary, the q_a / kv_a projections and the
+latent cache whole; the collectives between the ranks are left out, as the k3-rank step's are.
+
     python experiments/drafter_bench.py --out experiments/results/h200/drafter_bench.json
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from benchlib import provenance, write_json
 
 from dspark.config import SamplingParams
-from dspark.drafters.dspark.config import K3_DSPARK
+from dspark.drafters.dspark.config import K3_DSPARK, rank_share
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
 
@@ -67,13 +71,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8, help="T verified per step: the commit's rows")
     ap.add_argument("--kept", type=int, default=4, help="rows each commit keeps")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--world", type=int, default=1, help="time one rank's share of a drafter split this many ways")
     ap.add_argument("--bandwidth-gbps", type=float, default=4240.0, help="the read ceiling measured on the H200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("drafter_bench: needs CUDA", file=sys.stderr)
         return 2
-    c, dev, dtype = K3_DSPARK, torch.device("cuda"), torch.bfloat16
+    try:
+        c = rank_share(K3_DSPARK, args.world)
+    except ValueError as e:
+        print(f"drafter_bench: --world: {e}", file=sys.stderr)
+        return 2
+    dev, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
     with torch.device(dev):
         embed = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02

@@ -296,3 +296,35 @@ def get_preset(name: str) -> DSparkConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown drafter preset {name!r}; known presets: {sorted(PRESETS)}") from None
+
+
+def rank_share(config: DSparkConfig, world: int) -> DSparkConfig:
+    """One tensor-parallel rank's share of a drafter, as a config the same model code builds
+    (docs/kimi-k3.md §8.6): the attention heads (MLA's q_b / kv_b / o_proj), the FFN and the
+    vocabulary (embedding, lm_head and the Markov head's W2 rows) divided by `world`; hidden size,
+    the LoRA ranks and the Markov rank whole (MLA's q_a / kv_a and the latent cache are replicated,
+    as on the target's ranks). The Markov head's W1 is divided with the vocabulary although a real
+    rank keeps it whole (every rank needs all of W1[previous token]): a lookup reads one row of
+    either. It is the last rank's share, which holds the mask token's row, so the mask id is that
+    row's local id. The collectives between the shares are not part of it."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r}: must be an integer >= 1")
+    divided = {"num_heads": config.num_heads, "intermediate_size": config.intermediate_size,
+               "vocab_size": config.vocab_size}
+    if config.attention_type == "gqa":
+        divided["num_kv_heads"] = config.num_kv_heads
+    for name, size in divided.items():
+        if size % world:
+            raise ValueError(f"world={world}: does not divide DSparkConfig.{name}={size}")
+    if world == 1:
+        return config
+    share = config.vocab_size // world
+    if config.mask_token_id == config.vocab_size:
+        mask = share  # the dedicated row past the vocabulary, past the last rank's rows too
+    else:
+        mask = config.mask_token_id - (world - 1) * share
+        if mask < 0:
+            raise ValueError(f"world={world}: mask_token_id={config.mask_token_id} is not in the last rank's "
+                             f"rows [{(world - 1) * share}, {config.vocab_size})")
+    return dataclasses.replace(config, name=f"{config.name}_tp{world}", mask_token_id=mask,
+                               **{name: size // world for name, size in divided.items()}).validate()

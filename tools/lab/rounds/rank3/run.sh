@@ -32,6 +32,10 @@ else
   timeout 60 python3 "$R/experiments/step_bench.py" --target k3-slice --batch 1 --context 8192 --tokens 1,8 \
     --steps 20 --out "$OUT/step_bench.json" > "$OUT/step_bench_slice.log" 2>&1
   echo "slice bench rc=$?"; grep -E "^B=|Error" "$OUT/step_bench_slice.log" | tail -4
+  # 5. the drafter's propose at one TP16 rank's share (config.rank_share), against its floor
+  timeout 120 python3 "$R/experiments/drafter_bench.py" --world 16 --contexts 8192 --repeats 20 \
+    --out "$OUT/drafter_bench_tp16.json" > "$OUT/drafter_bench_tp16.log" 2>&1
+  echo "drafter bench rc=$?"; tail -3 "$OUT/drafter_bench_tp16.log"
   timeout 15 python3 -m dspark.cli roofline --measured "$OUT/step_bench_rank.json" > "$OUT/projection.txt" 2>&1
   tail -12 "$OUT/projection.txt"
   python3 "$R/tools/lab/rounds/rank2/summary.py" "$OUT/step_bench_rank.json" "$OUT/step_bench.json" | tee "$OUT/summary.txt"
