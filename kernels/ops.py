@@ -170,3 +170,10 @@ def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head:
     the host, before copying them): the op skips its own check, the one read back from the device."""
     args = (hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels)
     return select("draft_head_loss", *args).fn(*args, indices_checked=indices_checked)
+
+
+def markov_greedy_draft(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The greedy Markov stage of a DSpark draft: base logits [B, G, V] (float32), anchors [B],
+    the vanilla Markov head's W1 [V1, r] and W2 [V, r] -> tokens [B, G] long, slot k the argmax of
+    base[:, k] + W2 W1[slot k - 1's token] (the anchor before slot 0)."""
+    return select("markov_greedy_draft", base, anchors, w1, w2).fn(base, anchors, w1, w2)

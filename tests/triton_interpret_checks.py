@@ -78,6 +78,7 @@ def main(seed: int) -> None:
     check_cache_rows(gen)
     check_absorb(gen)
     check_draft_loss(gen)
+    check_markov(gen)
     print("triton kernels: all checks passed")
 
 
@@ -94,6 +95,57 @@ def check_route(gen: torch.Generator, device: str = "cpu") -> None:
         moe_triton.route_logits(logits.to(device), bias.to(device), top_k, 2.5, ids=ids, weights=weights)
         check_selection(ids.cpu(), weights.cpu(), logits.double(), bias, top_k,
                         f"moe_route E={experts} k={top_k}{' repeated' if repeated else ''}")
+
+
+MARKOV_TOL = 1e-4  # float32 sums of r <= 256 products of O(1) values and a float32 add, against float64
+
+
+def check_markov(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, cases=((3, 7, 1000, 48), (2, 4, 300, 256)),
+                 draft=None) -> None:
+    """markov_greedy_draft against float64 (cases: B, G, V, r; a partial last vocabulary block and
+    r not a multiple of the kernel's rank step). Ties aside, the tokens must equal float64's
+    argmax chain, so each slot is checked given the kernel's own previous token: its token's
+    float64 logit is within MARKOV_TOL of the slot's maximum, and it is the float64 argmax itself
+    wherever the top two are further apart than that. The Markov bias (std ~sqrt(r)) outweighs the
+    base logits (std 1), so a wrong previous token moves the argmax. Then an exact tie across two
+    vocabulary blocks, which must go to the lower index. Inputs are drawn on the CPU, the output
+    poisoned with -1; bf16 weights round the bias to bf16 (the tolerance then allows that).
+    draft: the implementation (default: the Triton one), called as draft(base, anchors, w1, w2, out=...)."""
+    from dspark.kernels.markov import triton as markov_triton
+
+    draft = draft or markov_triton.markov_greedy_draft
+
+    # bf16: the bias is rounded to bf16, half a unit of up to ~64 (4 std at r = 256) is 0.125 a logit
+    tol = MARKOV_TOL if dtype == torch.float32 else 0.3
+    for B, G, V, r in cases:
+        base = torch.randn(B, G, V + 3, generator=gen)[..., :V]  # strided rows, as a slice of wider logits
+        w1, w2 = torch.randn(V + 5, r, generator=gen), torch.randn(V, r, generator=gen)
+        w1, w2 = w1.to(dtype), w2.to(dtype)
+        anchors = torch.randint(0, V, (B,), generator=gen)
+        out = torch.full((B, G), -1, dtype=torch.long, device=device)
+        got = draft(base.to(device), anchors.to(device), w1.to(device), w2.to(device), out=out).cpu()
+        prev = anchors
+        for k in range(G):
+            logits = base[:, k].double() + w1.double()[prev] @ w2.double().T
+            top2 = logits.topk(2, dim=-1).values
+            chosen = logits.gather(1, got[:, k : k + 1]).squeeze(1)
+            if not ((got[:, k] >= 0) & (got[:, k] < V)).all() or not (top2[:, 0] - chosen <= tol).all():
+                sys.exit(f"markov_greedy_draft B={B} V={V} r={r} slot {k}: tokens {got[:, k].tolist()} are not "
+                         f"argmaxes (shortfall {(top2[:, 0] - chosen).max().item():.2e})")
+            clear = top2[:, 0] - top2[:, 1] > tol
+            if not (got[clear, k] == logits.argmax(dim=-1)[clear]).all():
+                sys.exit(f"markov_greedy_draft B={B} V={V} r={r} slot {k}: differs from the float64 argmax")
+            prev = got[:, k]
+    V, r = 300, 16
+    base = torch.randn(1, 2, V, generator=gen)
+    w1, w2 = torch.randn(V, r, generator=gen).to(dtype), torch.randn(V, r, generator=gen).to(dtype)
+    low, high = 40, 250  # different 32-wide blocks
+    w2[high] = w2[low]
+    base[0, :, high] = base[0, :, low] = 1e4
+    got = draft(base.to(device), torch.tensor([7], device=device), w1.to(device), w2.to(device),
+                out=torch.full((1, 2), -1, dtype=torch.long, device=device)).cpu()
+    if got.tolist() != [[low, low]]:
+        sys.exit(f"markov_greedy_draft: a tie between ids {low} and {high} drafted {got.tolist()}, not the lower id")
 
 
 def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, top_k: int = 16,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SamplingParams
+from dspark.kernels import ops
 from dspark.protocols import Drafter, Proposal
 from dspark.sampling import SamplingTensors, processed_probs
 from dspark.transfer import LongStaging
@@ -302,6 +303,14 @@ class DSparkDrafter(Drafter):
             # greedy rows come back one-hot.
             params = SamplingTensors.from_params(sampling, device)
 
+        if not probabilistic and model.markov_head.kind == "vanilla":
+            # The sequential stage as one op (G + 1 launches on CUDA where the loop below is ~6 per
+            # slot); the confidence of every slot then in one batched pass over [h_k ; W1[x_{k-1}]].
+            tokens = ops.markov_greedy_draft(base, anchors, model.markov_head.markov_w1.weight,
+                                             model.markov_head.markov_w2.weight)
+            prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+            conf_logits = model.confidence_head(hidden, model.markov_head.embed_previous(prev)).float()
+            return Draft(tokens, None, conf_logits, model.confidence_probs(conf_logits))
         tokens = torch.empty(batch, gamma, dtype=torch.long, device=device)
         conf_logits = torch.empty(batch, gamma, device=device)
         probs = torch.empty(batch, gamma, base.shape[-1], device=device) if probabilistic else None

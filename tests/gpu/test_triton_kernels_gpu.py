@@ -126,3 +126,18 @@ def test_gather_tokens_equals_the_torch_composition():
 
     check_gather_tokens(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda", torch.bfloat16,
                         width=3584)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_markov_greedy_draft_takes_the_argmax_chain(dtype):
+    """kernels/markov/triton.py at the tests' small shapes, at a TP16 rank's vocabulary and at K3's
+    (B, G, V, r), fp32 and bf16 weights, against the float64 argmax chain
+    (tests/triton_interpret_checks.py:check_markov); the default on CUDA."""
+    from triton_interpret_checks import check_markov
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    check_markov(gen, "cuda", dtype, cases=((3, 7, 1000, 48), (2, 7, 10240, 256), (1, 7, 163840, 256)))
+    base = torch.randn(1, 7, 300, device="cuda")
+    w = torch.randn(300, 16, device="cuda", dtype=dtype)
+    assert registry.select("markov_greedy_draft", base, torch.zeros(1, dtype=torch.long, device="cuda"), w, w).name \
+        == "triton"
