@@ -177,3 +177,9 @@ def markov_greedy_draft(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Ten
     the vanilla Markov head's W1 [V1, r] and W2 [V, r] -> tokens [B, G] long, slot k the argmax of
     base[:, k] + W2 W1[slot k - 1's token] (the anchor before slot 0)."""
     return select("markov_greedy_draft", base, anchors, w1, w2).fn(base, anchors, w1, w2)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE of x [..., H, D] by cos / sin [..., 1, D/2] (per position, shared by the heads), in
+    float32, returned in x's dtype; pairs (x[2j], x[2j+1]) when interleaved, else (x[j], x[j+D/2])."""
+    return select("rotary", x, cos, sin).fn(x, cos, sin, interleaved)

@@ -79,6 +79,7 @@ def main(seed: int) -> None:
     check_absorb(gen)
     check_draft_loss(gen)
     check_markov(gen)
+    check_rotary(gen)
     print("triton kernels: all checks passed")
 
 
@@ -95,6 +96,33 @@ def check_route(gen: torch.Generator, device: str = "cpu") -> None:
         moe_triton.route_logits(logits.to(device), bias.to(device), top_k, 2.5, ids=ids, weights=weights)
         check_selection(ids.cpu(), weights.cpu(), logits.double(), bias, top_k,
                         f"moe_route E={experts} k={top_k}{' repeated' if repeated else ''}")
+
+
+def check_rotary(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, rotate=None) -> None:
+    """rotary against float64, both pair layouts: a query's rope part (a column slice of its heads:
+    strided rows, heads not a power of two) and a single key head; the output poisoned with NaN.
+    bf16 inputs: within one bf16 rounding of the float64 value (2^-8 relative, on O(1) values).
+    rotate: the implementation (default: the Triton one), called as rotate(x, cos, sin, interleaved, out=...)."""
+    from dspark.kernels.rotary import triton as rotary_triton
+
+    rotate = rotate or rotary_triton.rotary
+
+    tol = ATOL if dtype == torch.float32 else 2.0**-7
+    for heads, nope, dim in ((6, 16, 64), (1, 0, 8)):
+        for interleaved in (True, False):
+            q = torch.randn(2, 3, 7, heads, nope + dim, generator=gen)
+            x = q[..., nope:].to(dtype)
+            angles = torch.rand(2, 3, 7, 1, dim // 2, generator=gen, dtype=torch.float64) * 100
+            cos, sin = angles.cos() * 1.3, angles.sin() * 1.3  # a YaRN mscale
+            xd = x.double()
+            a, b = (xd[..., 0::2], xd[..., 1::2]) if interleaved else (xd[..., : dim // 2], xd[..., dim // 2 :])
+            ra, rb = a * cos - b * sin, a * sin + b * cos
+            want = torch.stack([ra, rb], -1).flatten(-2) if interleaved else torch.cat([ra, rb], -1)
+            out = torch.full(x.shape, float("nan"), dtype=dtype, device=device)
+            got = rotate(x.to(device), cos.float().to(device), sin.float().to(device), interleaved, out=out).cpu()
+            err = ((got.double() - want).abs() / want.abs().clamp(min=1.0)).max().item()
+            if not err < tol or not torch.isfinite(got).all():
+                sys.exit(f"rotary heads {heads} dim {dim} interleaved={interleaved} {dtype}: error {err:.2e} >= {tol}")
 
 
 MARKOV_TOL = 1e-4  # float32 sums of r <= 256 products of O(1) values and a float32 add, against float64

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels import ops
+from dspark.kernels.rotary.reference import rotary as rotary_formula
 from dspark.policy import calibrated_confidence, temperature_tensor
 
 from .config import DSparkConfig
@@ -99,14 +101,11 @@ class Rotary(nn.Module):
         """x [..., heads, dim], positions [...] (long) -> rotated x; tables: tables(positions),
         made once for several calls."""
         cos, sin = self.tables(positions) if tables is None else tables
-        xf = x.float()
-        if self.interleaved:
-            even, odd = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-        else:
-            first, second = xf[..., : self.dim // 2], xf[..., self.dim // 2 :]
-            out = torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
-        return out.to(x.dtype)
+        if torch.is_grad_enabled() and x.requires_grad:
+            # a training pass: the torch formula, which autograd differentiates (the op's kernel
+            # has no backward)
+            return rotary_formula(x, cos, sin, self.interleaved)
+        return ops.rotary(x, cos, sin, self.interleaved)  # one launch on CUDA where the formula is nine
 
 
 class BlockAttention(nn.Module):

@@ -141,3 +141,15 @@ def test_markov_greedy_draft_takes_the_argmax_chain(dtype):
     w = torch.randn(300, 16, device="cuda", dtype=dtype)
     assert registry.select("markov_greedy_draft", base, torch.zeros(1, dtype=torch.long, device="cuda"), w, w).name \
         == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_float64(dtype):
+    """kernels/rotary/triton.py, both pair layouts, strided query rows and one key head, against
+    float64 (tests/triton_interpret_checks.py:check_rotary); the default on CUDA."""
+    from triton_interpret_checks import check_rotary
+
+    check_rotary(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda", dtype)
+    x = torch.randn(1, 1, 7, 4, 64, device="cuda", dtype=dtype)
+    table = torch.randn(1, 1, 7, 1, 32, device="cuda")
+    assert registry.select("rotary", x, table, table).name == "triton"
