@@ -365,3 +365,36 @@ def test_dedicated_mask_id_is_an_extra_embedding_row_that_is_never_drafted():
     model.mask_embedding = model.mask_embedding + 1.0
     other = drafter.propose([0], torch.tensor([3]), 7, sampling, [torch.Generator().manual_seed(0)])
     assert (other.probs - prop.probs).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
+def test_a_drafting_pass_over_the_cache_in_place_equals_the_expanded_attention(dtype, tol):
+    """MLAAttention through the target's MLA ops over the drafter's cache pool (CachedContext:
+    the block's rows written past each slot's length, G x H queries as heads of one token) against
+    the expanded training pass over gathered rows: ragged lengths, one of them 0, slots out of
+    order; rows before each length untouched. Relative error within `tol` (the RoPE tables are
+    float32 in either pass)."""
+    from dspark.drafters.dspark.config import K3_TINY_DSPARK
+    from dspark.drafters.dspark.model import BlockPass, CachedContext, MLAAttention
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    c = K3_TINY_DSPARK
+    attn = MLAAttention(c).to(dtype)
+    for p in attn.parameters():
+        p.data.normal_(0, p.shape[-1] ** -0.5)
+    G, slots, length, room = c.block_size, torch.tensor([2, 0, 3]), torch.tensor([9, 0, 20]), 24
+    pool = torch.randn(4, room + G, attn.row_width, dtype=dtype)
+    context = int(length.max())
+    rows = pool[:, :context].index_select(0, slots).clone()
+    visible = (torch.arange(context) < length[:, None])[:, None]
+    x = torch.randn(3, 1, G, c.hidden_size, dtype=dtype)
+    positions = (length[:, None] + torch.arange(G))[:, None]
+    before = pool.clone()
+    with torch.no_grad():
+        want = attn(x, positions, rows, visible)
+        shared = BlockPass(attn.rotary, positions, visible, G)
+        got = attn(x, positions, CachedContext(pool, slots, length, context), visible, inference=True, shared=shared)
+    assert ((got - want).norm() / want.norm()).item() < tol
+    for s, n in zip(slots.tolist(), length.tolist()):
+        assert torch.equal(pool[s, :n], before[s, :n])
+        assert not torch.equal(pool[s, n : n + G], before[s, n : n + G])  # the block's rows went here

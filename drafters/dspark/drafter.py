@@ -23,7 +23,7 @@ from dspark.sampling import SamplingTensors, processed_probs
 from dspark.transfer import LongStaging
 
 from .graphs import DraftGraphs
-from .model import DSparkModel
+from .model import CachedContext, DSparkModel
 
 
 @dataclass
@@ -69,8 +69,10 @@ class DSparkDrafter(Drafter):
                                  "own generator)")
         dtype = model.context_proj.weight.dtype
         # Every cache has one scratch row past max_seq_len: the device-side commit (_commit_rows)
-        # writes all T verified rows of a request and sends the ones it does not keep there.
-        self._cache = [torch.zeros(max_slots, max_seq_len + 1, layer.self_attn.row_width, dtype=dtype, device=self.device)
+        # writes all T verified rows of a request and sends the ones it does not keep there; and
+        # G - 1 more, where a draft of a full context writes its block's rows (CachedContext).
+        self._cache = [torch.zeros(max_slots, max_seq_len + self.config.block_size, layer.self_attn.row_width,
+                                   dtype=dtype, device=self.device)
                        for layer in model.layers]
         # The lengths on the host (checks, context buckets) and on the device (what a draft reads
         # and a device-side commit advances), kept equal.
@@ -289,7 +291,9 @@ class DSparkDrafter(Drafter):
         model, device, gamma = self.model, self.device, self.config.block_size
         batch = index.shape[0]
         lengths = self._lengths_device.index_select(0, index)
-        context_rows = [cache[:, :context].index_select(0, index) for cache in self._cache]  # rows past a length are masked out
+        # Each layer's pool as it is: an MLA layer attends over it in place, others gather the
+        # first `context` rows (rows past a length are masked out).
+        context_rows = [CachedContext(cache, index, lengths, context) for cache in self._cache]
         visible = (torch.arange(context, device=device) < lengths[:, None]).unsqueeze(1)  # [B, 1, S]
         block = model.block_inputs(anchors).unsqueeze(1)  # [B, 1, G]
         positions = (lengths[:, None] + torch.arange(gamma, device=device)).unsqueeze(1)

@@ -14,12 +14,13 @@ space there instead of expanding every context row per head (docs/dspark-algorit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.kernels import ops
+from dspark.kernels import ops, registry
 from dspark.kernels.rotary.reference import rotary as rotary_formula
 from dspark.policy import calibrated_confidence, temperature_tensor
 
@@ -135,6 +136,7 @@ class BlockAttention(nn.Module):
         shared: "BlockPass | None" = None,  # what the pass's layers share, made once (None: made here)
     ) -> torch.Tensor:
         shared = shared or BlockPass(self.rotary, positions, context_visible, x.shape[2])
+        context_rows = _context_rows(context_rows)
         q = self.queries(x, positions, shared.rope)  # [B, A, G, H, dk]
         k_blk, v_blk = self.keys_values(self.kv_rows(x, positions, shared.rope))  # [B, A, G, H, dk|dv]
         k_ctx, v_ctx = self.keys_values(context_rows)  # [B, S, H, dk|dv]
@@ -182,6 +184,21 @@ class BlockPass:
         self.flex_mask = flex_mask
         self.mask = _block_mask(context_visible, G) if flex_mask is None else None  # [B, A * G, S + A * G]
         self._hidden_per_head: dict[int, torch.Tensor] = {}
+        self._block_lengths: torch.Tensor | None = None
+        self._block_ends: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def block_lengths(self, B: int, G: int, device) -> torch.Tensor:
+        """[B] long, all G: every block row is a real token (made once per pass)."""
+        if self._block_lengths is None:
+            self._block_lengths = torch.full((B,), G, dtype=torch.long, device=device)
+        return self._block_lengths
+
+    def block_ends(self, lengths: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lengths + G - 1, ones) [B]: the MLA op's cache_lens and query count that let one query
+        see the first length + G rows (made once per pass)."""
+        if self._block_ends is None:
+            self._block_ends = (lengths + (G - 1), torch.ones_like(lengths))
+        return self._block_ends
 
     def hidden_per_head(self, heads: int) -> torch.Tensor:
         """[B, A * G * heads, S + A * G] bool: True where a (slot, head) score row may not look."""
@@ -191,6 +208,29 @@ class BlockPass:
             found = ~self.mask[:, :, None, :].expand(-1, -1, heads, -1).reshape(B, rows * heads, keys)
             self._hidden_per_head[heads] = found
         return found
+
+
+@dataclass
+class CachedContext:
+    """A drafting pass's context read where it lives (DSparkDrafter's cache): one layer's pool
+    [slots, rows, W], the batch's slots `index` [B] and committed `lengths` [B], and `context`,
+    a bound on every length (the rows a gathered copy holds). An MLA layer drafting one block per
+    request attends through the target's MLA ops over the pool itself
+    (MLAAttention._cached_forward); other layers read `rows()`."""
+
+    cache: torch.Tensor
+    index: torch.Tensor
+    lengths: torch.Tensor
+    context: int
+
+    def rows(self) -> torch.Tensor:
+        """The first `context` rows of each request's slot [B, context, W] (rows past a length are
+        masked out by the caller's context_visible)."""
+        return self.cache[:, : self.context].index_select(0, self.index)
+
+
+def _context_rows(context: "torch.Tensor | CachedContext") -> torch.Tensor:
+    return context.rows() if isinstance(context, CachedContext) else context
 
 
 def _block_mask(context_visible: torch.Tensor, G: int) -> torch.Tensor:
@@ -257,7 +297,52 @@ class MLAAttention(BlockAttention):
     def forward(self, x, positions, context_rows, context_visible, inference: bool = False, shared=None):
         if not inference:
             return super().forward(x, positions, context_rows, context_visible, shared=shared)
-        return self._latent_forward(x, positions, context_rows, context_visible, shared)
+        if isinstance(context_rows, CachedContext) and x.shape[1] == 1 and shared is not None:
+            out = self._cached_forward(x, positions, context_rows, shared)
+            if out is not None:
+                return out
+        return self._latent_forward(x, positions, _context_rows(context_rows), context_visible, shared)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK^T [H, R, nope] contiguous, W_UV [H, v, R]) from kv_b_proj, as the target's MLA ops
+        take them; W_UK^T is a copy, remade when the weight changes (its version counter)."""
+        weight = self.kv_b_proj.weight
+        w_k, w_v = weight.unflatten(0, (self.num_heads, self.nope + self.v_dim)).split([self.nope, self.v_dim], dim=1)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        cached = getattr(self, "_w_uk_t", None)
+        if cached is None or cached[0] != key:
+            cached = self._w_uk_t = (key, w_k.transpose(1, 2).contiguous())
+        return cached[1], w_v
+
+    def _cached_forward(self, x, positions, context: CachedContext, shared: "BlockPass"):
+        """_latent_forward for one block per request (A = 1) through the target's MLA ops
+        (docs/dspark-algorithm.md §2.3): the block's G cache rows are written into each slot's pool
+        past its length (rows a commit later overwrites or no one reads), and the block's G x H
+        queries attend as G x H heads of one token over the slot's first length + G rows, which
+        is every context row before the anchor and the whole block: the mask of a drafting pass.
+        None where the attention op on this device would read lengths on the host (its
+        reference, on CUDA), which a draft graph cannot capture: the caller then gathers."""
+        B, A, G = x.shape[:3]
+        H, r, M = self.num_heads, self.kv_lora_rank, x.shape[0] * x.shape[2]
+        w_uk_t, w_uv = self._absorbed_weights()
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(M, H, self.nope + self.rope_dim)
+        q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype))  # [M, H, r], [M, H, rope]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope_dim], dim=-1)
+        if self.rotary is not None:
+            cos, sin = shared.rope  # [B, 1, G, 1, rope / 2]
+            q_pe = ops.rotary(q_pe, cos.reshape(M, 1, -1), sin.reshape(M, 1, -1), self.rotary.interleaved)
+            k_pe = self.rotary(k_pe.unsqueeze(-2), positions, shared.rope).squeeze(-2)
+        queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
+        ends, ones = shared.block_ends(context.lengths, G)
+        if x.is_cuda and registry.select("mla_verify_attention", *queries, context.cache, context.index, ends,
+                                         ones).reads_device_values:
+            return None
+        rows = torch.cat([latent, k_pe], dim=-1).reshape(M, self.row_width).to(context.cache.dtype)
+        ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache, context.index,
+                           context.lengths, shared.block_lengths(B, G, context.lengths.device))
+        o_latent = ops.mla_verify_attention(*queries, context.cache, context.index, ends, ones, self.scale)
+        out = ops.linear_heads(o_latent.view(M, H, r), w_uv.to(o_latent.dtype))  # [M, H, v]
+        return self.o_proj(out.reshape(B, A, G, H * self.v_dim).to(x.dtype))
 
     def _latent_forward(self, x, positions, context_rows, context_visible, shared=None):
         """BlockAttention.forward with W_UK folded into the queries and W_UV applied after the

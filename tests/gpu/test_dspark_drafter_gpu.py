@@ -81,6 +81,46 @@ def test_latent_mla_attention_at_k3_width_matches_float64(context):
     assert rel < 1.5e-2, rel
 
 
+@pytest.mark.parametrize("world", [1, 16])
+def test_a_drafting_pass_over_the_cache_at_k3_width_matches_float64(world):
+    """One MLA layer of K3's drafter (all 64 heads, or a TP16 rank's 4) in bf16 drafting over its
+    cache pool in place (the target's CuTe MLA kernels: the block's rows written past each
+    length, 7 x H queries as heads of one token), against the expanded training pass in float64
+    over gathered rows at 2k and 600 rows: within 1.5e-2 relative, and no implementation that
+    reads lengths on the host (a draft graph could not capture it)."""
+    import dataclasses
+
+    from dspark.drafters.dspark.config import K3_DSPARK, rank_share
+    from dspark.drafters.dspark.model import BlockPass, CachedContext, MLAAttention
+    from dspark.kernels import registry
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    c = dataclasses.replace(rank_share(K3_DSPARK, world), num_layers=1).validate()
+    attn64 = MLAAttention(c).double().cuda()
+    for p in attn64.parameters():
+        p.data.normal_(0, p.shape[-1] ** -0.5)
+    attn = copy.deepcopy(attn64).to(torch.bfloat16)
+    G, dev = c.block_size, "cuda"
+    slots, length = torch.tensor([1, 0], device=dev), torch.tensor([2048, 600], device=dev)
+    pool64 = torch.randn(3, 2048 + G, attn.row_width, dtype=torch.float64, device=dev)
+    rows = pool64[:, :2048].index_select(0, slots)
+    visible = (torch.arange(2048, device=dev) < length[:, None])[:, None]
+    x = torch.randn(2, 1, G, c.hidden_size, dtype=torch.float64, device=dev)
+    positions = (length[:, None] + torch.arange(G, device=dev))[:, None]
+    pool = pool64.bfloat16()
+    with torch.no_grad():
+        want = attn64(x, positions, rows, visible)
+        shared = BlockPass(attn.rotary, positions, visible, G)
+        with registry.record_selections() as chosen:
+            got = attn(x.bfloat16(), positions, CachedContext(pool, slots, length, 2048), visible, inference=True,
+                       shared=shared)
+    assert not [s for s in chosen if s.blocks_capture], [str(s) for s in chosen]
+    assert {s.op: s.chosen.name for s in chosen}["mla_verify_attention"].startswith("cute"), [str(s) for s in chosen]
+    assert torch.isfinite(got).all()
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < 1.5e-2, rel
+
+
 def test_a_step_without_recompute_equals_one_with_it():
     target = SyntheticTarget(seed=12)
     data = [torch.randint(0, target.vocab_size, (n,)) for n in (30, 41, 25)]
