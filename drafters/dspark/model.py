@@ -273,6 +273,7 @@ class MLAAttention(BlockAttention):
         self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.rotary = Rotary(c.qk_rope_head_dim, c.rope_theta, c.rope_interleaved, c.rope_scaling) if c.use_rope else None
         self.scale = c.qk_head_dim**-0.5 * (self.rotary.attention_scale if self.rotary else 1.0)
+        self._w_uk_t: tuple | None = None  # (kv_b_proj's identity and version, W_UK^T): _absorbed_weights
 
     def kv_rows(self, x, positions, rope=None):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -309,10 +310,9 @@ class MLAAttention(BlockAttention):
         weight = self.kv_b_proj.weight
         w_k, w_v = weight.unflatten(0, (self.num_heads, self.nope + self.v_dim)).split([self.nope, self.v_dim], dim=1)
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        cached = getattr(self, "_w_uk_t", None)
-        if cached is None or cached[0] != key:
-            cached = self._w_uk_t = (key, w_k.transpose(1, 2).contiguous())
-        return cached[1], w_v
+        if self._w_uk_t is None or self._w_uk_t[0] != key:
+            self._w_uk_t = (key, w_k.transpose(1, 2).contiguous())
+        return self._w_uk_t[1], w_v
 
     def _cached_forward(self, x, positions, context: CachedContext, shared: "BlockPass"):
         """_latent_forward for one block per request (A = 1) through the target's MLA ops
@@ -329,8 +329,7 @@ class MLAAttention(BlockAttention):
         q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype))  # [M, H, r], [M, H, rope]
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope_dim], dim=-1)
         if self.rotary is not None:
-            cos, sin = shared.rope  # [B, 1, G, 1, rope / 2]
-            q_pe = ops.rotary(q_pe, cos.reshape(M, 1, -1), sin.reshape(M, 1, -1), self.rotary.interleaved)
+            q_pe = self.rotary(q_pe.view(B, A, G, H, self.rope_dim), positions, shared.rope).view(M, H, self.rope_dim)
             k_pe = self.rotary(k_pe.unsqueeze(-2), positions, shared.rope).squeeze(-2)
         queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
         ends, ones = shared.block_ends(context.lengths, G)
