@@ -10,7 +10,8 @@ tokens. Per mode and context, medians over --repeats of:
 - kernels per call, from the profiler (a graph replay counts its kernels too);
 - floor_ms: the bytes a propose must read (the five layers' weights, the lm_head once, the
   Markov head's W2 once per block slot, the context rows; not the context projection, which
-  only commits use) over the --bandwidth-gbps read ceiling.
+  only commits use) over the copy bandwidth measured on this GPU at the start (benchlib.read_ceiling,
+  as step_bench does), or --bandwidth-gbps.
 After each commit the request is cropped back to its context, so every call sees the same one.
 
 --world N times one tensor-parallel rank's share of the drafter instead (config.rank_share,
@@ -27,7 +28,7 @@ import sys
 import time
 
 import torch
-from benchlib import provenance, write_json
+from benchlib import provenance, read_ceiling, write_json
 
 from dspark.config import SamplingParams
 from dspark.drafters.dspark.config import K3_DSPARK, rank_share
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kept", type=int, default=4, help="rows each commit keeps")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--world", type=int, default=1, help="time one rank's share of a drafter split this many ways")
-    ap.add_argument("--bandwidth-gbps", type=float, default=4240.0, help="the read ceiling measured on the H200")
+    ap.add_argument("--bandwidth-gbps", type=float, default=None,
+                    help="the read ceiling in GB/s (default: measured on this GPU first)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
         print(f"drafter_bench: --world: {e}", file=sys.stderr)
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
+    ceiling = read_ceiling() if args.bandwidth_gbps is None else None
+    bandwidth_gbps = ceiling["d2d_copy_rw_GBps"] if ceiling else args.bandwidth_gbps  # as step_bench
     torch.manual_seed(0)
     with torch.device(dev):
         embed = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
@@ -94,10 +98,11 @@ def main(argv=None) -> int:
     # (the slots are sequential: each product needs the previous slot's token).
     w2 = model.markov_head.markov_w2.weight
     head_bytes = lm_head.numel() * lm_head.element_size() + c.block_size * w2.numel() * w2.element_size()
-    result = {**provenance(), "settings": vars(args), "drafter": c.name, "rows": []}
+    result = {**provenance(), "settings": vars(args), "drafter": c.name, "bandwidth_GBps": bandwidth_gbps,
+              "ceiling": ceiling, "rows": []}
     for context in args.contexts:
         row_bytes = sum(layer.self_attn.row_width for layer in model.layers) * context * 2
-        floor_ms = (layer_bytes + head_bytes + row_bytes) / (args.bandwidth_gbps * 1e6)
+        floor_ms = (layer_bytes + head_bytes + row_bytes) / (bandwidth_gbps * 1e6)
         g = torch.Generator(device=dev).manual_seed(context)
         prompt = torch.randint(0, c.vocab_size, (context,), generator=g, device=dev)
         taps = {layer: torch.randn(context, c.target_hidden_size, generator=g, device=dev, dtype=dtype)
