@@ -12,7 +12,9 @@ drafter's acceptance against n-gram and the DFlash-style ablation.
 
 Result files are found by what they hold, not by name: every JSON under experiments/results/ is
 read and its provenance's command says which script wrote it. Of several files from one script
-for the same thing (device, target, ...), the newest by its provenance time is used. A table with
+for the same thing (device, target, ...), the newest by its provenance time is used; for the step
+table, the thing is one measured point (target, batch, context, T), so a run of some points
+replaces only those. A table with
 no file is left out; a file that lacks a field a table needs is named on stderr and skipped. The
 one exception to reading fields: a sweep does not record its kernel choices, so the torch-reference
 baseline is known by the folder experiments/h200_torch_baseline.sh writes, `sweep-<target>-torch/`.
@@ -189,12 +191,35 @@ def problem(error: Exception) -> str:
 STEP_HEADER = ["what", "batch", "context", "T", "ms", "floor ms", "floor / ms", "eager ms", "eager / graph", "kernels"]
 
 
-def step_rows(r: Result) -> list[list[str]]:
-    """step_bench.py's default rows (no --setting): one graph replay (else eager) against the bytes
-    the step must read at the copy bandwidth measured in the same run."""
+def step_point(row: dict) -> tuple:
+    return row["target"], row["batch"], row["context"], row["T"]
+
+
+def newest_step_points(files: list[Result]) -> dict[str, set]:
+    """step_bench.py files -> by path, the points (target, batch, context, T) each one is the newest
+    measurement of: a run of some points replaces only those points of an earlier run, so every
+    point measured once is shown, from its newest file."""
+    owner: dict[tuple, Result] = {}
+    for r in sorted(files, key=lambda r: r.created):
+        for row in r.data.get("rows", []):
+            if isinstance(row, dict) and not row.get("setting") and "error" not in row:
+                try:
+                    owner[(r.device, *step_point(row))] = r
+                except KeyError:
+                    continue
+    chosen: dict[str, set] = {}
+    for point, r in owner.items():
+        chosen.setdefault(r.path, set()).add(point[1:])
+    return chosen
+
+
+def step_rows(r: Result, points: set | None = None) -> list[list[str]]:
+    """step_bench.py's default rows (no --setting), those of `points` if given: one graph replay
+    (else eager) against the bytes the step must read at the copy bandwidth measured in the same run."""
     rows = []
-    for row in sorted((x for x in r.data["rows"] if not x.get("setting")),
-                      key=lambda x: (x["batch"], x["context"], x["T"])):
+    for row in sorted((x for x in r.data["rows"] if not x.get("setting") and "error" not in x
+                       and (points is None or step_point(x) in points)),
+                      key=lambda x: (x["target"], x["batch"], x["context"], x["T"])):
         graph, eager = row.get("graph_ms"), row["eager_ms"]
         ms = num(row["ms"]) + ("" if row.get("mode") == "graph" else " (eager)")
         rows.append([f"`{row['target']}` step", str(row["batch"]), str(row["context"]), str(row["T"]), ms,
@@ -217,12 +242,17 @@ def drafter_rows(r: Result) -> list[list[str]]:
 
 
 def step_sections(results: list[Result]) -> list[str]:
-    steps = newest([r for r in results if r.script == "step_bench"], lambda r: (r.device, r.data.get("target")))
+    step_files = [r for r in results if r.script == "step_bench"]
+    step_points = newest_step_points(step_files)
+    steps = sorted((r for r in step_files if r.path in step_points), key=lambda r: r.path)
     drafters = newest([r for r in results if r.script == "drafter_bench"], lambda r: (r.device, r.data.get("drafter")))
     sections = []
     for device in sorted({r.device for r in steps + drafters}):
         sources = [r for r in steps + drafters if r.device == device]
-        rows = [row for r in sources for row in rows_of(r, step_rows if r.script == "step_bench" else drafter_rows)]
+        rows = sorted((row for r in steps if r.device == device
+                       for row in rows_of(r, lambda r: step_rows(r, step_points[r.path]))),
+                      key=lambda row: (row[0], int(row[1]), int(row[2]), int(row[3])))
+        rows += [row for r in drafters if r.device == device for row in rows_of(r, drafter_rows)]
         if rows:
             sections.append(section("The step against its floor", device, sources, table(STEP_HEADER, rows),
                                     "T is the tokens verified per request (1: plain decoding). The floor is the "

@@ -1,6 +1,6 @@
 """experiments/performance_tables.py: the README's Performance section is the script's output on the
 current result files (a stale README fails here), and the script reads result files by their fields:
-the newest file of each kind wins, a new target or device gets its own rows, a missing file leaves
+the newest file of each kind wins (for the step, the newest file of each measured point), a new target or device gets its own rows, a missing file leaves
 its table out, a file without a needed field is named and skipped, and every ratio is the one its
 column names. Numbers are drawn fresh on each run."""
 import json
@@ -120,6 +120,21 @@ def test_the_newest_file_of_a_kind_wins_and_a_new_target_gets_its_own_rows(tmp_p
     shown = {r[4] for r in rows}
     assert f"{new['rows'][0]['graph_ms']:.2f}" in shown and f"{old['rows'][0]['graph_ms']:.2f}" not in shown
     assert "commit 2222222" in text and "commit 1111111" not in text
+
+
+def test_a_newer_run_of_some_points_replaces_only_those(tmp_path):
+    old = step_bench(target="k3-rank", created="2026-12-01T00:00:00+00:00", commit="1111111")
+    for row in old["rows"][:1]:  # the old run also measured T = 1 at 32k
+        old["rows"].append({**row, "context": 32768, "ms": 7.5, "graph_ms": 7.5})
+    new = step_bench(target="k3-rank", commit="2222222")  # 8k only
+    write(tmp_path, "h200/step_bench_rank.json", new)
+    write(tmp_path, "h200/step_bench_rank_older.json", old)
+    text = render(tmp_path)
+    rows = table_rows(text, "The step against its floor")
+    assert [(r[2], r[3]) for r in rows] == [("8192", "1"), ("8192", "8"), ("32768", "1")], rows
+    assert [r[4] for r in rows[:2]] == [f"{row['graph_ms']:.2f}" for row in new["rows"][:2]]
+    assert rows[2][4] == "7.50"
+    assert "commit 2222222" in text and "commit 1111111" in text  # both files are sources
 
 
 def test_each_device_gets_its_own_table(tmp_path):
