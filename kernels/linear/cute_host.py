@@ -9,10 +9,10 @@ WEIGHT_TILE = 128  # weight rows per CTA (two m64 WGMMAs)
 K_TILE = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row per stage
 MAX_TOKENS = 16  # rows of every skinny kernel (the Blackwell one's N is 16)
 TOKEN_TILES = (8, 16, 32, 64)  # WGMMA N of the Hopper kernel: up to 64 rows (a batch of 8 verifying 8 tokens)
-# The rows the registry sends to the Hopper kernel. Tiles of 32 and 64 compile
-# (tests/test_linear_cute_compile.py) but have not run on a GPU yet: until tests/gpu/test_linear_gpu.py
-# passes there and experiments/step_bench.py --setting linear_hopper_rows=64 shows them faster than the
-# reference (cuBLAS) they replace, a step of more than 16 rows goes to the reference.
+# The rows the registry sends to the Hopper kernel. The tiles of 32 and 64 pass
+# tests/gpu/test_linear_gpu.py, but on the rank's steps of 32 and 64 rows they did not beat the
+# cuBLAS reference they would replace (experiments/step_bench.py --setting linear_hopper_rows=64,
+# experiments/notes/rank.md): a step of more than 16 rows stays with the reference.
 HOPPER_MAX_TOKENS = 16
 # Pipeline depth (choose_stages). 4 x 18 KB of tiles per CTA lets three CTAs share an SM, so 396
 # CTAs are resident at once; 5 stages allow two per SM (264 resident) with deeper prefetch each.
