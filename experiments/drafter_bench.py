@@ -7,7 +7,8 @@ tokens. Per mode and context, medians over --repeats of:
 - propose_ms / commit_ms: wall time of one call with a synchronize around it (what a step waits);
 - propose_host_us / commit_host_us: the time the call takes to return, the GPU busy behind a
   sleep (what the host spends issuing it);
-- kernels per call, from the profiler (a graph replay counts its kernels too);
+- kernels per call, from the profiler (a graph replay counts its kernels too), and the largest of
+  them by name with their calls and time (propose_top, commit_top);
 - floor_ms: the bytes a propose must read (the five layers' weights, the lm_head once, the
   Markov head's W2 once per block slot, the context rows; not the context projection, which
   only commits use) over the copy bandwidth measured on this GPU at the start (benchlib.read_ceiling,
@@ -23,6 +24,7 @@ latent cache whole; the collectives between the ranks are left out, as the k3-ra
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -57,13 +59,21 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(hosts)
 
 
-def kernels_in(fn) -> int:
+def kernels_in(fn, top: int = 30) -> tuple[int, list[dict]]:
+    """(device activities of one call, the `top` largest by name: calls and microseconds), which
+    says where a propose's time goes (a graph replay's kernels are traced too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    totals, counts = collections.Counter(), collections.Counter()
+    for e in events:
+        totals[e.name] += e.time_range.elapsed_us()
+        counts[e.name] += 1
+    return len(events), [{"name": name[:160], "calls": counts[name], "us": round(us, 1)}
+                         for name, us in totals.most_common(top)]
 
 
 def main(argv=None) -> int:
@@ -128,10 +138,13 @@ def main(argv=None) -> int:
                 commit()
             propose_ms, propose_host = timed(propose, args.repeats)
             commit_ms, commit_host = timed(commit, args.repeats)
+            propose_kernels, propose_top = kernels_in(propose)
+            commit_kernels, commit_top = kernels_in(commit)
             row = {"context": context, "cuda_graphs": graphs, "propose_ms": propose_ms, "propose_host_us": propose_host,
-                   "propose_kernels": kernels_in(propose), "commit_ms": commit_ms, "commit_host_us": commit_host,
-                   "commit_kernels": kernels_in(commit), "propose_floor_ms": floor_ms,
-                   "propose_floor_fraction": floor_ms / propose_ms}
+                   "propose_kernels": propose_kernels, "commit_ms": commit_ms, "commit_host_us": commit_host,
+                   "commit_kernels": commit_kernels, "propose_floor_ms": floor_ms,
+                   "propose_floor_fraction": floor_ms / propose_ms, "propose_top": propose_top,
+                   "commit_top": commit_top}
             result["rows"].append(row)
             write_json(args.out, result)
             del drafter
