@@ -8,7 +8,7 @@ each. Here each is one graph replay per step:
   dspark.cuda_graphs.BUCKETS, those of the engine's step graphs) and a power of two >= the longest
   context of the batch, the cache rows a replay reads (rows past a request's own length are
   masked, as in the eager draft). The slots and anchors are copied into the graph's static
-  inputs; the lengths are read on the device.
+  inputs, padding rows taking slots outside the batch; the lengths are read on the device.
 - commit graphs (of DSparkDrafter.commit, a commit the host drives) are keyed by (batch bucket, T)
   and run DSparkDrafter._commit_rows: every one of the T verified rows of a request is computed
   (as eagerly) and written, the rows past its kept count to the cache's scratch row (index
@@ -121,7 +121,10 @@ class DraftGraphs:
         if graph is None:
             graph = self._drafts[key] = _Draft(self.drafter, Bk, context, self._pool)
             self._pool = graph.graph.pool
-        self._copy_slots(graph, slots)
+        # Padding rows take slots outside the batch: a draft writes its block's rows into each
+        # row's slot past its length (drafters/dspark/model.py CachedContext), and a padding row
+        # on a batch row's slot would write over that row's block.
+        self._copy_slots(graph, slots + self._padding(slots, Bk - B))
         graph.anchors[:B].copy_(anchors)
         graph.graph.replay()
         self.replays["draft"] += 1

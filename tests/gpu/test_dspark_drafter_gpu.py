@@ -174,6 +174,8 @@ def test_graphed_drafts_and_commits_equal_eager_ones():
         b = graphed.propose(slots, anchors, 7, [greedy] * B, gens)
         assert torch.equal(a.tokens, b.tokens), round_
         torch.testing.assert_close(b.confidence_logits, a.confidence_logits, rtol=1e-5, atol=1e-5)
+        index = next(d for d in graphed._graphs._drafts.values() if d.slots[:B] == tuple(slots)).index.tolist()
+        assert len(set(index)) == len(index), index  # padding rows never share a batch row's slot
         kept = torch.randint(3, T + 1, (B,), generator=g).cuda()
         taps = {layer: torch.randn(B, T, d, generator=g).cuda() for layer in eager.tap_layers}
         tokens = torch.cat([anchors[:, None], a.tokens], dim=1)
