@@ -6,6 +6,7 @@ heuristics, the allocator), rotate enough input copies that L2 does not serve th
 median over repeats. A verify step runs as a CUDA graph, so `graph_us` is the number that
 matters; `eager_us` adds whatever host overhead exceeds the GPU time.
 """
+import collections
 import json
 import os
 import statistics
@@ -108,3 +109,13 @@ def write_json(path: str, result: dict) -> None:
     so a run killed mid-write leaves the previous version, never a torn file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_atomic(path, json.dumps(result, indent=1))
+
+
+def largest_by_name(launches, top: int) -> list[dict]:
+    """The `top` largest of a profile's device launches by kernel name: calls and microseconds (what
+    a step's or a call's time goes to)."""
+    totals, counts = collections.Counter(), collections.Counter()
+    for event in launches:
+        totals[event.name] += event.time_range.elapsed_us()
+        counts[event.name] += 1
+    return [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(top)]

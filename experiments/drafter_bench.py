@@ -24,13 +24,12 @@ latent cache whole; the collectives between the ranks are left out, as the k3-ra
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
 import time
 
 import torch
-from benchlib import provenance, read_ceiling, write_json
+from benchlib import largest_by_name, provenance, read_ceiling, write_json
 
 from dspark.config import SamplingParams
 from dspark.drafters.dspark.config import K3_DSPARK, rank_share
@@ -68,12 +67,7 @@ def kernels_in(fn, top: int = 30) -> tuple[int, list[dict]]:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    totals, counts = collections.Counter(), collections.Counter()
-    for e in events:
-        totals[e.name] += e.time_range.elapsed_us()
-        counts[e.name] += 1
-    return len(events), [{"name": name[:160], "calls": counts[name], "us": round(us, 1)}
-                         for name, us in totals.most_common(top)]
+    return len(events), largest_by_name(events, top)
 
 
 def main(argv=None) -> int:

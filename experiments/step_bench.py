@@ -60,7 +60,7 @@ from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import tensor_dtype, tensor_specs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import provenance, read_ceiling, write_json  # noqa: E402
+from benchlib import largest_by_name, provenance, read_ceiling, write_json  # noqa: E402
 
 
 def _layers(text: str) -> str | int:
@@ -225,15 +225,10 @@ def kernels_by_class(events) -> tuple[dict, dict]:
 def summarise_profile(events) -> dict:
     """launches, gpu_kernel_ms, the 40 largest contributors by name (top), by_class and attribution
     of one profiled step; annotations are not launches (is_annotation)."""
-    totals, counts = collections.Counter(), collections.Counter()
     launches = device_launches(events)
-    for evt in launches:
-        totals[evt.name] += evt.time_range.elapsed_us()
-        counts[evt.name] += 1
-    top = [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(40)]
     by_class, attribution = kernels_by_class(events)
-    return {"launches": len(launches), "gpu_kernel_ms": sum(totals.values()) / 1e3, "top": top,
-            "by_class": by_class, "attribution": attribution}
+    return {"launches": len(launches), "gpu_kernel_ms": sum(e.time_range.elapsed_us() for e in launches) / 1e3,
+            "top": largest_by_name(launches, 40), "by_class": by_class, "attribution": attribution}
 
 
 def profile_step(step) -> dict:
