@@ -184,21 +184,16 @@ class BlockPass:
         self.flex_mask = flex_mask
         self.mask = _block_mask(context_visible, G) if flex_mask is None else None  # [B, A * G, S + A * G]
         self._hidden_per_head: dict[int, torch.Tensor] = {}
-        self._block_lengths: torch.Tensor | None = None
-        self._block_ends: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache_counts: tuple[torch.Tensor, ...] | None = None
 
-    def block_lengths(self, B: int, G: int, device) -> torch.Tensor:
-        """[B] long, all G: every block row is a real token (made once per pass)."""
-        if self._block_lengths is None:
-            self._block_lengths = torch.full((B,), G, dtype=torch.long, device=device)
-        return self._block_lengths
-
-    def block_ends(self, lengths: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lengths + G - 1, ones) [B]: the MLA op's cache_lens and query count that let one query
-        see the first length + G rows (made once per pass)."""
-        if self._block_ends is None:
-            self._block_ends = (lengths + (G - 1), torch.ones_like(lengths))
-        return self._block_ends
+    def cache_counts(self, lengths: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B] counts of a drafting pass over the cache in place, from the committed lengths (made
+        once per pass, for every layer): G, the block rows each request writes; lengths + G - 1
+        and 1, the MLA op's cache_lens and query count that let one query see the first
+        length + G rows."""
+        if self._cache_counts is None:
+            self._cache_counts = (torch.full_like(lengths, G), lengths + (G - 1), torch.ones_like(lengths))
+        return self._cache_counts
 
     def hidden_per_head(self, heads: int) -> torch.Tensor:
         """[B, A * G * heads, S + A * G] bool: True where a (slot, head) score row may not look."""
@@ -332,13 +327,13 @@ class MLAAttention(BlockAttention):
             q_pe = self.rotary(q_pe.view(B, A, G, H, self.rope_dim), positions, shared.rope).view(M, H, self.rope_dim)
             k_pe = self.rotary(k_pe.unsqueeze(-2), positions, shared.rope).squeeze(-2)
         queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
-        ends, ones = shared.block_ends(context.lengths, G)
+        block_rows, ends, ones = shared.cache_counts(context.lengths, G)
         if x.is_cuda and registry.select("mla_verify_attention", *queries, context.cache, context.index, ends,
                                          ones).reads_device_values:
             return None
         rows = torch.cat([latent, k_pe], dim=-1).reshape(M, self.row_width).to(context.cache.dtype)
         ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache, context.index,
-                           context.lengths, shared.block_lengths(B, G, context.lengths.device))
+                           context.lengths, block_rows)
         o_latent = ops.mla_verify_attention(*queries, context.cache, context.index, ends, ones, self.scale)
         out = ops.linear_heads(o_latent.view(M, H, r), w_uv.to(o_latent.dtype))  # [M, H, v]
         return self.o_proj(out.reshape(B, A, G, H * self.v_dim).to(x.dtype))
