@@ -6,14 +6,17 @@ import numpy as np
 import torch
 from scipy import stats
 
-from dspark.config import SamplingParams
+from dspark.config import SamplingParams, SpecConfig
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.engine import Engine
 from dspark.sampling import SamplingTensors, processed_probs, rejection_sample
 from dspark.targets.toy import MarkovTarget
 
 V = 5
 PROMPT = [0, 3]
 GEN = 3  # generated tokens per sequence: 125 possible sequences
+SAMPLES = 20_000  # sequences per distribution test
+PARAMS = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
 
 
 def exact_sequence_probs(target: MarkovTarget, params: SamplingParams) -> dict[tuple, float]:
@@ -63,3 +66,15 @@ def toy_dspark(target: MarkovTarget, slots: int, method: str = "greedy") -> DSpa
                        target_layer_ids=(-1,), block_size=2, mask_token_id=vocab - 1, markov_rank=4).validate()
     return DSparkDrafter(DSparkModel(cfg, *target.embedding_weights()), slots, max_seq_len=target.max_seq_len,
                          draft_sample_method=method)
+
+
+def sampled_run(make_drafter, sampler=None, **spec) -> tuple[Engine, float]:
+    """The distribution test's run: SAMPLES sequences of GEN tokens after PROMPT at PARAMS, through
+    an engine on the toy Markov target with make_drafter(target) drafting 2 tokens a step (`spec`:
+    more SpecConfig fields) and `sampler` (None: the engine's own) -> (the engine, the chi-square
+    p-value of the sequences against their closed-form probabilities)."""
+    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=SAMPLES, max_seq_len=16)
+    engine = Engine(target, make_drafter(target), SpecConfig(num_speculative_tokens=2, **spec), sampler=sampler)
+    outputs = engine.generate([PROMPT] * SAMPLES, PARAMS)
+    assert all(len(o.token_ids) == GEN for o in outputs)
+    return engine, chi2_pvalue(outputs, exact_sequence_probs(target, PARAMS))

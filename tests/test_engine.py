@@ -9,7 +9,7 @@ from dspark.engine import Engine
 from dspark.step import EagerRunner
 from dspark.targets.toy import MarkovTarget
 
-from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs
+from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs, sampled_run
 from toy_drafters import ScriptedDrafter, TableDrafter
 
 
@@ -18,16 +18,11 @@ from toy_drafters import ScriptedDrafter, TableDrafter
     [("table", None, True), ("ngram", None, True), ("table", broken_sampler, False)],
 )
 def test_speculative_sampling_preserves_the_sequence_distribution(drafter_kind, sampler, should_pass):
-    n = 20_000
-    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
-    drafter = TableDrafter(V, seed=5, scale=1.5) if drafter_kind == "table" else NgramDrafter(1, 2)
-    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=2, seed=3), sampler=sampler)
-    outputs = engine.generate([PROMPT] * n, params)
-    assert all(len(o.token_ids) == GEN for o in outputs)
+    engine, pvalue = sampled_run(
+        lambda target: TableDrafter(V, seed=5, scale=1.5) if drafter_kind == "table" else NgramDrafter(1, 2), sampler,
+        seed=3)
     if drafter_kind == "table":
         assert engine.metrics.num_drafts > 0 and 0.05 < engine.metrics.draft_acceptance_rate < 0.95
-    pvalue = chi2_pvalue(outputs, exact_sequence_probs(target, params))
     assert (pvalue > 1e-3) == should_pass, pvalue
 
 

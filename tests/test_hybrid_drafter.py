@@ -15,7 +15,7 @@ from dspark.engine import Engine
 from dspark.targets.toy import MarkovTarget
 from dspark_fixtures import one_thread  # noqa: F401 (autouse fixture)
 
-from distribution import GEN, PROMPT, V, broken_sampler, chi2_pvalue, exact_sequence_probs, toy_dspark
+from distribution import SAMPLES, broken_sampler, sampled_run, toy_dspark
 
 
 def test_greedy_hybrid_output_equals_plain_decoding_with_both_drafters_proposing():
@@ -45,18 +45,11 @@ def test_probabilistic_hybrid_drafts_preserve_the_distribution(sampler, should_p
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     torch.manual_seed(seed)
-    n = 20_000
-    target = MarkovTarget(V, seed=11, scale=1.2, max_slots=n, max_seq_len=16)
-    dspark = toy_dspark(target, n, "probabilistic")
     # One-token matches, so that most steps mix n-gram (one-hot q) and DSpark (sampled q) rows.
-    hybrid = HybridDrafter(dspark, NgramDrafter(1, 2))
-    engine = Engine(target, hybrid, SpecConfig(num_speculative_tokens=2, draft_sample_method="probabilistic", seed=seed),
-                    sampler=sampler)
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=GEN)
-    outputs = engine.generate([PROMPT] * n, params)
-    assert all(len(o.token_ids) == GEN for o in outputs)
-    assert min(hybrid.rows.values()) > n // 10, hybrid.rows
-    pvalue = chi2_pvalue(outputs, exact_sequence_probs(target, params))
+    engine, pvalue = sampled_run(
+        lambda target: HybridDrafter(toy_dspark(target, SAMPLES, "probabilistic"), NgramDrafter(1, 2)), sampler,
+        draft_sample_method="probabilistic", seed=seed)
+    assert min(engine.drafter.rows.values()) > SAMPLES // 10, engine.drafter.rows
     assert (pvalue > 1e-3) == should_pass, (seed, pvalue)
 
 
