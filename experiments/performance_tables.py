@@ -201,12 +201,12 @@ def newest_step_points(files: list[Result]) -> dict[str, set]:
     point measured once is shown, from its newest file."""
     owner: dict[tuple, Result] = {}
     for r in sorted(files, key=lambda r: r.created):
-        for row in r.data.get("rows", []):
-            if isinstance(row, dict) and not row.get("setting") and "error" not in row:
-                try:
-                    owner[(r.device, *step_point(row))] = r
-                except KeyError:
-                    continue
+        try:
+            points = [step_point(row) for row in r.data["rows"] if not row.get("setting") and "error" not in row]
+        except (KeyError, TypeError, AttributeError) as error:
+            warn(f"{r.path}: {problem(error)} where the {r.script} table reads it; skipped")
+            continue
+        owner.update({(r.device, *point): r for point in points})
     chosen: dict[str, set] = {}
     for point, r in owner.items():
         chosen.setdefault(r.path, set()).add(point[1:])

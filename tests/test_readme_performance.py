@@ -162,12 +162,18 @@ def test_a_file_without_a_needed_field_is_named_and_skipped(tmp_path, capsys):
     write(tmp_path, "h200/torn.json", {})
     (tmp_path / "experiments/results/h200/torn.json").write_text('{"rows": [')  # a torn file
     write(tmp_path, "h200/odd_time.json", {**step_bench(target="k3-other"), "created": "yesterday"})
+    pointless = step_bench(target="k3-rank")
+    for row in pointless["rows"]:  # rows that name no point
+        del row["batch"]
+    write(tmp_path, "h200/step_bench_rank.json", pointless)
     write(tmp_path, "h200/sweep-k3-slice-gpu/sweep.json", sweep())
     text = render(tmp_path)
     err = capsys.readouterr().err
     assert "experiments/results/h200/step_bench.json: no field 'floor_ms'" in err and "torn.json: not readable JSON" in err
     assert "odd_time.json: provenance time unreadable" in err
+    assert "experiments/results/h200/step_bench_rank.json: no field 'batch'" in err
     assert "`k3-slice` step" not in text and "`k3-other` step" in text and "Tokens/s against" in text
+    assert "`k3-rank` step" not in text
 
 
 def test_the_sweep_table_gives_speedups_over_plain_and_the_torch_reference(tmp_path):
