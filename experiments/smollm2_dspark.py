@@ -69,7 +69,9 @@ held to the end) and the last one decays. With the fast step, one session holds 
 When the two drafters do not fit one session, each trains to the end in its own: `run --variants dspark
 --only-train` and `pack` in the first session (no AdamW moments to carry: its training is finished), then
 `run --variants dflash_ablation --finished K/drafters.safetensors` in the next, which trains the ablation and
-evaluates both, DSpark as packed (bf16).
+evaluates both, DSpark as packed (bf16). A drafter whose session ended before --steps is packed where it
+stopped; `--stop-at N` trains the other to the same step of the same schedule, so that both are compared as
+far as they went.
 """
 from __future__ import annotations
 
@@ -507,23 +509,25 @@ def held_out_record(args, check_target, model: DSparkModel, held_out, cfg: Train
 
 
 def train_variant(args, name: str, model: DSparkModel, cfg: TrainConfig, run: dict, *, data, where: Path,
-                  deadline: float, checks: dict, before: int = 0) -> None:
-    """One drafter's run to cfg.steps in `where` (resumed from its checkpoint: weights, AdamW, schedule),
-    a held-out check at every multiple of checks['every'] and at the end (into run['held_out']) and
-    its wall time per step (run['seconds_per_step'], held-out checks left out). data: (target,
-    sequences, masks, store); checks: (check target, prompts, every); before: steps of earlier legs."""
+                  deadline: float, checks: dict, before: int = 0, end: int | None = None) -> None:
+    """One drafter's run to step `end` (default cfg.steps) of cfg's schedule in `where` (resumed from its
+    checkpoint: weights, AdamW, schedule), a held-out check at every multiple of checks['every'] and at
+    the end (into run['held_out']) and its wall time per step (run['seconds_per_step'], held-out checks
+    left out). data: (target, sequences, masks, store); checks: (check target, prompts, every); before:
+    steps of earlier legs."""
     target, sequences, masks, store = data
+    end = cfg.steps if end is None else end
     step = trained_steps(where)
-    if step >= cfg.steps and run["held_out"] and run["held_out"][-1]["step"] == cfg.steps:
+    if step >= end and run["held_out"] and run["held_out"][-1]["step"] == end:
         return
     with tf32_on_cuda(target.device):
         trainer = Trainer(model, sequences, masks, cfg, where, resume=step > 0)
         try:
-            while trainer.step < cfg.steps:
+            while trainer.step < end:
                 if time.time() > deadline:
-                    raise StoppedEarly(f"train {name}: step {trainer.step} of {cfg.steps} (--time-limit)")
+                    raise StoppedEarly(f"train {name}: step {trainer.step} of {end} (--time-limit)")
                 begun, began = trainer.step, time.perf_counter()
-                segment = min(checks["every"] - begun % checks["every"], cfg.steps - begun)
+                segment = min(checks["every"] - begun % checks["every"], end - begun)
                 history = train_together(target, {name: trainer}, stop_after=segment, deadline=deadline, store=store)[name]
                 if target.device.type == "cuda":
                     torch.cuda.synchronize(target.device)
@@ -531,14 +535,14 @@ def train_variant(args, name: str, model: DSparkModel, cfg: TrainConfig, run: di
                 run["steps_timed"] = run.get("steps_timed", 0) + trainer.step - begun
                 run["seconds_per_step"] = round(run["train_seconds"] / max(1, run["steps_timed"]), 4)
                 if trainer.step < begun + segment:  # the deadline passed inside
-                    raise StoppedEarly(f"train {name}: step {trainer.step} of {cfg.steps} (--time-limit)")
-                if trainer.step % checks["every"] == 0 or trainer.step == cfg.steps:
+                    raise StoppedEarly(f"train {name}: step {trainer.step} of {end} (--time-limit)")
+                if trainer.step % checks["every"] == 0 or trainer.step == end:
                     run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg,
                                                            trainer.step, before + trainer.step, history))
                 checks["save"]()
-            if not run["held_out"] or run["held_out"][-1]["step"] != cfg.steps:  # an earlier call ended before it
+            if not run["held_out"] or run["held_out"][-1]["step"] != end:  # an earlier call ended before it
                 run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg,
-                                                       cfg.steps, before + cfg.steps, []))
+                                                       end, before + end, []))
                 checks["save"]()
         finally:
             trainer.close()
@@ -559,9 +563,11 @@ def train_variants(args, target, sequences, masks, held_out, work: Path, results
         models[name] = new_model(target, name, args, start)
         if target.device.type == "cuda":
             models[name].autocast_dtype = torch.bfloat16
+        end = last_step(args)
         train_variant(args, name, models[name], cfg, run, data=(target, sequences, masks, store), where=work / name,
-                      deadline=deadline, checks=checks, before=steps_before(start, name))
-        run.update(steps=cfg.steps, sequences=len(sequences), epochs=round(cfg.steps * cfg.batch_size / len(sequences), 3))
+                      deadline=deadline, checks=checks, before=steps_before(start, name), end=end)
+        run.update(steps=end, schedule_steps=cfg.steps, sequences=len(sequences),
+                   epochs=round(end * cfg.batch_size / len(sequences), 3))
         save()
     return {name: restore(work / name, target) for name in variants}
 
@@ -789,6 +795,15 @@ def peak_lr(args) -> float | None:
     return value
 
 
+def last_step(args) -> int:
+    """The step training ends at: --stop-at of the --steps schedule, else --steps."""
+    if args.stop_at is None:
+        return args.steps
+    if not 1 <= args.stop_at <= args.steps:
+        raise ValueError(f"--stop-at={args.stop_at}: must be in [1, --steps={args.steps}]")
+    return args.stop_at
+
+
 def finished_pack(args) -> dict | None:
     """--finished: the pack of the drafters this run does not train (--variants), evaluated as they are. A run
     that evaluates needs every variant, trained here or finished there; checked before any work."""
@@ -827,7 +842,7 @@ def training_phase(args, make_target, seqs, masks, held_out, work: Path, results
     left = lambda name, steps: trained_steps(work / name) < steps  # noqa: E731
     ab_left = bool(args.lr_ab) and "best" not in results.get("lr_ab", {})
     store = None
-    if ab_left or any(left(name, args.steps) for name in args.variants):
+    if ab_left or any(left(name, last_step(args)) for name in args.variants):
         layers = drafter_config(target, "dspark", args.layers, args.markov_rank).target_layer_ids + (target.num_layers,)
         store = capture_store(args, target, layers, seqs, work, results, fingerprint)
     common = dict(check_target=check_target, store=store)
@@ -885,6 +900,7 @@ def run(args) -> dict:
     if any(len(p) != 2 or p[0] not in ("humaneval", "mtbench") or p[1] not in ("greedy", "t1") for p in plan):
         raise ValueError(f"--eval-plan={args.eval_plan!r}: needs set:mode pairs, sets humaneval/mtbench, modes greedy/t1")
     peak_lr(args)  # checked before any long phase
+    last_step(args)
 
     gguf_path = Path(args.gguf) if args.gguf else find_smollm2_gguf()
     config, cpu_weights = read_gguf(str(gguf_path))
@@ -1034,6 +1050,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="self-distilled training sequences (tokens, offsets, prompt_index, prompt_lengths; uint16), "
                         "e.g. a larger set from experiments/smollm2_generate.py; '' self-distils into --work-dir")
     r.add_argument("--only-lr-ab", action="store_true", help="stop after --lr-ab (exit 3), e.g. to read it first")
+    r.add_argument("--stop-at", type=int, default=None,
+                   help="end each drafter's training at this step of its --steps schedule (the learning rate is "
+                        "--steps's throughout), e.g. to train a drafter as far as a finished one went")
     ints = {"train_prompts": 0, "max_prompt_len": 0, "gen_tokens": 384, "gen_batch": 1024, "prefill_chunk": 32,
             "steps": 10000, "batch_size": 16, "num_anchors": 512, "anchor_chunk": 128, "length_groups": 8, "layers": 5,
             "markov_rank": 256, "eval_every": 2000, "held_out_prompts": 64, "held_out_tokens": 128, "cal_prompts": 200,

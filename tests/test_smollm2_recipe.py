@@ -192,12 +192,13 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
 
 
 def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, capsys):
-    """A run that does not fit one session: DSpark alone to --steps and packed (the first session), then the
-    ablation trained in a fresh work folder and both evaluated, DSpark from the pack as it is (its bf16
-    parameters, not trained further); runs that could not evaluate are refused before any work."""
+    """A run that does not fit one session: DSpark alone packed where its session ended (step 2 of a 3-step
+    schedule, --stop-at), then the ablation trained as far on the same schedule in a fresh work folder and
+    both evaluated, DSpark from the pack as it is (its bf16 parameters, not trained further); runs that could
+    not evaluate, or stop outside the schedule, are refused before any work."""
     tiny_data_for_the_gguf(tmp_path / "data.npz")
     base = ["run", "--data", str(tmp_path / "data.npz"), "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3",
-            "--prefill-chunk", "2", "--steps", "2", "--eval-plan", "humaneval:greedy", "--batch-size", "2",
+            "--prefill-chunk", "2", "--steps", "3", "--stop-at", "2", "--decay-frac", "0.9", "--eval-plan", "humaneval:greedy", "--batch-size", "2",
             "--num-anchors", "4", "--anchor-chunk", "0", "--layers", "1", "--markov-rank", "8", "--eval-every", "2",
             "--held-out-prompts", "1", "--held-out-tokens", "3", "--eval-tokens", "5", "--eval-batch", "2",
             "--bootstrap", "20", "--speed-prompts", "1", "--attention", "per_query", "--log-every", "1"]
@@ -208,8 +209,17 @@ def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, 
 
     assert call(first, "a.json", "--sequences", "", "--variants", "dspark") == 2  # nothing to evaluate the ablation
     assert "--variants=dspark: the evaluation needs dflash_ablation too" in capsys.readouterr().err
+    assert call(first, "a.json", "--sequences", "", "--variants", "dspark", "--only-train", "--stop-at", "4") == 2
+    assert "--stop-at=4: must be in [1, --steps=3]" in capsys.readouterr().err
     assert call(first, "a.json", "--sequences", "", "--variants", "dspark", "--only-train") == 0
     assert recipe.trained_steps(first / "dspark") == 2 and not (first / "dflash_ablation").exists()
+    trained = json.loads((tmp_path / "a.json").read_text())["training"]["dspark"]
+    assert (trained["steps"], trained["schedule_steps"]) == (2, 3) and trained["held_out"][-1]["step"] == 2
+    # the learning rate followed the 3-step schedule (decaying over all of it), not a 2-step one
+    args = recipe.parse(base + ["--work-dir", "w", "--out", "o"])
+    three_steps, two_steps = (recipe.train_configs(args, steps=n)["dspark"] for n in (3, 2))
+    assert trained["held_out"][-1]["lr_area"] == round(recipe.lr_area(2, three_steps), 6)
+    assert recipe.lr_area(2, three_steps) != recipe.lr_area(2, two_steps)
     assert recipe.main(["pack", "--work-dir", str(first), "--keep-dir", str(tmp_path / "keep")]) == 0
     pack = staging.join(recipe.PACK_NAME, tmp_path / "keep")
     assert list(recipe.read_pack(pack)["variants"]) == ["dspark"]
@@ -221,6 +231,7 @@ def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, 
     assert call(second, "b.json", *sequences, "--variants", "dflash_ablation", "--finished", str(pack)) == 0
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["complete"] and list(result["training"]) == ["dflash_ablation"]
+    assert recipe.trained_steps(second / "dflash_ablation") == 2 and result["training"]["dflash_ablation"]["steps"] == 2
     assert result["finished_from"]["legs"]["dspark"][0]["steps"] == 2 and not (second / "dspark").exists()
     boot = result["eval"]["humaneval"]["greedy"]["bootstrap"]
     assert {"dspark", "dflash_ablation", "ngram"} <= set(boot)
