@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # tools/lab/rounds/smollm2_10k/README.md. Usage, from the checkout's root on the GPU machine:
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT keep          # calls A and B: keep the part carried
-#   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT keep-pack     # session 2's A and B: also the pack's parts
+#   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT keep-pack     # session 2: keep a GGUF part and/or pack parts
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT join          # call C: keep part 3, join, then run
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT               # later calls: resume the run
-# VARIANTS (dspark or dflash_ablation) picks the drafter this session trains; FINISHED, the other's pack.
+# VARIANTS (dspark or dflash_ablation) picks the drafter this session trains; FINISHED, the other's pack;
+# STOP_AT, the step of the 10,000-step schedule its training ends at (where the packed one stopped).
 set -u
 R=$PWD
 source tools/lab/device_env.sh
 export DSPARK_GIT_COMMIT=$1
 mode=${2:-run}
 if [ "$mode" != run ]; then
-  python3 experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2 || exit 1
+  # a keep-pack call may carry pack parts alone (a GGUF part and two pack parts exceed a call's 64 MiB)
+  if [ "$mode" != keep-pack ] || ls experiments/stage/smollm2.gguf.part* > /dev/null 2>&1; then
+    python3 experiments/smollm2_dspark.py keep --keep-dir /tmp/smollm2 || exit 1
+  fi
   if [ "$mode" = keep-pack ]; then
-    mkdir -p /tmp/smollm2/pack && cp experiments/stage/pack/* /tmp/smollm2/pack/ || exit 1
-    ls /tmp/smollm2/pack/drafters.safetensors.part* | wc -l; exit 0
+    mkdir -p /tmp/smollm2/pack
+    if [ -d experiments/stage/pack ]; then cp experiments/stage/pack/* /tmp/smollm2/pack/ || exit 1; fi
+    echo "pack parts kept: $(ls /tmp/smollm2/pack/drafters.safetensors.part* 2> /dev/null | wc -l)"; exit 0
   fi
   if [ "$mode" = keep ] && [ ! -f /tmp/smollm2/.tested ]; then  # call A: the training path's GPU tests
     (cd /tmp && timeout 150 python3 -m pytest "$R/tests/gpu/test_dspark_train_gpu.py" \
@@ -41,13 +46,13 @@ fi
 profile=()
 if [ -f /tmp/smollm2/smollm2_profile.json ]; then profile=(--profile-json /tmp/smollm2/smollm2_profile.json)
 else
-  for f in experiments/results/*/smollm2_profile_train.json experiments/results/*/smollm2_profile_capture.json; do
+  for f in experiments/results/*/smollm2_profile_train.json; do
     [ -f "$f" ] && profile+=(--profile-json "$f")
   done
 fi
 timeout $((575 - SECONDS)) python3 experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf \
   --work-dir /tmp/smollm2/work --variants "${VARIANTS:-dspark}" "${extra[@]}" \
-  --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 --eval-every 2500 \
+  --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 ${STOP_AT:+--stop-at "$STOP_AT"} --eval-every 2500 \
   --speed-prompts 2 --capture-file '' "${profile[@]}" --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
 echo "run rc $?"
 grep -E "capture store|step [0-9]+|held-out|phase" "$OUT/run.log" | tail -12
