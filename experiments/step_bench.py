@@ -495,6 +495,8 @@ SWITCHES = {
     "linear_fused_reduce": ("dspark.kernels.linear.cute_host", "FUSED_REDUCE", {"0": False, "1": True}),
     "triton_pdl": ("dspark.kernels.triton_common", "PDL", {"0": False, "1": True}),
     "linear_hopper_rows": ("dspark.kernels.linear.cute_host", "HOPPER_MAX_TOKENS", {"16": 16, "64": 64}),
+    "moe_pass2_splits": ("dspark.kernels.moe.cute_sm90", "PASS2_SPLITS",
+                         {"1": 1, "2": 2, "3": 3, "4": 4, "auto": "auto"}),
 }
 
 
@@ -510,7 +512,9 @@ def applied(setting: str):
     `linear_fused_reduce=0|1` sums the CuTe GEMMs' split-K partials in a second kernel or in the
     GEMM kernel itself; `triton_pdl=0|1` launches the step's Triton kernels plainly or with
     programmatic dependent launch (kernels/triton_common.py); `linear_hopper_rows=16|64` sends a step's
-    GEMMs of 17-64 rows to cuBLAS or to the Hopper skinny GEMM's 32- and 64-row tiles."""
+    GEMMs of 17-64 rows to cuBLAS or to the Hopper skinny GEMM's 32- and 64-row tiles;
+    `moe_pass2_splits=1|2|3|4|auto` splits the MXFP4 expert kernel's second pass along K that many
+    ways (auto: kernels/moe/cute_sm90.py pass2_splits), the combine adding the splits."""
     import importlib
 
     from dspark.kernels import registry
@@ -555,7 +559,8 @@ def main(argv=None) -> int:
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
                              "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
                              "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
-                             "linear_fused_reduce=0|1, triton_pdl=0|1, linear_hopper_rows=16|64")
+                             "linear_fused_reduce=0|1, triton_pdl=0|1, linear_hopper_rows=16|64, "
+                             "moe_pass2_splits=1|2|3|4|auto")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

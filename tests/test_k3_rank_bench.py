@@ -224,3 +224,19 @@ def test_the_launch_switches_are_set_and_restored(bench):
     with pytest.raises(SystemExit, match="linear_fused_reduce='2'"):
         with bench.applied("linear_fused_reduce=2"):
             pass
+
+
+def test_the_expert_kernels_k_split_is_a_switch_off_by_default(bench):
+    from dspark.kernels import cute_common
+
+    if not cute_common.cutlass_available():
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    from dspark.kernels.moe import cute_sm90
+
+    assert cute_sm90.PASS2_SPLITS == 1  # until the rank's step measures it
+    with bench.applied("moe_pass2_splits=auto"):
+        assert cute_sm90.PASS2_SPLITS == "auto"
+    assert cute_sm90.PASS2_SPLITS == 1
+    with pytest.raises(SystemExit, match="moe_pass2_splits='5'"):
+        with bench.applied("moe_pass2_splits=5"):
+            pass

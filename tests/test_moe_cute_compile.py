@@ -45,6 +45,41 @@ def test_sm90a_expert_kernel_compiles_to_register_a_wgmma(glu, tokens, loader):
 
 @needs_cutlass
 @pytest.mark.usefixtures("_ptx_dump_dir")
+def test_sm90a_pass2_with_a_k_split_compiles_and_reads_its_split_from_the_grid():
+    from dspark.kernels.moe import cute_sm90
+
+    ptx = cute_sm90.compile_expert_gemm(K3.num_experts, K3.latent_size, K3.moe_intermediate_size, 8, False, "sm_90a",
+                                        loader="tma", extra_options=("--keep-ptx",), splits=4).__ptx__
+    assert "%ctaid.z" in ptx  # the split is the grid's third index
+    assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in ptx and "cp.async.bulk.tensor" in ptx
+    assert ".local" not in ptx
+
+
+def test_k_splits_that_the_kernel_cannot_take_are_refused_by_value():
+    from dspark.kernels.moe import cute_sm90
+
+    k = K3.moe_intermediate_size  # 24 chunks of 128
+    cute_sm90.check_splits(4, k, glu=False, loader="tma")  # 6 chunks each
+    for splits, glu, loader in ((2, True, "tma"), (2, False, "registers"), (5, False, "tma"), (8, False, "tma")):
+        with pytest.raises(ValueError, match=f"splits={splits}"):
+            cute_sm90.check_splits(splits, k, glu=glu, loader=loader)
+
+
+def test_auto_splits_fill_the_sms_at_a_ranks_few_slots(monkeypatch):
+    from dspark.kernels.moe import cute_sm90
+
+    monkeypatch.setattr(cute_sm90, "PASS2_SPLITS", "auto")
+    cpu = torch.device("cpu")  # the rule's own SM count (an H200's 132)
+    rows, k = K3.latent_size, K3.moe_intermediate_size  # 28 row tiles, 24 K chunks
+    assert cute_sm90.pass2_splits(rows, k, 3, cpu) == 4  # 84 CTAs -> 336, past 2 a SM
+    assert cute_sm90.pass2_splits(rows, k, 8, cpu) == 2  # 224 -> 448
+    assert cute_sm90.pass2_splits(rows, k, 16, cpu) == 1  # 448 already
+    monkeypatch.setattr(cute_sm90, "PASS2_SPLITS", 1)
+    assert cute_sm90.pass2_splits(rows, k, 3, cpu) == 1
+
+
+@needs_cutlass
+@pytest.mark.usefixtures("_ptx_dump_dir")
 @pytest.mark.parametrize("arch, glu", [("sm_103a", True), ("sm_103a", False), ("sm_100a", True)])
 def test_blackwell_expert_kernel_compiles_to_tcgen05(arch, glu):
     # The tcgen05 kernel has never run (no Blackwell GPU here): this is all the checking it gets.

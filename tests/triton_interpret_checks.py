@@ -180,18 +180,21 @@ def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, to
                   width: int = 1500) -> None:
     """weighted_combine against the float64 weighted sum: pairs scattered over the rows in a
     random order (as the expert lists place them), spare rows poisoned with NaN (never read), a
-    width that leaves the last column block partial. Inputs are drawn on the CPU."""
+    width that leaves the last column block partial; as one output per row and as the partial
+    sums of a K split in 3 parts (pass 2's [splits, P, latent]). Inputs are drawn on the CPU."""
     pairs = tokens * top_k
-    rows = torch.randn(pairs + 5, width, generator=gen)
     position = torch.randperm(pairs + 5, generator=gen)[:pairs].view(tokens, top_k)
     spare = torch.ones(pairs + 5, dtype=torch.bool)
     spare[position.flatten()] = False
-    rows[spare] = float("nan")
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
-    want = (weights.double().unsqueeze(-1) * rows.double()[position]).sum(dim=1)
-    out = torch.full((tokens, width), float("nan"), device=device)
-    got = moe_triton.weighted_combine(rows.to(device), position.to(device), weights.to(device), out=out)
-    close(got.cpu(), want, f"weighted_combine T={tokens} k={top_k} width={width}")
+    for splits in (None, 3):
+        rows = torch.randn(*(() if splits is None else (splits,)), pairs + 5, width, generator=gen)
+        rows[..., spare, :] = float("nan")
+        whole = rows.double() if splits is None else rows.double().sum(dim=0)
+        want = (weights.double().unsqueeze(-1) * whole[position]).sum(dim=1)
+        out = torch.full((tokens, width), float("nan"), device=device)
+        got = moe_triton.weighted_combine(rows.to(device), position.to(device), weights.to(device), out=out)
+        close(got.cpu(), want, f"weighted_combine T={tokens} k={top_k} width={width} splits={splits}")
 
 
 def check_tail_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:

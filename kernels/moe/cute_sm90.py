@@ -68,14 +68,16 @@ def token_tile(tokens: int) -> int:
 
 
 class MxFp4ExpertGemmSm90:
-    """One compiled instance per (experts, rows, K, tokens, glu); the slot count is a runtime value."""
+    """One compiled instance per (experts, rows, K, tokens, glu, splits); the slot count is a runtime
+    value. splits > 1 (pass 2, TMA loader): each CTA multiplies one of `splits` equal K ranges and
+    writes its fp32 partial as slot `split * slots + slot`; the combine adds the splits."""
 
     def __init__(self, experts: int, rows: int, k: int, tokens: int, glu: bool, situ_beta: float,
-                 situ_linear_beta: float, depth: int, loader: str):
+                 situ_linear_beta: float, depth: int, loader: str, splits: int = 1):
         self.experts, self.rows, self.k, self.tokens, self.glu, self.depth = experts, rows, k, tokens, glu, depth
-        self.loader = loader
+        self.loader, self.splits = loader, splits
         self.situ_beta, self.situ_linear_beta = situ_beta, situ_linear_beta
-        self.chunks = k // K_CHUNK
+        self.chunks = k // K_CHUNK // splits  # K chunks of one CTA
         self.tile_mnk = (ROW_TILE, tokens, K_CHUNK)
         self.row_tiles = rows // (GLU_ROWS if glu else ROW_TILE)
 
@@ -165,7 +167,7 @@ class MxFp4ExpertGemmSm90:
         self.expert_kernel_tma(
             sa, sb, slot_expert, tma_lo, tma_tensor_lo, tma_hi, tma_tensor_hi, tma_b, tma_tensor_b, out,
             tiled_mma, half_staged, b_smem_staged,
-        ).launch(grid=(self.row_tiles, slots, 1), block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=(self.row_tiles, slots, self.splits), block=[THREADS, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device helpers
     @cute.jit
@@ -313,9 +315,14 @@ class MxFp4ExpertGemmSm90:
         """Same math as expert_kernel; the codes arrive by TMA into a TMA_STAGES-deep shared-
         memory pipeline (with the tokens), so the bytes in flight do not cost registers."""
         tidx, _, _ = cute.arch.thread_idx()
-        tile_idx, slot, _ = cute.arch.block_idx()
+        tile_idx, slot, split = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         expert = slot_expert[slot]
+        # This CTA's K range starts at chunk `first` (None: the whole K, the code of splits = 1 unchanged)
+        first, out_slot = None, slot
+        if cutlass.const_expr(self.splits > 1):
+            first = split * self.chunks
+            out_slot = split * slot_expert.shape[0] + slot
         if expert >= 0:
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_lo)
@@ -338,8 +345,8 @@ class MxFp4ExpertGemmSm90:
                 lo_tile, hi_tile = 2 * tile_idx, 2 * tile_idx + 1
 
             scale_bufs = [cute.make_rmem_tensor((4,), Int32) for _ in range(2)]
-            self.load_scales(sa, sb, expert, scale_rows, 0, c, scale_bufs[0])
-            self.load_scales(sa, sb, expert, scale_rows, 1, c, scale_bufs[1])
+            self.load_scales(sa, sb, expert, scale_rows, self.chunk_of(first, 0), c, scale_bufs[0])
+            self.load_scales(sa, sb, expert, scale_rows, self.chunk_of(first, 1), c, scale_bufs[1])
 
             storage = SmemAllocator().allocate(self.shared_storage_tma)
             lo_bytes = cute.size_in_bytes(Int32, cute.slice_(half_staged, (None, None, 0)))
@@ -364,7 +371,7 @@ class MxFp4ExpertGemmSm90:
             producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TMA_STAGES)
             if warp_idx == 0:
                 for _ in cutlass.range(cutlass.min(TMA_STAGES, self.chunks), unroll=1):
-                    self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB)
+                    self.issue_stage(mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB, first)
                     producer.advance()
 
             consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TMA_STAGES)
@@ -382,13 +389,19 @@ class MxFp4ExpertGemmSm90:
                         cute.autovec_copy(cute.local_tile(row_words, (4,), (c,)), cute.local_tile(raw, (4,), (r,)))
                     release, producer = self.free_previous_stage(
                         chunk, warp_idx, mainloop, release, producer,
-                        lambda p: self.issue_stage(mainloop, p, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB))
+                        lambda p: self.issue_stage(mainloop, p, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB,
+                                                   first))
                     self.dequantise(raw, scales, frag32)
                     ahead = cutlass.min(chunk + 2, self.chunks - 1)
-                    self.load_scales(sa, sb, expert, scale_rows, ahead, c, scales)
+                    self.load_scales(sa, sb, expert, scale_rows, self.chunk_of(first, ahead), c, scales)
                     self.multiply_chunk(tiled_mma, accumulators, frag, tCrB, consumer.index)
                     consumer.advance()
-            self.drain_and_store(mainloop, release, thr_mma, accumulators, out, slot, tile_idx)
+            self.drain_and_store(mainloop, release, thr_mma, accumulators, out, out_slot, tile_idx)
+
+    @staticmethod
+    def chunk_of(first, chunk):
+        """The K chunk of a CTA's local chunk `chunk`: offset by its split's first chunk (None: no split)."""
+        return chunk if first is None else first + chunk
 
     @cute.jit
     def drain_and_store(self, mainloop, release, thr_mma, accumulators, out, slot, tile_idx):
@@ -412,13 +425,15 @@ class MxFp4ExpertGemmSm90:
         return release, producer
 
     @cute.jit
-    def issue_stage(self, mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB):
-        """Warp 0: TMA the two code halves and the tokens of K chunk producer.count."""
+    def issue_stage(self, mainloop, producer, tma_lo, tLg, tLs, tma_hi, tHg, tHs, tma_b, tBgB, tBsB, first=None):
+        """Warp 0: TMA the two code halves and the tokens of the CTA's K chunk producer.count (offset
+        by its split's first chunk)."""
         mainloop.producer_acquire(producer)
         barrier = mainloop.producer_get_barrier(producer)
-        cute.copy(tma_lo, tLg[(None, producer.count)], tLs[(None, producer.index)], tma_bar_ptr=barrier)
-        cute.copy(tma_hi, tHg[(None, producer.count)], tHs[(None, producer.index)], tma_bar_ptr=barrier)
-        cute.copy(tma_b, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=barrier)
+        chunk = self.chunk_of(first, producer.count)
+        cute.copy(tma_lo, tLg[(None, chunk)], tLs[(None, producer.index)], tma_bar_ptr=barrier)
+        cute.copy(tma_hi, tHg[(None, chunk)], tHs[(None, producer.index)], tma_bar_ptr=barrier)
+        cute.copy(tma_b, tBgB[(None, chunk)], tBsB[(None, producer.index)], tma_bar_ptr=barrier)
         mainloop.producer_commit(producer)
 
     @cute.jit
@@ -505,6 +520,18 @@ class MxFp4ExpertGemmSm90:
 _cache = cute_common.CompileCache()
 
 
+def check_splits(splits: int, k: int, glu: bool, loader: str) -> None:
+    """A K split (pass 2, TMA loader): every split an even number of chunks (the main loop takes
+    them in pairs)."""
+    if splits == 1:
+        return
+    if glu or loader != "tma":
+        raise ValueError(f"splits={splits}: only pass 2 (glu=False) with the 'tma' loader splits K")
+    chunks = k // K_CHUNK
+    if splits < 1 or chunks % splits or (chunks // splits) % 2:
+        raise ValueError(f"splits={splits}: must split the {chunks} K chunks into equal, even counts")
+
+
 def check_expert_shape(experts: int, rows: int, k: int, glu: bool) -> None:
     if k % (PREFETCH_DEPTH * K_CHUNK):
         raise ValueError(f"k={k}: the expert kernel needs a multiple of {PREFETCH_DEPTH * K_CHUNK}")
@@ -527,10 +554,12 @@ def compile_expert_gemm(
     depth: int = PREFETCH_DEPTH,
     loader: str = "registers",
     extra_options: tuple = (),
+    splits: int = 1,
 ):
     """Compiled pass-1 (glu) or pass-2 expert kernel for weights [experts, rows, k] (MXFP4) and
     slots of `tokens` (8 or 16) rows. The slot count is a runtime value. `depth`: chunks of raw
-    codes prefetched in registers (must divide the k / 128 chunks)."""
+    codes prefetched in registers (must divide the k / 128 chunks). `splits`: pass 2 with the TMA
+    loader only, K split that many ways (check_splits)."""
     if tokens not in (8, 16):
         raise ValueError(f"tokens={tokens} must be 8 or 16")
     check_expert_shape(experts, rows, k, glu)
@@ -538,10 +567,12 @@ def compile_expert_gemm(
         raise ValueError(f"depth={depth} must divide the {k // K_CHUNK} K chunks")
     if loader not in LOADERS:
         raise ValueError(f"loader={loader!r}: expected one of {LOADERS}")
-    key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader, arch, tuple(extra_options))
+    check_splits(splits, k, glu, loader)
+    key = ("moe_sm90", experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader, arch, tuple(extra_options),
+           splits)
 
     def build():
-        gemm = MxFp4ExpertGemmSm90(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader)
+        gemm = MxFp4ExpertGemmSm90(experts, rows, k, tokens, glu, situ_beta, situ_linear_beta, depth, loader, splits)
         return compile_expert_kernel(gemm, experts, rows, k, tokens, glu, arch, extra_options)
 
     return _cache.get(key, build)
@@ -556,7 +587,9 @@ def compile_expert_kernel(gemm, experts: int, rows: int, k: int, tokens: int, gl
     slot_expert = make_fake_compact_tensor(cutlass.Int32, (slots,), assumed_align=4)
     xb = make_fake_compact_tensor(cutlass.BFloat16, (slots, tokens, k), stride_order=(2, 1, 0), assumed_align=16)
     out_dtype = cutlass.BFloat16 if glu else cutlass.Float32
-    out = make_fake_compact_tensor(out_dtype, (slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
+    # a K split writes splits x slots partial slots: its own symbolic count
+    out_slots = slots if getattr(gemm, "splits", 1) == 1 else cute.sym_int()
+    out = make_fake_compact_tensor(out_dtype, (out_slots, tokens, rows), stride_order=(2, 1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(gemm, packed, scale, packed, scale, slot_expert, xb, out, stream,
                         options=cute_common.compile_options(arch, *extra_options))
@@ -569,15 +602,18 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
 def expert_pass(
     packed_a, scale_a, packed_b, scale_b, lists: expert_layout.ExpertLists, xb: torch.Tensor, out: torch.Tensor,
     glu: bool, situ_beta: float = 4.0, situ_linear_beta: float = 25.0, depth: int = PREFETCH_DEPTH,
-    loader: str | None = None,
+    loader: str | None = None, splits: int = 1,
 ):
     """Run one pass into `out` (caller-allocated; tests poison it). xb [S, tokens, K] bf16 must be
-    K-permuted and times 2^63 (`tokens_for_kernel`). `loader` None = DEFAULT_LOADER."""
+    K-permuted and times 2^63 (`tokens_for_kernel`). `loader` None = DEFAULT_LOADER. splits > 1
+    (pass 2): out is [splits * S, tokens, rows], split j's partial sums at slots j * S + s."""
     experts, rows, half_k = packed_a.shape
     tokens = xb.shape[1]
+    if out.shape[0] != splits * xb.shape[0]:
+        raise ValueError(f"out: {out.shape[0]} slots for {splits} split(s) of {xb.shape[0]} slots")
     compiled = compile_expert_gemm(
         experts, rows, half_k * 2, tokens, glu, cute_common.target_arch(xb.device), situ_beta, situ_linear_beta, depth,
-        loader or DEFAULT_LOADER,
+        loader or DEFAULT_LOADER, splits=splits,
     )
     compiled(_as_words(packed_a), scale_a, _as_words(packed_b), scale_b, lists.slot_expert, xb, out)
     return out
@@ -694,6 +730,28 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 DEFAULT_LISTS = "device"
 
 
+# Pass 2's K split (MxFp4ExpertGemmSm90 splits): 1 = none; "auto" = pass2_splits's rule. A rank's
+# step has few slots (3 at batch 1 on the busiest of 16 ranks: docs/kimi-k3.md §8.3), so pass 2 runs
+# 28 CTAs a slot on 132 SMs, and each CTA walks its 24 K chunks one after another; split, more CTAs
+# share the SMs and each walks fewer. The triton combine adds the splits in the launch it already
+# is. Off until experiments/step_bench.py --setting moe_pass2_splits=auto measures it.
+PASS2_SPLITS: int | str = 1
+# "auto" splits until pass 2 has at least this many CTAs per SM (three fit one SM's shared memory).
+PASS2_CTAS_PER_SM = 2
+
+
+def pass2_splits(rows: int, k: int, slots: int, device: torch.device) -> int:
+    """How many ways pass 2 splits K for `slots` slots of w2 [rows, k] (PASS2_SPLITS; "auto": the
+    fewest splits that give PASS2_CTAS_PER_SM CTAs per SM, at most 4, each an even chunk count)."""
+    if PASS2_SPLITS != "auto":
+        return PASS2_SPLITS
+    chunks = k // K_CHUNK
+    ctas = rows // ROW_TILE * slots
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    usable = [s for s in (1, 2, 3, 4) if chunks % s == 0 and (chunks // s) % 2 == 0]
+    return next((s for s in usable if ctas * s >= PASS2_CTAS_PER_SM * sms), usable[-1])
+
+
 # How moe_experts adds up each token's expert outputs: "torch" = gather them into [T, k, latent],
 # then one multiply and one reduction (expert_layout.weighted_sum); "triton" = one launch that
 # reads each pair's row where pass 2 wrote it and adds them in top-k order
@@ -747,8 +805,10 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     experts = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     reference.check_experts(latent, ids, route_weights, *experts)
     lists = expert_lists(latent, ids, w1_packed.shape[0])
+    splits = pass2_splits(w2_packed.shape[1], 2 * w2_packed.shape[2], lists.slot_expert.shape[0],
+                          latent.device) if COMBINE == "triton" else 1
     rows = expert_layout.slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
-                                      situ_linear_beta)
-    if COMBINE == "triton":
+                                      situ_linear_beta, splits)
+    if COMBINE == "triton":  # adds the splits too
         return moe_triton.weighted_combine(rows, lists.pair_position, route_weights.float())
-    return expert_layout.weighted_sum(route_weights, rows[lists.pair_position])
+    return expert_layout.weighted_sum(route_weights, rows[0][lists.pair_position])

@@ -149,22 +149,26 @@ def run_expert_passes(latent: torch.Tensor, lists: ExpertLists, experts: tuple, 
     (unweighted, in top-k order). `experts` = (w1_packed, w1_scale, w3_packed, w3_scale,
     w2_packed, w2_scale); tokens_for_kernel / expert_pass are the kernel module's."""
     out = slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta, situ_linear_beta)
-    return out[lists.pair_position]
+    return out[0][lists.pair_position]
 
 
 def slot_outputs(latent: torch.Tensor, lists: ExpertLists, experts: tuple, tokens_for_kernel, expert_pass,
-                 situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
-    """The two passes' output rows as pass 2 writes them, [slots * tile_tokens, latent] fp32: the
-    pair (t, j) is row lists.pair_position[t, j]."""
+                 situ_beta: float, situ_linear_beta: float, splits: int = 1) -> torch.Tensor:
+    """The two passes' output rows as pass 2 writes them, [splits, slots * tile_tokens, latent] fp32:
+    the pair (t, j) is row lists.pair_position[t, j] of every split, and its output the sum over the
+    splits (pass 2's K split in `splits` parts; 1: the whole output in split 0)."""
     w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = experts
     slots, tile = lists.slot_tokens.shape
     xb = tokens_for_kernel(latent, lists)
     act = torch.empty((slots, tile, w1_packed.shape[1]), dtype=torch.bfloat16, device=latent.device)
     expert_pass(w1_packed, w1_scale, w3_packed, w3_scale, lists, xb, act, True, situ_beta, situ_linear_beta)
     latent_dim = w2_packed.shape[1]
-    y = torch.empty((slots, tile, latent_dim), dtype=torch.float32, device=latent.device)
-    expert_pass(w2_packed, w2_scale, w2_packed, w2_scale, lists, act, y, False)
-    return y.view(slots * tile, latent_dim)
+    y = torch.empty((splits * slots, tile, latent_dim), dtype=torch.float32, device=latent.device)
+    if splits == 1:
+        expert_pass(w2_packed, w2_scale, w2_packed, w2_scale, lists, act, y, False)
+    else:
+        expert_pass(w2_packed, w2_scale, w2_packed, w2_scale, lists, act, y, False, splits=splits)
+    return y.view(splits, slots * tile, latent_dim)
 
 
 def weighted_sum(route_weights: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:

@@ -72,20 +72,24 @@ COMBINE_BLOCK = 1024  # columns per program: 4 blocks of K3's latent 3584
 def weighted_combine(rows: torch.Tensor, position: torch.Tensor, route_weights: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, latent] fp32: each token's expert outputs, read where the expert pass wrote them
-    (rows [P, latent], the pair (t, j) at row position[t, j]), weighted and added in top-k order,
+    (rows [P, latent], the pair (t, j) at row position[t, j]; or [splits, P, latent], an output the
+    sum of its row in every split, as pass 2 writes a K split), weighted and added in top-k order,
     the reference's order (expert_layout.weighted_sum gathers, multiplies and reduces in three
     launches). out: an optional contiguous output (tests poison it first)."""
     T, top_k = position.shape
     if tuple(route_weights.shape) != (T, top_k):
         raise ValueError(f"route_weights: expected shape {(T, top_k)}, got {tuple(route_weights.shape)}")
-    if rows.stride(-1) != 1:
-        raise ValueError("rows: needs contiguous columns")
-    width = rows.shape[1]
+    if rows.dim() not in (2, 3) or rows.stride(-1) != 1:
+        raise ValueError(f"rows: expected [P, latent] or [splits, P, latent] with contiguous columns, got "
+                         f"shape {tuple(rows.shape)}, strides {rows.stride()}")
+    splits = rows.shape[0] if rows.dim() == 3 else 1
+    split_stride = rows.stride(0) if rows.dim() == 3 else 0
+    width = rows.shape[-1]
     out = torch.empty(T, width, dtype=torch.float32, device=rows.device) if out is None else out
     if T:
         kernel_module(__package__).combine_kernel[(T, -(-width // COMBINE_BLOCK))](
-            rows, rows.stride(0), position.contiguous(), route_weights.contiguous(), out, out.stride(0), width,
-            TOP_K=top_k, BLOCK=COMBINE_BLOCK, **pdl_options(), num_warps=4)
+            rows, rows.stride(-2), split_stride, position.contiguous(), route_weights.contiguous(), out, out.stride(0),
+            width, TOP_K=top_k, SPLITS=splits, BLOCK=COMBINE_BLOCK, **pdl_options(), num_warps=4)
     return out
 
 

@@ -37,10 +37,10 @@ def route_kernel(logits_ptr, stride_l, bias_ptr, ids_ptr, weights_ptr, num_exper
 
 
 @triton.jit
-def combine_kernel(rows_ptr, stride_r, position_ptr, weights_ptr, out_ptr, stride_o, width,
-                   TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum over j in top-k order of weights[t, j] * rows[position[t, j]], in float32; one
-    program per (token, column block)."""
+def combine_kernel(rows_ptr, stride_r, stride_split, position_ptr, weights_ptr, out_ptr, stride_o, width,
+                   TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum over j in top-k order of weights[t, j] * (the sum over the splits of
+    rows[split, position[t, j]]), in float32; one program per (token, column block)."""
     prologue(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -49,7 +49,10 @@ def combine_kernel(rows_ptr, stride_r, position_ptr, weights_ptr, out_ptr, strid
     for j in tl.static_range(TOP_K):
         row = tl.load(position_ptr + t * TOP_K + j)
         weight = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
-        acc += weight * tl.load(rows_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        pair = tl.load(rows_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        for split in tl.static_range(1, SPLITS):
+            pair += tl.load(rows_ptr + split * stride_split + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        acc += weight * pair
     tl.store(out_ptr + t * stride_o + cols, acc, mask=inside)
 
 

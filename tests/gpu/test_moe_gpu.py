@@ -106,26 +106,27 @@ def expert_reference(weights, latent, ids, cfg):
     return ref
 
 
-def poisoned_expert_passes(module, weights, latent, lists, **options) -> torch.Tensor:
+def poisoned_expert_passes(module, weights, latent, lists, splits: int = 1, **options) -> torch.Tensor:
     """Both passes of `module`'s expert kernel over `lists`, into buffers poisoned with NaN ->
-    per-pair outputs [T, k, latent] (K3 shapes)."""
+    per-pair outputs [T, k, latent] (K3 shapes); splits > 1: pass 2's K split, its partials added
+    here in float64."""
     cfg = K3
     slots, tile = lists.slot_tokens.shape
     xb = module.tokens_for_kernel(latent, lists)
     act = torch.full((slots, tile, cfg.moe_intermediate_size), float("nan"), dtype=torch.bfloat16, device="cuda")
     module.expert_pass(weights.w1_packed, weights.w1_scale, weights.w3_packed, weights.w3_scale,
                        lists, xb, act, True, cfg.situ_beta, cfg.situ_linear_beta, **options)
-    y = torch.full((slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
+    y = torch.full((splits * slots, tile, cfg.latent_size), float("nan"), dtype=torch.float32, device="cuda")
     module.expert_pass(weights.w2_packed, weights.w2_scale, weights.w2_packed, weights.w2_scale, lists, act, y, False,
-                       **options)
+                       **options, **({"splits": splits} if splits > 1 else {}))
     torch.cuda.synchronize()
-    return y.view(-1, cfg.latent_size)[lists.pair_position]
+    return y.double().view(splits, -1, cfg.latent_size).sum(dim=0)[lists.pair_position]
 
 
 @hopper
-@pytest.mark.parametrize("loader", cute_sm90.LOADERS)
+@pytest.mark.parametrize("loader, splits", [("registers", 1), ("tma", 1), ("tma", 4)])
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
-def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
+def test_expert_kernels_match_float64_per_pair(weights, kind, loader, splits):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = K3
     latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
@@ -134,10 +135,11 @@ def test_expert_kernels_match_float64_per_pair(weights, kind, loader):
         latent = latent_all[:tokens]
         tile = cute_sm90.token_tile(tokens)
         lists = expert_layout.build_expert_lists(ids, cfg.num_experts, tile)
-        out = poisoned_expert_passes(cute_sm90, weights, latent, lists, loader=loader)
-        assert not out.isnan().any(), f"{kind} {loader} T={tokens}: {out.isnan().sum().item()} outputs not written"
+        out = poisoned_expert_passes(cute_sm90, weights, latent, lists, splits, loader=loader)
+        name = f"{kind} {loader} splits={splits} T={tokens}"
+        assert not out.isnan().any(), f"{name}: {out.isnan().sum().item()} outputs not written"
         err = relative_error(out, expert_reference(weights, latent, ids, cfg))
-        assert err <= REL_TOL, f"{kind} {loader} T={tokens}: relative error {err:.2e} > {REL_TOL}"
+        assert err <= REL_TOL, f"{name}: relative error {err:.2e} > {REL_TOL}"
         if kind == "repeated":
             assert int((lists.slot_expert >= 0).sum()) == SHARED_EXPERTS + tokens * (cfg.num_experts_per_token - SHARED_EXPERTS)
 
@@ -149,9 +151,11 @@ def weighted_sum_reference(weights, latent, ids, route_weights, cfg):
 
 @pytest.mark.skipif(CAPABILITY not in ((9, 0), (10, 0), (10, 3)), reason="no CuTe DSL expert kernel for this GPU")
 @pytest.mark.parametrize("kind", ["disjoint", "repeated"])
-@pytest.mark.parametrize("combine", ["torch", "triton"])  # cute_sm90.COMBINE (Hopper's kernel only)
-def test_moe_experts_op_matches_float64(weights, kind, combine, monkeypatch):
+# cute_sm90.COMBINE and PASS2_SPLITS (Hopper's kernel only; the torch combine takes no split)
+@pytest.mark.parametrize("combine, splits", [("torch", 1), ("triton", 1), ("triton", 3)])
+def test_moe_experts_op_matches_float64(weights, kind, combine, splits, monkeypatch):
     monkeypatch.setattr(cute_sm90, "COMBINE", combine)
+    monkeypatch.setattr(cute_sm90, "PASS2_SPLITS", splits)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = K3
     latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
@@ -165,9 +169,9 @@ def test_moe_experts_op_matches_float64(weights, kind, combine, monkeypatch):
         out = ops.moe_experts(*args, cfg.situ_beta, cfg.situ_linear_beta)
         torch.cuda.synchronize()
         assert out.dtype == torch.float32 and out.shape == (tokens, cfg.latent_size)
-        assert not out.isnan().any(), f"{kind} T={tokens}"
+        assert not out.isnan().any(), f"{kind} {combine} splits={splits} T={tokens}"
         err = relative_error(out, weighted_sum_reference(weights, latent, ids, route_weights, cfg))
-        assert err <= REL_TOL, f"{kind} T={tokens}: relative error {err:.2e} > {REL_TOL}"
+        assert err <= REL_TOL, f"{kind} {combine} splits={splits} T={tokens}: relative error {err:.2e} > {REL_TOL}"
 
 
 @hopper
