@@ -9,8 +9,12 @@
   embedding, lm_head and sampling with it: an overestimate of their share). On 8 GPUs each
   rank holds twice the share: the 16-way step times the bytes of an 8-way rank's step over a
   16-way rank's (dspark.roofline.step_cost, the busiest rank's experts for both);
-- the draft pass (DSpark, block 7: verify T = 8): its bytes (drafter weights, the target's
-  lm_head again, its cache) over the GPUs at the verify's measured fraction of the floor;
+- the draft pass (DSpark, block 7: verify T = 8): with `--measured-draft FILE` (an
+  experiments/drafter_bench.py result, graphed propose at the context, of a --world W share)
+  its measured time, scaled as the step's is (datasheet bandwidth over the GB300's) and by the
+  bytes of the projected GPUs' share over the measured share's (roofline.draft_pass_bytes);
+  without it, a model: its bytes (drafter weights, the target's lm_head again, its cache) over
+  the GPUs at the verify's measured fraction of the floor;
 - communication, from cited public figures (CITED): two all-reduces per layer (attention output,
   FFN output) and one for the embedding at the step's message size, an EP dispatch + combine per
   MoE layer, the logits' all-gather; the drafter's all-reduces (two per layer and the
@@ -22,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from dspark import roofline
+from dspark.drafters.dspark.config import rank_share
 from dspark.targets.kimi_k3.config import K3, RANK_PRESETS, K3Config
 from dspark.targets.kimi_k3.sharding import Shard
 
@@ -73,6 +78,36 @@ class RankMeasurement:
     context: int
     device: str
     source: str
+
+
+@dataclass(frozen=True)
+class DraftMeasurement:
+    """A drafter's measured batch-1 propose (graph replay) at a context, of one `world`-way share."""
+
+    propose_ms: float
+    world: int
+    context: int
+    device: str
+    source: str
+
+
+def load_draft_measurement(path: str, context: int = 8192) -> DraftMeasurement:
+    """The graphed propose row at `context` of an experiments/drafter_bench.py result; ValueError
+    naming the file and what is missing."""
+    data, rows = roofline._read_result_rows(path, "--measured-draft", "drafter_bench.py")
+    match = [r for r in rows if isinstance(r, dict) and r.get("context") == context and r.get("cuda_graphs") is True]
+    if not match:
+        raise ValueError(f"--measured-draft {path!r}: no graphed (cuda_graphs true) row at context {context}")
+    try:
+        measurement = DraftMeasurement(propose_ms=float(match[0]["propose_ms"]), world=int(data["settings"]["world"]),
+                                       context=context, device=str(data["device_name"]), source=path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--measured-draft {path!r}: the row or the file lacks or mistypes propose_ms / "
+                         f"settings.world / device_name ({e!r})") from None
+    if not measurement.propose_ms > 0:
+        raise ValueError(f"--measured-draft {path!r}: propose_ms={measurement.propose_ms}: must be > 0")
+    datasheet_bandwidth(measurement.device, path)
+    return measurement
 
 
 def load_rank_measurement(path: str, context: int = 8192) -> RankMeasurement:
@@ -145,13 +180,17 @@ def step_communication(cfg: K3Config, rows: int, gpus: int, base: Cited, draft_r
     return comm
 
 
-def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths=(3.84, 6.0)) -> dict:
+def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths=(3.84, 6.0),
+            draft_measurement: DraftMeasurement | None = None) -> dict:
     """The projection's inputs and, per GPU count, the plain and spec steps and tokens/s, with the
     cited one-shot all-reduce (the rows' plain keys) and with the cited small-message floor
-    (floor_all_reduce_* keys)."""
+    (floor_all_reduce_* keys). The draft pass is draft_measurement's, scaled, where given."""
     draft = roofline.default_draft(cfg)
     if draft is None:
         raise ValueError(f"preset {cfg.name!r}: no drafter preset drafts for it")
+    if draft_measurement is not None and draft_measurement.context != measurement.context:
+        raise ValueError(f"--measured-draft {draft_measurement.source!r}: context {draft_measurement.context}, "
+                         f"the step's is {measurement.context}")
     device_bandwidth = datasheet_bandwidth(measurement.device)
     scale = device_bandwidth / GB300_BYTES_PER_S
     depth = cfg.num_layers / measurement.layers
@@ -168,7 +207,10 @@ def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths
             bytes_of = {g: roofline.step_cost(cfg, tokens_per_request=T, context=context, shard=Shard(0, g)).total_bytes
                         for g in (gpus, measurement.world)}
             compute[T] = measured[T] * depth * scale * bytes_of[gpus] / bytes_of[measurement.world]
-        draft_ms = draft_bytes / gpus / GB300_BYTES_PER_S / verify_fraction * 1e3
+        if draft_measurement is None:
+            draft_ms = draft_bytes / gpus / GB300_BYTES_PER_S / verify_fraction * 1e3
+        else:
+            draft_ms = draft_measurement.propose_ms * measured_draft_factor(draft, draft_measurement, gpus)
         row = {"gpus": gpus, "plain_compute_ms": compute[1], "verify_compute_ms": compute[VERIFY_T], "draft_ms": draft_ms}
         for key, base in (("", CITED["all_reduce"]), ("floor_all_reduce_", CITED["all_reduce_floor"])):
             plain_comm = step_communication(cfg, 1, gpus, base)
@@ -189,7 +231,9 @@ def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths
                      "context": context, "verify_floor_fraction": verify_fraction},
         "scaling": {"device_datasheet_TBps": device_bandwidth / 1e12, "gb300_TBps": GB300_BYTES_PER_S / 1e12,
                     "factor": scale, "depth_factor": depth},
-        "draft": {"preset": draft.name, "bytes_whole": draft_bytes},
+        "draft": {"preset": draft.name, "bytes_whole": draft_bytes, "measured": None if draft_measurement is None else {
+            "source": draft_measurement.source, "device": draft_measurement.device,
+            "propose_ms": draft_measurement.propose_ms, "world": draft_measurement.world}},
         "communication": {"all_reduce": _all_reduce_text(CITED["all_reduce"]),
                           "all_reduce_floor": _all_reduce_text(CITED["all_reduce_floor"]),
                           "ep_dispatch_combine": (
@@ -204,6 +248,13 @@ def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths
     }
 
 
+def measured_draft_factor(draft, m: DraftMeasurement, gpus: int) -> float:
+    """What a measured propose is multiplied by on `gpus` GB300: the datasheet bandwidth of its GPU
+    over the GB300's, times the bytes of a gpus-way share's pass over the measured share's."""
+    share_bytes = {g: roofline.draft_pass_bytes(rank_share(draft, g), m.context) for g in (gpus, m.world)}
+    return datasheet_bandwidth(m.device) / GB300_BYTES_PER_S * share_bytes[gpus] / share_bytes[m.world]
+
+
 def _all_reduce_text(base: Cited) -> str:
     return (f"{base.us:g} us ({base.source}) at <= 16 KiB, + the bytes beyond x (G-1) / "
             f"{NVLINK5_BYTES_PER_S / 1e9:g} GB/s (NVLink 5 per direction, assumed)")
@@ -215,6 +266,16 @@ def is_rank_result(path: str) -> bool:
     return any(isinstance(r, dict) and r.get("target") in RANK_PRESETS for r in rows)
 
 
+def _draft_line(draft: dict, m: dict) -> str:
+    measured = draft["measured"]
+    if measured is None:
+        return (f"  draft pass: {draft['bytes_whole'] / 1e9:.2f} GB over the GPUs at the verify's floor fraction "
+                f"{m['verify_floor_fraction']:.1%} (not measured)")
+    return (f"  draft pass: a {measured['world']}-way share's graphed propose measured on {measured['device']} "
+            f"({measured['source']}): {measured['propose_ms']:.3f} ms; x datasheet / GB300 bandwidth, x the projected "
+            f"share's bytes / the measured share's")
+
+
 def format_projection(p: dict) -> str:
     m, sc = p["measured"], p["scaling"]
     als = list(p["rows"][0]["spec_tokens_per_s"])
@@ -224,8 +285,7 @@ def format_projection(p: dict) -> str:
         f"  compute: a {m['world']}-way rank's step measured on {m['device']} ({m['source']}): plain {m['plain_ms']:.3f} ms, "
         f"verify T={VERIFY_T} {m['verify_ms']:.3f} ms{depth}; x{sc['factor']:.3f} = datasheet {sc['device_datasheet_TBps']:g} / "
         f"GB300 {sc['gb300_TBps']:g} TB/s; 8 GPUs: x the 8-way rank's bytes / the 16-way rank's",
-        f"  draft pass: {p['draft']['bytes_whole'] / 1e9:.2f} GB over the GPUs at the verify's floor fraction "
-        f"{m['verify_floor_fraction']:.1%} (not measured)",
+        _draft_line(p["draft"], m),
         f"  all-reduce: {p['communication']['all_reduce']}",
         f"  EP dispatch + combine: {p['communication']['ep_dispatch_combine']}",
         f"  logits all-gather: {p['communication']['logits_all_gather']}",

@@ -136,6 +136,20 @@ def draft_params(draft: DSparkConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def draft_pass_bytes(draft: DSparkConfig, context: int, dtype_bytes: float = BF16) -> float:
+    """Bytes one greedy drafting pass of one request reads (experiments/drafter_bench.py's floor):
+    the layers' weights, the lm_head once (one product for the whole block), the Markov head's W2
+    once per block slot (each slot's product needs the previous slot's token) and every layer's
+    `context` cache rows. Of a rank's share when `draft` is one (config.rank_share)."""
+    with torch.device("meta"):
+        shared = torch.empty(draft.vocab_size, draft.hidden_size)
+        model = DSparkModel(draft, shared, shared)
+    layers = sum(p.numel() for p in model.layers.parameters())
+    head = draft.vocab_size * draft.hidden_size + draft.block_size * model.markov_head.markov_w2.weight.numel()
+    rows = draft.num_layers * draft_cache_width(draft) * context
+    return (layers + head + rows) * dtype_bytes
+
+
 def draft_cache_width(draft: DSparkConfig) -> int:
     """Elements of one context row of the drafter's cache per layer (drafters/dspark/model.py):
     MLA [RMSNorm(c_kv) | k_pe], GQA [k | v]."""
@@ -866,6 +880,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="a step_bench.py result: of k3-rank, project batch-1 tokens/s on 8 and 16 GB300 from the "
                              "rank's measured step plus cited communication (docs/kimi-k3.md §8.4); of k3-slice, scale "
                              "the 16 GB300 floors by its measured floor fraction")
+    parser.add_argument("--measured-draft", default=None, metavar="FILE",
+                        help="with --measured of a rank: an experiments/drafter_bench.py result (a --world share, graphed) "
+                             "whose propose replaces the modelled draft pass of the projection")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
 
@@ -887,8 +904,13 @@ def main(args: argparse.Namespace) -> int:
         if args.comm is not None:
             raise ValueError(f"--comm {args.comm!r}: the projection from a rank's step ({args.measured!r}) uses "
                              "cited communication figures (docs/kimi-k3.md §8.4), not --comm")
+        draft_measurement = (None if args.measured_draft is None
+                             else rank_projection().load_draft_measurement(args.measured_draft, args.context))
         projection = rank_projection().project(rank_projection().load_rank_measurement(args.measured, args.context),
-                                               acceptance_lengths=tuple(args.al))
+                                               acceptance_lengths=tuple(args.al), draft_measurement=draft_measurement)
+    elif args.measured_draft is not None:
+        raise ValueError(f"--measured-draft {args.measured_draft!r}: goes with --measured of a rank's step "
+                         "(experiments/step_bench.py --target k3-rank)")
     elif args.comm is not None or args.measured is not None:
         projection = build_projection(
             result, cfg, default_draft(cfg) if draft == "auto" else draft,

@@ -9,9 +9,9 @@ tokens. Per mode and context, medians over --repeats of:
   sleep (what the host spends issuing it);
 - kernels per call, from the profiler (a graph replay counts its kernels too), and the largest of
   them by name with their calls and time (propose_top, commit_top);
-- floor_ms: the bytes a propose must read (the five layers' weights, the lm_head once, the
-  Markov head's W2 once per block slot, the context rows; not the context projection, which
-  only commits use) over the copy bandwidth measured on this GPU at the start (benchlib.read_ceiling,
+- floor_ms: the bytes a propose must read (dspark.roofline.draft_pass_bytes: the five layers'
+  weights, the lm_head once, the Markov head's W2 once per block slot, the context rows; not the
+  context projection, which only commits use) over the copy bandwidth measured on this GPU at the start (benchlib.read_ceiling,
   as step_bench does), or --bandwidth-gbps.
 After each commit the request is cropped back to its context, so every call sees the same one.
 
@@ -35,6 +35,7 @@ from dspark.config import SamplingParams
 from dspark.drafters.dspark.config import K3_DSPARK, rank_share
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
+from dspark.roofline import draft_pass_bytes
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -97,16 +98,10 @@ def main(argv=None) -> int:
         embed = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
         model = DSparkModel(c, embed, lm_head).to(dtype)
-    layer_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-    # The lm_head once (one product for the whole block); the Markov head's W2 once per block slot
-    # (the slots are sequential: each product needs the previous slot's token).
-    w2 = model.markov_head.markov_w2.weight
-    head_bytes = lm_head.numel() * lm_head.element_size() + c.block_size * w2.numel() * w2.element_size()
     result = {**provenance(), "settings": vars(args), "drafter": c.name, "bandwidth_GBps": bandwidth_gbps,
               "ceiling": ceiling, "rows": []}
     for context in args.contexts:
-        row_bytes = sum(layer.self_attn.row_width for layer in model.layers) * context * 2
-        floor_ms = (layer_bytes + head_bytes + row_bytes) / (bandwidth_gbps * 1e6)
+        floor_ms = draft_pass_bytes(c, context) / (bandwidth_gbps * 1e6)
         g = torch.Generator(device=dev).manual_seed(context)
         prompt = torch.randint(0, c.vocab_size, (context,), generator=g, device=dev)
         taps = {layer: torch.randn(context, c.target_hidden_size, generator=g, device=dev, dtype=dtype)

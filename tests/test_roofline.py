@@ -619,6 +619,55 @@ def test_rank_projection_cli_names_every_input(tmp_path, capsys):
         rf.main(parser.parse_args(["--measured", bench, "--comm", "model"]))
 
 
+def _draft_bench(tmp_path, propose_ms=0.9, world=16, device="NVIDIA H100 80GB HBM3", context=8192, rows=None):
+    """A drafter_bench.py result: an eager and a graphed row at the context (the graphed one counts)."""
+    if rows is None:
+        rows = [{"context": context, "cuda_graphs": graphs, "propose_ms": ms} for graphs, ms in
+                ((False, 5.0), (True, propose_ms))]
+    path = tmp_path / "drafter.json"
+    path.write_text(json.dumps({"device_name": device, "settings": {"world": world}, "rows": rows}))
+    return str(path)
+
+
+def test_a_measured_draft_pass_replaces_the_modelled_one(tmp_path):
+    from dspark import rank_projection as rp
+    from dspark.drafters.dspark.config import rank_share
+
+    rng = random.Random()
+    propose = rng.uniform(0.2, 2.0)
+    m = rp.load_rank_measurement(_rank_bench(tmp_path))
+    d = rp.load_draft_measurement(_draft_bench(tmp_path, propose_ms=propose))
+    modelled, measured = rp.project(m), rp.project(m, draft_measurement=d)
+    share = {g: rf.draft_pass_bytes(rank_share(K3_DRAFT, g), 8192) for g in (8, 16)}
+    assert share[8] > share[16] > share[8] / 2  # the q_a / kv_a projections and the latent cache are whole
+    for before, after in zip(modelled["rows"], measured["rows"]):
+        g = after["gpus"]
+        assert after["draft_ms"] == pytest.approx(propose * 3.35 / 8.0 * share[g] / share[16])
+        assert after["spec_step_ms"] - before["spec_step_ms"] == pytest.approx(after["draft_ms"] - before["draft_ms"])
+        assert after["plain_step_ms"] == before["plain_step_ms"]
+    assert measured["draft"]["measured"]["propose_ms"] == propose and modelled["draft"]["measured"] is None
+    with pytest.raises(ValueError, match="context 32768, the step's is 8192"):
+        rp.project(m, draft_measurement=rp.load_draft_measurement(_draft_bench(tmp_path, context=32768), 32768))
+
+
+def test_measured_draft_cli_and_errors_name_the_file(tmp_path, capsys):
+    from dspark import rank_projection as rp
+
+    parser = rf.configure_parser(argparse.ArgumentParser())
+    bench, drafter = _rank_bench(tmp_path), _draft_bench(tmp_path, propose_ms=0.929)
+    assert rf.main(parser.parse_args(["--measured", bench, "--measured-draft", drafter])) == 0
+    assert f"16-way share's graphed propose measured on NVIDIA H100 80GB HBM3 ({drafter}): 0.929 ms" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--measured-draft .* goes with --measured of a rank's step"):
+        rf.main(parser.parse_args(["--measured-draft", drafter]))
+    for rows, words in (([{"context": 8192, "cuda_graphs": False, "propose_ms": 5.0}], "no graphed"),
+                        ([{"context": 8192, "cuda_graphs": True}], "lacks or mistypes"),
+                        ([{"context": 8192, "cuda_graphs": True, "propose_ms": 0.0}], "propose_ms=0.0")):
+        path = _draft_bench(tmp_path, rows=rows)
+        with pytest.raises(ValueError, match=words) as info:
+            rp.load_draft_measurement(path)
+        assert path in str(info.value)
+
+
 @pytest.mark.parametrize("kind, words", [
     ("no verify row", "no row of a rank target .* T=8"),
     ("unknown device", "device_name='Some GPU'"),
