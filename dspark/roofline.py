@@ -125,15 +125,19 @@ def _rank_weight_bytes(cfg: K3Config, shard: Shard) -> dict[str, float]:
 # ---- the drafter's pass ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=16)
-def draft_params(draft: DSparkConfig) -> int:
-    """Parameters a DSpark drafter reads per pass, counted on the real module (built on the meta
-    device, so nothing is allocated): its layers, tap projection, norms, Markov and confidence
-    heads. Embeddings and lm_head are the target's (docs/dspark-algorithm.md §2.4), buffers there,
-    so not counted; a published checkpoint's embed copy is never read at serving time."""
+def _meta_drafter(draft: DSparkConfig) -> DSparkModel:
+    """The real drafter module built on the meta device (nothing allocated), to count its parameters."""
     with torch.device("meta"):
         shared = torch.empty(draft.vocab_size, draft.hidden_size)
-        model = DSparkModel(draft, shared, shared)
-    return sum(p.numel() for p in model.parameters())
+        return DSparkModel(draft, shared, shared)
+
+
+def draft_params(draft: DSparkConfig) -> int:
+    """Parameters a DSpark drafter reads per pass, counted on the real module: its layers, tap
+    projection, norms, Markov and confidence heads. Embeddings and lm_head are the target's
+    (docs/dspark-algorithm.md §2.4), buffers there, so not counted; a published checkpoint's embed
+    copy is never read at serving time."""
+    return sum(p.numel() for p in _meta_drafter(draft).parameters())
 
 
 def draft_pass_bytes(draft: DSparkConfig, context: int, dtype_bytes: float = BF16) -> float:
@@ -141,9 +145,7 @@ def draft_pass_bytes(draft: DSparkConfig, context: int, dtype_bytes: float = BF1
     the layers' weights, the lm_head once (one product for the whole block), the Markov head's W2
     once per block slot (each slot's product needs the previous slot's token) and every layer's
     `context` cache rows. Of a rank's share when `draft` is one (config.rank_share)."""
-    with torch.device("meta"):
-        shared = torch.empty(draft.vocab_size, draft.hidden_size)
-        model = DSparkModel(draft, shared, shared)
+    model = _meta_drafter(draft)
     layers = sum(p.numel() for p in model.layers.parameters())
     head = draft.vocab_size * draft.hidden_size + draft.block_size * model.markov_head.markov_w2.weight.numel()
     rows = draft.num_layers * draft_cache_width(draft) * context

@@ -11,8 +11,8 @@ tokens. Per mode and context, medians over --repeats of:
   them by name with their calls and time (propose_top, commit_top);
 - floor_ms: the bytes a propose must read (dspark.roofline.draft_pass_bytes: the five layers'
   weights, the lm_head once, the Markov head's W2 once per block slot, the context rows; not the
-  context projection, which only commits use) over the copy bandwidth measured on this GPU at the start (benchlib.read_ceiling,
-  as step_bench does), or --bandwidth-gbps.
+  context projection, which only commits use) over the copy bandwidth measured on this GPU at the
+  start (benchlib.read_ceiling, as step_bench does), or --bandwidth-gbps.
 After each commit the request is cropped back to its context, so every call sees the same one.
 
 --world N times one tensor-parallel rank's share of the drafter instead (config.rank_share,

@@ -555,6 +555,7 @@ def train_variants(args, target, sequences, masks, held_out, work: Path, results
     capture serves both, and DSpark's run gets the whole of its calls); `start`: a pack to continue
     (read_pack). Returns the trained models."""
     configs = train_configs(args, len(start["variants"][variants[0]]["legs"]) if start else 0, lr)
+    end = last_step(args)
     checks = {"target": check_target or target, "prompts": held_out, "every": args.eval_every, "save": save}
     models = {}
     for name in variants:
@@ -563,7 +564,6 @@ def train_variants(args, target, sequences, masks, held_out, work: Path, results
         models[name] = new_model(target, name, args, start)
         if target.device.type == "cuda":
             models[name].autocast_dtype = torch.bfloat16
-        end = last_step(args)
         train_variant(args, name, models[name], cfg, run, data=(target, sequences, masks, store), where=work / name,
                       deadline=deadline, checks=checks, before=steps_before(start, name), end=end)
         run.update(steps=end, schedule_steps=cfg.steps, sequences=len(sequences),
