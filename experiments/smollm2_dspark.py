@@ -656,15 +656,24 @@ def bootstrap(runs: dict[str, dict], samples: int, seed: int) -> dict:
     return out
 
 
-def tokens_per_second(target, drafter, prompts, eos: int, max_tokens: int) -> float:
-    """Batch 1 in the engine, greedy: output tokens / wall seconds over the prompts."""
+def batch1_speed(target, drafter, prompts, eos: int, max_tokens: int) -> dict:
+    """Batch 1 in the engine, greedy, timed after one untimed short request (graph capture, compiles and
+    the allocator's first growth are not decoding): output tokens, steps and wall seconds over the
+    prompts, so tokens/s splits into tokens per step and time per step."""
     engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=BLOCK if drafter else 0), eos_token_ids=(eos,))
-    start, produced = time.perf_counter(), 0
-    for p in prompts:
-        produced += len(engine.generate([p.tolist()], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].token_ids)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)  # noqa: E731
+    engine.generate([prompts[0].tolist()], greedy(min(16, max_tokens)))
     if target.device.type == "cuda":
         torch.cuda.synchronize()
-    return round(produced / (time.perf_counter() - start), 2)
+    start, tokens, steps = time.perf_counter(), 0, 0
+    for p in prompts:
+        out = engine.generate([p.tolist()], greedy(max_tokens))[0]
+        tokens, steps = tokens + len(out.token_ids), steps + out.num_steps
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens, "steps": steps,
+            "tokens_per_step": round(tokens / max(steps, 1), 3), "ms_per_step": round(1e3 * seconds / max(steps, 1), 3)}
 
 
 def make_drafters(models: dict[str, DSparkModel], target, mode: str) -> dict:
@@ -986,9 +995,10 @@ def evaluation_phase(args, make_target, models, sets, calibration, eos: int, wor
     if "tokens_per_s_batch1" not in results:  # before the long evaluations, which a time limit may split
         one = make_target(1)
         speed_prompts = sets["humaneval"][: args.speed_prompts]
-        results["tokens_per_s_batch1"] = {"plain": tokens_per_second(one, None, speed_prompts, eos, args.eval_tokens)} | {
-            name: tokens_per_second(one, d, speed_prompts, eos, args.eval_tokens)
-            for name, d in make_drafters(models, one, "greedy").items()}
+        drafters = {"plain": None} | make_drafters(models, one, "greedy")
+        speed = {name: batch1_speed(one, d, speed_prompts, eos, args.eval_tokens) for name, d in drafters.items()}
+        results["batch1_speed"] = speed
+        results["tokens_per_s_batch1"] = {name: s["tokens_per_s"] for name, s in speed.items()}
         del one
         phase_done("tokens_per_s")
     evaluate(args, eval_target, models, sets, eos, temps, results, save, deadline)

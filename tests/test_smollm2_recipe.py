@@ -167,6 +167,9 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert {name: a["identical"] for name, a in agreement.items()} == {"dspark": 1, "dflash_ablation": 1, "ngram": 1,
                                                                         "hybrid": 1}
     assert len(result["calibration"]["temperatures"]) == 7 and set(result["tokens_per_s_batch1"]) >= {"plain", "ngram"}
+    for name, speed in result["batch1_speed"].items():  # tokens/s splits into tokens per step and time per step
+        assert speed["tokens_per_s"] == result["tokens_per_s_batch1"][name] > 0
+        assert speed["tokens"] == pytest.approx(speed["tokens_per_step"] * speed["steps"], rel=1e-2)
     with np.load(tmp_path / "work" / "sequences.npz") as seqs:
         assert seqs["tokens"].dtype == np.uint16 and len(seqs["offsets"]) == 5
 
