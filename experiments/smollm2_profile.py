@@ -10,7 +10,7 @@ host-side aten calls, and the largest GPU kernels and host ops by name:
   --context-token committed prefix, as experiments/smollm2_dspark.py's self-distillation runs it;
 - capture: the target prefill that gives one training batch its logits and taps;
 - train_before / train_after: one DSpark training step (the batch's capture, forward, backward, clip,
-  AdamW) before issue 33 and now, in one run on the same batch (training_pieces says what each is);
+  AdamW) before issue 33 and now, in one run on the same batches (training_pieces says what each is);
   both in the precision the recipe trains in (TF32 float32 matmuls, the backbone under bf16 autocast);
 - held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
 - capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
@@ -134,8 +134,9 @@ def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_ev
 
 
 def training_pieces(config, weights, args, out: dict, save) -> None:
-    """capture, train_before, train_after and (unless --held-out-prompts 0) held_out into `out`,
-    saved after each: a call cut off by its time limit keeps what it measured.
+    """capture, train_before, train_after, each over the profiled batches (over_batches), and (unless
+    --held-out-prompts 0) held_out into `out`, saved after each batch: a call cut off by its time limit
+    keeps what it measured.
 
     train_before is the step rounds 1-7 trained with: the batch prefilled into the target every step
     (capture), anchor chunks of 128 through the dense-masked SDPA, the float32 LM head and loss on every
@@ -145,8 +146,8 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     left on the device."""
     # The recipe's own drafter and training settings (its defaults), at this run's batch.
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
-    sequences, masks, data = profiled_batch(args, ns, config)
-    ns.anchor_bucket, ns.length_bucket = data["buckets"]
+    batches = profiled_batches(args, ns, config)
+    ns.anchor_bucket, ns.length_bucket = batches[0][2]["buckets"]
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=ns.length_bucket, attention="batched")
     model = recipe.new_model(target, "dspark", ns)
     cuda = target.device.type == "cuda"
@@ -156,30 +157,38 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
                                 attention="flex" if cuda else "sdpa")
     before = dataclasses.replace(after, fast=False, attention="sdpa", compile=False, anchor_bucket=0, length_bucket=0,
                                  anchor_chunk=args.anchor_chunk, recompute=args.recompute, teacher="logits")
-    out["batch"] = data
+    out["batches"] = [data for _, _, data in batches]
     g = torch.Generator().manual_seed(args.seed)
     taps = tuple(model.config.target_layer_ids)
-    store = CaptureStore(target, sequences, taps + (target.num_layers,), dtype=torch.bfloat16)
-    pick = list(range(len(sequences)))
+    measurements: dict[str, list[dict]] = {"capture": [], "train_before": [], "train_after": []}
+    peak: dict[str, float] = {}
     with recipe.tf32_on_cuda(target.device):  # the precision the recipe trains in, capture included
-        out["capture"] = measured(lambda: capture(target, sequences, taps), 3)
-        save()
-        store.fill(progress=False)
-        model.train()
-        pieces = (("train_before", before, lambda: capture(target, sequences, taps), False, True),
-                  ("train_after", after, lambda: store.batch(pick), cuda, False))
-        for name, cfg, captured_for, fused, read in pieces:
-            step = step_runner(model, cfg, sequences, masks, captured_for, fused, read)
-            for _ in range(args.warmup):  # compiles (the after step's graphs) and allocator warm-up
-                step()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            out[name] = measured(step, 3)
-            out[name]["config"] = {k: v for k, v in vars(cfg).items() if k in PROFILED_SETTINGS}
-            if cuda:
-                out[name]["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        for n, (sequences, masks, _) in enumerate(batches):
+            measurements["capture"].append(measured(lambda: capture(target, sequences, taps), 3))
+            store = CaptureStore(target, sequences, taps + (target.num_layers,), dtype=torch.bfloat16)
+            store.fill(progress=False)
+            pick = list(range(len(sequences)))
+            model.train()
+            pieces = (("train_before", before, lambda: capture(target, sequences, taps), False, True),
+                      ("train_after", after, lambda: store.batch(pick), cuda, False))
+            for name, cfg, captured_for, fused, read in pieces:
+                step = step_runner(model, cfg, sequences, masks, captured_for, fused, read)
+                for _ in range(args.warmup if n == 0 else 1):  # compiles once (one shape), then the allocator
+                    step()
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                measurements[name].append(measured(step, 3))
+                if cuda:
+                    peak[name] = max(peak.get(name, 0.0), round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            for name, taken in measurements.items():
+                out[name] = over_batches(taken)
+            for name, cfg in (("train_before", before), ("train_after", after)):
+                out[name]["config"] = {k: v for k, v in vars(cfg).items() if k in PROFILED_SETTINGS}
+                if name in peak:
+                    out[name]["peak_memory_gib"] = peak[name]
             save()
+            del store
         model.eval()
     if not args.held_out_prompts:
         return
@@ -192,53 +201,72 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
 
 
 def capture_pieces(config, weights, args, out: dict, save) -> None:
-    """What a training step pays for the part of its batch the capture store does not hold, on the
-    recipe's first batch: capture_taps, the target's taps and LM-head input as the recipe's online
-    capture takes them now (causal_taps: float32 weights, TF32 matmuls); capture_taps_autocast, the
-    same forward under bf16 autocast (bf16 GEMMs and attention, float32 residual; the store keeps
+    """What a training step pays for the part of its batch the capture store does not hold, over the
+    profiled batches (over_batches): capture_taps, the target's taps and LM-head input as the recipe's
+    online capture takes them now (causal_taps: float32 weights, TF32 matmuls); capture_taps_autocast,
+    the same forward under bf16 autocast (bf16 GEMMs and attention, float32 residual; the store keeps
     bf16 anyway); store_online, CaptureStore.batch with nothing cached (the capture plus the gather
     and the per-row copies into the batch)."""
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
-    sequences, _, data = profiled_batch(args, ns, config)
-    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=data["buckets"][1], attention="batched")
+    batches = profiled_batches(args, ns, config)
+    target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
+                         attention="batched")
     layers = tuple(recipe.drafter_config(target, "dspark", ns.layers, ns.markov_rank).target_layer_ids) + (config.num_layers,)
-    out["capture_batch"] = data
+    out["capture_batches"] = [data for _, _, data in batches]
     cuda = target.device.type == "cuda"
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cuda)
-    store = CaptureStore(target, sequences, layers, dtype=torch.bfloat16, budget_bytes=0)
-    store.fill(progress=False)
-    pieces = {"capture_taps": lambda: capture(target, sequences, layers, logits=False),
-              "store_online": lambda: store.batch(list(range(len(sequences))))}
+    measurements: dict[str, list[dict]] = {"capture_taps": [], "store_online": [], "capture_taps_autocast": []}
     with recipe.tf32_on_cuda(target.device):
-        for name, fn in pieces.items():
-            fn()  # allocator warm-up
-            out[name] = measured(fn, 5)
-            save()
-        with autocast:
-            pieces["capture_taps"]()
-            out["capture_taps_autocast"] = measured(pieces["capture_taps"], 5)
+        for sequences, _, _ in batches:
+            store = CaptureStore(target, sequences, layers, dtype=torch.bfloat16, budget_bytes=0)
+            store.fill(progress=False)
+            pieces = {"capture_taps": lambda: capture(target, sequences, layers, logits=False),
+                      "store_online": lambda: store.batch(list(range(len(sequences))))}
+            for name, fn in pieces.items():
+                fn()  # allocator warm-up
+                measurements[name].append(measured(fn, 5))
+            with autocast:
+                pieces["capture_taps"]()
+                measurements["capture_taps_autocast"].append(measured(pieces["capture_taps"], 5))
+            for name, taken in measurements.items():
+                out[name] = over_batches(taken)
             save()
 
 
-def profiled_batch(args, ns, config) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """The first batch the recipe trains on from --sequences (its lengths and loss masks are what set a
-    step's cost; the tokens are the file's), with the recipe's one-shape buckets of that file; without a
-    file, random sequences of lengths in [--seq-len / 2, --seq-len], a quarter of each a prompt."""
+def profiled_batches(args, ns, config) -> list[tuple[list[torch.Tensor], list[torch.Tensor], dict]]:
+    """--batches of the recipe's first epoch from --sequences, at evenly spaced quantiles of their
+    supervised tokens (a step's loss and its capture grow with them; the first batch alone is one
+    length group's), each with the recipe's one-shape buckets of that file; without a file, one batch
+    of random sequences of lengths in [--seq-len / 2, --seq-len], a quarter of each a prompt."""
     if args.sequences:
         sequences, masks = recipe.load_training_sequences(Path(args.sequences))
         cfg = dataclasses.replace(recipe.train_configs(ns)["dspark"], anchor_bucket=0, length_bucket=0)
-        pick = epoch_batches([int(m.sum()) for m in masks], cfg, 0)[0]
+        supervised = [int(m.sum()) for m in masks]
+        epoch = sorted(epoch_batches(supervised, cfg, 0), key=lambda b: sum(supervised[i] for i in b))
+        picks = [epoch[int((k + 0.5) * len(epoch) / args.batches)] for k in range(args.batches)]
         buckets = recipe.static_buckets(sequences, masks, ns.num_anchors)
-        sequences, masks = [sequences[i] for i in pick], [masks[i] for i in pick]
+        batches = [([sequences[i] for i in pick], [masks[i] for i in pick]) for pick in picks]
+        source = Path(args.sequences).name
     else:
         g = torch.Generator().manual_seed(args.seed)
         lengths = torch.randint(args.seq_len // 2, args.seq_len + 1, (args.batch_size,), generator=g).tolist()
-        sequences = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
-        masks = [torch.cat([torch.zeros(n // 4, dtype=torch.long), torch.ones(n - n // 4, dtype=torch.long)]) for n in lengths]
-        buckets = recipe.static_buckets(sequences, masks, ns.num_anchors)
-    return sequences, masks, {"source": Path(args.sequences).name if args.sequences else "random",
-                              "lengths": [len(s) for s in sequences], "supervised": [int(m.sum()) for m in masks],
-                              "buckets": list(buckets)}
+        seqs = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in lengths]
+        batches = [(seqs, [torch.cat([torch.zeros(n // 4, dtype=torch.long), torch.ones(n - n // 4, dtype=torch.long)])
+                           for n in lengths])]
+        buckets = recipe.static_buckets(*batches[0], ns.num_anchors)
+        source = "random"
+    return [(seqs, ms, {"source": source, "lengths": [len(s) for s in seqs], "supervised": [int(m.sum()) for m in ms],
+                        "buckets": list(buckets)}) for seqs, ms in batches]
+
+
+def over_batches(measurements: list[dict]) -> dict:
+    """One piece over the profiled batches: the mean of each figure (the average step's), the largest
+    contributors of the costliest batch, and each batch's figures."""
+    figures = ("wall_ms", "gpu_ms", "kernels", "aten_calls")
+    costliest = max(measurements, key=lambda m: m["wall_ms"])
+    out = {k: round(sum(m[k] for m in measurements) / len(measurements), 2) for k in figures}
+    return {**out, "top_gpu": costliest["top_gpu"], "top_host": costliest["top_host"],
+            "per_batch": [{k: m[k] for k in figures} for m in measurements]}
 
 
 PROFILED_SETTINGS = ("fast", "attention", "teacher", "anchor_chunk", "recompute", "anchor_bucket", "length_bucket",
@@ -253,7 +281,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--sequences", default=str(REPO / "experiments/data/smollm2_selfdistil_58278.npz"),
-                    help="the training batch: the recipe's first from this file ('' random sequences of --seq-len)")
+                    help="the training batches: the recipe's, from this file ('' random sequences of --seq-len)")
+    ap.add_argument("--batches", type=int, default=5,
+                    help="batches of the file's first epoch profiled, at evenly spaced quantiles of supervised tokens")
     ap.add_argument("--seq-len", type=int, default=768,
                     help="without --sequences: the longest sequence (lengths in [half, this])")
     ap.add_argument("--anchor-chunk", type=int, default=128, help="train_before's anchor chunks")
@@ -272,6 +302,8 @@ def main(argv=None) -> int:
                     help="cpu only checks that the script runs: its times mean nothing")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.batches < 1:
+        ap.error(f"--batches={args.batches}: must be at least 1")
     if args.reference_loss:
         from dspark.kernels import registry
 
@@ -306,8 +338,8 @@ def main(argv=None) -> int:
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"
-            print(f"{name:21s} wall {r['wall_ms']:9.1f} ms  gpu {r['gpu_ms']:9.1f} ms  kernels {r['kernels']:6d}  "
-                  f"aten {r['aten_calls']:6d}  top: {top}")
+            print(f"{name:21s} wall {r['wall_ms']:9.1f} ms  gpu {r['gpu_ms']:9.1f} ms  kernels {r['kernels']:8.1f}  "
+                  f"aten {r['aten_calls']:8.1f}  top: {top}")
     return 0
 
 

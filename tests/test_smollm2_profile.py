@@ -1,0 +1,62 @@
+"""experiments/smollm2_profile.py's choice of batches and its figures over them: a step's cost grows with
+its batch's supervised tokens, so the profile spans the epoch's batches instead of timing its first."""
+import argparse
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("smollm2_profile", REPO / "experiments" / "smollm2_profile.py")
+profile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile)
+recipe = profile.recipe
+
+
+def sequence_file(path: Path, count: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(12, 200, size=count)
+    sequences = [rng.integers(3, 49152, size=n).astype(np.uint16) for n in lengths]
+    recipe.save_sequences(path, list(range(count)), sequences, [int(rng.integers(2, n // 2)) for n in lengths])
+    return path
+
+
+def test_the_batches_span_the_epoch_by_supervised_tokens(tmp_path):
+    path = sequence_file(tmp_path / "seqs.npz", 96, seed=np.random.SeedSequence().entropy % 2**32)
+    ns = recipe.parse(["run", "--batch-size", "4", "--seed", "3"])
+    args = argparse.Namespace(sequences=str(path), batches=4, seed=0, batch_size=4, seq_len=64)
+    batches = profile.profiled_batches(args, ns, profile.SMOLLM2)
+    totals = [sum(data["supervised"]) for _, _, data in batches]
+    assert len(batches) == 4 and totals == sorted(totals) and totals[0] < totals[-1]
+    # each is one of the recipe's first-epoch batches, with its loss masks
+    sequences, masks = recipe.load_training_sequences(path)
+    cfg = recipe.train_configs(ns)["dspark"]
+    epoch = profile.epoch_batches([int(m.sum()) for m in masks], cfg, 0)
+    supervised = [int(m.sum()) for m in masks]
+    all_totals = sorted(sum(supervised[i] for i in b) for b in epoch)
+    assert totals == [all_totals[int((k + 0.5) * len(epoch) / 4)] for k in range(4)]
+    for seqs, ms, data in batches:
+        assert [int(m.sum()) for m in ms] == data["supervised"] and [len(s) for s in seqs] == data["lengths"]
+        assert data["buckets"] == list(recipe.static_buckets(sequences, masks, ns.num_anchors))
+
+
+def test_a_piece_over_batches_is_their_mean_with_the_costliest_batch_named():
+    rng = np.random.default_rng()
+    walls = rng.uniform(5, 50, size=3)
+
+    def measurement(wall, kernels):
+        return {"wall_ms": wall, "gpu_ms": wall / 2, "kernels": kernels, "aten_calls": 2 * kernels,
+                "top_gpu": [{"name": f"k{kernels}", "calls": 1, "ms": wall}], "top_host": []}
+
+    taken = [measurement(w, k) for w, k in zip(walls, (100, 140, 180))]
+    out = profile.over_batches(taken)
+    assert out["wall_ms"] == pytest.approx(walls.mean(), abs=0.01) and out["kernels"] == pytest.approx(140)
+    assert out["top_gpu"] == taken[int(np.argmax(walls))]["top_gpu"]
+    assert [b["wall_ms"] for b in out["per_batch"]] == list(walls)
+
+
+def test_batches_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--batches", "0", "--out", "x.json"])
+    assert "--batches=0" in capsys.readouterr().err
