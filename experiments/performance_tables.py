@@ -469,13 +469,22 @@ def drafts_per_step(r: Result) -> int | None:
     return None
 
 
+def steps_trained(settings: dict) -> str:
+    """The training steps of smollm2_dspark.py's settings; a run stopped early (--stop-at) names its schedule,
+    whose decay it did not finish."""
+    steps, stop_at = settings.get("steps", 0), settings.get("stop_at")
+    if stop_at is None or stop_at == steps:
+        return f"{steps:,} training steps"
+    return f"{stop_at:,} training steps of a {steps:,}-step schedule"
+
+
 def drafter_note(r: Result) -> str:
     d, s = r.data, r.data.get("settings", {})
     target = d.get("target", {}).get("name", "the target")
     k = drafts_per_step(r)
     trained = (f"AL per verify step at k = {k if k else '?'}, 95% bootstrap intervals over prompts. {target} "
-               f"self-distilled into drafters of {s.get('layers', '?')} layers, {s.get('steps', 0):,} training "
-               f"steps each on {d.get('training_data', {}).get('sequences', 0):,} sequences; the ablation is "
+               f"self-distilled into drafters of {s.get('layers', '?')} layers, {steps_trained(s)} each on "
+               f"{d.get('training_data', {}).get('sequences', 0):,} sequences; the ablation is "
                "DFlash-style (cross-entropy only, no Markov correction, confidence head untrained)")
     speed = d.get("tokens_per_s_batch1") or {}
     plain = speed.get("plain")

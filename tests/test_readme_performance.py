@@ -212,6 +212,14 @@ def test_the_drafter_table_gives_acceptance_with_its_intervals(tmp_path):
     assert row == ["humaneval (164)", "greedy", "1.78 [1.73, 1.83]", "1.64", "2.00", "1.09x [1.04x, 1.14x]",
                    "0.89x [0.84x, 0.94x]", "163 / 164"]
     assert "at k = 7" in text and "DSpark 42.0 (0.95x)" in text
+    assert "1,000 training steps each" in text
+
+
+def test_the_drafter_note_names_the_schedule_a_run_stopped_early_in(tmp_path):
+    result = smollm2()
+    result["settings"].update(steps=10000, stop_at=8909)
+    write(tmp_path, "h200/smollm2_dspark.json", result)
+    assert "8,909 training steps of a 10,000-step schedule each" in render(tmp_path)
 
 
 # ---- the command line -----------------------------------------------------------------------------
