@@ -140,9 +140,22 @@ def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoin
     return select("add_attn_res_mix_norm", *args).fn(*args, eps)
 
 
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """total = residual + delta (one dtype), then (torch's RMSNorm of total scaled by weight, total): the
+    statistics and the scale in fp32, one rounding, as F.rms_norm (the DSpark drafter's layers); K3's
+    rms_norm rounds before it scales."""
+    return select("add_rms_norm", residual, delta, weight).fn(residual, delta, weight, eps)
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU: b1*tanh(g/b1)*sigmoid(g) * b2*tanh(u/b2) in fp32, result in gate's dtype."""
     return select("situ_glu", gate, up).fn(gate, up, beta, linear_beta)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, each rounded to their dtype as torch's two ops round (the drafter's SwiGLU)."""
+    return select("silu_mul", gate, up).fn(gate, up)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch of the K3 step's Triton kernels (kernels/triton_common.PDL, off by
+"""Programmatic dependent launch of the K3 step's Triton kernels (and the drafter's) (kernels/triton_common.PDL, off by
 default; docs/kernels.md §5), checked without a GPU:
 
 - every host function of the step's Triton kernels launches with PDL=True and launch_pdl=True when
@@ -64,6 +64,8 @@ def launch_every_kernel(monkeypatch, dtype=torch.float32) -> Recorder:
     norm.add_attn_res_mix_norm(x, x, torch.randn(2, 4, 64, generator=gen), w, w, w, 1e-6)
     act.situ_glu(x, x, 4.0, 25.0)
     act.sigmoid_gate(x, x)
+    act.silu_mul(x, x)
+    norm.add_rms_norm(x, x, w, 1e-6)
     moe.route_logits(torch.randn(4, 32, generator=gen), torch.randn(32, generator=gen), 4, 1.0)
     moe.weighted_combine(torch.randn(16, 64, generator=gen), torch.randperm(16, generator=gen).view(4, 4),
                          torch.rand(4, 4, generator=gen))
@@ -84,7 +86,8 @@ def test_every_step_kernel_launches_with_the_switch(monkeypatch, on):
     launches = launch_every_kernel(monkeypatch).launches
     assert {name for name, _ in launches} == {
         "rms_norm_kernel", "attn_res_mix_norm_kernel", "situ_glu_kernel", "sigmoid_gate_kernel", "route_kernel",
-        "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel", "absorb_kernel"}
+        "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel", "absorb_kernel",
+        "silu_mul_kernel", "add_rms_norm_kernel"}
     for name, kwargs in launches:
         assert kwargs["PDL"] is on, name
         assert kwargs.get("launch_pdl", False) is on, name
@@ -171,4 +174,4 @@ def test_every_step_kernel_compiles_as_launched(monkeypatch, arch, pdl):
                                  target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
             assert f".target sm_{arch}" in ptx, name
             compiled.add(name)
-    assert compiled == {name for _, name, _, _ in calls} and len(compiled) == 10
+    assert compiled == {name for _, name, _, _ in calls} and len(compiled) == 12

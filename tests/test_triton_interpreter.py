@@ -1,4 +1,4 @@
-"""Triton kernels (the fused glue: rms_norm, attn_res_mix_norm and add_attn_res_mix_norm, situ_glu, sigmoid_gate; the router selection of moe_route) against their references on the CPU through Triton's interpreter, in a fresh
+"""Triton kernels (the fused glue: rms_norm, attn_res_mix_norm and add_attn_res_mix_norm, situ_glu, sigmoid_gate, and the drafter's add_rms_norm and silu_mul; the router selection of moe_route) against their references on the CPU through Triton's interpreter, in a fresh
 process (TRITON_INTERPRET must be set before triton is first imported; the checks are in
 tests/triton_interpret_checks.py). The interpreter checks indexing, masks, reductions and the
 candidate handling; bf16 rounding is checked on the GPU (tests/gpu/test_triton_kernels_gpu.py)."""

@@ -71,6 +71,9 @@ def main(seed: int) -> None:
     x = torch.randn(rows, n, generator=gen)
     close(act_triton.sigmoid_gate(x, gate, out=torch.full((rows, n), float("nan"))),
           act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
+    close(act_triton.silu_mul(gate, up, out=torch.full((rows, n), float("nan"))),
+          act_ref.silu_mul(gate.double(), up.double()), "silu_mul")
+    check_add_rms_norm(gen)
     check_route(gen)
     check_combine(gen)
     check_gather_tokens(gen)
@@ -81,6 +84,25 @@ def main(seed: int) -> None:
     check_markov(gen)
     check_rotary(gen)
     print("triton kernels: all checks passed")
+
+
+def check_add_rms_norm(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, atol: float = ATOL) -> None:
+    """The drafter's residual add + RMSNorm (ops.add_rms_norm) against float64, on 4-D rows as the drafter's
+    blocks have them and on strided 2-D rows; out and total poisoned first."""
+    for shape, width in (((1, 1, 7, 448), 448), ((3, 100), 100), ((2, 7168), 7168)):
+        residual = (torch.randn(*shape, generator=gen) * 2 + 0.5).to(device, dtype)
+        wide = torch.randn(*shape[:-1], width + 16, generator=gen)
+        delta = (wide[..., 8 : 8 + width] if len(shape) == 2 else torch.randn(*shape, generator=gen)).to(device, dtype)
+        weight = (torch.rand(width, generator=gen) + 0.5).to(device, dtype)
+        want_out, want_total = norm_ref.add_rms_norm(residual.double(), delta.double(), weight.double(), 1e-6)
+        poison = dict(dtype=dtype, device=device)
+        got_out, got_total = norm_triton.add_rms_norm(residual, delta, weight, 1e-6,
+                                                      out=torch.full(shape, float("nan"), **poison),
+                                                      total=torch.full(shape, float("nan"), **poison))
+        for got, want, what in ((got_total, want_total, "sum"), (got_out, want_out, "norm")):
+            err = (got.double() - want).abs().max().item()
+            if got.shape != want.shape or not err < atol:
+                sys.exit(f"add_rms_norm {what} {shape} {dtype}: max abs error {err:.2e} >= {atol}")
 
 
 def check_route(gen: torch.Generator, device: str = "cpu") -> None:

@@ -406,6 +406,22 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def drafting(self, x):
+        """forward for a drafting pass (no gradients): silu and the product in one launch where the
+        two projections share a dtype (autocast's mixed ones keep the torch ops)."""
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up)
+
+
+def _add_then_norm(residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + delta), residual + delta) with the add in the norm's launch (ops.add_rms_norm, the
+    same function as RMSNorm after a torch add) where the three share a dtype; autocast's mixed
+    dtypes keep the two steps."""
+    if residual.dtype == delta.dtype == norm.weight.dtype:
+        return ops.add_rms_norm(residual, delta, norm.weight, norm.eps)
+    total = residual + delta
+    return norm(total), total
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm layer (docs/dspark-algorithm.md §2.4). Context rows bypass input_layernorm: they were normed once
@@ -549,9 +565,24 @@ class DSparkModel(nn.Module):
         shared = BlockPass(self._rotary(), positions, context_visible, block_tokens.shape[-1], flex_mask)
         with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
+            if inference:
+                return self._drafting_layers(x, positions, context_rows, context_visible, shared)
             for layer, rows in zip(self.layers, context_rows):
                 x = layer(x, positions, rows, context_visible, inference, shared)
         return self.final_norm(x)
+
+    def _drafting_layers(self, x, positions, context_rows, context_visible, shared: BlockPass) -> torch.Tensor:
+        """The layers and the final norm of a drafting pass, DecoderLayer.forward's function with each
+        residual add done in the norm after it (the post-attention norm, the next layer's input norm, the
+        final norm) and SwiGLU's product in its activation's launch: three launches fewer a layer, which at
+        a rank's share of the K3 drafter are what its propose costs, not bytes (docs/kernels.md §10.11)."""
+        h = self.layers[0].input_layernorm(x)
+        for i, (layer, rows) in enumerate(zip(self.layers, context_rows)):
+            delta = layer.self_attn(h, positions, rows, context_visible, True, shared)
+            h, x = _add_then_norm(x, delta, layer.post_attention_layernorm)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
+            h, x = _add_then_norm(x, layer.mlp.drafting(h), after)
+        return h
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """U_k = lm_head(h_k), in float32 or wider (docs/dspark-algorithm.md §2.4)."""

@@ -3,6 +3,7 @@ per row on the CPU (kernels/numerics.py)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..numerics import sigmoid_gate as _sigmoid_gate
 from ..numerics import situ
@@ -17,3 +18,10 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
 @register("sigmoid_gate", "reference", priority=0)
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return _sigmoid_gate(x, gate)
+
+
+@register("silu_mul", "reference", priority=0)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as torch computes it in their dtype: silu rounded to it, then the product (the
+    DSpark drafter's SwiGLU, drafters/dspark/model.py)."""
+    return F.silu(gate) * up

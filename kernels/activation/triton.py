@@ -1,4 +1,4 @@
-"""SiTU-GLU and the sigmoid output gate as one Triton launch each (contracts: reference.py).
+"""SiTU-GLU, the sigmoid output gate and the drafter's silu * up as one Triton launch each (contracts: reference.py).
 
 Why: the references concatenate their two inputs, cast them to fp32 and apply several
 elementwise kernels; on the few rows of a verify step each is a launch of a few microseconds.
@@ -21,25 +21,28 @@ def _grid(rows: torch.Tensor) -> tuple[int, int]:
     return rows.shape[0], -(-rows.shape[1] // BLOCK)
 
 
+def _rowwise(kernel_name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, *scalars) -> torch.Tensor:
+    """One launch of an elementwise kernel over the rows of a and b (same shape), into out (default a
+    fresh tensor of a's dtype; tests pass a poisoned contiguous one)."""
+    ar, br = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    out = torch.empty(ar.shape, dtype=a.dtype, device=a.device) if out is None else out.view(ar.shape)
+    if out.numel():
+        getattr(_kernels(), kernel_name)[_grid(ar)](ar, br, ar.stride(0), br.stride(0), out, out.stride(0), ar.shape[1],
+                                                    *scalars, BLOCK=BLOCK, **pdl_options(), num_warps=4)
+    return out.view(a.shape)
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """out: an optional contiguous buffer of gate's shape and dtype (tests poison it first)."""
-    g, u = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
-    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device) if out is None else out.view(g.shape)
-    if out.numel():
-        _kernels().situ_glu_kernel[_grid(g)](g, u, g.stride(0), u.stride(0), out, out.stride(0), g.shape[1],
-                                              float(beta), float(linear_beta), BLOCK=BLOCK, **pdl_options(),
-                                              num_warps=4)
-    return out.view(gate.shape)
+    return _rowwise("situ_glu_kernel", gate, up, out, float(beta), float(linear_beta))
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    xr, gr = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
-    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device) if out is None else out.view(xr.shape)
-    if out.numel():
-        _kernels().sigmoid_gate_kernel[_grid(xr)](xr, gr, xr.stride(0), gr.stride(0), out, out.stride(0), xr.shape[1],
-                                                   BLOCK=BLOCK, **pdl_options(), num_warps=4)
-    return out.view(x.shape)
+    return _rowwise("sigmoid_gate_kernel", x, gate, out)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return _rowwise("silu_mul_kernel", gate, up, out)
 
 
 def _pair(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,3 +55,5 @@ register("situ_glu", "triton", devices=("cuda",), priority=10, available=triton_
          supports=lambda gate, up: _pair(gate, up))(situ_glu)
 register("sigmoid_gate", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=lambda x, gate: _pair(x, gate))(sigmoid_gate)
+register("silu_mul", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=lambda gate, up: _pair(gate, up) and gate.dtype == up.dtype)(silu_mul)

@@ -35,3 +35,16 @@ def sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_g, out_ptr, stride_o, 
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (x * tl.sigmoid(g)).to(dtype), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)  # silu rounded to the dtype, as the reference's torch op
+    tl.store(out_ptr + row * stride_o + offs, (act * u).to(dtype), mask=mask)

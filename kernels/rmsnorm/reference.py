@@ -53,3 +53,15 @@ def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoin
     sum; a GPU kernel computes both in the norm's one pass over the row."""
     total = residual + delta
     return attn_res_mix_norm(total, checkpoints, mix_norm, mix_proj, out_norm, eps), total
+
+
+@register("add_rms_norm", "reference", priority=0)
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """total = residual + delta (in their dtype), then (torch's RMSNorm of total, total): the statistics
+    and the weight's scale in fp32, one rounding at the end, as F.rms_norm computes it. This is the
+    DSpark drafter's norm (drafters/dspark/model.py), not K3's rms_norm, which rounds before it scales."""
+    total = residual + delta
+    xf = total.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(total.dtype), total

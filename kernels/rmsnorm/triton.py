@@ -1,5 +1,5 @@
-"""RMSNorm and the AttnRes mix + RMSNorm (with or without the residual add before it) as one
-Triton launch each (contracts: reference.py).
+"""RMSNorm, the AttnRes mix + RMSNorm (with or without the residual add before it) and the
+drafter's residual add + RMSNorm as one Triton launch each (contracts: reference.py).
 
 Why: in a batch-1 step each of these was a chain of small torch kernels (casts, a mean, an
 rsqrt, products; the mix adds a score GEMV per candidate, a softmax and a weighted sum), about
@@ -44,6 +44,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
         _kernels().rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1],
                                                      float(eps), BLOCK=block, **pdl_options(), num_warps=warps)
     return out.view(x.shape)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None, total: torch.Tensor | None = None):
+    """out, total: optional contiguous buffers of residual's shape and dtype (tests poison them)."""
+    r, dl = _rows(residual), _rows(delta)
+    out = torch.empty(r.shape, dtype=residual.dtype, device=residual.device) if out is None else out.view(r.shape)
+    total = torch.empty(r.shape, dtype=residual.dtype, device=residual.device) if total is None else total.view(r.shape)
+    block, warps = _launch_shape(r.shape[1])
+    if r.shape[0]:
+        _kernels().add_rms_norm_kernel[(r.shape[0],)](r, r.stride(0), dl, dl.stride(0), weight, out, out.stride(0), total,
+                                                      total.stride(0), r.shape[1], float(eps), BLOCK=block,
+                                                      **pdl_options(), num_warps=warps)
+    return out.view(residual.shape), total.view(residual.shape)
 
 
 def attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_norm, eps: float,
@@ -99,9 +113,16 @@ def supports_add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_p
             and delta.stride(-1) == 1 and supports_attn_res_mix_norm(residual, checkpoints, mix_norm, mix_proj, out_norm))
 
 
+def supports_add_rms_norm(residual, delta, weight) -> bool:
+    return (delta.shape == residual.shape and delta.dtype == residual.dtype and supports_rms_norm(residual, weight)
+            and _row_major(delta) and (delta.dim() == 2 or delta.is_contiguous()))
+
+
 register("rms_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_rms_norm)(rms_norm)
 register("attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_attn_res_mix_norm)(attn_res_mix_norm)
 register("add_attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_add_attn_res_mix_norm)(add_attn_res_mix_norm)
+register("add_rms_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_add_rms_norm)(add_rms_norm)

@@ -25,6 +25,25 @@ def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl
 
 
 @triton.jit
+def add_rms_norm_kernel(res_ptr, stride_r, delta_ptr, stride_d, w_ptr, out_ptr, stride_o, total_ptr, stride_t, d, eps,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """total = residual + delta rounded to their dtype (a torch add, bit for bit), stored; then the
+    drafter's RMSNorm of it: statistics and scale in fp32, one rounding (add_rms_norm's reference)."""
+    prologue(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < d
+    dtype = total_ptr.dtype.element_ty
+    x = (tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+         + tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(total_ptr + row * stride_t + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps) * w
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _sum_pair(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 

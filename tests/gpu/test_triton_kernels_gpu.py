@@ -153,3 +153,27 @@ def test_rotary_matches_float64(dtype):
     x = torch.randn(1, 1, 7, 4, 64, device="cuda", dtype=dtype)
     table = torch.randn(1, 1, 7, 1, 32, device="cuda")
     assert registry.select("rotary", x, table, table).name == "triton"
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7, 448), (1, 1, 7, 7168), (4, 1, 7, 7168)])
+def test_the_drafters_add_rms_norm_and_silu_mul_match_their_torch_ops(gen, shape):
+    """The drafting pass's fused glue (drafters/dspark/model.py) in bf16 at the K3 drafter's widths, a
+    rank's share and the full one: the sum bit for bit a torch add, the norm within the chain's one
+    rounding of torch's RMSNorm (F.rms_norm, what the unfused pass runs) and of the float64 reference,
+    silu * up within its two roundings of torch's two ops (Triton's exp is not CUDA's expf)."""
+    import torch.nn.functional as F
+
+    residual, delta = ((torch.randn(*shape, device="cuda", generator=gen) * 2).bfloat16() for _ in range(2))
+    weight = (torch.rand(shape[-1], device="cuda", generator=gen) + 0.5).bfloat16()
+    out, total = norm_triton.add_rms_norm(residual, delta, weight, 1e-6, out=_poisoned(residual),
+                                          total=_poisoned(residual))
+    assert torch.equal(total, residual + delta)
+    _close(out, F.rms_norm(residual + delta, weight.shape, weight, 1e-6), "add_rms_norm against F.rms_norm", roundings=1)
+    want, _ = norm_ref.add_rms_norm(residual.double(), delta.double(), weight.double(), 1e-6)
+    _close(out, want, "add_rms_norm against float64", roundings=1)
+    assert registry.select("add_rms_norm", residual, delta, weight).name == "triton"
+    gate, up = ((torch.randn(*shape[:-1], 3 * shape[-1], device="cuda", generator=gen) * 4).bfloat16() for _ in range(2))
+    got = act_triton.silu_mul(gate, up, out=_poisoned(gate))
+    _close(got, F.silu(gate) * up, "silu_mul against torch's two ops")
+    _close(got, act_ref.silu_mul(gate.double(), up.double()), "silu_mul against float64")
+    assert registry.select("silu_mul", gate, up).name == "triton"

@@ -1,0 +1,50 @@
+"""Launches of the DSpark drafter's greedy propose, counted on the CPU (tests/launch_counter.py) at a
+rank's share of the K3 drafter's layout (k3-tiny's sizes, rank_share over 2), pinned so that they cannot
+creep back. At a rank's share the propose is set by its launches, not its bytes
+(experiments/notes/rank.md): each residual add is done in the norm after it and SwiGLU's product in
+its activation's launch, so a layer has no torch add, silu or product between its ops and GEMMs.
+"""
+import torch
+
+from dspark.config import SamplingParams
+from dspark.drafters.dspark.config import K3_TINY_DSPARK, rank_share
+from dspark.drafters.dspark.drafter import DSparkDrafter
+from dspark.drafters.dspark.model import DSparkModel
+from launch_counter import counting
+
+LAYERS = K3_TINY_DSPARK.num_layers
+# op calls per propose: two fused add + norms and one silu * up per layer, MLA's four ops over the cache,
+# the two rotaries (queries, keys), and the Markov head's greedy chain
+PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LAYERS, "mla_absorb_q": LAYERS,
+              "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "rotary": 2 * LAYERS, "markov_greedy_draft": 1}
+# the GEMMs between them: q_a, q_b, kv_a, o_proj, gate, up and down a layer, and the lm_head
+GEMMS = 7 * LAYERS + 1
+
+
+def propose_launches(dtype=torch.bfloat16):
+    config = rank_share(K3_TINY_DSPARK, 2)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    table = torch.randn(config.vocab_size, config.hidden_size, generator=gen, dtype=dtype)
+    model = DSparkModel(config, table, table * 0.1).to(dtype)
+    drafter = DSparkDrafter(model, 1, max_seq_len=64)
+    context = 20
+    drafter.start(0, torch.randint(0, config.vocab_size, (context,), generator=gen),
+                  {layer: torch.randn(context, config.target_hidden_size, generator=gen, dtype=dtype)
+                   for layer in config.target_layer_ids})
+    anchor = torch.randint(0, config.vocab_size, (1,), generator=gen)
+    greedy = [SamplingParams(temperature=0.0)]
+    drafter.propose([0], anchor, config.block_size, greedy, [None])  # first-call tables
+    with counting() as launches:
+        drafter.propose([0], anchor, config.block_size, greedy, [None])
+    return launches
+
+
+def test_a_propose_launches_the_pinned_ops_and_no_layer_glue():
+    launches = propose_launches()
+    assert dict(launches.ops) == PINNED_OPS, launches
+    assert launches.glue["mm"] == GEMMS, launches
+    assert not launches.syncs, f"the propose reads device values on the host: {launches}"
+    # No torch add or silu left between a layer's ops. The adds that remain: the eps of each unfused
+    # norm on the CPU (the first input norm and every q_a norm; F.rms_norm's one launch on the GPU), the
+    # block's positions and the cache counts.
+    assert "silu" not in launches.glue and launches.glue["add"] == (1 + LAYERS) + 2, launches
