@@ -241,10 +241,12 @@ def make_dflash_ablation(model: DSparkModel) -> None:
 
 def recipe_target(config, weights, args, slots: int, max_seq: int):
     """The recipe's LlamaTarget: `slots` requests of up to `max_seq` tokens on the --attention
-    path (batched by default; per_query is the CPU reference, a Python loop per token)."""
+    path (batched by default; per_query is the CPU reference, a Python loop per token); its training
+    capture compiled with --compiled-capture."""
     from dspark.targets.llama import LlamaTarget
 
-    return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=args.attention)
+    return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=args.attention,
+                       compiled_taps=args.compiled_capture)
 
 
 def init_layer_ids(text: str, num_layers: int, target_layers: int) -> list[int]:
@@ -1024,7 +1026,8 @@ def step_profile(path: Path) -> dict:
     keys = ("wall_ms", "gpu_ms", "kernels", "aten_calls", "peak_memory_gib")
     return {"file": path.name, "git_commit": profile.get("git_commit"), "device": profile.get("device"),
             **{piece: {k: profile[piece].get(k) for k in keys}
-               for piece in ("train_before", "train_after", "capture_taps", "store_online") if piece in profile}}
+               for piece in ("train_before", "train_after", "capture_taps", "capture_taps_compiled", "store_online")
+               if piece in profile}}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -1107,6 +1110,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the fast step's block attention: FlexAttention block-sparse (GPU) or SDPA with the dense mask")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                    help="torch.compile the fast step's pass over the blocks (a graph per bucketed shape)")
+    r.add_argument("--compiled-capture", action=argparse.BooleanOptionalAction, default=False,
+                   help="the target's capture of a batch (causal_taps) through torch.compile; off until "
+                        "smollm2_profile.py's capture_taps_compiled shows it pays")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")

@@ -205,25 +205,32 @@ def capture_pieces(config, weights, args, out: dict, save) -> None:
     profiled batches (over_batches): capture_taps, the target's taps and LM-head input as the recipe's
     online capture takes them now (causal_taps: float32 weights, TF32 matmuls); capture_taps_autocast,
     the same forward under bf16 autocast (bf16 GEMMs and attention, float32 residual; the store keeps
-    bf16 anyway); store_online, CaptureStore.batch with nothing cached (the capture plus the gather
-    and the per-row copies into the batch)."""
+    bf16 anyway); capture_taps_compiled, the same forward through torch.compile
+    (LlamaTarget(compiled_taps=True): fused norms, rotations and activations); store_online,
+    CaptureStore.batch with nothing cached (the capture plus the gather and the per-row copies into
+    the batch)."""
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     batches = profiled_batches(args, ns, config)
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
                          attention="batched")
+    compiled = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
+                           attention="batched", compiled_taps=True)
     layers = tuple(recipe.drafter_config(target, "dspark", ns.layers, ns.markov_rank).target_layer_ids) + (config.num_layers,)
     out["capture_batches"] = [data for _, _, data in batches]
     cuda = target.device.type == "cuda"
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cuda)
-    measurements: dict[str, list[dict]] = {"capture_taps": [], "store_online": [], "capture_taps_autocast": []}
+    measurements: dict[str, list[dict]] = {"capture_taps": [], "store_online": [], "capture_taps_autocast": [],
+                                           "capture_taps_compiled": []}
     with recipe.tf32_on_cuda(target.device):
         for sequences, _, _ in batches:
             store = CaptureStore(target, sequences, layers, dtype=torch.bfloat16, budget_bytes=0)
             store.fill(progress=False)
             pieces = {"capture_taps": lambda: capture(target, sequences, layers, logits=False),
-                      "store_online": lambda: store.batch(list(range(len(sequences))))}
+                      "store_online": lambda: store.batch(list(range(len(sequences)))),
+                      "capture_taps_compiled": lambda: capture(compiled, sequences, layers, logits=False)}
             for name, fn in pieces.items():
-                fn()  # allocator warm-up
+                for _ in range(2):  # allocator warm-up; the compiled pass compiles (again when shapes go symbolic)
+                    fn()
                 measurements[name].append(measured(fn, 5))
             with autocast:
                 pieces["capture_taps"]()
@@ -333,8 +340,8 @@ def main(argv=None) -> int:
             print(f"smollm2_profile: error: {error}", file=sys.stderr)
             return 2
     save()
-    for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "store_online", "train_before",
-                 "train_after", "held_out"):
+    for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "store_online",
+                 "train_before", "train_after", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

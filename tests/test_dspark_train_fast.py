@@ -329,6 +329,26 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
         target.causal_taps(bad, layers)
 
 
+def test_compiled_causal_taps_equal_the_eager_ones():
+    """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile; its taps, every one
+    asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
+    shapes (the third after the shapes went symbolic), padding still zero."""
+    eager = tiny_llama(SEED, max_slots=4)
+    compiled = LlamaTarget(eager.config, eager.weights, max_slots=4, max_seq_len=eager.max_seq_len, attention="batched",
+                           compiled_taps=True)
+    g = torch.Generator().manual_seed(SEED)
+    layers = (-1, 1, compiled.num_layers)
+    for count in (3, 4, 2):
+        seqs = [torch.randint(0, eager.vocab_size, (int(n),), generator=g) for n in torch.randint(3, 41, (count,), generator=g)]
+        want, got = eager.causal_taps(seqs, layers), compiled.causal_taps(seqs, layers)
+        assert set(got) == set(layers)
+        for layer in layers:
+            torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5, msg=f"seed {SEED}: layer {layer}")
+            for i, s in enumerate(seqs):
+                assert not got[layer][i, len(s):].any()
+    assert compiled._compiled_layers is not None and eager._compiled_layers is None
+
+
 def test_causal_taps_launch_as_many_ops_for_one_sequence_as_for_many():
     """The online capture's cost on a GPU was its launches (one SDPA per sequence per layer): causal_taps
     now dispatches the same float ops whatever the batch size, and a row's taps stay its own to float

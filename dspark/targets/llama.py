@@ -227,10 +227,15 @@ class LlamaTarget:
         max_seq_len: int,
         attention: str = "per_query",
         prefill_chunk_tokens: int = 8192,
+        compiled_taps: bool = False,
     ):
         """prefill_chunk_tokens: the most prompt tokens (over the batch) one prefill forward feeds
-        (dspark/targets/prefill.py)."""
+        (dspark/targets/prefill.py). compiled_taps: causal_taps runs its layers through torch.compile,
+        which fuses each norm, rotation and activation into a few kernels where the eager layer launches
+        ~40 float32 elementwise kernels (a trainer's capture; the same function to float rounding)."""
         self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
+        self.compiled_taps = compiled_taps
+        self._compiled_layers = None  # torch.compile(self._causal_layers), made on first use
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
         self.attention = attention
@@ -432,9 +437,24 @@ class LlamaTarget:
         self._check_token_ids("sequences", padded, fed)  # where they are: the host, for a trainer
         fed = tensor_on(fed, self.device)[..., None]
         cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]: each column's position
+        x = w.embedding[tensor_on(padded, self.device)]  # [B, S, d]
+        layers = self._causal_layers
+        if self.compiled_taps:
+            if self._compiled_layers is None:
+                # torch's default dynamism: shapes go symbolic once they change; the tap layers stay
+                # constants (dynamic=True made them symbolic too, and `layer_index in taps` came out False)
+                self._compiled_layers = torch.compile(self._causal_layers)
+            layers = self._compiled_layers
+        out = layers(x, cos, sin, taps)
+        return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
+
+    def _causal_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       taps: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """causal_taps' pass over the right-padded batch x [B, S, d]: every layer, one causal SDPA each,
+        and the taps it asks for (the final norm's output as tap num_layers)."""
+        c, w = self.config, self.weights
         linear = torch.nn.functional.linear
         group = c.num_heads // c.num_kv_heads
-        x = w.embedding[tensor_on(padded, self.device)]  # [B, S, d]
         out = {-1: x} if -1 in taps else {}
         for layer_index, layer in enumerate(w.layers):
             q, k, v = (t.transpose(1, 2) for t in self._attention_inputs(layer, x, cos, sin, linear))  # [B, h, S, hd]
@@ -445,7 +465,7 @@ class LlamaTarget:
                 out[layer_index] = x
         if self.num_layers in taps:
             out[self.num_layers] = rms_norm(x, w.output_norm, c.rms_norm_eps)
-        return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
+        return out
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation
