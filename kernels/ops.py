@@ -42,19 +42,21 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
 
 
 def mla_cache_rows(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slots: torch.Tensor,
-                   cache_lens: torch.Tensor, lengths: torch.Tensor) -> None:
+                   cache_lens: torch.Tensor, lengths: torch.Tensor, rope=None) -> None:
     """In place: the latent rows [RMSNorm(c_kv) | k_pe] of B requests' T new tokens (kv [B*T, R + P],
     norm_weight [R]) into a layer's cache pool [slots, L + 1, R + P] at slots[b], rows
     cache_lens[b] + j; padding tokens (j >= lengths[b]) write the slot's spare row L (which of
-    them lands there last is unspecified: nothing reads it)."""
+    them lands there last is unspecified: nothing reads it). rope = (cos, sin, interleaved), float32
+    [B*T, P/2] tables: k_pe rotated as the rotary op would (the DSpark drafter's RoPE; K3 has none)."""
     args = (kv, norm_weight, cache, slots, cache_lens, lengths)
-    return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths)
+    return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths, rope)
 
 
-def mla_absorb_q(q: torch.Tensor, w_uk_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_absorb_q(q: torch.Tensor, w_uk_t: torch.Tensor, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated MLA's absorbed queries (docs/kimi-k3.md §3): q [M, H, nope + P] (q_b's output by head),
-    w_uk_t [H, R, nope] -> (q_latent [M, H, R] = W_UK_h^T q_nope_h, q_pe [M, H, P]), both contiguous."""
-    return select("mla_absorb_q", q, w_uk_t).fn(q, w_uk_t)
+    w_uk_t [H, R, nope] -> (q_latent [M, H, R] = W_UK_h^T q_nope_h, q_pe [M, H, P]), both contiguous.
+    rope = (cos, sin, interleaved), float32 [M, P/2] tables: q_pe rotated as the rotary op would."""
+    return select("mla_absorb_q", q, w_uk_t).fn(q, w_uk_t, rope)
 
 
 def mla_absorb_output(o_latent: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,11 @@ from dspark.drafters.dspark.model import DSparkModel
 from launch_counter import counting
 
 LAYERS = K3_TINY_DSPARK.num_layers
-# op calls per propose: two fused add + norms and one silu * up per layer, MLA's four ops over the cache,
-# the two rotaries (queries, keys), and the Markov head's greedy chain
+# op calls per propose: two fused add + norms and one silu * up per layer, MLA's four ops over the cache
+# (absorb_q rotates the queries' rope part, cache_rows the keys': no rotary op of their own), and the
+# Markov head's greedy chain
 PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LAYERS, "mla_absorb_q": LAYERS,
-              "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "rotary": 2 * LAYERS, "markov_greedy_draft": 1}
+              "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "markov_greedy_draft": 1}
 # the GEMMs between them: q_a, q_b, kv_a, o_proj, gate, up and down a layer, and the lm_head
 GEMMS = 7 * LAYERS + 1
 
@@ -44,7 +45,9 @@ def test_a_propose_launches_the_pinned_ops_and_no_layer_glue():
     assert dict(launches.ops) == PINNED_OPS, launches
     assert launches.glue["mm"] == GEMMS, launches
     assert not launches.syncs, f"the propose reads device values on the host: {launches}"
-    # No torch add or silu left between a layer's ops. The adds that remain: the eps of each unfused
-    # norm on the CPU (the first input norm and every q_a norm; F.rms_norm's one launch on the GPU), the
-    # block's positions and the cache counts.
+    # No torch add, silu or cat left between a layer's ops (the cache rows are kv_a's output as it is).
+    # The adds that remain: the eps of each unfused norm on the CPU (the first input norm and every q_a
+    # norm; F.rms_norm's one launch on the GPU), the block's positions and the cache counts; the cats that
+    # remain make the pass's mask, the previous tokens and the confidence head's input.
     assert "silu" not in launches.glue and launches.glue["add"] == (1 + LAYERS) + 2, launches
+    assert launches.glue["cat"] == 3, launches

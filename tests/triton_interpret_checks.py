@@ -264,6 +264,18 @@ def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.floa
     close(got[written][:, :R], want[written][:, :R].double(), "mla_cache_rows' normalised c_kv")
     if not torch.equal(got[written][:, R:], want[written][:, R:]):
         sys.exit("mla_cache_rows: k_pe differs from the reference")
+    for interleaved in (False, True):  # the drafter's RoPE in the same launch: k_pe rotated before it is stored
+        angles = torch.rand(B * T, P // 2, generator=gen) * 6.3
+        rope = (angles.cos() * 1.1, angles.sin() * 1.1, interleaved)  # a YaRN-like scale on both tables
+        want = cache.clone()
+        mla_ref.mla_cache_rows(kv, weight, 1e-6, want, slots, cache_lens, lengths, rope)
+        got = cache.to(device=device, dtype=dtype)
+        mla_triton.mla_cache_rows(kv.to(device, dtype), weight.to(device), 1e-6, got, slots.to(device),
+                                  cache_lens.to(device), lengths.to(device), tuple(r.to(device) for r in rope[:2]) + rope[2:])
+        got = got.cpu()
+        if not torch.equal(got.isnan(), want.isnan()):
+            sys.exit(f"mla_cache_rows with rope (interleaved={interleaved}): wrote other rows than the reference")
+        close(got[written][:, R:], want[written][:, R:].double(), f"mla_cache_rows' rotated k_pe (interleaved={interleaved})")
 
 
 def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:
@@ -280,6 +292,16 @@ def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32)
     close(out.cpu(), torch.einsum("mhk,hrk->mhr", q[:, :, :nope].double(), w_uk_t.double()), "mla_absorb_q")
     if not torch.equal(pe.cpu(), q[:, :, nope:].to(dtype)):
         sys.exit("mla_absorb_q: q_pe is not the rope columns")
+    from dspark.kernels.mla import reference as mla_ref
+
+    for interleaved in (False, True):  # the drafter's RoPE in absorb_q's copy of q_pe
+        angles = torch.rand(M, P // 2, generator=gen) * 6.3
+        rope = (angles.cos(), angles.sin(), interleaved)
+        pe = torch.full((M, H, P), float("nan"), dtype=dtype, device=device)
+        mla_triton.mla_absorb_q(q.to(device, dtype), w_uk_t.to(device, dtype), tuple(r.to(device) for r in rope[:2])
+                                + rope[2:], pe=pe)
+        _, want = mla_ref.mla_absorb_q(q.double(), w_uk_t.double(), rope)
+        close(pe.cpu(), want, f"mla_absorb_q's rotated q_pe (interleaved={interleaved})")
     o_latent = torch.randn(M, H, R, generator=gen)
     w_uv = torch.randn(H, V, R, generator=gen) * R**-0.5
     gate = (torch.randn(M, H * V + 8, generator=gen) * 2)[:, 4 : 4 + H * V]

@@ -320,20 +320,21 @@ class MLAAttention(BlockAttention):
         B, A, G = x.shape[:3]
         H, r, M = self.num_heads, self.kv_lora_rank, x.shape[0] * x.shape[2]
         w_uk_t, w_uv = self._absorbed_weights()
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(M, H, self.nope + self.rope_dim)
-        q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype))  # [M, H, r], [M, H, rope]
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope_dim], dim=-1)
+        # RoPE in the ops' launches: q_pe as absorb_q copies it out, k_pe as cache_rows stores it
+        rope = None
         if self.rotary is not None:
-            q_pe = self.rotary(q_pe.view(B, A, G, H, self.rope_dim), positions, shared.rope).view(M, H, self.rope_dim)
-            k_pe = self.rotary(k_pe.unsqueeze(-2), positions, shared.rope).squeeze(-2)
+            cos, sin = shared.rope  # [B, A, G, 1, rope / 2]: one row per block token
+            rope = (cos.reshape(M, -1), sin.reshape(M, -1), self.rotary.interleaved)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(M, H, self.nope + self.rope_dim)
+        q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype), rope)  # [M, H, r], [M, H, rope]
         queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
         block_rows, ends, ones = shared.cache_counts(context.lengths, G)
         if x.is_cuda and registry.select("mla_verify_attention", *queries, context.cache, context.index, ends,
                                          ones).reads_device_values:
             return None
-        rows = torch.cat([latent, k_pe], dim=-1).reshape(M, self.row_width).to(context.cache.dtype)
+        rows = self.kv_a_proj_with_mqa(x).reshape(M, self.row_width).to(context.cache.dtype)  # [c_kv | k_pe]
         ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache, context.index,
-                           context.lengths, block_rows)
+                           context.lengths, block_rows, rope)
         o_latent = ops.mla_verify_attention(*queries, context.cache, context.index, ends, ones, self.scale)
         out = ops.linear_heads(o_latent.view(M, H, r), w_uv.to(o_latent.dtype))  # [M, H, v]
         return self.o_proj(out.reshape(B, A, G, H * self.v_dim).to(x.dtype))

@@ -61,13 +61,35 @@ def check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths) -> int:
     return kv.shape[0] // B
 
 
+def check_rope(rope, rows: int, width: int) -> None:
+    """rope = (cos, sin, interleaved): float32 tables [rows, width / 2], one row per token."""
+    cos, sin, interleaved = rope
+    for name, table in (("cos", cos), ("sin", sin)):
+        if tuple(table.shape) != (rows, width // 2) or table.dtype != torch.float32 or width % 2:
+            raise ValueError(f"rope: {name} must be float32 [{rows}, {width // 2}] for a rope part of {width}, got "
+                             f"{table.dtype} {tuple(table.shape)}")
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"rope: interleaved must be a bool, got {interleaved!r}")
+
+
+def rotated(pe: torch.Tensor, rope) -> torch.Tensor:
+    """pe [M, H, P] (or [M, P], one head) rotated by the rotary op with rope's per-token tables."""
+    cos, sin, interleaved = rope
+    heads = pe.unsqueeze(1) if pe.dim() == 2 else pe
+    return ops.rotary(heads, cos[:, None], sin[:, None], interleaved).reshape(pe.shape)
+
+
 @register("mla_cache_rows", "reference", priority=0)
-def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths) -> None:
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None) -> None:
     """The rows in one scatter with no host read of the lengths: the spare row L of each slot (never
-    read) takes the padding tokens' rows."""
+    read) takes the padding tokens' rows; k_pe rotated first with rope."""
     T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths)
     B, R = slots.shape[0], norm_weight.shape[0]
-    rows = torch.cat([rms_norm(kv[:, :R], norm_weight, eps), kv[:, R:]], dim=-1).view(B, T, -1)
+    k_pe = kv[:, R:]
+    if rope is not None:
+        check_rope(rope, kv.shape[0], k_pe.shape[1])
+        k_pe = rotated(k_pe, rope)
+    rows = torch.cat([rms_norm(kv[:, :R], norm_weight, eps), k_pe], dim=-1).view(B, T, -1)
     spare = cache.shape[1] - 1
     offsets = torch.arange(T, device=kv.device)
     valid = offsets[None, :] < lengths[:, None]
@@ -82,11 +104,14 @@ def check_absorb_q(q, w_uk_t) -> None:
 
 
 @register("mla_absorb_q", "reference", priority=0)
-def mla_absorb_q(q, w_uk_t):
-    """linear_heads on the nope part, the rope part copied out."""
+def mla_absorb_q(q, w_uk_t, rope=None):
+    """linear_heads on the nope part, the rope part copied out (rotated with rope)."""
     check_absorb_q(q, w_uk_t)
     nope = w_uk_t.shape[2]
-    return ops.linear_heads(q[:, :, :nope], w_uk_t), q[:, :, nope:].contiguous()
+    if rope is None:
+        return ops.linear_heads(q[:, :, :nope], w_uk_t), q[:, :, nope:].contiguous()
+    check_rope(rope, q.shape[0], q.shape[2] - nope)
+    return ops.linear_heads(q[:, :, :nope], w_uk_t), rotated(q[:, :, nope:], rope)
 
 
 def check_absorb_output(o_latent, w_uv, gate) -> None:

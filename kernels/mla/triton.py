@@ -15,19 +15,33 @@ import torch
 
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
-from .reference import check_absorb_output, check_absorb_q, check_cache_rows
+from .reference import check_absorb_output, check_absorb_q, check_cache_rows, check_rope
 
 MAX_WIDTH = 4096  # R and P each live in one program's registers
 
 
-def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths) -> None:
+def _rope_args(rope, rows: int, width: int, unused: torch.Tensor) -> tuple:
+    """(cos, sin, row stride) and the constexprs ROPE, INTERLEAVED of a kernel call; without rope the
+    pointers are `unused` (never read: the ROPE branch is compiled out)."""
+    if rope is None:
+        return (unused, unused, 0), {"ROPE": False, "INTERLEAVED": False}
+    check_rope(rope, rows, width)
+    cos, sin, interleaved = rope
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"rope: cos and sin need the same strides with contiguous rows, got {cos.stride()} and "
+                         f"{sin.stride()}")
+    return (cos, sin, cos.stride(0)), {"ROPE": True, "INTERLEAVED": interleaved}
+
+
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None) -> None:
     T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths)
     R, P = norm_weight.shape[0], kv.shape[1] - norm_weight.shape[0]
+    rope_args, rope_flags = _rope_args(rope, kv.shape[0], P, kv)
     if kv.shape[0]:
         kernel_module(__package__).cache_rows_kernel[(kv.shape[0],)](
             kv, kv.stride(0), norm_weight, cache, cache.stride(0), cache.stride(1), slots, cache_lens, lengths,
-            T, R, P, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
-            BLOCK_P=1 << (P - 1).bit_length(), **pdl_options(), num_warps=4)
+            *rope_args, T, R, P, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
+            BLOCK_P=1 << (P - 1).bit_length(), **rope_flags, **pdl_options(), num_warps=4)
 
 
 def supports(kv, norm_weight, cache, slots, cache_lens, lengths) -> bool:
@@ -47,30 +61,32 @@ ABSORB_MAX_ROWS = 64  # all of a step's rows in one tile (B x T <= 8 x 8)
 ABSORB_MAX_HEADS = 16
 
 
-def _absorb(x, w, out, K, gate=None, pe=None) -> None:
+def _absorb(x, w, out, K, gate=None, pe=None, rope=None) -> None:
     """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K] contiguous), gated by
-    gate [M, H*N] when given; pe: the rope columns x[:, :, K:] copied there when given."""
+    gate [M, H*N] when given; pe: the rope columns x[:, :, K:] copied there when given, rotated by
+    rope's tables when that is given too."""
     M, H = x.shape[0], x.shape[1]
     N = w.shape[1]
     P = x.shape[2] - K
     gate_args = (gate, gate.stride(0)) if gate is not None else (out, 0)
     pe_args = (pe, pe.stride(0), pe.stride(1)) if pe is not None else (out, 0, 0)
+    rope_args, rope_flags = _rope_args(rope, M, P, x)
     if M:
         kernel_module(__package__).absorb_kernel[(H, -(-N // ABSORB_BLOCK_N))](
-            x, x.stride(0), x.stride(1), w, out, out.stride(0), N, *gate_args, *pe_args, M, N, K, P,
-            HAS_GATE=gate is not None, COPY_PE=pe is not None, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
+            x, x.stride(0), x.stride(1), w, out, out.stride(0), N, *gate_args, *pe_args, *rope_args, M, N, K, P,
+            HAS_GATE=gate is not None, COPY_PE=pe is not None, **rope_flags, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
             BLOCK_N=ABSORB_BLOCK_N, BLOCK_K=ABSORB_BLOCK_K, BLOCK_P=max(16, 1 << max(P - 1, 0).bit_length()),
             **pdl_options(), num_warps=4)
 
 
-def mla_absorb_q(q, w_uk_t, out=None, pe=None):
+def mla_absorb_q(q, w_uk_t, rope=None, out=None, pe=None):
     """out / pe: optional contiguous [M, H, R] / [M, H, P] buffers (tests poison them first)."""
     check_absorb_q(q, w_uk_t)
     M, H, width = q.shape
     R, nope = w_uk_t.shape[1], w_uk_t.shape[2]
     out = torch.empty(M, H, R, dtype=q.dtype, device=q.device) if out is None else out
     pe = torch.empty(M, H, width - nope, dtype=q.dtype, device=q.device) if pe is None else pe
-    _absorb(q, w_uk_t, out, nope, pe=pe)
+    _absorb(q, w_uk_t, out, nope, pe=pe, rope=rope)
     return out, pe
 
 

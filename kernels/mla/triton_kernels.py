@@ -7,11 +7,13 @@ from ..triton_pdl import prologue
 
 @triton.jit
 def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_row, slots_ptr, cache_lens_ptr,
-                      lengths_ptr, T, R, P, spare, eps, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                      PDL: tl.constexpr):
+                      lengths_ptr, cos_ptr, sin_ptr, stride_rope, T, R, P, spare, eps, BLOCK_R: tl.constexpr,
+                      BLOCK_P: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
     """One program per token (b, j): RMSNorm of its c_kv (rms_norm_kernel's rounding: the
-    normalised row and the weighted one each rounded to kv's dtype) and its raw k_pe, stored at
-    row cache_lens[b] + j of slot slots[b], or at the spare row for a padding token."""
+    normalised row and the weighted one each rounded to kv's dtype) and its k_pe, raw or (ROPE)
+    rotated by its row of the cos / sin tables (the rotary op's pairs: (2i, 2i + 1) INTERLEAVED, else
+    (i, i + P/2); fp32, rounded to kv's dtype), stored at row cache_lens[b] + j of slot slots[b], or
+    at the spare row for a padding token."""
     prologue(PDL)
     token = tl.program_id(0)
     b = token // T
@@ -26,21 +28,37 @@ def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_r
     y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(dtype).to(tl.float32)
     tl.store(row + offs, (w * y).to(dtype).to(cache_ptr.dtype.element_ty), mask=inside)
-    pe = tl.arange(0, BLOCK_P)
-    pe_inside = pe < P
-    k_pe = tl.load(kv_ptr + token * stride_kv + R + pe, mask=pe_inside, other=0.0)
-    tl.store(row + R + pe, k_pe.to(cache_ptr.dtype.element_ty), mask=pe_inside)
+    if ROPE:
+        pairs = tl.arange(0, BLOCK_P // 2)
+        keep = pairs < P // 2
+        if INTERLEAVED:
+            first, second = 2 * pairs, 2 * pairs + 1
+        else:
+            first, second = pairs, pairs + P // 2
+        a = tl.load(kv_ptr + token * stride_kv + R + first, mask=keep, other=0.0).to(tl.float32)
+        b = tl.load(kv_ptr + token * stride_kv + R + second, mask=keep, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + token * stride_rope + pairs, mask=keep, other=0.0)
+        s = tl.load(sin_ptr + token * stride_rope + pairs, mask=keep, other=0.0)
+        out = cache_ptr.dtype.element_ty
+        tl.store(row + R + first, (a * c - b * s).to(dtype).to(out), mask=keep)
+        tl.store(row + R + second, (a * s + b * c).to(dtype).to(out), mask=keep)
+    else:
+        pe = tl.arange(0, BLOCK_P)
+        pe_inside = pe < P
+        k_pe = tl.load(kv_ptr + token * stride_kv + R + pe, mask=pe_inside, other=0.0)
+        tl.store(row + R + pe, k_pe.to(cache_ptr.dtype.element_ty), mask=pe_inside)
 
 
 @triton.jit
 def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride_oh, gate_ptr, stride_gm, pe_ptr,
-                  stride_pm, stride_ph, M, N, K, P, HAS_GATE: tl.constexpr, COPY_PE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                  PDL: tl.constexpr):
+                  stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P, HAS_GATE: tl.constexpr,
+                  COPY_PE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Program (h, nb): out[:, h, nb-th 64 columns] = x[:, h, :K] . w[h, those rows, :]^T over all M
     rows (fp32 accumulation, rounded to out's dtype, as a GEMM does); with HAS_GATE the result
     times sigmoid(gate) in fp32, rounded again (sigmoid_gate_kernel's arithmetic); with COPY_PE
-    program (h, 0) also copies x[:, h, K:K + P] to pe[:, h, :]."""
+    program (h, 0) also copies x[:, h, K:K + P] to pe[:, h, :], rotated with ROPE by each row's cos /
+    sin tables as cache_rows_kernel rotates k_pe."""
     prologue(PDL)
     h = tl.program_id(0)
     nb = tl.program_id(1)
@@ -64,7 +82,22 @@ def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride
     tl.store(out_ptr + rows[:, None] * stride_om + h * stride_oh + cols[None, :], y, mask=keep)
     if COPY_PE:
         if nb == 0:
-            ps = tl.arange(0, BLOCK_P)
-            pe_keep = row_in & (ps[None, :] < P)
-            v = tl.load(x_ptr + rows[:, None] * stride_xm + h * stride_xh + K + ps[None, :], mask=pe_keep, other=0.0)
-            tl.store(pe_ptr + rows[:, None] * stride_pm + h * stride_ph + ps[None, :], v, mask=pe_keep)
+            source = x_ptr + rows[:, None] * stride_xm + h * stride_xh + K
+            target = pe_ptr + rows[:, None] * stride_pm + h * stride_ph
+            if ROPE:
+                pairs = tl.arange(0, BLOCK_P // 2)[None, :]
+                pair_keep = row_in & (pairs < P // 2)  # (a runtime branch: no name of the outer scope reshaped)
+                if INTERLEAVED:
+                    first, second = 2 * pairs, 2 * pairs + 1
+                else:
+                    first, second = pairs, pairs + P // 2
+                a = tl.load(source + first, mask=pair_keep, other=0.0).to(tl.float32)
+                b = tl.load(source + second, mask=pair_keep, other=0.0).to(tl.float32)
+                c = tl.load(cos_ptr + rows[:, None] * stride_rope + pairs, mask=pair_keep, other=0.0)
+                s = tl.load(sin_ptr + rows[:, None] * stride_rope + pairs, mask=pair_keep, other=0.0)
+                tl.store(target + first, (a * c - b * s).to(dtype), mask=pair_keep)
+                tl.store(target + second, (a * s + b * c).to(dtype), mask=pair_keep)
+            else:
+                ps = tl.arange(0, BLOCK_P)
+                pe_keep = row_in & (ps[None, :] < P)
+                tl.store(target + ps[None, :], tl.load(source + ps[None, :], mask=pe_keep, other=0.0), mask=pe_keep)
