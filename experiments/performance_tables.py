@@ -491,8 +491,19 @@ def drafter_note(r: Result) -> str:
     if not plain:
         return trained + "."
     names = {"dspark": "DSpark", "dflash_ablation": "ablation", "ngram": "n-gram"}
-    rates = ", ".join(f"{names.get(k, k)} {v:.1f} ({times(ratio(v, plain))})" for k, v in speed.items() if k != "plain")
-    return f"{trained}. Batch-1 tokens/s in the engine: plain decoding {plain:.1f}, {rates}."
+    detail = d.get("batch1_speed") or {}
+
+    def rate(name: str, value: float) -> str:
+        step = detail.get(name)
+        split = f", {step['tokens_per_step']:.2f} tokens a step of {step['ms_per_step']:.1f} ms" if step else ""
+        return f"{names.get(name, name)} {value:.1f} ({times(ratio(value, plain))}{split})"
+
+    rates = ", ".join(rate(k, v) for k, v in speed.items() if k != "plain")
+    note = (f"{trained}. Batch-1 tokens/s in the engine: plain decoding {plain:.1f}, {rates}.")
+    if not detail:  # measured before batch1_speed: eager DSpark drafts, each drafter's first request timed
+        note += (" These tokens/s were measured with eager DSpark drafts and each drafter's first request in the "
+                 "timing, so they do not judge the drafter (experiments/notes/smollm2.md, Round 11).")
+    return note
 
 
 def drafter_sections(results: list[Result]) -> list[str]:

@@ -215,6 +215,17 @@ def test_the_drafter_table_gives_acceptance_with_its_intervals(tmp_path):
     assert "1,000 training steps each" in text
 
 
+def test_the_drafter_note_splits_tokens_per_second_where_the_run_recorded_steps(tmp_path):
+    result = smollm2()
+    write(tmp_path, "h200/smollm2_dspark.json", result)
+    assert "do not judge the drafter" in render(tmp_path)  # no batch1_speed: the old measurement, caveated
+    result["batch1_speed"] = {"plain": {"tokens_per_step": 1.0, "ms_per_step": 22.7},
+                              "dspark": {"tokens_per_step": 3.41, "ms_per_step": 81.2}}
+    write(tmp_path, "h200/smollm2_dspark.json", result)
+    text = render(tmp_path)
+    assert "DSpark 42.0 (0.95x, 3.41 tokens a step of 81.2 ms)" in text and "do not judge" not in text
+
+
 def test_the_drafter_note_names_the_schedule_a_run_stopped_early_in(tmp_path):
     result = smollm2()
     result["settings"].update(steps=10000, stop_at=8909)
