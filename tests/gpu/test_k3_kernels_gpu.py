@@ -173,8 +173,8 @@ def test_mla_absorptions_at_the_rank_heads(gen, rows):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_the_drafters_rope_inside_absorb_q_and_cache_rows(gen, interleaved):
     """The DSpark drafter's RoPE done in MLA's absorb and cache-row launches (its TP16 share: 4 heads,
-    7 block rows), bf16, against the reference ops (the rotary op's formula): q_pe and k_pe within
-    one bf16 rounding (the kernels' fp32 products may fuse into FMAs), the outputs poisoned first."""
+    7 block rows), bf16, against the reference ops on float64 inputs (the rotary op's formula, unrounded):
+    q_pe and k_pe within their one bf16 rounding, the outputs poisoned first."""
     from dspark.kernels.mla import reference as mla_ref
     from dspark.kernels.mla import triton as mla_triton
 
@@ -185,12 +185,12 @@ def test_the_drafters_rope_inside_absorb_q_and_cache_rows(gen, interleaved):
     w_uk_t = (torch.randn(H, R, nope, device="cuda", generator=gen) / nope**0.5).bfloat16()
     pe = torch.full((M, H, P), float("nan"), dtype=torch.bfloat16, device="cuda")
     mla_triton.mla_absorb_q(q, w_uk_t, rope, pe=pe)
-    _close(pe, mla_ref.mla_absorb_q(q, w_uk_t, rope)[1], "absorb_q's rotated q_pe", roundings=1)
+    _close(pe, mla_ref.mla_absorb_q(q.double(), w_uk_t.double(), rope)[1], "absorb_q's rotated q_pe", exact=True)
     kv = (torch.randn(M, R + P, device="cuda", generator=gen) * 2).bfloat16()
     weight = (torch.rand(R, device="cuda", generator=gen) + 0.5).bfloat16()
     slots, cache_lens, lengths = (torch.tensor([v], device="cuda") for v in (1, 20, M))
     pool = torch.full((3, L + 1, R + P), float("nan"), dtype=torch.bfloat16, device="cuda")
-    want = pool.clone()
-    mla_ref.mla_cache_rows(kv, weight, 1e-6, want, slots, cache_lens, lengths, rope)
+    want = pool.double()
+    mla_ref.mla_cache_rows(kv.double(), weight.double(), 1e-6, want, slots, cache_lens, lengths, rope)
     mla_triton.mla_cache_rows(kv, weight, 1e-6, pool, slots, cache_lens, lengths, rope)
-    _close(pool[1, 20 : 20 + M, R:], want[1, 20 : 20 + M, R:], "cache_rows' rotated k_pe", roundings=1)
+    _close(pool[1, 20 : 20 + M, R:], want[1, 20 : 20 + M, R:], "cache_rows' rotated k_pe", exact=True)

@@ -168,12 +168,19 @@ def test_the_drafters_add_rms_norm_and_silu_mul_match_their_torch_ops(gen, shape
     out, total = norm_triton.add_rms_norm(residual, delta, weight, 1e-6, out=_poisoned(residual),
                                           total=_poisoned(residual))
     assert torch.equal(total, residual + delta)
-    _close(out, F.rms_norm(residual + delta, weight.shape, weight, 1e-6), "add_rms_norm against F.rms_norm", roundings=1)
+    # both round one fp32 value once: at most one ulp apart wherever their fp32 sums differ in order
+    torch_norm = F.rms_norm(residual + delta, weight.shape, weight, 1e-6)
+    apart = (out.float() - torch_norm.float()).abs()
+    assert torch.isfinite(out).all() and (apart <= _bf16_ulp(torch_norm) + 1e-3).all(), \
+        f"add_rms_norm against F.rms_norm: {apart.max().item():.3e} apart"
     want, _ = norm_ref.add_rms_norm(residual.double(), delta.double(), weight.double(), 1e-6)
     _close(out, want, "add_rms_norm against float64", roundings=1)
     assert registry.select("add_rms_norm", residual, delta, weight).name == "triton"
-    gate, up = ((torch.randn(*shape[:-1], 3 * shape[-1], device="cuda", generator=gen) * 4).bfloat16() for _ in range(2))
+    gate, up = (torch.randn(*shape[:-1], 3 * shape[-1], device="cuda", generator=gen).bfloat16() for _ in range(2))
     got = act_triton.silu_mul(gate, up, out=_poisoned(gate))
-    _close(got, F.silu(gate) * up, "silu_mul against torch's two ops")
+    torch_act = F.silu(gate) * up  # two roundings each: at most an ulp apart at each
+    apart = (got.float() - torch_act.float()).abs()
+    assert torch.isfinite(got).all() and (apart <= 2 * _bf16_ulp(torch_act) + 1e-3).all(), \
+        f"silu_mul against torch's two ops: {apart.max().item():.3e} apart"
     _close(got, act_ref.silu_mul(gate.double(), up.double()), "silu_mul against float64")
     assert registry.select("silu_mul", gate, up).name == "triton"
