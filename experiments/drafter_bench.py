@@ -98,6 +98,7 @@ def main(argv=None) -> int:
         embed = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02
         model = DSparkModel(c, embed, lm_head).to(dtype)
+    model.pair_projections()  # as load_drafter serves it on a GPU
     result = {**provenance(), "settings": vars(args), "drafter": c.name, "bandwidth_GBps": bandwidth_gbps,
               "ceiling": ceiling, "rows": []}
     for context in args.contexts:

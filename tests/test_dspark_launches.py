@@ -18,8 +18,9 @@ LAYERS = K3_TINY_DSPARK.num_layers
 # Markov head's greedy chain
 PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LAYERS, "mla_absorb_q": LAYERS,
               "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "markov_greedy_draft": 1}
-# the GEMMs between them: q_a, q_b, kv_a, o_proj, gate, up and down a layer, and the lm_head
-GEMMS = 7 * LAYERS + 1
+# the GEMMs between them: q_a with kv_a, q_b, o_proj, gate with up, and down a layer (the pairs as one GEMM
+# each once pair_projections laid them out, as load_drafter does on a GPU), and the lm_head
+GEMMS = 5 * LAYERS + 1
 
 
 def propose_launches(dtype=torch.bfloat16):
@@ -27,6 +28,7 @@ def propose_launches(dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     table = torch.randn(config.vocab_size, config.hidden_size, generator=gen, dtype=dtype)
     model = DSparkModel(config, table, table * 0.1).to(dtype)
+    model.pair_projections()
     drafter = DSparkDrafter(model, 1, max_seq_len=64)
     context = 20
     drafter.start(0, torch.randint(0, config.vocab_size, (context,), generator=gen),

@@ -94,6 +94,47 @@ def test_a_pass_sharing_its_rope_tables_and_mask_equals_layers_making_their_own(
     assert torch.equal(shared, own)
 
 
+def test_paired_projections_keep_the_parameters_and_the_drafting_pass():
+    """pair_projections lays gate|up and q_a|kv_a out in one storage each: the state dict (names, values)
+    is unchanged, each pair reads as one weight, a drafting pass over the cache equals the unpaired one
+    to fp32 rounding (one GEMM where there were two), and a .to() that moves the weights undoes the
+    layout, the pass then taking two GEMMs again."""
+    from dspark.drafters.dspark.config import K3_TINY_DSPARK
+    from dspark.drafters.dspark.model import _one_weight
+
+    config = dataclasses.replace(K3_TINY_DSPARK, markov_rank=8).validate()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    table = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
+    model = DSparkModel(config, table, table * 0.1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = torch.randint(0, config.vocab_size, (24,), generator=gen)
+    taps = {layer: torch.randn(24, config.target_hidden_size, generator=gen) for layer in config.target_layer_ids}
+    anchor, greedy = torch.tensor([7]), [SamplingParams(temperature=0.0)]
+
+    def draft():
+        drafter = DSparkDrafter(model, 1, max_seq_len=64)
+        drafter.start(0, prompt, taps)
+        return drafter.draft([0], anchor, greedy, [None])
+
+    layer = model.layers[0]
+    assert _one_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is None  # as built: two GEMMs
+    want = draft()
+    model.pair_projections()
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
+    assert _one_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is not None
+    assert _one_weight(layer.self_attn.q_a_proj, layer.self_attn.kv_a_proj_with_mqa) is not None
+    got = draft()
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
+    model.double()
+    assert _one_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is None  # moved: two GEMMs again
+    assert torch.equal(draft().tokens, want.tokens)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_mla_latent_attention_equals_the_expanded_one(dtype):
     """The drafting pass's latent MLA attention (W_UK folded into the queries, W_UV after the sum)

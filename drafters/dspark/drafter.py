@@ -344,7 +344,8 @@ def shared_embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_drafter(path, target, *, draft_sample_method: str = "greedy", cuda_graphs: bool = False) -> DSparkDrafter:
     """A DSparkDrafter from a checkpoint directory, sharing the target's embedding and lm_head
-    (cuda_graphs: its greedy drafts and commits replay CUDA graphs, drafters/dspark/graphs.py)."""
+    (cuda_graphs: its greedy drafts and commits replay CUDA graphs, drafters/dspark/graphs.py). On a
+    GPU the model's projection pairs are laid out as one weight each (DSparkModel.pair_projections)."""
     from .checkpoint import load_checkpoint
 
     embed, lm_head = shared_embeddings(target)
@@ -355,5 +356,7 @@ def load_drafter(path, target, *, draft_sample_method: str = "greedy", cuda_grap
                                 ("target_num_layers", c.target_num_layers, target.num_layers)):
         if mine != theirs:
             raise ValueError(f"drafter {path}: DSparkConfig.{field}={mine} does not match the target's {theirs}")
+    if model.context_proj.weight.is_cuda:  # where launches cost: each projection pair as one GEMM
+        model.pair_projections()
     return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=draft_sample_method,
                          cuda_graphs=cuda_graphs)

@@ -248,6 +248,17 @@ def _product_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
+def _one_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
+    """The two projections' weights as one [N1 + N2, K] tensor without a copy, where they lie one after
+    the other in one storage (DSparkModel.pair_projections); None where they do not."""
+    a, b = first.weight, second.weight
+    if (a.dtype != b.dtype or a.device != b.device or a.shape[1:] != b.shape[1:] or not a.is_contiguous()
+            or not b.is_contiguous() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.storage_offset() != a.storage_offset() + a.numel()):
+        return None
+    return a.detach().as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+
+
 class MLAAttention(BlockAttention):
     """Multi-head latent attention as in the K3 drafter (DeepSeek-V3 MLA, no output gate).
 
@@ -325,14 +336,19 @@ class MLAAttention(BlockAttention):
         if self.rotary is not None:
             cos, sin = shared.rope  # [B, A, G, 1, rope / 2]: one row per block token
             rope = (cos.reshape(M, -1), sin.reshape(M, -1), self.rotary.interleaved)
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(M, H, self.nope + self.rope_dim)
+        paired = _one_weight(self.q_a_proj, self.kv_a_proj_with_mqa)  # both read x: one GEMM where laid out so
+        if paired is not None:
+            c_q, rows = F.linear(x, paired).split([self.q_a_proj.out_features, self.row_width], dim=-1)
+        else:
+            c_q, rows = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q = self.q_b_proj(self.q_a_layernorm(c_q)).reshape(M, H, self.nope + self.rope_dim)
         q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype), rope)  # [M, H, r], [M, H, rope]
         queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
         block_rows, ends, ones = shared.cache_counts(context.lengths, G)
         if x.is_cuda and registry.select("mla_verify_attention", *queries, context.cache, context.index, ends,
                                          ones).reads_device_values:
             return None
-        rows = self.kv_a_proj_with_mqa(x).reshape(M, self.row_width).to(context.cache.dtype)  # [c_kv | k_pe]
+        rows = rows.reshape(M, self.row_width).to(context.cache.dtype)  # [c_kv | k_pe], rows may be strided
         ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache, context.index,
                            context.lengths, block_rows, rope)
         o_latent = ops.mla_verify_attention(*queries, context.cache, context.index, ends, ones, self.scale)
@@ -408,9 +424,14 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def drafting(self, x):
-        """forward for a drafting pass (no gradients): silu and the product in one launch where the
-        two projections share a dtype (autocast's mixed ones keep the torch ops)."""
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        """forward for a drafting pass (no gradients): gate and up as one GEMM where their weights are
+        laid out one after the other (DSparkModel.pair_projections), silu and the product in one launch
+        where the two share a dtype (autocast's mixed ones keep the torch ops)."""
+        paired = _one_weight(self.gate_proj, self.up_proj)
+        if paired is not None:
+            gate, up = F.linear(x, paired).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(ops.silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up)
 
 
@@ -500,6 +521,23 @@ class DSparkModel(nn.Module):
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     own[name].copy_(tensor)
+
+    def pair_projections(self) -> None:
+        """Lay each layer's projection pairs that read one input (SwiGLU's gate and up, MLA's q_a and
+        kv_a) out one after the other in one storage, so that a drafting pass multiplies each pair as one
+        GEMM: two launches fewer a layer (docs/kernels.md §10.11). The parameters keep their names, values
+        and shapes, so checkpoints and exports do not change; a later .to() that moves them undoes the
+        layout and the pass falls back to two GEMMs. For a drafter that owns its model (load_drafter): a
+        model in training keeps its own layout."""
+        with torch.no_grad():
+            for layer in self.layers:
+                pairs = [(layer.mlp.gate_proj, layer.mlp.up_proj)]
+                if isinstance(layer.self_attn, MLAAttention):
+                    pairs.append((layer.self_attn.q_a_proj, layer.self_attn.kv_a_proj_with_mqa))
+                for first, second in pairs:
+                    if _one_weight(first, second) is None:
+                        both, rows = torch.cat([first.weight, second.weight]), first.weight.shape[0]
+                        first.weight.data, second.weight.data = both[:rows], both[rows:]
 
     def init_heads_like_deepspec(self) -> None:
         """The Markov and confidence heads at DeepSpec's start, N(0, 0.02) weights and zero biases
