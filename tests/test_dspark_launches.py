@@ -1,8 +1,10 @@
 """Launches of the DSpark drafter's greedy propose, counted on the CPU (tests/launch_counter.py) at a
 rank's share of the K3 drafter's layout (k3-tiny's sizes, rank_share over 2), pinned so that they cannot
-creep back. At a rank's share the propose is set by its launches, not its bytes
-(experiments/notes/rank.md): each residual add is done in the norm after it and SwiGLU's product in
-its activation's launch, so a layer has no torch add, silu or product between its ops and GEMMs.
+creep back. At a rank's share the propose is set by its launches, not its bytes (docs/kernels.md §10.11):
+each residual add is done in the norm after it, SwiGLU's product in its activation's launch and RoPE in
+MLA's absorb and cache-row ops, so a layer has no torch add, silu, product, rotation or cat between its
+ops and GEMMs; with its projection pairs laid out as one weight each (pair_projections, as load_drafter
+serves it on a GPU), gate|up and q_a|kv_a are one GEMM each.
 """
 import torch
 
