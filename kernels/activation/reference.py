@@ -1,5 +1,5 @@
 """SiTU-GLU and the sigmoid output gate as ops: the definitions (docs/kimi-k3.md §1.2, §2, §3),
-per row on the CPU (kernels/numerics.py)."""
+per row on the CPU (kernels/numerics.py); and the DSpark drafter's silu * up (docs/kernels.md §10.11)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,6 @@
-"""RMSNorm and Block AttnRes's mix as ops: the definitions (docs/kimi-k3.md §1.2, §7).
+"""RMSNorm and Block AttnRes's mix as ops: the definitions (docs/kimi-k3.md §1.2, §7); and the
+DSpark drafter's residual add + RMSNorm (docs/kernels.md §10.11), computed as the drafter's own norm is,
+not per row: a draft needs no token invariance, the target's verify does.
 
 Per row on the CPU (kernels/numerics.py), so a token's value does not depend on its batch.
 attn_res_mix_norm is the mix followed by the RMSNorm that always comes after it in K3 (the
