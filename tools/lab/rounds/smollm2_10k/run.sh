@@ -6,7 +6,8 @@
 #   bash tools/lab/rounds/smollm2_10k/run.sh COMMIT               # later calls: resume the run
 # VARIANTS (dspark or dflash_ablation) picks the drafter this session trains; FINISHED, the other's pack;
 # STOP_AT, the step of the 10,000-step schedule its training ends at (where the packed one stopped);
-# CACHE_GIB, the capture store's GiB (default auto: what the GPU holds; 1: a small store that fills in seconds).
+# CACHE_GIB, the capture store's GiB (default auto: what the GPU holds; 1: a small store that fills in seconds);
+# EXTRA_ARGS, more options of smollm2_dspark.py run (e.g. --compiled-capture).
 set -u
 R=$PWD
 source tools/lab/device_env.sh
@@ -54,7 +55,7 @@ fi
 timeout $((575 - SECONDS)) python3 experiments/smollm2_dspark.py run --gguf /tmp/smollm2/smollm2.gguf \
   --work-dir /tmp/smollm2/work --variants "${VARIANTS:-dspark}" "${extra[@]}" \
   --init-layers 25,26,27,28,29 --lr 1.2e-3 --steps 10000 ${STOP_AT:+--stop-at "$STOP_AT"} --eval-every 2500 \
-  --cache-gib "${CACHE_GIB:-auto}" \
+  --cache-gib "${CACHE_GIB:-auto}" ${EXTRA_ARGS:-} \
   --speed-prompts 2 --capture-file '' "${profile[@]}" --time-limit $((555 - SECONDS)) --out "$OUT/smollm2_dspark.json" > "$OUT/run.log" 2>&1
 echo "run rc $?"
 grep -E "capture store|step [0-9]+|held-out|phase" "$OUT/run.log" | tail -12
