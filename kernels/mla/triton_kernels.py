@@ -6,6 +6,25 @@ from ..triton_pdl import prologue
 
 
 @triton.jit
+def rotate_pairs(src, dst, cos, sin, pairs, keep, P, ROUND: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The rope columns at src (pointers to each row's first one) rotated into dst as the rotary op
+    rotates them: pair i of a row, (2i, 2i + 1) INTERLEAVED or else (i, i + P/2), by its row's cos[i] /
+    sin[i] (cos, sin: pointers to each row's tables), in fp32, rounded to ROUND, stored in dst's dtype.
+    pairs and keep: the pair indices and their mask, broadcast against the row pointers."""
+    if INTERLEAVED:
+        first, second = 2 * pairs, 2 * pairs + 1
+    else:
+        first, second = pairs, pairs + P // 2
+    a = tl.load(src + first, mask=keep, other=0.0).to(tl.float32)
+    b = tl.load(src + second, mask=keep, other=0.0).to(tl.float32)
+    c = tl.load(cos + pairs, mask=keep, other=0.0)
+    s = tl.load(sin + pairs, mask=keep, other=0.0)
+    out = dst.dtype.element_ty
+    tl.store(dst + first, (a * c - b * s).to(ROUND).to(out), mask=keep)
+    tl.store(dst + second, (a * s + b * c).to(ROUND).to(out), mask=keep)
+
+
+@triton.jit
 def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_row, slots_ptr, cache_lens_ptr,
                       lengths_ptr, cos_ptr, sin_ptr, stride_rope, T, R, P, spare, eps, BLOCK_R: tl.constexpr,
                       BLOCK_P: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
@@ -30,18 +49,8 @@ def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_r
     tl.store(row + offs, (w * y).to(dtype).to(cache_ptr.dtype.element_ty), mask=inside)
     if ROPE:
         pairs = tl.arange(0, BLOCK_P // 2)
-        keep = pairs < P // 2
-        if INTERLEAVED:
-            first, second = 2 * pairs, 2 * pairs + 1
-        else:
-            first, second = pairs, pairs + P // 2
-        a = tl.load(kv_ptr + token * stride_kv + R + first, mask=keep, other=0.0).to(tl.float32)
-        b = tl.load(kv_ptr + token * stride_kv + R + second, mask=keep, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + token * stride_rope + pairs, mask=keep, other=0.0)
-        s = tl.load(sin_ptr + token * stride_rope + pairs, mask=keep, other=0.0)
-        out = cache_ptr.dtype.element_ty
-        tl.store(row + R + first, (a * c - b * s).to(dtype).to(out), mask=keep)
-        tl.store(row + R + second, (a * s + b * c).to(dtype).to(out), mask=keep)
+        rotate_pairs(kv_ptr + token * stride_kv + R, row + R, cos_ptr + token * stride_rope,
+                     sin_ptr + token * stride_rope, pairs, pairs < P // 2, P, dtype, INTERLEAVED)
     else:
         pe = tl.arange(0, BLOCK_P)
         pe_inside = pe < P
@@ -86,17 +95,8 @@ def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride
             target = pe_ptr + rows[:, None] * stride_pm + h * stride_ph
             if ROPE:
                 pairs = tl.arange(0, BLOCK_P // 2)[None, :]
-                pair_keep = row_in & (pairs < P // 2)  # (a runtime branch: no name of the outer scope reshaped)
-                if INTERLEAVED:
-                    first, second = 2 * pairs, 2 * pairs + 1
-                else:
-                    first, second = pairs, pairs + P // 2
-                a = tl.load(source + first, mask=pair_keep, other=0.0).to(tl.float32)
-                b = tl.load(source + second, mask=pair_keep, other=0.0).to(tl.float32)
-                c = tl.load(cos_ptr + rows[:, None] * stride_rope + pairs, mask=pair_keep, other=0.0)
-                s = tl.load(sin_ptr + rows[:, None] * stride_rope + pairs, mask=pair_keep, other=0.0)
-                tl.store(target + first, (a * c - b * s).to(dtype), mask=pair_keep)
-                tl.store(target + second, (a * s + b * c).to(dtype), mask=pair_keep)
+                rotate_pairs(source, target, cos_ptr + rows[:, None] * stride_rope, sin_ptr + rows[:, None] * stride_rope,
+                             pairs, row_in & (pairs < P // 2), P, dtype, INTERLEAVED)
             else:
                 ps = tl.arange(0, BLOCK_P)
                 pe_keep = row_in & (ps[None, :] < P)
