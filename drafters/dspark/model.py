@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import ops, registry
+from dspark.kernels.rmsnorm.reference import rms_norm_scaled_in_fp32
 from dspark.kernels.rotary.reference import rotary as rotary_formula
 from dspark.policy import calibrated_confidence, temperature_tensor
 
@@ -38,13 +39,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype == self.weight.dtype:
             # torch's fused CUDA kernel, one launch for the same math (fp32 statistics and scale,
-            # one rounding at the end) where the torch ops below are nine launches: 21 norms in
-            # a K3 drafter's propose (experiments/notes/step.md). Mixed dtypes (autocast training)
-            # keep the ops below.
+            # one rounding at the end) where rms_norm_scaled_in_fp32's torch ops are nine launches:
+            # 21 norms in a K3 drafter's propose (experiments/notes/step.md). Mixed dtypes (autocast
+            # training) keep those ops.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return rms_norm_scaled_in_fp32(x, self.weight, self.eps)
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:

@@ -64,6 +64,12 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     and the weight's scale in fp32, one rounding at the end, as F.rms_norm computes it. This is the
     DSpark drafter's norm (drafters/dspark/model.py), not K3's rms_norm, which rounds before it scales."""
     total = residual + delta
-    xf = total.float()
+    return rms_norm_scaled_in_fp32(total, weight, eps), total
+
+
+def rms_norm_scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's RMSNorm (F.rms_norm): the statistics and the weight's scale in fp32, one rounding to x's
+    dtype. The drafter's RMSNorm where F.rms_norm does not serve (the CPU, mixed dtypes)."""
+    xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(total.dtype), total
+    return (normed * weight.float()).to(x.dtype)
