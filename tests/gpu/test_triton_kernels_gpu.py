@@ -175,7 +175,7 @@ def test_the_drafters_add_rms_norm_and_silu_mul_match_their_torch_ops(gen, shape
         f"add_rms_norm against F.rms_norm: {apart.max().item():.3e} apart"
     # the op normalises the bf16 sum it returns, so float64 starts from that sum, not from the exact one
     total_f64 = total.double()
-    want = total_f64 * torch.rsqrt(total_f64.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * weight.double()
+    want = (total_f64 * torch.rsqrt(total_f64.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * weight.double()).bfloat16()
     _close(out, want, "add_rms_norm against float64", roundings=1)
     assert registry.select("add_rms_norm", residual, delta, weight).name == "triton"
     gate, up = (torch.randn(*shape[:-1], 3 * shape[-1], device="cuda", generator=gen).bfloat16() for _ in range(2))
