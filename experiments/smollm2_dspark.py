@@ -1110,9 +1110,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the fast step's block attention: FlexAttention block-sparse (GPU) or SDPA with the dense mask")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                    help="torch.compile the fast step's pass over the blocks (a graph per bucketed shape)")
-    r.add_argument("--compiled-capture", action=argparse.BooleanOptionalAction, default=False,
-                   help="the target's capture of a batch (causal_taps) through torch.compile; off until "
-                        "smollm2_profile.py's capture_taps_compiled shows it pays")
+    r.add_argument("--compiled-capture", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                   help="the target's capture of a batch (causal_taps) through torch.compile (on a GPU by default: "
+                        "smollm2_profile.py's capture_taps_compiled against capture_taps, experiments/notes/smollm2.md)")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")

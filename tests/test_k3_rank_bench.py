@@ -97,7 +97,7 @@ def test_every_launch_is_classed_exactly_once_and_annotations_are_not_launches(b
 
 def test_the_slice_profile_counts_its_kernels_not_its_op_ranges(bench):
     """The k3-slice's 185 = 123 launches + 62 op ranges (one per op call that launched work,
-    experiments/results/h100/step_bench.json's top list)."""
+    a slice profile's top list)."""
     ranges = [device_event(f"dspark:{cls}", 1.0, annotation=True) for cls, n in
               (("trunk GEMMs", 29), ("experts", 3), ("routing", 3), ("norms/glue", 19), ("KDA", 6),
                ("attention", 1), ("sampling", 1)) for _ in range(n)]
