@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.cli import OneLineErrors
-from dspark.targets.llama import rms_norm, rotate_halves
+from dspark.targets.llama import rms_norm, rope_tables, rotate_halves
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))  # make_smollm2_data: a script beside this one
@@ -181,10 +181,7 @@ class BatchDecoder:
         self.logits = torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=self.device)
         self.row_ids = torch.arange(rows, device=self.device)
         self.span = torch.arange(width, device=self.device)
-        # RoPE tables as dspark.targets.llama builds them: angles in float64, then float32.
-        inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-        angles = torch.outer(torch.arange(width, dtype=torch.float64), inv_freq)
-        self.rope_cos, self.rope_sin = angles.cos().float().to(self.device), angles.sin().float().to(self.device)
+        self.rope_cos, self.rope_sin = rope_tables(c, width, self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None

@@ -206,6 +206,49 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rope_tables(config: LlamaConfig, positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [positions, head_dim / 2] in float32 of angle(p, i) = p * theta^(-2i/hd), computed in
+    float64 (theta from llama.rope.freq_base)."""
+    inv_freq = config.rope_theta ** (-torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def check_counts(name: str, counts, batch: int) -> list[int]:
+    values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    if len(values) != batch or not all(isinstance(v, int) for v in values):
+        raise ValueError(f"{name}={values}: need {batch} integers")
+    return values
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int, fed: torch.Tensor | None = None) -> torch.Tensor:
+    """ids in [0, vocab_size) wherever `fed` is set (everywhere by default); the error names the row
+    of a 2-D batch, e.g. tokens[3]."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if fed is not None:
+        bad &= fed
+    if bool(bad.any()):
+        place = tuple(int(i) for i in bad.nonzero()[0])
+        row = "".join(f"[{i}]" for i in place[:-1])
+        raise ValueError(f"{name}{row}: token {int(ids[place])} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_taps(tap_layers, num_layers: int) -> tuple[int, ...]:
+    taps = tuple(tap_layers)
+    for layer in taps:
+        if not isinstance(layer, int) or not -1 <= layer <= num_layers:
+            raise ValueError(f"tap_layers={taps}: layer {layer!r} outside [-1, {num_layers}]")
+    return taps
+
+
+def scatter_rows(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """[N, X] -> [batch, width, X] in one scatter; padding positions are zero and meaningless."""
+    out = flat.new_zeros(batch, width, flat.shape[-1])
+    out[request, column] = flat
+    return out
+
+
 ATTENTION_PATHS = ("per_query", "batched")
 
 
@@ -258,11 +301,7 @@ class LlamaTarget:
         cache_shape = (c.num_layers, max_slots, c.num_kv_heads, max_seq_len, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=torch.float32, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=torch.float32, device=self.device)
-        # RoPE tables (theta from llama.rope.freq_base): angle(p, i) = p * theta^(-2i/hd), in float64.
-        inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-        self.rope_cos = angles.cos().float().to(self.device)
-        self.rope_sin = angles.sin().float().to(self.device)
+        self.rope_cos, self.rope_sin = rope_tables(c, max_seq_len, self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
         # Committed tokens per slot; 0 = free. A free slot verifies against an empty prefix
@@ -283,8 +322,8 @@ class LlamaTarget:
                 raise ValueError(f"prompts[{r}]: must be a 1-D long tensor, got {getattr(prompt, 'shape', prompt)!r}")
             if not 1 <= len(prompt) <= self.max_seq_len:
                 raise ValueError(f"prompts[{r}] length={len(prompt)}: must be in [1, max_seq_len={self.max_seq_len}]")
-            self._check_token_ids(f"prompts[{r}]", prompt)
-        return prefill_in_chunks(self, slots, prompts, self._check_taps(tap_layers), self.prefill_chunk_tokens)
+            check_token_ids(f"prompts[{r}]", prompt, self.vocab_size)
+        return prefill_in_chunks(self, slots, prompts, check_taps(tap_layers, self.num_layers), self.prefill_chunk_tokens)
 
     def verify(self, slots, tokens, lengths, tap_layers=()) -> TargetOutput:
         slots = checked_slots(slots, self.max_slots)
@@ -292,10 +331,10 @@ class LlamaTarget:
             raise ValueError(f"tokens: must be a [B, T] long tensor, got {getattr(tokens, 'shape', tokens)!r}")
         if tokens.shape[0] != len(slots):
             raise ValueError(f"tokens.shape={tuple(tokens.shape)}: {len(slots)} slots need {len(slots)} rows")
-        lengths = self._check_counts("lengths", lengths, len(slots))
+        lengths = check_counts("lengths", lengths, len(slots))
         # One read of the device for the whole batch, not one per request.
         fed = torch.arange(tokens.shape[1], device=tokens.device) < torch.tensor(lengths, device=tokens.device)[:, None]
-        self._check_token_ids("tokens", tokens, fed)
+        check_token_ids("tokens", tokens, self.vocab_size, fed)
         rows, starts = [], []
         for r, (slot, n) in enumerate(zip(slots, lengths)):
             if not 1 <= n <= tokens.shape[1]:
@@ -308,14 +347,14 @@ class LlamaTarget:
             rows.append(tokens[r, :n])
             starts.append(self.cache_lengths[slot])
         # Logits and taps are [B, T, ...] whatever the lengths (dspark.protocols.Target.verify).
-        output = self._forward(slots, rows, starts, self._check_taps(tap_layers), width=tokens.shape[1])
+        output = self._forward(slots, rows, starts, check_taps(tap_layers, self.num_layers), width=tokens.shape[1])
         for slot, n in zip(slots, lengths):
             self.pending[slot] = n
         return output
 
     def commit(self, slots, num_tokens) -> None:
         slots = checked_slots(slots, self.max_slots)
-        num_tokens = self._check_counts("num_tokens", num_tokens, len(slots))
+        num_tokens = check_counts("num_tokens", num_tokens, len(slots))
         for r, (slot, n) in enumerate(zip(slots, num_tokens)):
             if self.pending[slot] is None:
                 raise ValueError(f"slots: slot {slot} has no verify to commit")
@@ -392,7 +431,7 @@ class LlamaTarget:
         logits = linear(final, w.output)
         width = width or max(counts)
         places = (request, column, len(counts), width)
-        return TargetOutput(logits=self._pad(logits, *places), taps={l: self._pad(t, *places) for l, t in flat_taps.items()})
+        return TargetOutput(logits=scatter_rows(logits, *places), taps={l: scatter_rows(t, *places) for l, t in flat_taps.items()})
 
     def _attention_inputs(self, layer: LlamaLayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -426,7 +465,7 @@ class LlamaTarget:
         and layer and left the capture host-bound (experiments/notes/smollm2.md, round 9). A row's
         value therefore depends on its batch's shape to float rounding (the kernels block by S), not
         bitwise."""
-        taps = self._check_taps(tap_layers)
+        taps = check_taps(tap_layers, self.num_layers)
         if not sequences or any(s.dim() != 1 or not 1 <= len(s) <= self.max_seq_len for s in sequences):
             raise ValueError(f"sequences: need 1-D token tensors of 1 to max_seq_len={self.max_seq_len} tokens")
         c, w = self.config, self.weights
@@ -434,7 +473,7 @@ class LlamaTarget:
         B, S = len(sequences), max(lengths)
         padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True).to(torch.long)
         fed = torch.arange(S) < torch.tensor(lengths)[:, None]
-        self._check_token_ids("sequences", padded, fed)  # where they are: the host, for a trainer
+        check_token_ids("sequences", padded, self.vocab_size, fed)  # where they are: the host, for a trainer
         fed = tensor_on(fed, self.device)[..., None]
         cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]: each column's position
         x = w.embedding[tensor_on(padded, self.device)]  # [B, S, d]
@@ -517,39 +556,6 @@ class LlamaTarget:
         out = torch.matmul(scores.softmax(dim=-1), values)  # [B, kv_heads, group * T, hd]
         out = out.view(B, c.num_kv_heads, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.num_heads * hd)
         return out[plan.request, plan.column]
-
-    @staticmethod
-    def _pad(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor, batch: int, width: int) -> torch.Tensor:
-        """[N, X] -> [batch, width, X] in one scatter; padding positions are zero and meaningless."""
-        out = flat.new_zeros(batch, width, flat.shape[-1])
-        out[request, column] = flat
-        return out
-
-    # ---- validation -------------------------------------------------------------------------
-    def _check_counts(self, name: str, counts, batch: int) -> list[int]:
-        values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-        if len(values) != batch or not all(isinstance(v, int) for v in values):
-            raise ValueError(f"{name}={values}: need {batch} integers")
-        return values
-
-    def _check_token_ids(self, name: str, ids: torch.Tensor, fed: torch.Tensor | None = None) -> torch.Tensor:
-        """ids in the vocabulary wherever `fed` is set (everywhere by default); the error names the
-        row of a 2-D batch, e.g. tokens[3]."""
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if fed is not None:
-            bad &= fed
-        if bool(bad.any()):
-            place = tuple(int(i) for i in bad.nonzero()[0])
-            row = "".join(f"[{i}]" for i in place[:-1])
-            raise ValueError(f"{name}{row}: token {int(ids[place])} outside the vocabulary [0, {self.vocab_size})")
-        return ids
-
-    def _check_taps(self, tap_layers) -> tuple[int, ...]:
-        taps = tuple(tap_layers)
-        for layer in taps:
-            if not isinstance(layer, int) or not -1 <= layer <= self.num_layers:
-                raise ValueError(f"tap_layers={taps}: layer {layer!r} outside [-1, {self.num_layers}]")
-        return taps
 
 
 def weights_to(weights: LlamaWeights, device: torch.device | str) -> LlamaWeights:
