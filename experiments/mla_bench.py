@@ -1,8 +1,9 @@
-"""Benchmark of the MLA verify attention (absorbed form, H = 96, R = 512, P = 64) on one GPU.
+"""Benchmark of the MLA verify attention (absorbed form, H = 96 or --heads, R = 512, P = 64) on one GPU.
 
 For T in {1, 4, 8, 16} verify tokens and contexts L in {1k, 8k, 32k}, B = 1:
 - ours: the CuTe DSL kernel (kernels/mla/cute_sm90.py on Hopper) with the default split-KV
-  heuristic, plus a sweep of split counts at every shape,
+  heuristic, plus a sweep of split counts at every shape (--heads 6: a TP16 rank's share of K3's
+  96 heads, where the grid is one row tile and the split combine is a few CTAs),
 - torch: what a user writes without a kernel: one request's T*H query rows as a bf16 matmul with
   the 576-wide cache rows, the bottom-right causal mask, softmax, bf16 matmul with the 512-wide
   c_kv (cuBLAS); and F.scaled_dot_product_attention on the same absorbed q/k/v where it runs,
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from benchlib import median_event_ms, provenance, time_calls, write_json
 
-HEADS, LATENT, ROPE = 96, 512, 64
+LATENT, ROPE = 512, 64
 # cute_sm90 variants (flags of mla_verify_into), each timed at the default split count
 VARIANTS = {
     "split_s+producer_wg": dict(qk_one_warpgroup=False, producer_warpgroup=True),
@@ -43,8 +44,8 @@ def matmul_peak(repeats: int) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def tflops(tokens: int, context: int, us: float) -> float:
-    return 2 * HEADS * tokens * context * (LATENT + ROPE + LATENT) / (us * 1e-6) / 1e12
+def tflops(heads: int, tokens: int, context: int, us: float) -> float:
+    return 2 * heads * tokens * context * (LATENT + ROPE + LATENT) / (us * 1e-6) / 1e12
 
 
 def copies_for(context: int) -> int:
@@ -52,10 +53,10 @@ def copies_for(context: int) -> int:
     return max(3, min(8, math.ceil(120e6 / cache_bytes)))
 
 
-def make_inputs(tokens: int, context: int):
+def make_inputs(heads: int, tokens: int, context: int):
     kv_cache = torch.randn(1, context, LATENT + ROPE, device="cuda").to(torch.bfloat16)
-    q_latent = torch.randn(1, tokens, HEADS, LATENT, device="cuda").to(torch.bfloat16)
-    q_pe = torch.randn(1, tokens, HEADS, ROPE, device="cuda").to(torch.bfloat16)
+    q_latent = torch.randn(1, tokens, heads, LATENT, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(1, tokens, heads, ROPE, device="cuda").to(torch.bfloat16)
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
     cache_lens = torch.tensor([context - tokens], dtype=torch.int64, device="cuda")
     lengths = torch.tensor([tokens], dtype=torch.int64, device="cuda")
@@ -64,13 +65,13 @@ def make_inputs(tokens: int, context: int):
 
 def torch_matmul_path(q_latent, q_pe, kv_cache, cache_len: int):
     """bf16 cuBLAS matmuls + fp32 softmax, the mask precomputed (what a user would write)."""
-    tokens = q_latent.shape[1]
+    tokens, heads = q_latent.shape[1], q_latent.shape[2]
     rows = kv_cache[0]  # [L, 576]
-    q = torch.cat([q_latent[0], q_pe[0]], dim=-1).reshape(tokens * HEADS, LATENT + ROPE)
+    q = torch.cat([q_latent[0], q_pe[0]], dim=-1).reshape(tokens * heads, LATENT + ROPE)
     keys = torch.arange(rows.shape[0], device=rows.device)
     visible = keys[None, :] < (cache_len + torch.arange(tokens, device=rows.device) + 1)[:, None]
     bias = torch.zeros(tokens, rows.shape[0], device=rows.device).masked_fill_(~visible, float("-inf"))
-    bias = bias.repeat_interleave(HEADS, dim=0)  # [T*H, L]
+    bias = bias.repeat_interleave(heads, dim=0)  # [T*H, L]
 
     def run():
         scores = torch.matmul(q, rows.t()).float() * SCALE + bias
@@ -81,11 +82,11 @@ def torch_matmul_path(q_latent, q_pe, kv_cache, cache_len: int):
 
 
 def torch_sdpa_path(q_latent, q_pe, kv_cache, cache_len: int):
-    tokens = q_latent.shape[1]
+    tokens, heads = q_latent.shape[1], q_latent.shape[2]
     rows = kv_cache[0]
     q = torch.cat([q_latent[0], q_pe[0]], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, T, 576]
-    k = rows.view(1, 1, -1, LATENT + ROPE).expand(1, HEADS, -1, -1)
-    v = rows[:, :LATENT].view(1, 1, -1, LATENT).expand(1, HEADS, -1, -1)
+    k = rows.view(1, 1, -1, LATENT + ROPE).expand(1, heads, -1, -1)
+    v = rows[:, :LATENT].view(1, 1, -1, LATENT).expand(1, heads, -1, -1)
     keys = torch.arange(rows.shape[0], device=rows.device)
     mask = keys[None, :] < (cache_len + torch.arange(tokens, device=rows.device) + 1)[:, None]
 
@@ -97,6 +98,7 @@ def torch_sdpa_path(q_latent, q_pe, kv_cache, cache_len: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--heads", type=int, default=96, help="query heads (96: K3's; 6: a TP16 rank's share)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--split-sweep", type=int, nargs="*", default=[1, 2, 4, 8, 11, 16, 22, 32, 44, 64])
@@ -106,6 +108,9 @@ def main(argv=None):
                         help="no_cluster: skip the cluster-pair variants (when their GPU test failed)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.heads < 1:
+        parser.error(f"--heads {args.heads}: must be >= 1")
+    heads = args.heads
 
     from dspark.kernels import cute_common
     from dspark.kernels.mla import cute_host as mla_common
@@ -124,6 +129,7 @@ def main(argv=None):
         "capability": list(capability),
         "arch": cute_common.target_arch(),
         "bf16_matmul_peak_tflops": round(peak, 1),
+        "heads": heads,
         "flop_formula": "2*H*T*L*(576+512)",
         "timing": "benchlib.time_calls graph_us (eager_us alongside)",
         "results": [],
@@ -136,15 +142,15 @@ def main(argv=None):
 
     for context in args.contexts:
         for tokens in args.tokens:
-            copies = [make_inputs(tokens, context) for _ in range(copies_for(context))]
+            copies = [make_inputs(heads, tokens, context) for _ in range(copies_for(context))]
             out = torch.empty_like(copies[0][0])
-            default_splits = mla_common.choose_splits(1, tokens, HEADS, context, num_sms)
-            entry = {"T": tokens, "L": context, "B": 1, "H": HEADS, "copies": len(copies),
+            default_splits = mla_common.choose_splits(1, tokens, heads, context, num_sms)
+            entry = {"T": tokens, "L": context, "B": 1, "H": heads, "copies": len(copies),
                      "default_splits": default_splits, "splits": {}, "variants": {}}
 
             def ours(splits, **variant):
                 partial_dtype = variant.pop("partial_dtype", getattr(kernel, "DEFAULT_PARTIAL_DTYPE", torch.float32))
-                partials = mla_common.workspace(1, tokens, HEADS, splits, "cuda", partial_dtype)
+                partials = mla_common.workspace(1, tokens, heads, splits, "cuda", partial_dtype)
                 return [lambda x=x: kernel.mla_verify_into(*x, SCALE, out, splits=splits, partials=partials, **variant)
                         for x in copies]
 
@@ -152,15 +158,15 @@ def main(argv=None):
                 if splits <= mla_common.MAX_SPLITS:
                     us, timed = measure(ours(splits))
                     entry["splits"][str(splits)] = {"us": round(us, 2), "eager_us": round(timed["eager_us"], 2),
-                                                    "tflops": round(tflops(tokens, context, us), 1)}
+                                                    "tflops": round(tflops(heads, tokens, context, us), 1)}
             if capability == (9, 0):  # every kernel variant at the default split count
                 for name, variant in VARIANTS.items():
                     if args.variants == "no_cluster" and variant.get("cluster_pairs"):
                         continue
                     print(f"  T={tokens} L={context} variant {name}", flush=True)  # where a hang would stop
                     us, _ = measure(ours(default_splits, **dict(variant)))
-                    entry["variants"][name] = {"us": round(us, 2), "tflops": round(tflops(tokens, context, us), 1),
-                                               "pct_peak": round(100 * tflops(tokens, context, us) / peak, 1)}
+                    entry["variants"][name] = {"us": round(us, 2), "tflops": round(tflops(heads, tokens, context, us), 1),
+                                               "pct_peak": round(100 * tflops(heads, tokens, context, us) / peak, 1)}
             best = min(entry["splits"].items(), key=lambda kv: kv[1]["us"])
             default = entry["splits"][str(default_splits)]
             entry.update(
@@ -172,7 +178,7 @@ def main(argv=None):
                 try:
                     us, _ = measure([builder(*x[:3], cache_len) for x in copies])
                     entry[f"{name}_us"] = round(us, 2)
-                    entry[f"{name}_tflops"] = round(tflops(tokens, context, us), 1)
+                    entry[f"{name}_tflops"] = round(tflops(heads, tokens, context, us), 1)
                 except Exception as error:  # noqa: BLE001 - a baseline that does not run is recorded as such
                     entry[f"{name}_error"] = repr(error)[:200]
             record["results"].append(entry)

@@ -31,6 +31,7 @@ SPLITS_CAP = 32
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64  # what a caller may force (benchmarks)
 COMBINE_THREADS = LATENT // 4  # four output columns per thread
+COMBINE_UNROLL = 8  # splits whose partials the combine loads before it waits (a power of 2 <= SPLITS_CAP)
 INDEX_DTYPES = (torch.int32, torch.int64)
 H200_SMS = 132
 

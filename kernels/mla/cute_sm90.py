@@ -51,7 +51,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .. import cute_common
 from ..cute_pipelines import deferred_pipeline
 from . import cute_host as mla_common
-from .cute_host import COMBINE_THREADS, HEAD_DIM, KV_TILE, LATENT, ROPE, ROWS_PER_TILE
+from .cute_host import COMBINE_THREADS, COMBINE_UNROLL, HEAD_DIM, KV_TILE, LATENT, ROPE, ROWS_PER_TILE
 
 K_BLOCK = 64  # 64 bf16 = 128 bytes: one 128B-swizzle row; 576 = 9 blocks (8 of c_kv, 1 of k_pe)
 LATENT_BLOCKS = LATENT // K_BLOCK
@@ -772,20 +772,23 @@ class MlaVerifySm90:
 @cute.kernel
 def combine_kernel(o_partial: cute.Tensor, lse_partial: cute.Tensor, lengths: cute.Tensor, out: cute.Tensor,
                    heads: cutlass.Constexpr):
-    """One CTA per (query row, request); thread t owns output columns 4t .. 4t+3."""
+    """One CTA per (query row, request); thread t owns output columns 4t .. 4t+3. The loops over the
+    splits are unrolled COMBINE_UNROLL deep so that many splits' loads are in flight at once: at a
+    rank's batch 1 the grid is only a few CTAs, and a loop that waits for each split's load in turn
+    costs a memory latency per split (docs/kernels.md §10.5)."""
     cute.arch.griddepcontrol_wait()  # the partials come from the attention kernel
     tidx, _, _ = cute.arch.thread_idx()
     row, b, _ = cute.arch.block_idx()
     splits = o_partial.shape[1]
     top = cutlass.Float32(-math.inf)
-    for s in cutlass.range(splits, unroll=1):
+    for s in cutlass.range(splits, unroll=COMBINE_UNROLL):
         top = cute.arch.fmax(top, lse_partial[b, s, row])
     acc = cute.make_rmem_tensor((4,), cutlass.Float32)
     acc.fill(0.0)
     total = cutlass.Float32(0.0)
     # a padding query (token >= lengths[b]) or a row that saw no key keeps zeros
     if row // heads < lengths[b].to(cutlass.Int32) and top != cutlass.Float32(-math.inf):
-        for s in cutlass.range(splits, unroll=1):
+        for s in cutlass.range(splits, unroll=COMBINE_UNROLL):
             # an empty split (or one whose keys this row cannot see) has lse = -inf: weight 0
             weight = cute.arch.exp2(lse_partial[b, s, row] - top)
             total += weight

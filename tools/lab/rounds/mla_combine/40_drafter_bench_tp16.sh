@@ -1,0 +1,2 @@
+# limit: 100
+python3 "$REPO/experiments/drafter_bench.py" --world 16 --contexts 8192 --out "$JOB_OUT/drafter_bench_tp16.json"
