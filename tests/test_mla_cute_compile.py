@@ -220,3 +220,25 @@ def test_the_rank_shapes_pass_every_check_but_the_device(batch, tokens):
             mla_common.check_arguments(q_latent, q_pe, slot_major, *index)
     splits = mla_common.choose_splits(batch, tokens, RANK_HEADS, 8192 + 16, mla_common.H200_SMS)
     assert batch * mla_common.row_tiles(tokens, RANK_HEADS) * splits <= mla_common.H200_SMS
+
+
+def combine_loop_loads(ptx: str) -> int:
+    """The most global loads in one basic block of the split combine's PTX: its unrolled loop body."""
+    start = next(i for i in range(len(ptx)) if ptx.startswith(".entry", i) and "combine" in ptx[i:i + 200])
+    body = ptx[start:ptx.index("\n}\n", start)]
+    blocks, count = [], 0
+    for line in body.splitlines():
+        if line.startswith("$L") or " bra" in line:
+            blocks.append(count)
+            count = 0
+        count += "ld.global" in line
+    return max(blocks + [count])
+
+
+@needs_cutlass
+def test_the_split_combine_keeps_several_splits_loads_in_flight():
+    # per split: its log-sum-exp and the thread's four partial columns; a loop left at one split a
+    # pass (unroll=1) holds 5 loads a block and pays one memory latency per split (docs/kernels.md §10.5)
+    ptx = cute_sm90.compile_mla_verify(RANK_HEADS, True, torch.int64, "sm_90a", extra_options=("--keep-ptx",)).__ptx__
+    assert combine_loop_loads(ptx) >= 5 * mla_common.COMBINE_UNROLL
+    assert combine_loop_loads(".entry kernel_combine(\n{\n$L1:\nld.global.b32 a;\nld.global.b32 b;\n@p bra $L1;\n}\n") == 2
