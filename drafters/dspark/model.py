@@ -181,9 +181,19 @@ class BlockPass:
         context_visible: the attention then runs block-sparse (training only)."""
         self.rope = rotary.tables(positions) if rotary is not None else None
         self.flex_mask = flex_mask
-        self.mask = _block_mask(context_visible, G) if flex_mask is None else None  # [B, A * G, S + A * G]
+        self._context_visible, self._G = context_visible, G
+        self._mask: torch.Tensor | None = None
         self._hidden_per_head: dict[int, torch.Tensor] = {}
         self._cache_counts: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[B, A * G, S + A * G] bool (None with a flex_mask), made when a layer first asks: a drafting
+        pass whose layers all attend over the cache in place never does, and its propose is spared the
+        mask's launches."""
+        if self._mask is None and self.flex_mask is None:
+            self._mask = _block_mask(self._context_visible, self._G)
+        return self._mask
 
     def cache_counts(self, lengths: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B] counts of a drafting pass over the cache in place, from the committed lengths (made
