@@ -497,6 +497,7 @@ SWITCHES = {
     "linear_hopper_rows": ("dspark.kernels.linear.cute_host", "HOPPER_MAX_TOKENS", {"16": 16, "64": 64}),
     "moe_pass2_splits": ("dspark.kernels.moe.cute_sm90", "PASS2_SPLITS",
                          {"1": 1, "2": 2, "3": 3, "4": 4, "auto": "auto"}),
+    "mix_reads_together": ("dspark.kernels.rmsnorm.triton", "MIX_READS_TOGETHER", {"0": False, "1": True}),
 }
 
 
@@ -514,7 +515,9 @@ def applied(setting: str):
     programmatic dependent launch (kernels/triton_common.py); `linear_hopper_rows=16|64` sends a step's
     GEMMs of 17-64 rows to cuBLAS or to the Hopper skinny GEMM's 32- and 64-row tiles;
     `moe_pass2_splits=1|2|3|4|auto` splits the MXFP4 expert kernel's second pass along K that many
-    ways (auto: kernels/moe/cute_sm90.py pass2_splits), the combine adding the splits."""
+    ways (auto: kernels/moe/cute_sm90.py pass2_splits), the combine adding the splits;
+    `mix_reads_together=0|1` has the AttnRes mix read its checkpoint rows one at a time or a group at a
+    time (kernels/rmsnorm/triton.py MIX_READS_TOGETHER)."""
     import importlib
 
     from dspark.kernels import registry

@@ -1,3 +1,5 @@
-# limit: 200
+# limit: 220
+# The rank at B = 1, 8k: the defaults (the combine unrolled), then the AttnRes mix reading its checkpoints in pairs.
 python3 "$REPO/experiments/step_bench.py" --target k3-rank --layers auto --batch 1 --context 8192 --tokens 1,8 \
-  --steps 10 --eager-steps 2 --out "$JOB_OUT/step_bench_rank.json" 2>&1 | grep -E "^B=|step_bench:|Error"
+  --steps 10 --eager-steps 2 --setting '' --setting mix_reads_together=1 \
+  --out "$JOB_OUT/step_bench_rank.json" 2>&1 | grep -E "^B=|step_bench:|Error"
