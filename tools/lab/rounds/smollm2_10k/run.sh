@@ -7,7 +7,8 @@
 # VARIANTS (dspark or dflash_ablation) picks the drafter this session trains; FINISHED, the other's pack;
 # STOP_AT, the step of the 10,000-step schedule its training ends at (where the packed one stopped);
 # CACHE_GIB, the capture store's GiB (default auto: what the GPU holds; 1: a small store that fills in seconds);
-# EXTRA_ARGS, more options of smollm2_dspark.py run (e.g. --compiled-capture).
+# EXTRA_ARGS, more options of smollm2_dspark.py run (e.g. --no-compiled-capture);
+# CHECKS=0, call A without the training path's GPU tests and the profile (when both ran at this commit).
 set -u
 R=$PWD
 source tools/lab/device_env.sh
@@ -23,7 +24,7 @@ if [ "$mode" != run ]; then
     if [ -d experiments/stage/pack ]; then cp experiments/stage/pack/* /tmp/smollm2/pack/ || exit 1; fi
     echo "pack parts kept: $(ls /tmp/smollm2/pack/drafters.safetensors.part* 2> /dev/null | wc -l)"; exit 0
   fi
-  if [ "$mode" = keep ] && [ ! -f /tmp/smollm2/.tested ]; then  # call A: the training path's GPU tests
+  if [ "$mode" = keep ] && [ ! -f /tmp/smollm2/.tested ] && [ "${CHECKS:-1}" = 1 ]; then  # call A: the training path's GPU tests
     (cd /tmp && timeout 150 python3 -m pytest "$R/tests/gpu/test_dspark_train_gpu.py" \
       "$R/tests/gpu/test_transfer_gpu.py" -q -p no:cacheprovider > "$OUT/gpu_tests_train.log" 2>&1
      echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests_train.log"); touch /tmp/smollm2/.tested
