@@ -56,17 +56,25 @@ def test_ngram_speculation_equals_plain_decoding(prompts, plain, k, batch):
     assert engine.metrics.num_drafts > 0
 
 
+STOP_MAX_TOKENS = 11  # not a multiple of k + 1 for k in {3, 7}: lands mid-block
+
+
+@pytest.fixture(scope="module")
+def stopped(prompts, plain):
+    """(eos, plain decoding that stops at it or at STOP_MAX_TOKENS): the reference of every k and batch."""
+    eos = plain[1].token_ids[7]  # a token inside request 1's continuation ends it mid-way
+    engine = Engine(_target(4), None, SpecConfig(num_speculative_tokens=0), eos_token_ids=(eos,))
+    return eos, engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STOP_MAX_TOKENS))
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_long_blocks_with_eos_and_max_tokens_inside_them(prompts, plain, k, batch):
-    eos = plain[1].token_ids[7]  # a token inside request 1's continuation ends it mid-way
-    max_tokens = 11  # not a multiple of k + 1 for k in {3, 7}: lands mid-block
-    ref_engine = Engine(_target(4), None, SpecConfig(num_speculative_tokens=0), eos_token_ids=(eos,))
-    ref = ref_engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+def test_long_blocks_with_eos_and_max_tokens_inside_them(prompts, plain, stopped, k, batch):
+    eos, ref = stopped
     scripts = {tuple(p): r.token_ids for p, r in zip(prompts, plain)}
     engine = Engine(_target(batch), ScriptedDrafter(scripts, 256, corrupt_every=6), SpecConfig(num_speculative_tokens=k),
                     eos_token_ids=(eos,))
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STOP_MAX_TOKENS))
     for o, r in zip(outs, ref):
         assert o.token_ids == r.token_ids and o.finish_reason == r.finish_reason, o.request_id
     assert any(o.finish_reason == "stop" for o in outs)
