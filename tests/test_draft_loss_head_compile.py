@@ -2,11 +2,8 @@
 their autotune lists: each must compile (TMA loads, wgmma) and keep its registers without
 spilling to local memory (a spilling config would only lose the autotuning, slowly; one that
 spills everywhere would make the op slow). Triton's bundled ptxas compiles; cuobjdump reads the
-stack frame, which is where spills go. The GPU runs another Triton version, so this checks the
+stack frame, which is where spills go (tests/cubin_usage.py). The GPU runs another Triton version, so this checks the
 kernels' shape, not the GPU's exact code."""
-import os
-import subprocess
-
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -14,11 +11,11 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from cubin_usage import MISSING, assert_no_spills, unavailable  # noqa: E402
 from dspark.kernels.draft_loss import head_kernels, head_triton  # noqa: E402
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-if head_kernels.INTERPRET or not os.path.exists(os.path.join(BIN, "cuobjdump")):
-    pytest.skip("needs Triton's NVIDIA backend tools (ptxas, cuobjdump) and no interpreter", allow_module_level=True)
+if head_kernels.INTERPRET or unavailable():
+    pytest.skip(MISSING, allow_module_level=True)
 
 
 def _signature(fn, block_m: int, block_v: int, target: str):
@@ -60,8 +57,4 @@ def test_compiles_for_sm90_without_spills(kernel, config, target, tmp_path):
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": config.num_warps, "num_stages": config.num_stages})
     assert "wgmma.mma_async" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
-                           text=True, check=True).stdout
-    assert " STACK:0 " in usage, usage
+    assert_no_spills(compiled, tmp_path)

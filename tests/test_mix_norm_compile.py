@@ -1,12 +1,8 @@
 """The AttnRes mix + RMSNorm kernel (kernels/rmsnorm/triton_kernels.py) compiled for Hopper (sm_90) on the
 CPU at K3's width and a layer's checkpoint counts, both ways of reading the checkpoints: each build must
-keep its registers without spilling to local memory. The one-load build (TOGETHER) holds every
-checkpoint row of the mix at once, so its register budget is what decides where it may be used
-(kernels/rmsnorm/triton.py TOGETHER_ELEMENTS). Triton's bundled ptxas compiles; cuobjdump reads the stack
-frame, where spills go."""
-import os
-import subprocess
-
+keep its registers without spilling to local memory (tests/cubin_usage.py). The grouped build (TOGETHER)
+holds a group of checkpoint rows at once, so its register budget is what sets the group's size
+(kernels/rmsnorm/triton.py GROUP_ELEMENTS)."""
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -14,13 +10,13 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from cubin_usage import MISSING, assert_no_spills, unavailable  # noqa: E402
 from dspark.kernels.rmsnorm import triton as norm_triton  # noqa: E402
 from dspark.kernels.rmsnorm import triton_kernels as norm_kernels  # noqa: E402
 from dspark.kernels.rmsnorm.triton import triton_block  # noqa: E402
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-if os.environ.get("TRITON_INTERPRET") == "1" or not os.path.exists(os.path.join(BIN, "cuobjdump")):
-    pytest.skip("needs Triton's NVIDIA backend tools (ptxas, cuobjdump) and no interpreter", allow_module_level=True)
+if unavailable():
+    pytest.skip(MISSING, allow_module_level=True)
 
 K3_WIDTH = 7168
 POINTERS = ("ckpt_ptr", "cur_ptr", "delta_ptr", "total_ptr", "mix_norm_ptr", "mix_proj_ptr", "out_norm_ptr", "out_ptr")
@@ -40,8 +36,4 @@ def test_the_mix_compiles_for_sm90_without_spills(num_checkpoints, together, tmp
     signature.update({name: "constexpr" for name in constexprs})
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
-                           text=True, check=True).stdout
-    assert " STACK:0 " in usage, usage
+    assert_no_spills(compiled, tmp_path)
