@@ -48,7 +48,7 @@ def main(seed: int) -> None:
     M, d = 4, 96
     # the checkpoint rows one at a time, or a group at a time: groups of 2 rows of 128 columns here, so 3
     # checkpoints make a full group and one with a padding row, 8 make four
-    norm_triton.GROUP_ELEMENTS = 2 * 128
+    group_elements, norm_triton.GROUP_ELEMENTS = norm_triton.GROUP_ELEMENTS, 2 * 128
     for num_checkpoints, together in ((0, False), (1, False), (3, False), (2, True), (3, True), (8, True)):
         norm_triton.MIX_READS_TOGETHER = together
         uses, group = norm_triton.reads_together(num_checkpoints, 128)
@@ -70,7 +70,7 @@ def main(seed: int) -> None:
             total=torch.full((M, d), float("nan")))
         close(got_total, want_total, f"add_attn_res_mix_norm's sum with {num_checkpoints} checkpoints")
         close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints, together={together}")
-    norm_triton.MIX_READS_TOGETHER = False
+    norm_triton.MIX_READS_TOGETHER, norm_triton.GROUP_ELEMENTS = False, group_elements
     rows, n = 3, 1500  # two column blocks, the second partial
     gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
     gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre

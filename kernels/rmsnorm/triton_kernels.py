@@ -81,8 +81,7 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
         tl.store(total_ptr + row * stride_t + offs, current, mask=mask)
         current = current.to(tl.float32)
     dot, square = tl.reduce((current * score_w, current * current), 0, _sum_pair)
-    current_score = dot * tl.rsqrt(square / d + eps)
-    best = current_score  # the largest score so far; current's weight is exp(0) = 1
+    best = dot * tl.rsqrt(square / d + eps)  # the largest score so far; current's weight is exp(0) = 1
     acc = current
     weights = 1.0
     if TOGETHER:
