@@ -242,11 +242,11 @@ def make_dflash_ablation(model: DSparkModel) -> None:
 def recipe_target(config, weights, args, slots: int, max_seq: int):
     """The recipe's LlamaTarget: `slots` requests of up to `max_seq` tokens on the --attention
     path (batched by default; per_query is the CPU reference, a Python loop per token); its training
-    capture compiled with --compiled-capture."""
+    capture compiled with --compiled-capture, its attention --capture-attention's."""
     from dspark.targets.llama import LlamaTarget
 
     return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=args.attention,
-                       compiled_taps=args.compiled_capture)
+                       compiled_taps=args.compiled_capture, taps_attention=args.capture_attention)
 
 
 def init_layer_ids(text: str, num_layers: int, target_layers: int) -> list[int]:
@@ -1026,7 +1026,8 @@ def step_profile(path: Path) -> dict:
     keys = ("wall_ms", "gpu_ms", "kernels", "aten_calls", "peak_memory_gib")
     return {"file": path.name, "git_commit": profile.get("git_commit"), "device": profile.get("device"),
             **{piece: {k: profile[piece].get(k) for k in keys}
-               for piece in ("train_before", "train_after", "capture_taps", "capture_taps_compiled", "store_online")
+               for piece in ("train_before", "train_after", "capture_taps", "capture_taps_compiled", "capture_taps_flex",
+                             "store_online")
                if piece in profile}}
 
 
@@ -1113,13 +1114,19 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--compiled-capture", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                    help="the target's capture of a batch (causal_taps) through torch.compile (on a GPU by default: "
                         "smollm2_profile.py's capture_taps_compiled against capture_taps, experiments/notes/smollm2.md)")
+    r.add_argument("--capture-attention", choices=("sdpa", "flex"), default="sdpa",
+                   help="the compiled capture's attention: SDPA (its float32 kernel runs without tensor cores) or "
+                        "FlexAttention (TF32 matmuls, as the capture's GEMMs; needs --compiled-capture)")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")
     r.add_argument("--profile-json", action="append", default=[],
                    help="experiments/smollm2_profile.py's output (repeatable: --pieces train and --pieces capture): "
                         "the step before/after and the capture outside the store, copied into the results")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.command == "run" and args.capture_attention == "flex" and not args.compiled_capture:
+        ap.error("--capture-attention flex needs --compiled-capture (uncompiled, FlexAttention evaluates every score)")
+    return args
 
 
 def main(argv=None) -> int:

@@ -206,28 +206,30 @@ def capture_pieces(config, weights, args, out: dict, save) -> None:
     online capture takes them now (causal_taps: float32 weights, TF32 matmuls); capture_taps_autocast,
     the same forward under bf16 autocast (bf16 GEMMs and attention, float32 residual; the store keeps
     bf16 anyway); capture_taps_compiled, the same forward through torch.compile
-    (LlamaTarget(compiled_taps=True): fused norms, rotations and activations); store_online,
+    (LlamaTarget(compiled_taps=True): fused norms, rotations and activations); capture_taps_flex, the
+    compiled forward with FlexAttention for SDPA (taps_attention="flex": TF32 attention matmuls); store_online,
     CaptureStore.batch with nothing cached (the capture plus the gather and the per-row copies into
     the batch)."""
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     batches = profiled_batches(args, ns, config)
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
                          attention="batched")
-    compiled = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
-                           attention="batched", compiled_taps=True)
+    compiled, flex = (LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
+                                  attention="batched", compiled_taps=True, taps_attention=name) for name in ("sdpa", "flex"))
     layers = tuple(recipe.drafter_config(target, "dspark", ns.layers, ns.markov_rank).target_layer_ids) + (config.num_layers,)
     out["capture_batches"] = [data for _, _, data in batches]
     cuda = target.device.type == "cuda"
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cuda)
     measurements: dict[str, list[dict]] = {"capture_taps": [], "store_online": [], "capture_taps_autocast": [],
-                                           "capture_taps_compiled": []}
+                                           "capture_taps_compiled": [], "capture_taps_flex": []}
     with recipe.tf32_on_cuda(target.device):
         for sequences, _, _ in batches:
             store = CaptureStore(target, sequences, layers, dtype=torch.bfloat16, budget_bytes=0)
             store.fill(progress=False)
             pieces = {"capture_taps": lambda: capture(target, sequences, layers, logits=False),
                       "store_online": lambda: store.batch(list(range(len(sequences)))),
-                      "capture_taps_compiled": lambda: capture(compiled, sequences, layers, logits=False)}
+                      "capture_taps_compiled": lambda: capture(compiled, sequences, layers, logits=False),
+                      "capture_taps_flex": lambda: capture(flex, sequences, layers, logits=False)}
             for name, fn in pieces.items():
                 for _ in range(2):  # allocator warm-up; the compiled pass compiles (again when shapes go symbolic)
                     fn()
@@ -340,8 +342,8 @@ def main(argv=None) -> int:
             print(f"smollm2_profile: error: {error}", file=sys.stderr)
             return 2
     save()
-    for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "store_online",
-                 "train_before", "train_after", "held_out"):
+    for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "capture_taps_flex",
+                 "store_online", "train_before", "train_after", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

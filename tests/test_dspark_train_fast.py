@@ -29,11 +29,15 @@ from dspark_fixtures import SyntheticTarget, one_thread, small_config  # noqa: F
 SEED = int(torch.randint(0, 2**31 - 1, ()))  # fresh inputs every run (pytest prints it with a failure)
 
 
-def tiny_llama(seed: int, max_slots: int = 4) -> LlamaTarget:
-    """A random 4-layer Llama whose logits are its LM head over its final-normed hidden state
-    (as SmolLM2's), tied embeddings; weights large enough that its distributions are not flat."""
-    c = LlamaConfig(vocab_size=61, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                    rope_theta=10000.0, rms_norm_eps=1e-5, context_length=256, tie_word_embeddings=True)
+TINY = LlamaConfig(vocab_size=61, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                   rope_theta=10000.0, rms_norm_eps=1e-5, context_length=256, tie_word_embeddings=True)
+
+
+def tiny_llama(seed: int, max_slots: int = 4, config: LlamaConfig = TINY, max_seq_len: int = 128) -> LlamaTarget:
+    """A random Llama (4 layers of width 32 unless `config` says otherwise) whose logits are its LM head
+    over its final-normed hidden state (as SmolLM2's), tied embeddings; weights large enough that its
+    distributions are not flat."""
+    c = config
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g) / shape[-1] ** 0.5  # noqa: E731
     hd = c.head_dim
@@ -43,7 +47,7 @@ def tiny_llama(seed: int, max_slots: int = 4) -> LlamaTarget:
                                 r(c.hidden_size, c.intermediate_size)) for _ in range(c.num_layers)]
     embedding = 0.4 * torch.randn(c.vocab_size, c.hidden_size, generator=g)  # logits of std ~2: neither flat nor one-hot
     return LlamaTarget(c, LlamaWeights(embedding, layers, torch.ones(c.hidden_size), embedding), max_slots=max_slots,
-                       max_seq_len=128, attention="batched")
+                       max_seq_len=max_seq_len, attention="batched")
 
 
 def llama_drafter(target, **overrides) -> DSparkModel:
@@ -329,24 +333,61 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
         target.causal_taps(bad, layers)
 
 
-def test_compiled_causal_taps_equal_the_eager_ones():
+@pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])
+def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
     """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile; its taps, every one
     asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
-    shapes (the third after the shapes went symbolic), padding still zero."""
-    eager = tiny_llama(SEED, max_slots=4)
-    compiled = LlamaTarget(eager.config, eager.weights, max_slots=4, max_seq_len=eager.max_seq_len, attention="batched",
-                           compiled_taps=True)
+    shapes (the third after the shapes went symbolic, up to 256 tokens: two of FlexAttention's tiles, the
+    second partial), padding still zero. With taps_attention="flex" the attention is FlexAttention under
+    causal_block_mask (on the CPU in float32, so to rounding as well)."""
+    tiny = tiny_llama(SEED, max_slots=4)
+    eager = LlamaTarget(tiny.config, tiny.weights, max_slots=4, max_seq_len=256, attention="batched")
+    compiled = LlamaTarget(tiny.config, tiny.weights, max_slots=4, max_seq_len=256, attention="batched",
+                           compiled_taps=True, taps_attention=taps_attention)
     g = torch.Generator().manual_seed(SEED)
     layers = (-1, 1, compiled.num_layers)
-    for count in (3, 4, 2):
-        seqs = [torch.randint(0, eager.vocab_size, (int(n),), generator=g) for n in torch.randint(3, 41, (count,), generator=g)]
+    for count, longest in ((3, 41), (4, 41), (2, 256)):
+        lengths = torch.randint(3, longest + 1, (count,), generator=g).tolist()
+        lengths[0] = longest
+        seqs = [torch.randint(0, eager.vocab_size, (n,), generator=g) for n in lengths]
         want, got = eager.causal_taps(seqs, layers), compiled.causal_taps(seqs, layers)
         assert set(got) == set(layers)
         for layer in layers:
-            torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5, msg=f"seed {SEED}: layer {layer}")
+            torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5,
+                                       msg=f"seed {SEED}: layer {layer}, lengths {lengths}")
             for i, s in enumerate(seqs):
                 assert not got[layer][i, len(s):].any()
     assert compiled._compiled_layers is not None and eager._compiled_layers is None
+
+
+def test_causal_block_mask_reads_the_tiles_below_the_diagonal_whole_and_the_diagonal_masked():
+    """causal_block_mask's tiles, built on the host: query tile i has its diagonal tile partial (under
+    causal_mask) and tiles 0..i-1 full, for lengths inside one tile, at a tile's edge and past it."""
+    from dspark.targets.llama import FLEX_TILE, causal_block_mask
+
+    for length in (5, FLEX_TILE, FLEX_TILE + 1, 3 * FLEX_TILE - 7):
+        tiles = -(-length // FLEX_TILE)
+        mask = causal_block_mask(length, "cpu")
+        assert mask.seq_lengths == (length, length) and mask.BLOCK_SIZE == (FLEX_TILE, FLEX_TILE)
+        partial = torch.zeros(tiles, tiles, dtype=torch.bool)
+        full = torch.zeros(tiles, tiles, dtype=torch.bool)
+        for i in range(tiles):
+            partial[i, mask.kv_indices[0, 0, i, : mask.kv_num_blocks[0, 0, i]].long()] = True
+            full[i, mask.full_kv_indices[0, 0, i, : mask.full_kv_num_blocks[0, 0, i]].long()] = True
+        assert torch.equal(partial, torch.eye(tiles, dtype=torch.bool)), length
+        assert torch.equal(full, torch.ones(tiles, tiles, dtype=torch.bool).tril(-1)), length
+        q, kv = torch.arange(length)[:, None], torch.arange(length)
+        assert torch.equal(mask.mask_mod(0, 0, q, kv), q >= kv)
+
+
+def test_flex_taps_attention_needs_the_compiled_pass_and_a_known_name():
+    tiny = tiny_llama(SEED)
+    make = lambda **kw: LlamaTarget(tiny.config, tiny.weights, max_slots=2, max_seq_len=64, attention="batched", **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"taps_attention='flex': must be one of \('sdpa', 'flex'\), 'flex' with "
+                                         r"compiled_taps=True"):
+        make(taps_attention="flex")
+    with pytest.raises(ValueError, match=r"taps_attention='dense': must be one of"):
+        make(compiled_taps=True, taps_attention="dense")
 
 
 def test_causal_taps_launch_as_many_ops_for_one_sequence_as_for_many():

@@ -250,6 +250,59 @@ def scatter_rows(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor
 
 
 ATTENTION_PATHS = ("per_query", "batched")
+TAPS_ATTENTION = ("sdpa", "flex")  # causal_taps' attention: one causal SDPA a layer, or FlexAttention
+FLEX_TILE = 128  # FlexAttention's default sparse block size, for queries and keys alike
+
+
+def causal_mask(b, h, q, kv):
+    """Causal attention as FlexAttention's mask_mod: row q sees keys 0..q."""
+    return q >= kv
+
+
+def causal_block_mask(length: int, device):
+    """FlexAttention's BlockMask of causal attention over `length` rows, built from its 128 x 128 tiles on
+    the host (no pass over the [length, length] grid): query tile i reads key tiles 0..i-1 whole and its
+    own diagonal tile under causal_mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tiles = -(-length // FLEX_TILE)
+    rows = torch.arange(tiles, dtype=torch.int32)
+    in_order = rows.expand(tiles, tiles)  # row i's first i entries: the full tiles 0..i-1
+    diagonal_first = (rows[:, None] + rows) % tiles  # row i's first entry: its diagonal tile
+    host = (torch.ones(tiles, dtype=torch.int32), diagonal_first, rows, in_order)
+    count, indices, full_count, full_indices = (tensor_on(t.reshape(1, 1, *t.shape).contiguous(), device) for t in host)
+    return BlockMask.from_kv_blocks(count, indices, full_count, full_indices, BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=causal_mask, seq_lengths=(length, length))
+
+
+def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: tuple[int, ...],
+                  mask=None) -> dict[int, torch.Tensor]:
+    """LlamaTarget.causal_taps' pass over the right-padded batch x [B, S, d]: every layer, its causal
+    attention (one SDPA, or FlexAttention under `mask`, causal_block_mask(S)), and the taps it asks for
+    (the final norm's output as tap num_layers)."""
+    c, w = target.config, target.weights
+    linear = torch.nn.functional.linear
+    group = c.num_heads // c.num_kv_heads
+    out = {-1: x} if -1 in taps else {}
+    for layer_index, layer in enumerate(w.layers):
+        q, k, v = (t.transpose(1, 2) for t in target._attention_inputs(layer, x, cos, sin, linear))  # [B, h, S, hd]
+        if mask is None:
+            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=target.scale)
+        else:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            # Contiguous operands: compiled for the CPU (torch 2.13), FlexAttention read these transposed
+            # views of the fused qkv output wrongly (tests/test_dspark_train_fast.py catches it); inside
+            # the compiled pass the copy folds into the rotation's kernel.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            attended = flex_attention(q, k, v, block_mask=mask, scale=target.scale, enable_gqa=True)
+        x = target._ffn(layer, x + linear(attended.transpose(1, 2).flatten(2), layer.attn_output), linear)
+        if layer_index in taps:
+            out[layer_index] = x
+    if target.num_layers in taps:
+        out[target.num_layers] = rms_norm(x, w.output_norm, c.rms_norm_eps)
+    return out
 
 
 class LlamaTarget:
@@ -271,13 +324,20 @@ class LlamaTarget:
         attention: str = "per_query",
         prefill_chunk_tokens: int = 8192,
         compiled_taps: bool = False,
+        taps_attention: str = "sdpa",
     ):
         """prefill_chunk_tokens: the most prompt tokens (over the batch) one prefill forward feeds
         (dspark/targets/prefill.py). compiled_taps: causal_taps runs its layers through torch.compile,
         which fuses each norm, rotation and activation into a few kernels where the eager layer launches
-        ~40 float32 elementwise kernels (a trainer's capture; the same function to float rounding)."""
+        ~40 float32 elementwise kernels (a trainer's capture; the same function to float rounding).
+        taps_attention="flex" (compiled only): its attention through FlexAttention, whose float32 kernel
+        takes the tensor cores at the matmuls' precision (TF32 where enabled), where SDPA's float32
+        kernel does not."""
         self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
-        self.compiled_taps = compiled_taps
+        if taps_attention not in TAPS_ATTENTION or (taps_attention == "flex" and not compiled_taps):
+            raise ValueError(f"taps_attention={taps_attention!r}: must be one of {TAPS_ATTENTION}, 'flex' with "
+                             f"compiled_taps=True (uncompiled, FlexAttention evaluates the whole score matrix)")
+        self.compiled_taps, self.taps_attention = compiled_taps, taps_attention
         self._compiled_layers = None  # torch.compile(self._causal_layers), made on first use
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
@@ -477,34 +537,16 @@ class LlamaTarget:
         fed = tensor_on(fed, self.device)[..., None]
         cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]: each column's position
         x = w.embedding[tensor_on(padded, self.device)]  # [B, S, d]
-        layers = self._causal_layers
+        layers = causal_layers
         if self.compiled_taps:
             if self._compiled_layers is None:
                 # torch's default dynamism: shapes go symbolic once they change; the tap layers stay
                 # constants (dynamic=True made them symbolic too, and `layer_index in taps` came out False)
-                self._compiled_layers = torch.compile(self._causal_layers)
+                self._compiled_layers = torch.compile(causal_layers)
             layers = self._compiled_layers
-        out = layers(x, cos, sin, taps)
+        mask = causal_block_mask(S, self.device) if self.taps_attention == "flex" else None
+        out = layers(self, x, cos, sin, taps, mask)
         return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
-
-    def _causal_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       taps: tuple[int, ...]) -> dict[int, torch.Tensor]:
-        """causal_taps' pass over the right-padded batch x [B, S, d]: every layer, one causal SDPA each,
-        and the taps it asks for (the final norm's output as tap num_layers)."""
-        c, w = self.config, self.weights
-        linear = torch.nn.functional.linear
-        group = c.num_heads // c.num_kv_heads
-        out = {-1: x} if -1 in taps else {}
-        for layer_index, layer in enumerate(w.layers):
-            q, k, v = (t.transpose(1, 2) for t in self._attention_inputs(layer, x, cos, sin, linear))  # [B, h, S, hd]
-            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
-            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            x = self._ffn(layer, x + linear(attended.transpose(1, 2).flatten(2), layer.attn_output), linear)
-            if layer_index in taps:
-                out[layer_index] = x
-        if self.num_layers in taps:
-            out[self.num_layers] = rms_norm(x, w.output_norm, c.rms_norm_eps)
-        return out
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation

@@ -108,6 +108,39 @@ def tiny_llama_on_cuda(seed: int):
     return LlamaTarget(cpu.config, weights_to(cpu.weights, "cuda"), max_slots=4, max_seq_len=128, attention="batched"), cpu_tests
 
 
+@pytest.mark.parametrize("precision, bound", [("highest", 1e-5), ("high", 5e-3)])
+def test_flex_capture_attention_gives_the_sdpa_capture_taps(precision, bound):
+    """The compiled capture with FlexAttention (taps_attention="flex") against the one with SDPA, at
+    SmolLM2's attention shape (9 query heads of 64 over 3 KV heads) over sequences of 2-6 of its
+    128-row tiles: in float32 (matmul precision "highest") the same function to float rounding; with
+    TF32 matmuls ("high", as the recipe trains), FlexAttention's matmuls round their operands to TF32
+    as the capture's GEMMs already do, where SDPA's float32 kernel does not (relative L2 per tap)."""
+    import test_dspark_train_fast as cpu_tests
+    from dspark.targets.llama import LlamaConfig, LlamaTarget
+
+    config = LlamaConfig(vocab_size=512, hidden_size=D, num_layers=3, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, context_length=1024, tie_word_embeddings=True)
+    cpu = cpu_tests.tiny_llama(23, config=config, max_seq_len=800)
+    weights = weights_to(cpu.weights, "cuda")
+    sdpa, flex = (LlamaTarget(config, weights, max_slots=4, max_seq_len=800, attention="batched", compiled_taps=True,
+                              taps_attention=name) for name in ("sdpa", "flex"))
+    g = torch.Generator().manual_seed(24)
+    layers = (0, 2, config.num_layers)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        for lengths in ([700, 257, 300, 129], [511, 200]):
+            seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+            want, got = sdpa.causal_taps(seqs, layers), flex.causal_taps(seqs, layers)
+            for layer in layers:
+                rows = torch.cat([want[layer][i, :n] for i, n in enumerate(lengths)])
+                flex_rows = torch.cat([got[layer][i, :n] for i, n in enumerate(lengths)])
+                assert relative(flex_rows, rows) < bound, (precision, lengths, layer, relative(flex_rows, rows))
+                assert all(not got[layer][i, n:].any() for i, n in enumerate(lengths))
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_a_bf16_store_on_the_gpu_gives_the_online_capture_losses():
     """A store of taps and the LM head's input (float32 and bf16) against capturing the batch with the
     target's own logits, both through the fast step: float32 to the batched target's row-order noise,
