@@ -8,6 +8,14 @@ GPU, per call, for the row counts of a verify step (docs/kernels.md §10.6):
   with fp32 output (no widened copy), the same selection;
 - floor: the weight's bytes at the pure-read rate measured in the same run.
 
+Then the two halves apart, as a TP16/EP16 rank runs them (its 56 router rows' logits, gathered, then
+the selection over all 896), with the decode-time options of kernels/moe/triton.py:
+
+- logits (`--logits-experts`, default 56 and 896 router rows; rows up to 4): cuBLAS's bf16 GEMM with
+  fp32 output (split K plus its reduction kernel at these rows) against router_logits_kernel, one
+  launch (GEMV_MAX_ROWS), each beside its weight's read floor;
+- selection: route_kernel over 896 logits with 1, 2 and 4 warps (ROUTE_WARPS).
+
 Method (experiments/benchlib.py): ROUTERS distinct weights rotate so that L2 does not serve them;
 CUDA-graph replay, median of repeats. Every variant's experts are checked against the reference
 first (the same sets, random logits having no near tie).
@@ -35,11 +43,57 @@ def variants() -> dict:
             "ours": lambda x, gate, bias: moe_triton.moe_route(x, gate, bias, TOP_K, SCALING)}
 
 
+def logits_rows(args, gen, rate: float) -> list[dict]:
+    """The router's logits alone, cuBLAS against router_logits_kernel, at 1 to GEMV_MAX_ROWS_BUILT rows of
+    each --logits-experts count; each checked against float64 first (1e-4, as its GPU test)."""
+    entries = []
+    for experts in args.logits_experts:
+        gates = [(torch.randn(experts, WIDTH, device="cuda", generator=gen) / WIDTH**0.5).bfloat16()
+                 for _ in range(ROUTERS)]
+        floor_us = gates[0].numel() * gates[0].element_size() / rate * 1e6
+        for rows in range(1, moe_triton.GEMV_MAX_ROWS_BUILT + 1):
+            xs = [torch.randn(rows, WIDTH, device="cuda", generator=gen).bfloat16() for _ in range(ROUTERS)]
+            entry = {"experts": experts, "rows": rows, "floor_us": floor_us}
+            for name, fn in (("cublas", lambda x, g: torch.mm(x, g.t(), out_dtype=torch.float32)),
+                             ("one_launch", moe_triton.router_logits_gemv)):
+                error = max((fn(x, g).double() - x.double() @ g.double().T).abs().max().item() for x, g in zip(xs, gates))
+                timing = time_calls([lambda x=x, g=g, fn=fn: fn(x, g) for x, g in zip(xs, gates)], args.reps)
+                entry[name] = {**timing, "max_abs_error": error}
+            ours, theirs = entry["one_launch"]["graph_us"], entry["cublas"]["graph_us"]
+            entry["one_launch_over_cublas"] = ours / theirs if ours and theirs else None  # None: a failed capture
+            entries.append(entry)
+            print(f"logits {experts:4d} x {rows} rows: cublas {theirs} us, one launch {ours} us, floor {floor_us:5.2f} us")
+    return entries
+
+
+def selection_rows(args, gen) -> list[dict]:
+    """route_kernel alone over EXPERTS fp32 logits with 1, 2 and 4 warps, at each --rows up to 16."""
+    entries = []
+    warps_before = moe_triton.ROUTE_WARPS
+    try:
+        for rows in [r for r in args.rows if r <= 16]:
+            logits = [torch.randn(rows, EXPERTS, device="cuda", generator=gen) for _ in range(ROUTERS)]
+            bias = torch.randn(EXPERTS, device="cuda", generator=gen) * 0.1
+            entry = {"rows": rows}
+            for warps in (1, 2, 4):
+                moe_triton.ROUTE_WARPS = warps
+                calls = [lambda x=x: moe_triton.route_logits(x, bias, TOP_K, SCALING) for x in logits]
+                entry[f"warps_{warps}"] = time_calls(calls, args.reps)
+            entries.append(entry)
+            print(f"selection {rows:2d} rows: " + ", ".join(f"{w} warps {entry[f'warps_{w}']['graph_us']} us"
+                                                            for w in (1, 2, 4)))
+    finally:
+        moe_triton.ROUTE_WARPS = warps_before
+    return entries
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="experiments/results/h200/router_bench.json")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     parser.add_argument("--reps", type=int, default=48, help="calls per timing")
+    parser.add_argument("--logits-experts", type=int, nargs="+", default=[56, 896],
+                        help="router rows of the logits-only comparison (56: a TP16/EP16 rank's)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     ceiling = read_ceiling()
@@ -63,6 +117,9 @@ def main() -> None:
         entry["floor_over_ours"] = floor_us / best if best else None
         result["rows"].append(entry)
         write_json(args.out, result)
+    result["logits"] = logits_rows(args, gen, rate)
+    result["selection"] = selection_rows(args, gen)
+    write_json(args.out, result)
     print(f"{'rows':>5} {'floor us':>9} " + " ".join(f"{name:>28}" for name in found))
     for entry in result["rows"]:
         cells = []

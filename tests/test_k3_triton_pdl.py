@@ -70,6 +70,11 @@ def launch_every_kernel(monkeypatch, dtype=torch.float32) -> Recorder:
     act.silu_mul(x, x)
     norm.add_rms_norm(x, x, w, 1e-6)
     moe.route_logits(torch.randn(4, 32, generator=gen), torch.randn(32, generator=gen), 4, 1.0)
+    monkeypatch.setattr(moe, "ROUTE_WARPS", 1)  # the selection in one warp (the route_warps setting)
+    moe.route_logits(torch.randn(4, 32, generator=gen), torch.randn(32, generator=gen), 4, 1.0)
+    monkeypatch.setattr(moe, "ROUTE_WARPS", 4)
+    for rows in range(1, moe.GEMV_MAX_ROWS_BUILT + 1):  # every row tile of the router's logits kernel
+        moe.router_logits_gemv(torch.randn(rows, 64, generator=gen), torch.randn(40, 64, generator=gen))
     moe.weighted_combine(torch.randn(16, 64, generator=gen), torch.randperm(16, generator=gen).view(4, 4),
                          torch.rand(4, 4, generator=gen))
     moe.gather_tokens(x, torch.randint(0, 4, (3, 2), generator=gen), torch.randperm(16, generator=gen), 3)
@@ -94,7 +99,7 @@ def test_every_step_kernel_launches_with_the_switch(monkeypatch, on):
     launches = launch_every_kernel(monkeypatch).launches
     assert {name for name, _ in launches} == {
         "rms_norm_kernel", "attn_res_mix_norm_kernel", "situ_glu_kernel", "sigmoid_gate_kernel", "route_kernel",
-        "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel", "absorb_kernel",
+        "router_logits_kernel", "combine_kernel", "gather_tokens_kernel", "tail_inputs_kernel", "cache_rows_kernel", "absorb_kernel",
         "silu_mul_kernel", "add_rms_norm_kernel"}
     for name, kwargs in launches:
         assert kwargs["PDL"] is on, name
@@ -184,4 +189,4 @@ def test_every_step_kernel_compiles_as_launched(monkeypatch, arch, pdl):
                                  target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
             assert f".target sm_{arch}" in ptx, name
             compiled.add(name)
-    assert compiled == {name for _, name, _, _ in calls} and len(compiled) == 12
+    assert compiled == {name for _, name, _, _ in calls} and len(compiled) == 13

@@ -83,6 +83,7 @@ def main(seed: int) -> None:
           act_ref.silu_mul(gate.double(), up.double()), "silu_mul")
     check_add_rms_norm(gen)
     check_route(gen)
+    check_router_logits_gemv(gen)
     check_combine(gen)
     check_gather_tokens(gen)
     check_tail_inputs(gen)
@@ -334,6 +335,22 @@ def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.f
                                        expert_layout.B_SCALE_LOG2, out=out)
         if not torch.equal(got, want):
             sys.exit(f"gather_tokens ({order} order): differs from permute_k + scale + gather")
+
+
+def check_router_logits_gemv(gen: torch.Generator, device: str = "cpu",
+                             cases=((1, 56, 7168), (2, 56, 1000), (3, 40, 7168), (4, 9, 4095))) -> None:
+    """router_logits_gemv (moe_router_logits at decode's few rows) against float64, for each row count
+    it is built for: strided x and weight rows, a K that leaves the last chunk partial, float32 and bf16
+    operands (their products exact in float32), the output poisoned first. cases: (rows, experts, K)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, experts, k in cases:
+            x = (torch.randn(rows, k + 8, generator=gen)[:, 4 : 4 + k]).to(device, dtype)
+            w = (torch.randn(experts, k + 16, generator=gen)[:, 8 : 8 + k] * k**-0.5).to(device, dtype)
+            out = torch.full((rows, experts), float("nan"), device=device)
+            got = moe_triton.router_logits_gemv(x, w, out=out)
+            if got.data_ptr() != out.data_ptr():
+                sys.exit("router_logits_gemv: did not write the given output")
+            close(got.cpu(), x.cpu().double() @ w.cpu().double().T, f"router_logits_gemv {rows}x{experts}x{k} {dtype}")
 
 
 def check_selection(ids, weights, logits: torch.Tensor, bias: torch.Tensor, top_k: int, what: str) -> None:

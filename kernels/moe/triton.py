@@ -21,6 +21,20 @@ from .reference import check_route, check_tail_inputs
 # (False: both widened to fp32 first, as the reference does). experiments/router_bench.py.
 LOW_PRECISION_GEMM = True
 
+# Warps of route_kernel's one program per token. Each of its k picks is a block-wide argmax over the
+# row's logits: with 4 warps a reduction through shared memory and a barrier, with 1 warp shuffles
+# alone (896 logits are 28 a lane). 4 until the rank's step measures 1 (experiments/step_bench.py
+# --setting route_warps=1).
+ROUTE_WARPS = 4
+
+# Rows up to which the router's logits take router_logits_kernel (one launch: a program per expert
+# reads its weight row once and sums in float32) where cuBLAS's bf16 GEMM with fp32 output splits K
+# and adds the splits in a second kernel at decode's few rows. 0 (off) until the rank's step
+# measures it (experiments/step_bench.py --setting router_gemv_rows=4; experiments/router_bench.py).
+GEMV_MAX_ROWS = 0
+GEMV_MAX_ROWS_BUILT = 4  # the widest row tile the kernel is built and checked for (BLOCK_M below)
+GEMV_ELEMENTS = 4096  # a program's float32 products in flight, BLOCK_M x BLOCK_K: 32 registers a thread at 4 warps
+
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                  ids: torch.Tensor | None = None, weights: torch.Tensor | None = None):
@@ -33,13 +47,32 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
         kernel_module(__package__).route_kernel[(M,)](
             logits, logits.stride(0), bias, ids, weights, E, float(scaling), TOP_K=top_k,
             BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(16, 1 << (top_k - 1).bit_length()),
-            **pdl_options(), num_warps=4)
+            **pdl_options(), num_warps=ROUTE_WARPS)
     return ids, weights
+
+
+def router_logits_gemv(x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [M, E] = x [M, D] @ gate_weight [E, D]^T for M <= GEMV_MAX_ROWS_BUILT rows in one
+    launch (router_logits_kernel); rows of x and gate_weight may be strided. out: an optional
+    contiguous output (tests poison it first)."""
+    M, D = x.shape
+    E = gate_weight.shape[0]
+    if not 1 <= M <= GEMV_MAX_ROWS_BUILT or x.stride(1) != 1 or gate_weight.stride(1) != 1:
+        raise ValueError(f"x: router_logits_gemv takes 1 to {GEMV_MAX_ROWS_BUILT} rows with unit column stride, got "
+                         f"{tuple(x.shape)} strides {x.stride()} (weight strides {gate_weight.stride()})")
+    out = torch.empty(M, E, dtype=torch.float32, device=x.device) if out is None else out
+    block_m = 1 << (M - 1).bit_length()
+    kernel_module(__package__).router_logits_kernel[(E,)](
+        x, x.stride(0), gate_weight, gate_weight.stride(0), out, out.stride(0), M, D,
+        BLOCK_M=block_m, BLOCK_K=GEMV_ELEMENTS // block_m, **pdl_options(), num_warps=4)
+    return out
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [M, E] = x [M, D] @ gate_weight [E, D]^T (docs/kimi-k3.md §1.2)."""
     if LOW_PRECISION_GEMM and x.dtype == gate_weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        if x.shape[0] <= min(GEMV_MAX_ROWS, GEMV_MAX_ROWS_BUILT) and x.stride(1) == gate_weight.stride(1) == 1:
+            return router_logits_gemv(x, gate_weight)
         return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
     return ops.linear(x.float(), gate_weight.float())
 

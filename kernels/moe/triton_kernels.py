@@ -1,7 +1,7 @@
-"""Triton kernels of the K3 MoE (imported on first use): the router's selection, the expert
-kernels' B operand (the slots' token rows, K-permuted and scaled), the weighted combination of
-each token's expert outputs and the input of the block's output GEMM (normed latent | shared
-activation)."""
+"""Triton kernels of the K3 MoE (imported on first use): the router's logits at decode's few rows
+and its selection, the expert kernels' B operand (the slots' token rows, K-permuted and scaled),
+the weighted combination of each token's expert outputs and the input of the block's output GEMM
+(normed latent | shared activation)."""
 import triton
 import triton.language as tl
 
@@ -34,6 +34,27 @@ def route_kernel(logits_ptr, stride_l, bias_ptr, ids_ptr, weights_ptr, num_exper
     weights = chosen / tl.sum(chosen, axis=0) * scaling
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
     tl.store(weights_ptr + row * TOP_K + slots, weights, mask=keep)
+
+
+@triton.jit
+def router_logits_kernel(x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_o, M, K,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out[m, e] = sum_k x[m, k] w[e, k] in float32 for expert e = program 0 and the M <= BLOCK_M
+    rows: the weight row is read once, in chunks of BLOCK_K, and the products (exact in float32 for
+    bf16 operands) stay elementwise until one reduction per row at the end."""
+    prologue(PDL)
+    e = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_ok = k < K
+        w = tl.load(w_ptr + e.to(tl.int64) * stride_w + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x.to(tl.float32) * w[None, :]
+    tl.store(out_ptr + rows * stride_o + e, tl.sum(acc, axis=1), mask=row_ok)
 
 
 @triton.jit

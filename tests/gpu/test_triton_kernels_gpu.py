@@ -16,6 +16,7 @@ import torch
 from dspark.kernels import registry
 from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
+from dspark.kernels.moe import triton as moe_triton
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
 
@@ -118,6 +119,43 @@ def test_router_selection_matches_float64():
         order = ids.argsort(-1)
         torch.testing.assert_close(weights.gather(-1, order), want_weights.gather(-1, want_ids.argsort(-1)),
                                    rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("warps", [1, 2, 4])
+def test_router_selection_at_each_warp_count_matches_float64(monkeypatch, warps):
+    """route_kernel launched with 1, 2 and 4 warps (kernels/moe/triton.py ROUTE_WARPS; the rank's step
+    times each with --setting route_warps) passes the float64 selection checks."""
+    from triton_interpret_checks import check_route
+
+    monkeypatch.setattr(moe_triton, "ROUTE_WARPS", warps)
+    check_route(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda")
+
+
+def test_router_logits_in_one_launch_match_float64_and_select_the_same_experts(monkeypatch):
+    """router_logits_gemv (kernels/moe/triton.py, moe_router_logits at 1-4 rows under GEMV_MAX_ROWS) on
+    the GPU: the interpreter's float64 checks, then bf16 tokens and weight at a TP16/EP16 rank's 56 router
+    rows and at the full 896 against float64 (tolerance 1e-4: float32 sums of 7,168 exact products of
+    O(1) logits), output poisoned; through the dispatch with the switch on, the same experts as
+    cuBLAS's logits (random logits: no near tie)."""
+    from triton_interpret_checks import check_router_logits_gemv
+
+    check_router_logits_gemv(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda")
+    for experts in (56, 896):
+        gate = (torch.randn(experts, 7168, device="cuda") / 7168**0.5).bfloat16()
+        bias = torch.randn(experts, device="cuda") * 0.1
+        for rows in range(1, moe_triton.GEMV_MAX_ROWS_BUILT + 1):
+            x = torch.randn(rows, 7168, device="cuda").bfloat16()
+            out = torch.full((rows, experts), float("nan"), device="cuda")
+            moe_triton.router_logits_gemv(x, gate, out=out)
+            want = x.double() @ gate.double().T
+            assert (out.double() - want).abs().max().item() < 1e-4, (experts, rows)
+            monkeypatch.setattr(moe_triton, "GEMV_MAX_ROWS", 0)
+            cublas = moe_triton.router_logits(x, gate)
+            monkeypatch.setattr(moe_triton, "GEMV_MAX_ROWS", moe_triton.GEMV_MAX_ROWS_BUILT)
+            gemv = moe_triton.router_logits(x, gate)
+            top_k = min(16, experts // 2)
+            assert torch.equal(moe_triton.route_logits(gemv, bias, top_k, 2.5)[0].sort(-1).values,
+                               moe_triton.route_logits(cublas, bias, top_k, 2.5)[0].sort(-1).values), (experts, rows)
 
 
 def test_gather_tokens_equals_the_torch_composition():
