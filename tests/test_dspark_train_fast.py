@@ -337,7 +337,7 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
 def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
     """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile; its taps, every one
     asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
-    shapes (the third after the shapes went symbolic, up to 256 tokens: two of FlexAttention's tiles, the
+    shapes (the third after the shapes went symbolic, 250 tokens: two of FlexAttention's 128-row tiles, the
     second partial), padding still zero. With taps_attention="flex" the attention is FlexAttention under
     causal_block_mask (on the CPU in float32, so to rounding as well)."""
     tiny = tiny_llama(SEED, max_slots=4)
@@ -346,7 +346,7 @@ def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
                            compiled_taps=True, taps_attention=taps_attention)
     g = torch.Generator().manual_seed(SEED)
     layers = (-1, 1, compiled.num_layers)
-    for count, longest in ((3, 41), (4, 41), (2, 256)):
+    for count, longest in ((3, 41), (4, 41), (2, 250)):
         lengths = torch.randint(3, longest + 1, (count,), generator=g).tolist()
         lengths[0] = longest
         seqs = [torch.randint(0, eager.vocab_size, (n,), generator=g) for n in lengths]

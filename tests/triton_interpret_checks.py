@@ -344,8 +344,11 @@ def check_router_logits_gemv(gen: torch.Generator, device: str = "cpu",
     operands (their products exact in float32), the output poisoned first. cases: (rows, experts, K)."""
     for dtype in (torch.float32, torch.bfloat16):
         for rows, experts, k in cases:
-            x = (torch.randn(rows, k + 8, generator=gen)[:, 4 : 4 + k]).to(device, dtype)
-            w = (torch.randn(experts, k + 16, generator=gen)[:, 8 : 8 + k] * k**-0.5).to(device, dtype)
+            # strided rows on the device: slice after the copy (a copy of a slice is dense)
+            x = torch.randn(rows, k + 8, generator=gen).to(device, dtype)[:, 4 : 4 + k]
+            w = (torch.randn(experts, k + 16, generator=gen) * k**-0.5).to(device, dtype)[:, 8 : 8 + k]
+            if x.stride(0) != k + 8 or w.stride(0) != k + 16:
+                sys.exit("router_logits_gemv check: its rows are not strided")
             out = torch.full((rows, experts), float("nan"), device=device)
             got = moe_triton.router_logits_gemv(x, w, out=out)
             if got.data_ptr() != out.data_ptr():

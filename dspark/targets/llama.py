@@ -17,6 +17,7 @@ length, so rejected rows are simply overwritten by the next verify.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,10 +260,11 @@ def causal_mask(b, h, q, kv):
     return q >= kv
 
 
+@functools.lru_cache(maxsize=64)
 def causal_block_mask(length: int, device):
     """FlexAttention's BlockMask of causal attention over `length` rows, built from its 128 x 128 tiles on
     the host (no pass over the [length, length] grid): query tile i reads key tiles 0..i-1 whole and its
-    own diagonal tile under causal_mask."""
+    own diagonal tile under causal_mask. Cached per (length, device): a trainer's batches repeat lengths."""
     from torch.nn.attention.flex_attention import BlockMask
 
     tiles = -(-length // FLEX_TILE)
@@ -294,7 +296,7 @@ def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin
 
             # Contiguous operands: compiled for the CPU (torch 2.13), FlexAttention read these transposed
             # views of the fused qkv output wrongly (tests/test_dspark_train_fast.py catches it); inside
-            # the compiled pass the copy folds into the rotation's kernel.
+            # the compiled pass q's and k's copies fold into their rotation's kernel.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             attended = flex_attention(q, k, v, block_mask=mask, scale=target.scale, enable_gqa=True)
         x = target._ffn(layer, x + linear(attended.transpose(1, 2).flatten(2), layer.attn_output), linear)

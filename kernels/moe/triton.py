@@ -23,7 +23,7 @@ LOW_PRECISION_GEMM = True
 
 # Warps of route_kernel's one program per token. Each of its k picks is a block-wide argmax over the
 # row's logits: with 4 warps a reduction through shared memory and a barrier, with 1 warp shuffles
-# alone (896 logits are 28 a lane). 4 until the rank's step measures 1 (experiments/step_bench.py
+# alone (K3's 896 logits, padded to 1,024, are 32 a lane). 4 until the rank's step measures 1 (experiments/step_bench.py
 # --setting route_warps=1).
 ROUTE_WARPS = 4
 
@@ -60,7 +60,13 @@ def router_logits_gemv(x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Te
     if not 1 <= M <= GEMV_MAX_ROWS_BUILT or x.stride(1) != 1 or gate_weight.stride(1) != 1:
         raise ValueError(f"x: router_logits_gemv takes 1 to {GEMV_MAX_ROWS_BUILT} rows with unit column stride, got "
                          f"{tuple(x.shape)} strides {x.stride()} (weight strides {gate_weight.stride()})")
-    out = torch.empty(M, E, dtype=torch.float32, device=x.device) if out is None else out
+    if gate_weight.shape[1] != D:
+        raise ValueError(f"gate_weight: expected [E, {D}], got {tuple(gate_weight.shape)}")
+    if out is None:
+        out = torch.empty(M, E, dtype=torch.float32, device=x.device)
+    elif tuple(out.shape) != (M, E) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out: expected a float32 [{M}, {E}] tensor with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
     block_m = 1 << (M - 1).bit_length()
     kernel_module(__package__).router_logits_kernel[(E,)](
         x, x.stride(0), gate_weight, gate_weight.stride(0), out, out.stride(0), M, D,
@@ -71,7 +77,7 @@ def router_logits_gemv(x: torch.Tensor, gate_weight: torch.Tensor, out: torch.Te
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [M, E] = x [M, D] @ gate_weight [E, D]^T (docs/kimi-k3.md §1.2)."""
     if LOW_PRECISION_GEMM and x.dtype == gate_weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
-        if x.shape[0] <= min(GEMV_MAX_ROWS, GEMV_MAX_ROWS_BUILT) and x.stride(1) == gate_weight.stride(1) == 1:
+        if 1 <= x.shape[0] <= min(GEMV_MAX_ROWS, GEMV_MAX_ROWS_BUILT) and x.stride(1) == gate_weight.stride(1) == 1:
             return router_logits_gemv(x, gate_weight)
         return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
     return ops.linear(x.float(), gate_weight.float())

@@ -128,10 +128,14 @@ def test_flex_capture_attention_gives_the_sdpa_capture_taps(precision, bound):
     layers = (0, 2, config.num_layers)
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
+    # A compile past the recompile limit would run FlexAttention uncompiled (densely) and pass unseen.
+    strict = ({"fail_on_recompile_limit_hit": True} if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit")
+              else {})
     try:
         for lengths in ([700, 257, 300, 129], [511, 200]):
             seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
-            want, got = sdpa.causal_taps(seqs, layers), flex.causal_taps(seqs, layers)
+            with torch._dynamo.config.patch(**strict):
+                want, got = sdpa.causal_taps(seqs, layers), flex.causal_taps(seqs, layers)
             for layer in layers:
                 rows = torch.cat([want[layer][i, :n] for i, n in enumerate(lengths)])
                 flex_rows = torch.cat([got[layer][i, :n] for i, n in enumerate(lengths)])

@@ -153,6 +153,7 @@ def test_router_logits_in_one_launch_match_float64_and_select_the_same_experts(m
             cublas = moe_triton.router_logits(x, gate)
             monkeypatch.setattr(moe_triton, "GEMV_MAX_ROWS", moe_triton.GEMV_MAX_ROWS_BUILT)
             gemv = moe_triton.router_logits(x, gate)
+            assert torch.equal(gemv, moe_triton.router_logits_gemv(x, gate))  # the dispatch took the one launch
             top_k = min(16, experts // 2)
             assert torch.equal(moe_triton.route_logits(gemv, bias, top_k, 2.5)[0].sort(-1).values,
                                moe_triton.route_logits(cublas, bias, top_k, 2.5)[0].sort(-1).values), (experts, rows)
