@@ -122,6 +122,7 @@ OP_CLASSES = {
     "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "mla_absorb_q": "trunk GEMMs",
     "mla_absorb_output": "trunk GEMMs", "moe_experts": "experts",
     "mla_verify_attention": "attention", "mla_cache_rows": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
+    "kda_commit_layers": "KDA",
     "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
     "rms_norm": "norms/glue", "attn_res_mix_norm": "norms/glue",
     "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",

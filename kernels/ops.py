@@ -20,12 +20,14 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
                o_norm_weight, state, lengths, *, lower_bound: float, eps: float,
-               slots: torch.Tensor | None = None):
+               slots: torch.Tensor | None = None, records=None):
     """KDA over T tokens per request from the committed state, output-only -> (o [B,T,W], records).
-    slots [B] int64: state and conv_state are pools and request b reads row slots[b]."""
+    slots [B] int64: state and conv_state are pools and request b reads row slots[b]. records: buffers
+    to fill (one layer's views of kda.reference.allocate_records(leading=(L,)), for kda_commit_layers),
+    else allocated."""
     args = (q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
             o_norm_weight, state, lengths)
-    return select("kda_verify", *args).fn(*args, lower_bound=lower_bound, eps=eps, slots=slots)
+    return select("kda_verify", *args).fn(*args, lower_bound=lower_bound, eps=eps, slots=slots, records=records)
 
 
 def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records, num_tokens: torch.Tensor,
@@ -33,6 +35,13 @@ def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records, num_token
     """In place: advance state/conv_state by the first num_tokens[b] positions of `records`
     (with slots [B] int64: rows slots[b] of the pools state/conv_state)."""
     return select("kda_commit", state, conv_state).fn(state, conv_state, records, num_tokens, slots=slots)
+
+
+def kda_commit_layers(states: torch.Tensor, conv_states: torch.Tensor, records, num_tokens: torch.Tensor,
+                      slots: torch.Tensor | None = None) -> None:
+    """kda_commit of L layers at once: states [L, S, H, D, D], conv_states [L, S, 3, W, 3] (any layer
+    and slot strides), records stacked with a leading L, num_tokens [B] shared by the layers."""
+    return select("kda_commit_layers", states, conv_states).fn(states, conv_states, records, num_tokens, slots=slots)
 
 
 def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, scale: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+from dspark.kernels.kda.reference import allocate_records
 from dspark.targets.kimi_k3 import K3, K3_TINY, K3Model, K3Target, Shard, first_layers, load_target
 from dspark.targets.kimi_k3.parallel import (OmittedCollectives, busiest_rank_experts, busiest_table,
                                              exact_local_pairs)
@@ -152,7 +153,9 @@ def test_partial_outputs_sum_to_the_whole_layer(whole_tensors, world):
 
     def kda(target):
         k = target.model.kda_index[0]
-        return target.model._kda(0, h, B, T, lengths, *target._kda_pools[k], index)[0]
+        records = allocate_records(B, T, target.model.kda_heads, K3_TINY.kda_head_dim, target.conv_state.dtype, "cpu",
+                                   lengths, dtype=h.dtype)
+        return target.model._kda(0, h, B, T, lengths, *target._kda_pools[k], index, records)
 
     def mla(target):
         cache = target._mla_rows[target.model.mla_index[3]]

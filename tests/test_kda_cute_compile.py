@@ -247,7 +247,7 @@ def test_kernel_modules_are_imported_by_their_first_call_not_by_the_registry():
 import sys
 import torch
 from dspark.kernels import ops, registry
-for op in ("linear", "kda_verify", "kda_commit", "mla_verify_attention"):
+for op in ("linear", "kda_verify", "kda_commit", "kda_commit_layers", "mla_verify_attention"):
     registry.implementations(op)
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")))
 linear = registry.implementations("linear")["cute_sm90"].fn

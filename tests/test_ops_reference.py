@@ -1,6 +1,7 @@
 """The K3 op references (kernels/kda, kernels/mla, kernels/moe) and the latent-MoE block built on
 them (dspark/targets/kimi_k3/moe.py) against straightforward float64 computations, and their
 token invariance (a token's bits do not depend on its batch)."""
+import dataclasses
 import math
 
 import pytest
@@ -162,6 +163,45 @@ def test_kda_on_slot_pools_equals_gathered_states_bitwise(gen):
     assert torch.equal(pool, expected), "state pool differs (slots' rows or rows outside slots)"
     assert torch.equal(conv_pool, expected_conv), "conv pool differs (slots' rows or rows outside slots)"
     assert not torch.equal(pool[slots[0], layer], pool_before[slots[0], layer]), "the accepted tokens moved nothing"
+
+
+def test_kda_commit_layers_equals_each_layers_commit_from_records_verify_filled(gen):
+    """Three layers' verifies fill their views of one stacked set of records (allocate_records(leading=
+    (3,)), poisoned first) with the bits a verify allocating its own gives; kda_commit_layers over the
+    5-D pools seen layer-major then equals kda_commit layer by layer, bitwise, rows outside the slots
+    untouched, a count of 0 included. A wrong stack fails."""
+    from dspark.kernels.kda.reference import allocate_records, layer_records
+
+    B, T, layers = 3, 4, 3
+    inp, pool, conv_pool, slots = kda_pools(gen, B, T, pool_rows=6, layers=layers, layer=0)
+    lengths = torch.tensor([T, 2, 3])
+    stacked = allocate_records(B, T, H, D, conv_pool.dtype, "cpu", lengths, leading=(layers,))
+    for name in ("keys", "updates", "decays", "conv_inputs"):
+        getattr(stacked, name).fill_(float("nan"))
+    alone = []
+    for layer in range(layers):
+        layer_inp = dict(inp, state=pool[:, layer], conv_state=conv_pool[:, layer],
+                         q_in=randn(gen, B, T, W))  # each layer its own queries: the records differ by layer
+        _, own = ops.kda_verify(**layer_inp, lengths=lengths, lower_bound=LOWER_BOUND, eps=EPS, slots=slots)
+        _, filled = ops.kda_verify(**layer_inp, lengths=lengths, lower_bound=LOWER_BOUND, eps=EPS, slots=slots,
+                                   records=layer_records(stacked, layer))
+        for name in ("keys", "updates", "decays", "conv_inputs"):
+            assert torch.equal(getattr(filled, name), getattr(own, name)), (layer, name)
+        alone.append(own)
+    accepted = torch.tensor([3, 0, 2])
+    want, want_conv = pool.clone(), conv_pool.clone()
+    for layer in range(layers):
+        ops.kda_commit(want[:, layer], want_conv[:, layer], alone[layer], accepted, slots=slots)
+    got, got_conv = pool.clone(), conv_pool.clone()
+    ops.kda_commit_layers(got.transpose(0, 1), got_conv.transpose(0, 1), stacked, accepted, slots=slots)
+    assert torch.equal(got, want) and torch.equal(got_conv, want_conv)
+    assert not torch.equal(got, pool), "the accepted tokens moved nothing"
+    swapped = dataclasses.replace(stacked, keys=stacked.keys.flip(0))
+    wrong = pool.clone()
+    ops.kda_commit_layers(wrong.transpose(0, 1), conv_pool.clone().transpose(0, 1), swapped, accepted, slots=slots)
+    assert not torch.equal(wrong, want)
+    with pytest.raises(ValueError, match="states / conv_states"):
+        ops.kda_commit_layers(pool[:, 0], conv_pool[:, 0], stacked, accepted, slots=slots)
 
 
 @pytest.mark.parametrize("bad_slots", [torch.tensor([0, 1]), torch.tensor([[0, 1, 2]]),
@@ -348,7 +388,7 @@ def test_record_selections_names_fallbacks_and_what_blocks_a_capture(gen):
         registry._resolved.clear()
 
 
-@pytest.mark.parametrize("op", ["kda_verify", "kda_commit", "mla_verify_attention", "moe_experts",
+@pytest.mark.parametrize("op", ["kda_verify", "kda_commit", "kda_commit_layers", "mla_verify_attention", "moe_experts",
                                 "rejection_sample", "synthetic_sample"])
 def test_the_references_that_read_device_values_say_so(op):
     from dspark.kernels import registry

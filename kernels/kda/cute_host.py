@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ..cute_common import CompileCache, torch_to_cutlass_dtype
-from .reference import KDARecords, check_slots
+from .reference import KDARecords, allocate_records, check_slots
 
 ROW_CHUNKS = 4  # default row_chunks: the warps a column's rows are split over; partial dots meet in smem
 MAX_TOKENS = 16  # verify width supported: T = 1..16 (k <= 15 drafts)
@@ -154,6 +154,10 @@ def supports_commit(state, conv_state) -> bool:
     return _head_dim_ok(state) and conv_state.dtype in _DTYPES
 
 
+def supports_commit_layers(states, conv_states) -> bool:
+    return states.dim() == 5 and supports_commit(states, conv_states)
+
+
 # ----------------------------------------------------------------------------------------------
 # torch-facing wrappers (contract: kernels/kda/reference.py; records are its KDARecords)
 
@@ -194,19 +198,6 @@ def _check_pools(state: torch.Tensor, conv_state: torch.Tensor, leading: int, ba
         aligned = state.data_ptr() % 16 == 0 and all(state.stride(d) % 4 == 0 for d in range(leading + 1))
         _require(aligned, f"{names[0]}.stride", state.stride(),
                  "must keep every row 16-byte aligned for the TMA-unit copy (bulk_state)")
-
-
-def allocate_records(batch: int, tokens: int, heads: int, head_dim: int, conv_dtype: torch.dtype,
-                     device, lengths: torch.Tensor, leading: tuple[int, ...] = ()) -> KDARecords:
-    """Uninitialised record buffers for verify; `leading` = (L,) stacks L layers for one commit."""
-    per_position = (*leading, batch, tokens, heads, head_dim)
-    return KDARecords(
-        keys=torch.empty(per_position, device=device, dtype=torch.float32),
-        updates=torch.empty(per_position, device=device, dtype=torch.float32),
-        decays=torch.empty(per_position, device=device, dtype=torch.float32),
-        conv_inputs=torch.empty((*leading, batch, 3, heads * head_dim, tokens), device=device, dtype=conv_dtype),
-        lengths=lengths,
-    )
 
 
 def verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,

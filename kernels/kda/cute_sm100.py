@@ -20,11 +20,15 @@ def _arch(device: torch.device) -> str:
 
 
 def kda_verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
-               state, lengths, *, lower_bound, eps, slots=None):
+               state, lengths, *, lower_bound, eps, slots=None, records=None):
     return cute_host.verify(q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias,
                             o_norm_weight, state, lengths, lower_bound=lower_bound, eps=eps,
-                            arch=_arch(state.device), slots=slots)
+                            arch=_arch(state.device), slots=slots, records=records)
 
 
 def kda_commit(state, conv_state, records, num_tokens, slots=None):
     cute_host.commit(state, conv_state, records, num_tokens, arch=_arch(state.device), slots=slots)
+
+
+def kda_commit_layers(states, conv_states, records, num_tokens, slots=None):
+    cute_host.commit_layers(states, conv_states, records, num_tokens, arch=_arch(states.device), slots=slots)

@@ -46,6 +46,28 @@ class KDARecords:
     lengths: torch.Tensor  # [B] valid positions per request
 
 
+def allocate_records(batch: int, tokens: int, heads: int, head_dim: int, conv_dtype: torch.dtype, device,
+                     lengths: torch.Tensor, leading: tuple[int, ...] = (), dtype: torch.dtype = torch.float32
+                     ) -> KDARecords:
+    """Uninitialised record buffers for verify; `leading` = (L,) stacks L layers, so that one
+    kda_commit_layers replays them all (each layer's verify fills its [l] views). dtype: the keys',
+    updates' and decays' (float32; float64 for a float64 oracle)."""
+    per_position = (*leading, batch, tokens, heads, head_dim)
+    return KDARecords(
+        keys=torch.empty(per_position, device=device, dtype=dtype),
+        updates=torch.empty(per_position, device=device, dtype=dtype),
+        decays=torch.empty(per_position, device=device, dtype=dtype),
+        conv_inputs=torch.empty((*leading, batch, 3, heads * head_dim, tokens), device=device, dtype=conv_dtype),
+        lengths=lengths,
+    )
+
+
+def layer_records(stacked: KDARecords, layer: int) -> KDARecords:
+    """Layer `layer`'s views of records stacked by allocate_records(leading=(L,))."""
+    return KDARecords(stacked.keys[layer], stacked.updates[layer], stacked.decays[layer], stacked.conv_inputs[layer],
+                      stacked.lengths)
+
+
 def _check(name: str, tensor: torch.Tensor, shape: tuple) -> None:
     if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
@@ -89,7 +111,7 @@ def _l2_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
 @register("kda_verify", "reference", priority=0, reads_device_values=True)
 def kda_verify(
     q_in, k_in, v_in, f, beta_in, gate_in, conv_weight, conv_state, A_log, dt_bias, o_norm_weight,
-    state, lengths, *, lower_bound: float, eps: float, l2_eps: float = 1e-6, slots=None,
+    state, lengths, *, lower_bound: float, eps: float, l2_eps: float = 1e-6, slots=None, records=None,
 ):
     B, T, W = q_in.shape
     H = beta_in.shape[-1]
@@ -152,7 +174,12 @@ def kda_verify(
             o = o * torch.sigmoid(gate_in[b, t].to(compute).view(H, D))
             out[b, t] = o.reshape(W).to(out.dtype)
             keys[b, t], updates[b, t], decays[b, t] = k, u, decay
-    records = KDARecords(keys, updates, decays, conv_inputs, lengths.detach().clone())
+    if records is None:
+        return out, KDARecords(keys, updates, decays, conv_inputs, lengths.detach().clone())
+    for name, value in (("keys", keys), ("updates", updates), ("decays", decays), ("conv_inputs", conv_inputs)):
+        buffer = getattr(records, name)
+        _check(f"records.{name}", buffer, value.shape)
+        buffer.copy_(value)
     return out, records
 
 
@@ -177,3 +204,17 @@ def kda_commit(state: torch.Tensor, conv_state: torch.Tensor, records: KDARecord
         state[row].copy_(S)
         window = torch.cat([conv_state[row], records.conv_inputs[b, :, :, :n]], dim=-1)
         conv_state[row].copy_(window[..., -(CONV_TAPS - 1) :])
+
+
+@register("kda_commit_layers", "reference", priority=0, reads_device_values=True)
+def kda_commit_layers(states: torch.Tensor, conv_states: torch.Tensor, records: KDARecords, num_tokens,
+                      slots=None) -> None:
+    """kda_commit of L stacked layers: states [L, S, H, D, D], conv_states [L, S, 3, W, 3] and records
+    with a leading L (allocate_records(leading=(L,))), num_tokens [B] shared by the layers."""
+    if states.dim() != 5 or conv_states.dim() != 5 or conv_states.shape[0] != states.shape[0]:
+        raise ValueError(f"states / conv_states: expected [L, S, H, D, D] and [L, S, 3, W, 3], got "
+                         f"{tuple(states.shape)} and {tuple(conv_states.shape)}")
+    if records.keys.dim() != 5 or records.keys.shape[0] != states.shape[0]:
+        raise ValueError(f"records.keys: expected [{states.shape[0]}, B, T, H, D], got {tuple(records.keys.shape)}")
+    for layer in range(states.shape[0]):
+        kda_commit(states[layer], conv_states[layer], layer_records(records, layer), num_tokens, slots=slots)

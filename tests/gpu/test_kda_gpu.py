@@ -377,8 +377,33 @@ def test_registry_dispatches_to_the_cute_kernels():
     name = "cute_sm90" if arch() == "sm_90a" else "cute_sm100"
     assert registry.resolve("kda_verify", "cuda").name == name
     assert registry.resolve("kda_commit", "cuda").name == name
+    assert registry.resolve("kda_commit_layers", "cuda").name == name
     batch, tokens = 1, 4
     inputs = make_inputs(batch, tokens)
     out, records = ops.kda_verify(*inputs.values(), lower_bound=LOWER_BOUND, eps=EPS)
     ops.kda_commit(inputs["state"], inputs["conv_state"], records, torch.full((batch,), 2, device="cuda"))
     assert not out.isnan().any()
+
+
+def test_the_ops_commit_every_layer_in_one_call_as_the_target_does():
+    """The K3 target's path through the ops: each layer's kda_verify fills its views of stacked records
+    (given, poisoned), then one kda_commit_layers on the pools seen layer-major; bitwise what a verify
+    allocating its records and a kda_commit per layer give."""
+    layers, batch, tokens = 3, 2, 4
+    per_layer = [make_inputs(batch, tokens) for _ in range(layers)]
+    pool, conv_pool, slots = random_pools(5, layers, per_layer[0]["conv_state"].dtype, batch)
+    stacked = poisoned_records(batch, tokens, per_layer[0], leading=(layers,))
+    accepted = torch.tensor([3, 1], device="cuda")
+    expected, expected_conv = pool.clone(), conv_pool.clone()
+    for layer, inputs in enumerate(per_layer):
+        pooled = dict(inputs, state=pool[:, layer], conv_state=conv_pool[:, layer])
+        view = reference.layer_records(stacked, layer)
+        out, filled = ops.kda_verify(*pooled.values(), lower_bound=LOWER_BOUND, eps=EPS, slots=slots, records=view)
+        own_out, own = ops.kda_verify(*pooled.values(), lower_bound=LOWER_BOUND, eps=EPS, slots=slots)
+        assert torch.equal(out, own_out)
+        for field in RECORD_FIELDS:
+            assert torch.equal(getattr(filled, field), getattr(own, field)), (layer, field)
+        ops.kda_commit(expected[:, layer], expected_conv[:, layer], own, accepted, slots=slots)
+    ops.kda_commit_layers(pool.transpose(0, 1), conv_pool.transpose(0, 1), stacked, accepted, slots=slots)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, expected) and torch.equal(conv_pool, expected_conv)

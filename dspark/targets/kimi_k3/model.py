@@ -11,7 +11,7 @@ do not depend on its batch, bit for bit.
 `forward` runs B requests of T tokens from their committed decode state without changing it,
 except that MLA rows of the new tokens are written past each slot's committed length (they are
 never read before being written again, so rejected rows leave no trace); it returns the KDA
-records that `ops.kda_commit` replays to keep accepted tokens.
+records of every KDA layer, stacked, which one `ops.kda_commit_layers` replays to keep accepted tokens.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels import ops
+from dspark.kernels.kda.reference import KDARecords, allocate_records, layer_records
 
 from . import weights as layout
 from .config import K3Config
@@ -208,7 +209,8 @@ class K3Model:
         """A row-parallel projection's output summed over the ranks (itself for the whole model)."""
         return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
-    def _kda(self, i, h, B, T, lengths, state, conv_state, slots):
+    def _kda(self, i, h, B, T, lengths, state, conv_state, slots, records: KDARecords):
+        """Layer i's KDA attention output; its verify fills `records`, this layer's views of the forward's."""
         cfg, a = self.cfg, "self_attn"
         H = self.kda_heads
         W = H * cfg.kda_head_dim
@@ -216,14 +218,14 @@ class K3Model:
         projected = ops.linear(h, fused)[:, : sum(sizes)]  # without a rank's padding rows
         q, k, v, g, f_a, beta = projected.split(sizes, dim=-1)  # KDA_INPUT_PROJECTIONS order
         f = ops.linear(f_a, self._w(i, f"{a}.f_b_proj.weight"))
-        o, records = ops.kda_verify(
+        o, _ = ops.kda_verify(
             q.reshape(B, T, W), k.reshape(B, T, W), v.reshape(B, T, W), f.view(B, T, W),
             beta.reshape(B, T, H), g.reshape(B, T, W),
             self.conv_weights[i], conv_state, self._w(i, f"{a}.A_log")[:H],
             self._w(i, f"{a}.dt_bias"), self._w(i, f"{a}.o_norm.weight"), state, lengths,
-            lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, slots=slots,
+            lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, slots=slots, records=records,
         )
-        return self._reduce(ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight"))), records
+        return self._reduce(ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight")))
 
     def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens):
         cfg, a = self.cfg, "self_attn"
@@ -257,7 +259,7 @@ class K3Model:
     # ------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, state: DecodeState, tap_layers=()):
         """tokens [B, T] (row b uses its first lengths[b]) -> (logits [B, T, V] fp32,
-        taps {layer: [B, T, d]}, KDA records per KDA layer)."""
+        taps {layer: [B, T, d]}, the KDA layers' records stacked [n_kda, ...] in KDA layer order)."""
         cfg = self.cfg
         B, T = tokens.shape
         positions = torch.arange(T, device=tokens.device)
@@ -268,7 +270,12 @@ class K3Model:
         taps = {}
         if -1 in tap_layers:
             taps[-1] = hidden.view(B, T, -1)
-        records = []
+        # Every KDA layer's records in one set of buffers, each layer's verify filling its views, so that
+        # the commit replays them all in one launch instead of one per layer.
+        records = allocate_records(B, T, self.kda_heads, cfg.kda_head_dim,
+                                   state.kda[0][1].dtype if state.kda else hidden.dtype, hidden.device, lengths,
+                                   leading=(len(state.kda),),
+                                   dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         # Sealed checkpoints stacked [n, B*T, d] (filled as blocks seal), so a mix reads them as one tensor.
         checkpoints = hidden.new_empty(self.max_checkpoints, B * T, hidden.shape[-1])
         sealed = 0
@@ -299,8 +306,7 @@ class K3Model:
                 block_prefix = None
             if cfg.layer_type(i) == "kda":
                 k = self.kda_index[i]
-                attn, rec = self._kda(i, h, B, T, lengths, *state.kda[k], state.slots)
-                records.append(rec)
+                attn = self._kda(i, h, B, T, lengths, *state.kda[k], state.slots, layer_records(records, k))
             else:
                 attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens)
             # The block's sum with this attention: attn alone after a seal, else block_prefix + attn.

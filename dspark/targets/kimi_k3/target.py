@@ -203,8 +203,9 @@ class K3Target:
     def _commit_batch(self, index, records, counts: torch.Tensor) -> None:
         """Advance the verified batch (device index) by counts [B] on the device, in place: each
         KDA layer's pool rows index[b] and the committed lengths."""
-        for (state, conv), rec in zip(self._kda_pools, records):
-            ops.kda_commit(state, conv, rec, counts, slots=index)
+        if self._kda_pools:  # every KDA layer in one launch: the pools seen layer-major, [n_kda, slots, ...]
+            ops.kda_commit_layers(self.kda_state.transpose(0, 1), self.conv_state.transpose(0, 1), records, counts,
+                                  slots=index)
         self.lengths.index_add_(0, index, counts)
         self._pending = None
 
