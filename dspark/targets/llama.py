@@ -334,7 +334,7 @@ class LlamaTarget:
         ~40 float32 elementwise kernels (a trainer's capture; the same function to float rounding).
         taps_attention="flex" (compiled only): its attention through FlexAttention, whose float32 kernel
         takes the tensor cores at the matmuls' precision (TF32 where enabled), where SDPA's float32
-        kernel does not."""
+        kernel does not (docs/dspark-algorithm.md §6.1)."""
         self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
         if taps_attention not in TAPS_ATTENTION or (taps_attention == "flex" and not compiled_taps):
             raise ValueError(f"taps_attention={taps_attention!r}: must be one of {TAPS_ATTENTION}, 'flex' with "
