@@ -363,12 +363,13 @@ def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
 def test_causal_block_mask_reads_the_tiles_below_the_diagonal_whole_and_the_diagonal_masked():
     """causal_block_mask's tiles, built on the host: query tile i has its diagonal tile partial (under
     causal_mask) and tiles 0..i-1 full, for lengths inside one tile, at a tile's edge and past it."""
-    from dspark.targets.llama import FLEX_TILE, causal_block_mask
+    from dspark.flex_tiles import TILE
+    from dspark.targets.llama import causal_block_mask
 
-    for length in (5, FLEX_TILE, FLEX_TILE + 1, 3 * FLEX_TILE - 7):
-        tiles = -(-length // FLEX_TILE)
+    for length in (5, TILE, TILE + 1, 3 * TILE - 7):
+        tiles = -(-length // TILE)
         mask = causal_block_mask(length, "cpu")
-        assert mask.seq_lengths == (length, length) and mask.BLOCK_SIZE == (FLEX_TILE, FLEX_TILE)
+        assert mask.seq_lengths == (length, length) and mask.BLOCK_SIZE == (TILE, TILE)
         partial = torch.zeros(tiles, tiles, dtype=torch.bool)
         full = torch.zeros(tiles, tiles, dtype=torch.bool)
         for i in range(tiles):

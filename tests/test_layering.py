@@ -27,7 +27,7 @@ FLOOR_OF = {
     "dspark.kernels": "kernels",
     **{f"dspark.{name}": "core" for name in (
         "config", "sampling", "protocols", "policy", "metrics", "files", "transfer", "threads", "cuda_graphs",
-        "checkpoint_files", "presets", "provenance", "checks", "progress")},
+        "checkpoint_files", "presets", "provenance", "checks", "progress", "flex_tiles")},
     "dspark": "core",  # the package's __init__
     "dspark.targets": "models",
     "dspark.drafters": "models",

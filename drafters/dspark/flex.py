@@ -7,9 +7,9 @@ rows j < a and the rows of its own block, nothing else (§2.3). The dense form o
 are masked. FlexAttention skips whole 128 x 128 tiles that a mask leaves empty and skips the mask
 itself on tiles it leaves full, so a slot pays for about (its anchor + G) keys.
 
-The tile structure is computed here from the anchors on the host (a few small tensors) instead of
-evaluating the mask over the [B, Q, KV] grid (`create_block_mask`): the anchors are sorted within a
-sequence, so the tiles a query tile touches follow from the smallest and largest anchor in it.
+The tile structure is computed here from the anchors on the host (dspark/flex_tiles.py) instead of
+evaluating the mask over the [B, Q, KV] grid: the anchors are sorted within a sequence, so the tiles a
+query tile touches follow from the smallest and largest anchor in it.
 """
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ import functools
 
 import torch
 
+from dspark.flex_tiles import TILE, block_mask_from_tiles
 from dspark.transfer import tensor_on
-
-TILE = 128  # FlexAttention's default sparse block size, for queries and keys alike
 
 
 def slot_mask(anchors: torch.Tensor, context: int, block_size: int):
@@ -62,24 +61,12 @@ def tile_masks(anchors: torch.Tensor, context: int, block_size: int) -> tuple[to
     return (context_any | own_any) & ~context_full, context_full
 
 
-def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Qt, Kt] bool -> (count [B, 1, Qt], indices [B, 1, Qt, Kt]) int32, the True tiles first."""
-    count = tiles.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return count[:, None], order[:, None]
-
-
 def block_mask(anchors: torch.Tensor, context: int, block_size: int, device):
     """FlexAttention's BlockMask of one training pass (anchors [B, A] on the host)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     partial, full = tile_masks(anchors, context, block_size)
-    host = (*_ordered(partial), *_ordered(full))
-    count, indices, full_count, full_indices = (tensor_on(t, device) for t in host)
     mask_mod = slot_mask(tensor_on(anchors, device), context, block_size)
     q_len = anchors.shape[1] * block_size
-    return BlockMask.from_kv_blocks(count, indices, full_count, full_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, context + q_len))
+    return block_mask_from_tiles(partial, full, mask_mod, (q_len, context + q_len), device)
 
 
 @functools.cache

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.flex_tiles import TILE, block_mask_from_tiles
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
 from dspark.transfer import tensor_on
@@ -252,7 +253,6 @@ def scatter_rows(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor
 
 ATTENTION_PATHS = ("per_query", "batched")
 TAPS_ATTENTION = ("sdpa", "flex")  # causal_taps' attention: one causal SDPA a layer, or FlexAttention
-FLEX_TILE = 128  # FlexAttention's default sparse block size, for queries and keys alike
 
 
 def causal_mask(b, h, q, kv):
@@ -262,19 +262,13 @@ def causal_mask(b, h, q, kv):
 
 @functools.lru_cache(maxsize=64)
 def causal_block_mask(length: int, device):
-    """FlexAttention's BlockMask of causal attention over `length` rows, built from its 128 x 128 tiles on
-    the host (no pass over the [length, length] grid): query tile i reads key tiles 0..i-1 whole and its
-    own diagonal tile under causal_mask. Cached per (length, device): a trainer's batches repeat lengths."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    tiles = -(-length // FLEX_TILE)
-    rows = torch.arange(tiles, dtype=torch.int32)
-    in_order = rows.expand(tiles, tiles)  # row i's first i entries: the full tiles 0..i-1
-    diagonal_first = (rows[:, None] + rows) % tiles  # row i's first entry: its diagonal tile
-    host = (torch.ones(tiles, dtype=torch.int32), diagonal_first, rows, in_order)
-    count, indices, full_count, full_indices = (tensor_on(t.reshape(1, 1, *t.shape).contiguous(), device) for t in host)
-    return BlockMask.from_kv_blocks(count, indices, full_count, full_indices, BLOCK_SIZE=FLEX_TILE,
-                                    mask_mod=causal_mask, seq_lengths=(length, length))
+    """FlexAttention's BlockMask of causal attention over `length` rows, built from its tiles on the host
+    (dspark/flex_tiles.py): query tile i reads key tiles 0..i-1 whole and its own diagonal tile under
+    causal_mask. Cached per (length, device): a trainer's batches repeat lengths."""
+    tiles = -(-length // TILE)
+    diagonal = torch.eye(tiles, dtype=torch.bool)[None]
+    below = torch.ones(tiles, tiles, dtype=torch.bool).tril(-1)[None]
+    return block_mask_from_tiles(diagonal, below, causal_mask, (length, length), device)
 
 
 def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: tuple[int, ...],
