@@ -75,6 +75,8 @@ class K3Target:
         # Each KDA layer's pools, [max_slots, H, D, D] and [max_slots, 3, W, 3] views with the
         # slot stride of the 5-D tensors, made once rather than per step (host time per call).
         self._kda_pools = [(self.kda_state[:, k], self.conv_state[:, k]) for k in range(n_kda)]
+        # All layers' pools seen layer-major, [n_kda, slots, ...], for the one commit launch of a step.
+        self._kda_layer_major = (self.kda_state.transpose(0, 1), self.conv_state.transpose(0, 1))
         # One spare row per slot past max_seq_len: the padding positions of a ragged batch write
         # their rows there, so the rows of a whole [B, T] block go in with one scatter (no
         # per-request loop reading lengths on the host). Nothing ever reads the spare row.
@@ -203,9 +205,8 @@ class K3Target:
     def _commit_batch(self, index, records, counts: torch.Tensor) -> None:
         """Advance the verified batch (device index) by counts [B] on the device, in place: each
         KDA layer's pool rows index[b] and the committed lengths."""
-        if self._kda_pools:  # every KDA layer in one launch: the pools seen layer-major, [n_kda, slots, ...]
-            ops.kda_commit_layers(self.kda_state.transpose(0, 1), self.conv_state.transpose(0, 1), records, counts,
-                                  slots=index)
+        if self._kda_pools:  # every KDA layer in one launch
+            ops.kda_commit_layers(*self._kda_layer_major, records, counts, slots=index)
         self.lengths.index_add_(0, index, counts)
         self._pending = None
 
