@@ -117,7 +117,7 @@ def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_ev
     captured_for() gives the batch's capture (an online prefill, or a store lookup). read_every_step:
     the metrics and the gradient norm read back every step (the Trainer before log_every)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
-    forward = torch.compile(blocks_forward) if cfg.compile else None
+    forward = torch.compile(blocks_forward, dynamic=False) if cfg.compile else None  # as the Trainer compiles it
 
     def step():
         loss, metrics = train_step_loss(model, captured_for(), sequences, masks, cfg, torch.Generator().manual_seed(0),
@@ -148,6 +148,8 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     batches = profiled_batches(args, ns, config)
     ns.anchor_bucket, ns.length_bucket = batches[0][2]["buckets"]
+    if args.anchor_bucket:  # batches of fewer anchors pad to less, at the price of a compiled shape per bucket
+        ns.anchor_bucket = args.anchor_bucket
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=ns.length_bucket, attention="batched")
     model = recipe.new_model(target, "dspark", ns)
     cuda = target.device.type == "cuda"
@@ -296,6 +298,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=768,
                     help="without --sequences: the longest sequence (lengths in [half, this])")
     ap.add_argument("--anchor-chunk", type=int, default=128, help="train_before's anchor chunks")
+    ap.add_argument("--anchor-bucket", type=int, default=0,
+                    help="train_after's anchor bucket (0: the recipe's one-shape bucket of the data)")
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False,
                     help="train_before's chunks recompute their activations in backward (rounds 5-7 trained without)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -313,6 +317,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.batches < 1:
         ap.error(f"--batches={args.batches}: must be at least 1")
+    if args.anchor_bucket < 0:
+        ap.error(f"--anchor-bucket={args.anchor_bucket}: must be >= 0 (0: the recipe's)")
     if args.reference_loss:
         from dspark.kernels import registry
 

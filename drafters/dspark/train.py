@@ -274,8 +274,9 @@ class Trainer:
         # fused: one kernel for every parameter's update on a GPU (the foreach form launches per group).
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_factor, cfg=cfg))
-        # One compiled pass over the blocks per trainer; train_step_loss hands it the model.
-        self.forward = torch.compile(blocks_forward) if cfg.compile else None
+        # One compiled pass over the blocks per trainer; train_step_loss hands it the model. Static: each
+        # bucketed shape (docs/dspark-algorithm.md §6.2) gets its own graph, never a symbolic-shape one.
+        self.forward = torch.compile(blocks_forward, dynamic=False) if cfg.compile else None
         self.step = 0
         if resume:
             if self.out_dir is None:
