@@ -12,6 +12,6 @@ timeout 330 python3 experiments/smollm2_profile.py --pieces capture,train --held
   --out "$OUT/smollm2_profile.json" > "$OUT/profile.log" 2>&1
 echo "profile rc $?"; tail -9 "$OUT/profile.log"
 # The train step again with anchor buckets of 128 (three compiled shapes) in place of the data's one 384-anchor shape.
-timeout 240 python3 experiments/smollm2_profile.py --pieces train --anchor-bucket 128 --held-out-prompts 0 \
+timeout $((585 - SECONDS)) python3 experiments/smollm2_profile.py --pieces train --anchor-bucket 128 --held-out-prompts 0 \
   --out "$OUT/smollm2_profile_anchor128.json" > "$OUT/profile_anchor128.log" 2>&1
 echo "profile anchor128 rc $?"; tail -4 "$OUT/profile_anchor128.log"
