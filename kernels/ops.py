@@ -184,12 +184,13 @@ def draft_loss_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, row
 
 
 def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
-                    markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
+                    markov_w2: torch.Tensor, target_probs: torch.Tensor | None, rows: torch.Tensor | None,
                     labels: torch.Tensor, *, indices_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """draft_loss_terms of the draft logits z = hidden lm_head^T + prev_embedding markov_w2^T
     ([N, d], [V, d], [N, r], [V, r]) without materialising them: (ce [N], l1 [N]) float32,
     differentiable in hidden, prev_embedding and markov_w2 (lm_head is frozen: one requiring
-    grad is a ValueError). target_probs [M, V] float32 or bf16; contract: kernels/draft_loss/head_reference.py.
+    grad is a ValueError). target_probs [M, V] float32 or bf16, or None (with rows None) for the
+    cross-entropy alone: (ce, None), the L1 pass skipped; contract: kernels/draft_loss/head_reference.py.
     indices_checked: the caller has checked labels against [0, V) and rows against [0, M) itself (on
     the host, before copying them): the op skips its own check, the one read back from the device."""
     args = (hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels)

@@ -155,6 +155,58 @@ def test_fast_step_equals_the_reference_step(attention_type, markov):
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_the_ablations_cross_entropy_step_skips_the_teacher_and_the_zero_markov_columns(monkeypatch):
+    """The DFlash ablation (a frozen all-zero W2, cross-entropy alone): the fast step calls the head
+    with no teacher and without the Markov columns (r = 0), and still gives the reference step's loss
+    and gradients; the terms it did not compute read back as None, not as numbers."""
+    from dspark.drafters.dspark import steps
+
+    target = SyntheticTarget(seed=SEED % 89)
+    seqs, masks = data(target, 4, SEED % 1013)
+    captured = capture(target, seqs, (0, 2))
+    torch.manual_seed(SEED % 101)
+    model = DSparkModel(small_config(target, "gqa"), *target.embedding_weights())
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.zero_()
+    for name, param in model.named_parameters():
+        if name.startswith(("markov_head.", "confidence_head.")):
+            param.requires_grad_(False)
+    calls = []
+    real_op = steps.ops.draft_head_loss
+
+    def spy(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, **options):
+        calls.append((prev_embedding.shape[1], markov_w2.shape[1], target_probs, rows))
+        return real_op(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, **options)
+
+    monkeypatch.setattr(steps.ops, "draft_head_loss", spy)
+    ablation = dict(ce_weight=1.0, l1_weight=0.0, conf_weight=0.0, num_anchors=9)
+    results = {}
+    for name, cfg in (("reference", TrainConfig(**ablation, anchor_chunk=4)),
+                      ("fast", TrainConfig(**ablation, fast=True, anchor_bucket=8, length_bucket=16))):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(SEED))
+        loss.backward()
+        results[name] = (loss.detach(), metrics_to_floats(metrics), grads(model))
+    assert calls == [(0, 0, None, None)]
+    (loss0, m0, g0), (loss1, m1, g1) = results["reference"], results["fast"]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    assert m1["ce"] == pytest.approx(m0["ce"], rel=1e-5)
+    assert m0["l1"] is not None and m1["l1"] is None and m1["conf"] is None and m1["tau"] is None
+    assert set(g1) == set(g0) and not any(n.startswith("markov_head.") for n in g1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+    # A W2 written in place is read again: its bias is no longer zero, so the head gets its columns.
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight[0, 0] = 1.0
+    train_step_loss(model, captured, seqs, masks, TrainConfig(**ablation, fast=True), torch.Generator().manual_seed(SEED))
+    assert calls[-1][:2] == (model.config.markov_rank,) * 2
+
+
+def test_a_config_with_every_loss_weight_zero_is_refused():
+    with pytest.raises(ValueError, match="ce_weight, l1_weight, conf_weight: all 0"):
+        TrainConfig(ce_weight=0.0, l1_weight=0.0, conf_weight=0.0).validate()
+
+
 def test_the_fast_step_checks_its_labels_on_the_host():
     """The loss op is told its indices are checked (no read back from the device): the step checks the
     labels against the LM head's vocabulary itself, before copying them, and names them."""

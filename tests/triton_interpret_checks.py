@@ -436,12 +436,14 @@ def head_loss_with_gradients(fn, operands, target_probs, rows, labels, up_ce, up
     """(ce, l1, d hidden, d prev_embedding, d markov_w2): fn's terms on leaf copies of the operands
     (hidden, prev_embedding, lm_head, markov_w2; lm_head stays frozen) and the gradients of
     sum(up_ce * ce + up_l1 * l1) (random upstream gradients reach both terms' backward) for the
-    leaves `wanted` says require grad (None for the others)."""
+    leaves `wanted` says require grad (None for the others). Without a teacher l1 is None and
+    the sum has the ce term alone."""
     hidden, prev, lm_head, w2 = (t.detach().clone() for t in operands)
     leaves = [t.requires_grad_(True) for t, want in zip((hidden, prev, w2), wanted) if want]
     ce, l1 = fn(hidden, prev, lm_head, w2, target_probs, rows, labels, **options)
-    grads = iter(torch.autograd.grad((ce.double() * up_ce).sum() + (l1.double() * up_l1).sum(), leaves))
-    return (ce.detach(), l1.detach(), *(next(grads) if want else None for want in wanted))
+    total = (ce.double() * up_ce).sum() + (0.0 if l1 is None else (l1.double() * up_l1).sum())
+    grads = iter(torch.autograd.grad(total, leaves))
+    return (ce.detach(), None if l1 is None else l1.detach(), *(next(grads) if want else None for want in wanted))
 
 
 def head_loss_expected(operands, target_probs, rows, labels, up_ce, up_l1, vocab_steps: int,
@@ -520,7 +522,7 @@ def head_loss_inputs(gen, positions, target_rows, vocab, d, r, operand_dtype, ta
         return torch.randn(*shape, generator=gen, device=gen.device)
 
     hidden, prev = normal(positions, d) * 2, normal(positions, r)
-    lm_head, w2 = normal(vocab, d) * (1.5 / d**0.5), normal(vocab, r) * (1.0 / r**0.5)
+    lm_head, w2 = normal(vocab, d) * (1.5 / d**0.5), normal(vocab, r) * (1.0 / max(r, 1) ** 0.5)
     operands = tuple(t.to(operand_dtype) for t in (hidden, prev, lm_head, w2))
     target = torch.softmax(normal(target_rows, vocab) * 2.5, dim=-1).to(target_dtype)
     rows = torch.randint(0, target_rows, (positions,), generator=gen, device=gen.device)
@@ -535,8 +537,10 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
     splits of 192 and 108 columns), K = 56 + 24 = 80 (two K steps, the second zero-padded),
     backward chunks of 16 rows (the last partial); bf16 and float32 operands, rows given and
     None, bf16 and float32 targets, and every subset of the gradients the backward computes
-    apart (all; prev_embedding's alone; hidden's and markov_w2's; markov_w2's alone). Every
-    buffer the wrapper allocates starts as NaN."""
+    apart (all; prev_embedding's alone; hidden's and markov_w2's; markov_w2's alone). Then the
+    cross-entropy alone (no teacher: l1 None), with the Markov part and without it (r = 0, the
+    DFlash ablation's head; K = 56, one K step), against the reference's ce and gradients with
+    the L1 term's upstream gradient zero. Every buffer the wrapper allocates starts as NaN."""
     positions, target_rows, vocab, d, r = 37, 11, 300, 56, 24
     cases = ((torch.bfloat16, torch.bfloat16, True, (True, True, True)),
              (torch.bfloat16, torch.float32, False, (False, True, False)),
@@ -562,6 +566,24 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
         check_head_close(got, want, bounds, grad_dtypes,
                          f"draft_head_loss ({operand_dtype} operands, {target_dtype} target, "
                          f"{'rows' if given_rows else 'no rows'}, gradients of {wanted})")
+    for markov_rank, wanted in ((r, (True, True, True)), (0, (True, False, False))):
+        operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, markov_rank,
+                                                          torch.bfloat16, torch.float32)
+        up_ce = torch.randn(positions, generator=gen, dtype=torch.float64)
+        loss_head_triton.torch = _PoisonedTorch()
+        try:
+            got = head_loss_with_gradients(loss_head_triton.draft_head_loss, operands, None, None, labels,
+                                           up_ce, None, wanted, splits=2, chunk_rows=16)
+        finally:
+            loss_head_triton.torch = real_torch
+        if got[1] is not None:
+            sys.exit(f"draft_head_loss (no teacher, r = {markov_rank}): l1 should be None, got a tensor")
+        rounded = tuple(t.to(torch.bfloat16).double() for t in operands)
+        # The teacher only enters through the L1 term, whose upstream gradient is zero here.
+        want, bounds = head_loss_expected(rounded, target, rows, labels, up_ce, torch.zeros_like(up_ce),
+                                          vocab_steps=vocab // 64 + 64, dz_rounding=INTERPRETER_BF16_U)
+        check_head_close(got, want, bounds, (torch.bfloat16,) * 3,
+                         f"draft_head_loss (no teacher, r = {markov_rank}, gradients of {wanted})")
 
 
 if __name__ == "__main__":

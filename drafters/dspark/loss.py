@@ -12,6 +12,8 @@ fused, never the float32 [rows, V] logits; docs/kernels.md §12); `teacher_probs
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -67,7 +69,11 @@ def row_sums(ce, l1, conf_logits, slot, block, num_blocks: int, G: int, cfg) -> 
     """slot_sums over the supervised slots of a batch given as rows: ce, l1, conf_logits [N], slot
     [N] (k - 1 of each row) and block [N] (its block among num_blocks). A block's supervised slots
     are a prefix of it (build_blocks' eval_mask), so its rows' soft labels, zero-filled to G, give
-    the same tau as the [..., G] form."""
+    the same tau as the [..., G] form. l1 None (a loss without the teacher's terms): the L1 and
+    confidence sums and the diagnostics made from the soft label are NaN (finish_loss leaves out
+    terms of weight 0)."""
+    if l1 is None:
+        l1 = torch.full_like(ce, float("nan"))
     soft_label = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
     bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft_label, reduction="none")
     weight = _decay(G, cfg, ce.device)[slot]
@@ -88,7 +94,8 @@ def finish_loss(sums: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[
     step's metrics as 0-d device tensors (metrics_to_floats reads them, one sync for all)."""
     denom = sums["weight"].detach().clamp(min=1e-12)
     ce, l1, conf = (sums[key] / denom for key in ("ce", "l1", "conf"))
-    loss = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf
+    # A term of weight 0 is left out, not multiplied by 0: a step that skipped it has NaN there.
+    loss = sum(w * term for w, term in ((cfg.ce_weight, ce), (cfg.l1_weight, l1), (cfg.conf_weight, conf)) if w)
     tau = torch.where(sums["blocks"] > 0, sums["tau"] / sums["blocks"].clamp(min=1), torch.ones_like(sums["tau"]))
     metrics = {"loss": loss.detach(), "ce": ce.detach(), "l1": l1.detach(), "conf": conf.detach(), "tau": tau.detach(),
                "accept": (sums["accept"] / sums["slots"].clamp(min=1)).detach()}
@@ -96,11 +103,15 @@ def finish_loss(sums: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[
 
 
 def metrics_to_floats(metrics: dict) -> dict:
-    """A step's metrics with every tensor read back (floats; accept a list rounded to 4 places)."""
+    """A step's metrics with every tensor read back (floats; accept a list rounded to 4 places); a
+    NaN (a term the step did not compute: row_sums) becomes None, so the logs stay strict JSON."""
+    def number(x: float):
+        return None if math.isnan(x) else x
+
     out = {}
     for key, value in metrics.items():
         if isinstance(value, torch.Tensor):
-            value = [round(x, 4) for x in value.tolist()] if value.dim() else value.item()
+            value = [number(round(x, 4)) for x in value.tolist()] if value.dim() else number(value.item())
         out[key] = value
     return out
 

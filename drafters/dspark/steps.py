@@ -200,6 +200,19 @@ class RowPlan:
         return cls(sel, sel % G, sel // G, positions, rows, batch.labels.flatten()[sel], batch.prev.flatten()[sel])
 
 
+def markov_bias_is_zero(model) -> bool:
+    """Whether the vanilla Markov head's W2 is frozen and all zeros, so its logit bias is exactly 0.
+    Read from the device once per change of W2 (its storage and version counter), not every step."""
+    w2 = model.markov_head.markov_w2.weight
+    if w2.requires_grad:
+        return False
+    key = (w2.data_ptr(), w2._version)
+    known = model.__dict__.get("_markov_zero")
+    if known is None or known[0] != key:
+        known = model.__dict__["_markov_zero"] = (key, not bool(w2.any()))
+    return known[1]
+
+
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Long tensors to the device in one copy (one pinned buffer on CUDA, not waited for)."""
     if device.type == "cpu":
@@ -234,12 +247,21 @@ def fast_step_loss(model, captured: BatchCapture, batch: Batch, cfg, forward=Non
     hidden = (forward or blocks_forward)(model, captured.features(c.target_layer_ids), block, positions, visible, mask)
     hidden = hidden.reshape(B * A * G, -1)[sel]  # [N, d]
     prev_embedding = model.markov_head.embed_previous(prev)
-    target = _teacher_at(model, captured, teacher_positions, cfg)
+    # A loss with no L1 and no confidence term (the DFlash ablation's cross-entropy) needs no teacher:
+    # the head then skips its L1 pass and never reads teacher rows.
+    target = _teacher_at(model, captured, teacher_positions, cfg) if cfg.l1_weight or cfg.conf_weight else None
     if c.markov_head_type == "vanilla":
-        ce, l1 = ops.draft_head_loss(hidden, prev_embedding, model.lm_head, model.markov_head.markov_w2.weight,
-                                     target, rows, labels, indices_checked=True)
+        w2 = model.markov_head.markov_w2.weight
+        # A frozen all-zero W2 (the ablation's: docs/dspark-algorithm.md §6.4) adds exactly 0 to every
+        # logit, so the head's GEMM leaves out its r columns.
+        head_prev, head_w2 = (prev_embedding[:, :0], w2[:, :0]) if markov_bias_is_zero(model) else (prev_embedding, w2)
+        ce, l1 = ops.draft_head_loss(hidden, head_prev, model.lm_head, head_w2, target,
+                                     None if target is None else rows, labels, indices_checked=True)
     else:  # the gated head's bias depends on the hidden state: the existing (unfused) path
         logits, _ = model.head_outputs(hidden, prev)
-        ce, l1 = ops.draft_loss_terms(logits, target, rows, labels)
+        if target is None:
+            ce, l1 = F.cross_entropy(logits.float(), labels, reduction="none"), None
+        else:
+            ce, l1 = ops.draft_loss_terms(logits, target, rows, labels)
     conf_logits = model.confidence_head(hidden, prev_embedding)
     return finish_loss(row_sums(ce, l1, conf_logits, slot, block_of, B * A, G, cfg), cfg)

@@ -96,6 +96,8 @@ class TrainConfig:
         for name in ("weight_decay", "ce_weight", "l1_weight", "conf_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
+        if not (self.ce_weight or self.l1_weight or self.conf_weight):
+            raise ValueError("TrainConfig.ce_weight, l1_weight, conf_weight: all 0; at least one must be > 0")
         for name, allowed in (("schedule", SCHEDULES), ("teacher", TEACHERS), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be one of {allowed}")
@@ -454,7 +456,8 @@ def train_together(
         if first.step % first.config.log_every == 0 or stopping:
             for t in trainers.values():
                 t.flush()
-            bar.set_postfix({name: f"loss {h[-1]['loss']:.4f} tau {h[-1]['tau']:.2f}" for name, h in history.items()})
+            bar.set_postfix({name: f"loss {h[-1]['loss']:.4f}" + ("" if h[-1]["tau"] is None else f" tau {h[-1]['tau']:.2f}")
+                             for name, h in history.items()})
         for name, t in trainers.items():
             if t.save(stopping) and progress:
                 bar.write(f"checkpoint: {name} at step {t.step} saved to {t.out_dir}")

@@ -9,6 +9,9 @@ ever written. Three passes over the vocabulary, each a GEMM's worth of tiles:
   head_l1_kernel      with log-sum-exp known: sum_v |p_v - t_v| and S = sum_v sign(p_v - t_v) p_v;
   head_grad_kernel    dL/dz = g_ce (p - onehot(label)) + g_l1 p (sign(p - t) - S), stored in bf16
                       (the wrapper multiplies it out with cuBLAS).
+
+Without a teacher (cross-entropy alone: the DFlash ablation's loss) the L1 pass is skipped and the
+gradient pass reads no teacher row (WITH_L1 = False).
 """
 import os
 
@@ -132,11 +135,13 @@ def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_pt
 @triton.jit
 def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labels_ptr, lse_ptr, mass_ptr,
                      grad_ce_ptr, grad_l1_ptr, grad_desc, n, V, Kp,
-                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     WITH_L1: tl.constexpr):
     """One [BLOCK_M, BLOCK_V] tile of dL/dz = g_ce (p - [v = label]) + g_l1 p (sign(p - t) - S)
     per program, stored in bf16 (docs/dspark-algorithm.md §6.3); the descriptor clips the tile at
     the matrix's edges. Programs run in groups of GROUP_M row blocks sweeping the vocabulary
-    together, so the w tiles they share (and their x rows) are read from L2."""
+    together, so the w tiles they share (and their x rows) are read from L2. WITH_L1 False: the
+    cross-entropy term alone; the teacher's pointers are not read."""
     pid = tl.program_id(0)
     row_blocks = tl.cdiv(n, BLOCK_M)
     per_group = GROUP_M * tl.cdiv(V, BLOCK_V)
@@ -151,14 +156,15 @@ def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labe
     z = _logits_tile(x_desc, w_desc, row0, col0, Kp, BLOCK_M, BLOCK_V, BLOCK_K)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
-    target = target_ptr + tl.load(target_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
-    ok = row_ok[:, None] & col_ok[None, :]
-    diff = p - tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     grad_ce = tl.load(grad_ce_ptr + rows, mask=row_ok, other=0.0)
-    grad_l1 = tl.load(grad_l1_ptr + rows, mask=row_ok, other=0.0)
-    mass = tl.load(mass_ptr + rows, mask=row_ok, other=0.0)
-    grad = (grad_ce[:, None] * (p - tl.where(cols[None, :] == labels[:, None], 1.0, 0.0))
-            + grad_l1[:, None] * p * (sign - mass[:, None]))
+    grad = grad_ce[:, None] * (p - tl.where(cols[None, :] == labels[:, None], 1.0, 0.0))
+    if WITH_L1:
+        target = target_ptr + tl.load(target_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
+        ok = row_ok[:, None] & col_ok[None, :]
+        diff = p - tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        grad_l1 = tl.load(grad_l1_ptr + rows, mask=row_ok, other=0.0)
+        mass = tl.load(mass_ptr + rows, mask=row_ok, other=0.0)
+        grad += grad_l1[:, None] * p * (sign - mass[:, None])
     grad_desc.store([row0, col0], grad.to(tl.bfloat16))

@@ -8,7 +8,8 @@ the head's two products are one GEMM, [hidden ; prev_embedding] [lm_head ; marko
 K = d + r, recomputed tile by tile wherever the logits are needed:
 
   forward   head_lse_kernel (log-sum-exp), then head_l1_kernel (the L1 distance and
-            S = sum_v sign(p_v - t_v) p_v, which the backward needs): 2 GEMMs' worth of tiles;
+            S = sum_v sign(p_v - t_v) p_v, which the backward needs): 2 GEMMs' worth of tiles
+            (1 without a teacher: cross-entropy alone skips the L1 pass);
             z[label] = x . w[label] row by row in torch;
   backward  head_grad_kernel writes dL/dz in bf16 into a buffer of at most GRAD_BUFFER_BYTES,
             rows in chunks (1 GEMM's worth), and cuBLAS (bf16 in, float32 out) multiplies each
@@ -86,7 +87,8 @@ def vocab_splits(n: int, V: int, device: torch.device, splits: int | None, align
 
 
 def _forward(x, w, target_probs, rows, labels, splits: int | None):
-    """(lse, ce, l1, S) per row, float32, from the two forward kernels."""
+    """(lse, ce, l1, S) per row, float32, from the two forward kernels (l1 and S None without a
+    teacher: the L1 pass is skipped)."""
     kernels = _kernels()
     n, Kp = x.shape
     V = w.shape[0]
@@ -100,15 +102,19 @@ def _forward(x, w, target_probs, rows, labels, splits: int | None):
     kernels.head_lse_kernel[grid](x_desc, w_desc, part[0], part[1], n, V, Kp, width, BLOCK_K=BLOCK_K)
     top = part[0].max(dim=0).values
     lse = top + torch.log((part[1] * torch.exp(part[0] - top)).sum(dim=0))
-    kernels.head_l1_kernel[grid](x_desc, w_desc, target_probs, target_probs.stride(0), rows, lse, part[2], part[3],
-                                 n, V, Kp, width, BLOCK_K=BLOCK_K)
+    l1 = mass = None
+    if target_probs is not None:
+        kernels.head_l1_kernel[grid](x_desc, w_desc, target_probs, target_probs.stride(0), rows, lse, part[2], part[3],
+                                     n, V, Kp, width, BLOCK_K=BLOCK_K)
+        l1, mass = part[2].sum(dim=0), part[3].sum(dim=0)
     # z[label] = x . w[label]: products of bf16 values are exact in float32, summed in float32.
     label_logit = (x.float() * w[labels].float()).sum(dim=1)
-    return lse, lse - label_logit, part[2].sum(dim=0), part[3].sum(dim=0)
+    return lse, lse - label_logit, l1, mass
 
 
 def _grad_logits(x, w, target_probs, rows, labels, lse, mass, grad_ce, grad_l1, out: torch.Tensor) -> None:
-    """out [m, V] (bf16, rows 16-byte aligned) = dL/dz of rows x [m, Kp]."""
+    """out [m, V] (bf16, rows 16-byte aligned) = dL/dz of rows x [m, Kp]; target_probs None: the
+    cross-entropy term alone (rows, mass and grad_l1 unread)."""
     kernels = _kernels()
     m, Kp = x.shape
     V = w.shape[0]
@@ -116,9 +122,13 @@ def _grad_logits(x, w, target_probs, rows, labels, lse, mass, grad_ce, grad_l1, 
     def grid(meta):
         return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(V, meta["BLOCK_V"]),)
 
-    kernels.head_grad_kernel[grid](kernels.descriptor(x), kernels.descriptor(w), target_probs, target_probs.stride(0),
+    with_l1 = target_probs is not None
+    # Without a teacher the kernel reads none of its pointers; lse stands in for them.
+    teacher = (target_probs, target_probs.stride(0), rows, mass, grad_l1) if with_l1 else (lse, 0, lse, lse, lse)
+    target, stride, rows, mass, grad_l1 = teacher
+    kernels.head_grad_kernel[grid](kernels.descriptor(x), kernels.descriptor(w), target, stride,
                                    rows, labels, lse, mass, grad_ce, grad_l1, kernels.descriptor(out), m, V, Kp,
-                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M)
+                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, WITH_L1=with_l1)
 
 
 def grad_chunk_rows(n: int, V: int, limit: int | None = None) -> int:
@@ -138,6 +148,8 @@ class _DraftHeadLoss(torch.autograd.Function):
             lse, ce, l1, mass = _forward(x, w, target_probs, rows, labels, splits)
         else:
             lse, ce, l1, mass = (torch.empty(0, dtype=torch.float32, device=hidden.device) for _ in range(4))
+            if target_probs is None:
+                l1 = mass = None
         ctx.save_for_backward(x, w, target_probs, rows, labels, lse, mass)
         ctx.widths = (hidden.shape[1], prev_embedding.shape[1])
         ctx.dtypes = (hidden.dtype, prev_embedding.dtype, markov_w2.dtype)
@@ -154,7 +166,8 @@ class _DraftHeadLoss(torch.autograd.Function):
         cols = slice(0 if needs_hidden else d, d + r if needs_prev else d)
         zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
         grad_ce = zeros if grad_ce is None else grad_ce.float().contiguous()
-        grad_l1 = zeros if grad_l1 is None else grad_l1.float().contiguous()
+        if target_probs is not None:
+            grad_l1 = zeros if grad_l1 is None else grad_l1.float().contiguous()
         d_x = torch.empty(n, cols.stop - cols.start, dtype=torch.float32, device=x.device)
         d_w2 = torch.zeros(V, r, dtype=torch.float32, device=x.device) if needs_w2 else None
         chunk = grad_chunk_rows(n, V, ctx.chunk_rows)
@@ -163,8 +176,10 @@ class _DraftHeadLoss(torch.autograd.Function):
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             grad_z = buffer[: stop - start, :V]
-            _grad_logits(x[start:stop], w, target_probs, rows[start:stop], labels[start:stop], lse[start:stop],
-                         mass[start:stop], grad_ce[start:stop], grad_l1[start:stop], grad_z)
+            part = slice(start, stop)
+            teacher = (rows[part], mass[part], grad_l1[part]) if target_probs is not None else (None, None, None)
+            _grad_logits(x[part], w, target_probs, teacher[0], labels[part], lse[part], teacher[1], grad_ce[part],
+                         teacher[2], grad_z)
             if cols.stop > cols.start:
                 d_x[start:stop] = _product_float32(grad_z, w[:, cols])
             if needs_w2:
@@ -176,7 +191,7 @@ class _DraftHeadLoss(torch.autograd.Function):
 
 
 def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head: torch.Tensor,
-                    markov_w2: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor | None,
+                    markov_w2: torch.Tensor, target_probs: torch.Tensor | None, rows: torch.Tensor | None,
                     labels: torch.Tensor, *, indices_checked: bool = False, splits: int | None = None,
                     chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op (contract: head_reference.py; indices_checked: ops.draft_head_loss). splits: the forward's
@@ -188,19 +203,21 @@ def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head:
     for name, value in (("splits", splits), ("chunk_rows", chunk_rows)):
         if value is not None and value < 1:
             raise ValueError(f"draft_head_loss: {name} must be >= 1, got {value}")
-    if rows is None:
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-    if target_probs.stride(1) != 1:
-        target_probs = target_probs.contiguous()
-    return _DraftHeadLoss.apply(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows.contiguous(),
+    if target_probs is not None:
+        if rows is None:
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+        rows = rows.contiguous()
+        if target_probs.stride(1) != 1:
+            target_probs = target_probs.contiguous()
+    return _DraftHeadLoss.apply(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows,
                                 labels.contiguous(), splits, chunk_rows)
 
 
 def supports(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels) -> bool:
-    """bf16/fp16/fp32 operands and a float32 or bf16 target; float64 goes to the reference."""
+    """bf16/fp16/fp32 operands and a float32 or bf16 target (or none); float64 goes to the reference."""
     operands = (hidden, prev_embedding, lm_head, markov_w2)
     return (all(t.dim() == 2 and t.dtype in _OPERAND_DTYPES for t in operands)
-            and target_probs.dim() == 2 and target_probs.dtype in (torch.float32, torch.bfloat16))
+            and (target_probs is None or (target_probs.dim() == 2 and target_probs.dtype in (torch.float32, torch.bfloat16))))
 
 
 # The default on CUDA: the reference's float32 logits are what this op exists to avoid.
