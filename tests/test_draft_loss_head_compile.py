@@ -23,8 +23,10 @@ def _signature(fn, block_m: int, block_v: int, target: str):
     (the recipe's sizes all are), TMA descriptors with the config's boxes."""
     descriptors = {"x_desc": (block_m, head_triton.BLOCK_K), "w_desc": (block_v, head_triton.BLOCK_K),
                    "grad_desc": (block_m, block_v)}
+    # target "none": the gradient pass without a teacher (cross-entropy alone; its pointer unread).
     constexprs = {"BLOCK_M": block_m, "BLOCK_V": block_v, "BLOCK_K": head_triton.BLOCK_K,
-                  "GROUP_M": head_triton.GROUP_M}
+                  "GROUP_M": head_triton.GROUP_M, "WITH_L1": target != "none"}
+    target = "*fp32" if target == "none" else target
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -44,11 +46,12 @@ def _signature(fn, block_m: int, block_v: int, target: str):
 CASES = [(kernel, config, target)
          for kernel in ("head_lse_kernel", "head_l1_kernel", "head_grad_kernel")
          for config in getattr(head_kernels, kernel).configs
-         for target in (("*fp32",) if kernel == "head_lse_kernel" else ("*bf16", "*fp32"))]
+         for target in {"head_lse_kernel": ("*fp32",), "head_l1_kernel": ("*bf16", "*fp32"),
+                        "head_grad_kernel": ("*bf16", "*fp32", "none")}[kernel]]
 
 
 @pytest.mark.parametrize("kernel,config,target", CASES,
-                         ids=[f"{k}-{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_V']}-w{c.num_warps}s{c.num_stages}-{t[1:]}"
+                         ids=[f"{k}-{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_V']}-w{c.num_warps}s{c.num_stages}-{t.lstrip('*')}"
                               for k, c, t in CASES])
 def test_compiles_for_sm90_without_spills(kernel, config, target, tmp_path):
     fn = getattr(head_kernels, kernel).fn
