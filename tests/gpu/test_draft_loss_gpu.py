@@ -59,7 +59,8 @@ def test_draft_loss_terms_match_float64(dtype):
                             f"{((grad - want_grad).abs() - bound).max().item():.2e} past it")
 
 
-@pytest.mark.parametrize("operand_dtype,target_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("operand_dtype,target_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                        (torch.bfloat16, None)])
 def test_draft_head_loss_matches_float64_at_the_recipe_sizes(operand_dtype, target_dtype):
     """ops.draft_head_loss (the Triton implementation, the default on CUDA) at the SmolLM2
     recipe's step: N = 32,768 slots, d = 576, r = 256, V = 49,152, M = 12,288 target rows. The
@@ -67,7 +68,9 @@ def test_draft_head_loss_matches_float64_at_the_recipe_sizes(operand_dtype, targ
     reference (on the bf16-rounded operands) is needed for those slots only: their ce, l1 and
     gradient rows, and markov_w2's whole gradient, within head_loss_expected's bounds (derived
     from the kernels' float32 and bf16 arithmetic); every other slot's gradient rows must be
-    exactly zero. Every buffer the wrapper allocates starts as NaN, so an unwritten element shows."""
+    exactly zero. Every buffer the wrapper allocates starts as NaN, so an unwritten element shows.
+    target_dtype None: the DFlash ablation's call, cross-entropy alone at r = 0 (no teacher, no
+    Markov columns), against the reference with the L1 term's upstream gradient zero."""
     from triton_interpret_checks import (_PoisonedTorch, check_head_close, head_loss_expected, head_loss_inputs,
                                          head_loss_with_gradients)
 
@@ -76,19 +79,23 @@ def test_draft_head_loss_matches_float64_at_the_recipe_sizes(operand_dtype, targ
 
     seed = int(torch.randint(0, 2**31 - 1, ()))
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    N, M, V, d, r, checked = 32768, 12288, 49152, 576, 256, 512
-    operands, target, rows, labels = head_loss_inputs(gen, N, M, V, d, r, operand_dtype, target_dtype)
+    teacher = target_dtype is not None
+    N, M, V, d, r, checked = 32768, 12288, 49152, 576, 256 if teacher else 0, 512
+    operands, target, rows, labels = head_loss_inputs(gen, N, M, V, d, r, operand_dtype, target_dtype or torch.float32)
     picked = torch.randperm(N, generator=gen, device="cuda")[:checked]
     up_ce, up_l1 = (torch.zeros(N, dtype=torch.float64, device="cuda") for _ in range(2))
     up_ce[picked] = torch.randn(checked, generator=gen, dtype=torch.float64, device="cuda")
-    up_l1[picked] = torch.randn(checked, generator=gen, dtype=torch.float64, device="cuda")
-    assert registry.select("draft_head_loss", *operands, target, rows, labels).name == "triton"
+    if teacher:
+        up_l1[picked] = torch.randn(checked, generator=gen, dtype=torch.float64, device="cuda")
+    given = (target, rows) if teacher else (None, None)
+    assert registry.select("draft_head_loss", *operands, *given, labels).name == "triton"
     real_torch = head_triton.torch
     head_triton.torch = _PoisonedTorch()
     try:
-        got = head_loss_with_gradients(ops.draft_head_loss, operands, target, rows, labels, up_ce, up_l1)
+        got = head_loss_with_gradients(ops.draft_head_loss, operands, *given, labels, up_ce, up_l1)
     finally:
         head_triton.torch = real_torch
+    assert (got[1] is None) == (not teacher)
     others = torch.ones(N, dtype=torch.bool, device="cuda")
     others[picked] = False
     for grad, what in ((got[2], "d hidden"), (got[3], "d prev_embedding")):
@@ -97,7 +104,7 @@ def test_draft_head_loss_matches_float64_at_the_recipe_sizes(operand_dtype, targ
     sub = (rounded[0][picked], rounded[1][picked], rounded[2], rounded[3])
     want, bounds = head_loss_expected(sub, target[rows[picked]], None, labels[picked], up_ce[picked], up_l1[picked],
                                       vocab_steps=V // 64 + 64)
-    got = (got[0][picked], got[1][picked], got[2][picked], got[3][picked], got[4])
+    got = (got[0][picked], got[1][picked] if teacher else None, got[2][picked], got[3][picked], got[4])
     try:
         check_head_close(got, want, bounds, (operand_dtype,) * 3, f"seed {seed}")
     except SystemExit as failure:  # the shared checks exit with their message (they also run as a script)

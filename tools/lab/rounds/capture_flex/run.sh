@@ -6,7 +6,7 @@ set -u
 R=$PWD
 source tools/lab/device_env.sh
 export DSPARK_GIT_COMMIT=$1
-(cd /tmp && timeout 200 python3 -m pytest "$R/tests/gpu/test_dspark_train_gpu.py" -q -p no:cacheprovider \
+(cd /tmp && timeout 240 python3 -m pytest "$R/tests/gpu/test_dspark_train_gpu.py" "$R/tests/gpu/test_draft_loss_gpu.py" -q -p no:cacheprovider \
   > "$OUT/gpu_tests_train.log" 2>&1; echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests_train.log")
 timeout 330 python3 experiments/smollm2_profile.py --pieces capture,train --held-out-prompts 0 \
   --out "$OUT/smollm2_profile.json" > "$OUT/profile.log" 2>&1
