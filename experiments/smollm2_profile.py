@@ -12,6 +12,7 @@ host-side aten calls, and the largest GPU kernels and host ops by name:
 - train_before / train_after: one DSpark training step (the batch's capture, forward, backward, clip,
   AdamW) before issue 33 and now, in one run on the same batches (training_pieces says what each is);
   both in the precision the recipe trains in (TF32 float32 matmuls, the backbone under bf16 autocast);
+- train_ablation: the DFlash ablation's step as train_after runs it (cross-entropy alone, no Markov head);
 - held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
 - capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
   sequences of its batch that the capture store does not hold (capture_pieces says what each is).
@@ -134,7 +135,7 @@ def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_ev
 
 
 def training_pieces(config, weights, args, out: dict, save) -> None:
-    """capture, train_before, train_after, each over the profiled batches (over_batches), and (unless
+    """capture, train_before, train_after, train_ablation, each over the profiled batches (over_batches), and (unless
     --held-out-prompts 0) held_out into `out`, saved after each batch: a call cut off by its time limit
     keeps what it measured.
 
@@ -143,7 +144,8 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     slot, metrics read back every step. train_after is the recipe's step now: the batch's taps and LM-head
     input looked up in a bf16 capture store, every anchor through FlexAttention's block mask, the loss on
     the supervised slots only, anchor and length buckets, the blocks' pass compiled, fused AdamW, metrics
-    left on the device."""
+    left on the device. train_ablation is train_after's step for the DFlash ablation (its own model and
+    AdamW, the same batches)."""
     # The recipe's own drafter and training settings (its defaults), at this run's batch.
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     batches = profiled_batches(args, ns, config)
@@ -151,18 +153,19 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     if args.anchor_bucket:  # batches of fewer anchors pad to less, at the price of a compiled shape per bucket
         ns.anchor_bucket = args.anchor_bucket
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=ns.length_bucket, attention="batched")
-    model = recipe.new_model(target, "dspark", ns)
+    model, ablation_model = (recipe.new_model(target, name, ns) for name in ("dspark", "dflash_ablation"))
     cuda = target.device.type == "cuda"
     if cuda:
-        model.autocast_dtype = torch.bfloat16
-    after = dataclasses.replace(recipe.train_configs(ns)["dspark"], compile=cuda and args.compile,
-                                attention="flex" if cuda else "sdpa")
+        model.autocast_dtype = ablation_model.autocast_dtype = torch.bfloat16
+    fast = dict(compile=cuda and args.compile, attention="flex" if cuda else "sdpa")
+    after = dataclasses.replace(recipe.train_configs(ns)["dspark"], **fast)
+    ablation = dataclasses.replace(recipe.train_configs(ns)["dflash_ablation"], **fast)
     before = dataclasses.replace(after, fast=False, attention="sdpa", compile=False, anchor_bucket=0, length_bucket=0,
                                  anchor_chunk=args.anchor_chunk, recompute=args.recompute, teacher="logits")
     out["batches"] = [data for _, _, data in batches]
     g = torch.Generator().manual_seed(args.seed)
     taps = tuple(model.config.target_layer_ids)
-    measurements: dict[str, list[dict]] = {"capture": [], "train_before": [], "train_after": []}
+    measurements: dict[str, list[dict]] = {"capture": [], "train_before": [], "train_after": [], "train_ablation": []}
     peak: dict[str, float] = {}
     with recipe.tf32_on_cuda(target.device):  # the precision the recipe trains in, capture included
         for n, (sequences, masks, _) in enumerate(batches):
@@ -171,10 +174,12 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
             store.fill(progress=False)
             pick = list(range(len(sequences)))
             model.train()
-            pieces = (("train_before", before, lambda: capture(target, sequences, taps), False, True),
-                      ("train_after", after, lambda: store.batch(pick), cuda, False))
-            for name, cfg, captured_for, fused, read in pieces:
-                step = step_runner(model, cfg, sequences, masks, captured_for, fused, read)
+            ablation_model.train()
+            pieces = (("train_before", model, before, lambda: capture(target, sequences, taps), False, True),
+                      ("train_after", model, after, lambda: store.batch(pick), cuda, False),
+                      ("train_ablation", ablation_model, ablation, lambda: store.batch(pick), cuda, False))
+            for name, piece_model, cfg, captured_for, fused, read in pieces:
+                step = step_runner(piece_model, cfg, sequences, masks, captured_for, fused, read)
                 for _ in range(args.warmup if n == 0 else 1):  # compiles once (one shape), then the allocator
                     step()
                 if cuda:
@@ -185,13 +190,14 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
                     peak[name] = max(peak.get(name, 0.0), round(torch.cuda.max_memory_allocated() / 2**30, 2))
             for name, taken in measurements.items():
                 out[name] = over_batches(taken)
-            for name, cfg in (("train_before", before), ("train_after", after)):
+            for name, cfg in (("train_before", before), ("train_after", after), ("train_ablation", ablation)):
                 out[name]["config"] = {k: v for k, v in vars(cfg).items() if k in PROFILED_SETTINGS}
                 if name in peak:
                     out[name]["peak_memory_gib"] = peak[name]
             save()
             del store
         model.eval()
+        ablation_model.eval()
     if not args.held_out_prompts:
         return
     held_out = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in (args.seq_len // 4,) * args.held_out_prompts]
@@ -349,7 +355,7 @@ def main(argv=None) -> int:
             return 2
     save()
     for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "capture_taps_flex",
-                 "store_online", "train_before", "train_after", "held_out"):
+                 "store_online", "train_before", "train_after", "train_ablation", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"
