@@ -510,66 +510,88 @@ def held_out_record(args, check_target, model: DSparkModel, held_out, cfg: Train
             "loss": history[-1]["loss"] if history else None, "tau_train": history[-1]["tau"] if history else None}
 
 
-def train_variant(args, name: str, model: DSparkModel, cfg: TrainConfig, run: dict, *, data, where: Path,
-                  deadline: float, checks: dict, before: int = 0, end: int | None = None) -> None:
-    """One drafter's run to step `end` (default cfg.steps) of cfg's schedule in `where` (resumed from its
-    checkpoint: weights, AdamW, schedule), a held-out check at every multiple of checks['every'] and at
-    the end (into run['held_out']) and its wall time per step (run['seconds_per_step'], held-out checks
-    left out). data: (target, sequences, masks, store); checks: (check target, prompts, every); before:
-    steps of earlier legs."""
+def train_drafters(args, drafters: dict, *, data, work: Path, deadline: float, checks: dict, before: dict,
+                   end: int) -> None:
+    """Drafters {name: (model, cfg, run)} trained together to step `end` of their schedule, each in
+    work/name (resumed from its checkpoint: weights, AdamW, schedule): in lockstep when there are several
+    (train_together: each batch captured once for all of them). A held-out check of each at every multiple
+    of checks['every'] and at the end (into its run['held_out']), and the wall time per step in each run
+    (run['seconds_per_step'], held-out checks left out; in lockstep the step of all of them). data: (target,
+    sequences, masks, store); checks: (check target, prompts, every, save); before: {name: steps of earlier
+    legs}."""
     target, sequences, masks, store = data
-    end = cfg.steps if end is None else end
-    step = trained_steps(where)
-    if step >= end and run["held_out"] and run["held_out"][-1]["step"] == end:
+    runs = {name: run for name, (_, _, run) in drafters.items()}
+    steps = {name: trained_steps(work / name) for name in drafters}
+    if all(steps[n] >= end and runs[n]["held_out"] and runs[n]["held_out"][-1]["step"] == end for n in drafters):
         return
+    if len(set(steps.values())) > 1:
+        raise RecipeError(f"lockstep: the drafters' checkpoints stand at different steps {steps}; train them apart")
     with tf32_on_cuda(target.device):
-        trainer = Trainer(model, sequences, masks, cfg, where, resume=step > 0)
+        trainers = {name: Trainer(model, sequences, masks, cfg, work / name, resume=steps[name] > 0)
+                    for name, (model, cfg, _) in drafters.items()}
+        first = next(iter(trainers.values()))
+        together = ", ".join(drafters)
+
+        def check(step: int, histories: dict) -> None:
+            for name, (model, cfg, run) in drafters.items():
+                run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg, step,
+                                                       before[name] + step, histories.get(name, [])))
+            checks["save"]()
+
         try:
-            while trainer.step < end:
+            while first.step < end:
                 if time.time() > deadline:
-                    raise StoppedEarly(f"train {name}: step {trainer.step} of {end} (--time-limit)")
-                begun, began = trainer.step, time.perf_counter()
+                    raise StoppedEarly(f"train {together}: step {first.step} of {end} (--time-limit)")
+                begun, began = first.step, time.perf_counter()
                 segment = min(checks["every"] - begun % checks["every"], end - begun)
-                history = train_together(target, {name: trainer}, stop_after=segment, deadline=deadline, store=store)[name]
+                histories = train_together(target, trainers, stop_after=segment, deadline=deadline, store=store)
                 if target.device.type == "cuda":
                     torch.cuda.synchronize(target.device)
-                run["train_seconds"] = round(run.get("train_seconds", 0.0) + time.perf_counter() - began, 2)
-                run["steps_timed"] = run.get("steps_timed", 0) + trainer.step - begun
-                run["seconds_per_step"] = round(run["train_seconds"] / max(1, run["steps_timed"]), 4)
-                if trainer.step < begun + segment:  # the deadline passed inside
-                    raise StoppedEarly(f"train {name}: step {trainer.step} of {end} (--time-limit)")
-                if trainer.step % checks["every"] == 0 or trainer.step == end:
-                    run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg,
-                                                           trainer.step, before + trainer.step, history))
-                checks["save"]()
-            if not run["held_out"] or run["held_out"][-1]["step"] != end:  # an earlier call ended before it
-                run["held_out"].append(held_out_record(args, checks["target"], model, checks["prompts"], cfg,
-                                                       end, before + end, []))
-                checks["save"]()
+                for run in runs.values():
+                    run["train_seconds"] = round(run.get("train_seconds", 0.0) + time.perf_counter() - began, 2)
+                    run["steps_timed"] = run.get("steps_timed", 0) + first.step - begun
+                    run["seconds_per_step"] = round(run["train_seconds"] / max(1, run["steps_timed"]), 4)
+                    if len(drafters) > 1:
+                        run["lockstep_with"] = [name for name in drafters if runs[name] is not run]
+                if first.step < begun + segment:  # the deadline passed inside
+                    raise StoppedEarly(f"train {together}: step {first.step} of {end} (--time-limit)")
+                if first.step % checks["every"] == 0 or first.step == end:
+                    check(first.step, histories)
+                else:
+                    checks["save"]()
+            if any(not run["held_out"] or run["held_out"][-1]["step"] != end for run in runs.values()):
+                check(end, {})  # an earlier call ended before it
         finally:
-            trainer.close()
+            for trainer in trainers.values():
+                trainer.close()
 
 
 def train_variants(args, target, sequences, masks, held_out, work: Path, results: dict, save, deadline, *,
                    check_target=None, store=None, variants: tuple[str, ...] = VARIANTS, start: dict | None = None,
                    lr: float | None = None) -> dict:
-    """DSpark, then the ablation, each in its own run to the same --steps (not in lockstep: the cached
-    capture serves both, and DSpark's run gets the whole of its calls); `start`: a pack to continue
-    (read_pack). Returns the trained models."""
+    """DSpark, then the ablation, each in its own run to the same --steps (DSpark's run gets the whole of
+    its calls), or with --lockstep both at once, each batch captured once for the two (the experiment in one
+    session's device time: the online capture is paid once a step); `start`: a pack to continue (read_pack).
+    Returns the trained models."""
     configs = train_configs(args, len(start["variants"][variants[0]]["legs"]) if start else 0, lr)
     end = last_step(args)
     checks = {"target": check_target or target, "prompts": held_out, "every": args.eval_every, "save": save}
-    models = {}
+    drafters = {}
     for name in variants:
-        cfg = configs[name]
-        run = results.setdefault("training", {}).setdefault(name, {"train_config": vars(cfg).copy(), "held_out": []})
-        models[name] = new_model(target, name, args, start)
+        run = results.setdefault("training", {}).setdefault(name, {"train_config": vars(configs[name]).copy(),
+                                                                   "held_out": []})
+        model = new_model(target, name, args, start)
         if target.device.type == "cuda":
-            models[name].autocast_dtype = torch.bfloat16
-        train_variant(args, name, models[name], cfg, run, data=(target, sequences, masks, store), where=work / name,
-                      deadline=deadline, checks=checks, before=steps_before(start, name), end=end)
-        run.update(steps=end, schedule_steps=cfg.steps, sequences=len(sequences),
-                   epochs=round(end * cfg.batch_size / len(sequences), 3))
+            model.autocast_dtype = torch.bfloat16
+        drafters[name] = (model, configs[name], run)
+    groups = [list(variants)] if args.lockstep else [[name] for name in variants]
+    for group in groups:
+        train_drafters(args, {name: drafters[name] for name in group}, data=(target, sequences, masks, store),
+                       work=work, deadline=deadline, checks=checks, before={name: steps_before(start, name) for name in group},
+                       end=end)
+        for name in group:
+            drafters[name][2].update(steps=end, schedule_steps=configs[name].steps, sequences=len(sequences),
+                                     epochs=round(end * configs[name].batch_size / len(sequences), 3))
         save()
     return {name: restore(work / name, target) for name in variants}
 
@@ -589,8 +611,8 @@ def lr_ab(args, target, sequences, masks, held_out, work: Path, results: dict, s
         if target.device.type == "cuda":
             model.autocast_dtype = torch.bfloat16
         checks = {"target": check_target, "prompts": held_out, "every": args.lr_ab_steps, "save": save}
-        train_variant(args, "dspark", model, cfg, run, data=(target, sequences, masks, store),
-                      where=work / "lr_ab" / key, deadline=deadline, checks=checks)
+        train_drafters(args, {key: (model, cfg, run)}, data=(target, sequences, masks, store), work=work / "lr_ab",
+                       deadline=deadline, checks=checks, before={key: 0}, end=cfg.steps)
     final = {key: run["held_out"][-1] for key, run in ab["runs"].items()}
     best = max(final, key=lambda key: final[key]["acceptance_length"])
     for key, record in final.items():
@@ -1093,6 +1115,9 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--variants", type=variant_list, default=",".join(VARIANTS),
                    help="the drafters this run trains (comma-separated: dspark, dflash_ablation); the others come "
                         "from --finished")
+    r.add_argument("--lockstep", action="store_true",
+                   help="train the --variants together, each batch captured once for all (the whole experiment in "
+                        "one session); default: each in its own run, DSpark first")
     r.add_argument("--finished", default="",
                    help="a pack (`pack`) of drafters trained to the end in an earlier session, evaluated as they "
                         "are: the ones --variants leaves out")

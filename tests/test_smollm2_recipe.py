@@ -246,6 +246,34 @@ def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, 
         torch.testing.assert_close(calibrated[key].float(), tensor.float(), rtol=0, atol=0)
 
 
+def test_lockstep_training_gives_the_separate_runs_drafters(tmp_path):
+    """--lockstep trains both drafters on each batch captured once: on the CPU the same weights, bit for
+    bit, and the same held-out records as training them one after the other, with each run saying what it
+    trained beside."""
+    tiny_data_for_the_gguf(tmp_path / "data.npz")
+    base = ["run", "--data", str(tmp_path / "data.npz"), "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3",
+            "--prefill-chunk", "2", "--steps", "3", "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0",
+            "--layers", "1", "--markov-rank", "8", "--eval-every", "2", "--held-out-prompts", "1",
+            "--held-out-tokens", "3", "--attention", "per_query", "--log-every", "1", "--only-train"]
+    apart, together = tmp_path / "apart", tmp_path / "together"
+    assert recipe.main(base + ["--work-dir", str(apart), "--out", str(tmp_path / "a.json"), "--sequences", ""]) == 0
+    sequences = ["--sequences", str(apart / "sequences.npz")]
+    assert recipe.main(base + ["--work-dir", str(together), "--out", str(tmp_path / "b.json"), *sequences,
+                               "--lockstep"]) == 0
+    runs = {name: json.loads((tmp_path / f"{name}.json").read_text())["training"] for name in ("a", "b")}
+    for name in recipe.VARIANTS:
+        assert recipe.trained_steps(together / name) == 3
+        want, got = read_tensors(apart / name), read_tensors(together / name)
+        assert set(got) == set(want)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=f"{name}: {key}")
+        records = [{k: h[k] for k in ("step", "acceptance_length", "prompt_accepted")} for h in runs["b"][name]["held_out"]]
+        assert records == [{k: h[k] for k in ("step", "acceptance_length", "prompt_accepted")}
+                           for h in runs["a"][name]["held_out"]] and [r["step"] for r in records] == [2, 3]
+        assert runs["b"][name]["lockstep_with"] == [other for other in recipe.VARIANTS if other != name]
+        assert "lockstep_with" not in runs["a"][name]
+
+
 def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
     """experiments/smollm2_init_ab.py at a tiny size: each start trains through the recipe's own
     train_variant, layers copied as named, and the held-out checks are recorded."""
