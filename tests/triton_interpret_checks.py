@@ -546,19 +546,23 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
              (torch.bfloat16, torch.float32, False, (False, True, False)),
              (torch.float32, torch.bfloat16, False, (True, False, True)),
              (torch.float32, torch.float32, True, (False, False, True)))
-    real_torch = loss_head_triton.torch
+    def poisoned_run(operands, target, rows, labels, up_ce, up_l1, wanted):
+        """head_triton's terms and gradients with every buffer it allocates starting as NaN."""
+        real_torch = loss_head_triton.torch
+        loss_head_triton.torch = _PoisonedTorch()
+        try:
+            return head_loss_with_gradients(loss_head_triton.draft_head_loss, operands, target, rows, labels,
+                                            up_ce, up_l1, wanted, splits=2, chunk_rows=16)
+        finally:
+            loss_head_triton.torch = real_torch
+
     for operand_dtype, target_dtype, given_rows, wanted in cases:
         operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, r, operand_dtype,
                                                           target_dtype)
         if not given_rows:
             target, rows = target[rows], None
         up_ce, up_l1 = (torch.randn(positions, generator=gen, dtype=torch.float64) for _ in range(2))
-        loss_head_triton.torch = _PoisonedTorch()
-        try:
-            got = head_loss_with_gradients(loss_head_triton.draft_head_loss, operands, target, rows, labels,
-                                           up_ce, up_l1, wanted, splits=2, chunk_rows=16)
-        finally:
-            loss_head_triton.torch = real_torch
+        got = poisoned_run(operands, target, rows, labels, up_ce, up_l1, wanted)
         rounded = tuple(t.to(torch.bfloat16).double() for t in operands)
         want, bounds = head_loss_expected(rounded, target, rows, labels, up_ce, up_l1, vocab_steps=vocab // 64 + 64,
                                           dz_rounding=INTERPRETER_BF16_U)
@@ -570,12 +574,7 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
         operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, markov_rank,
                                                           torch.bfloat16, torch.float32)
         up_ce = torch.randn(positions, generator=gen, dtype=torch.float64)
-        loss_head_triton.torch = _PoisonedTorch()
-        try:
-            got = head_loss_with_gradients(loss_head_triton.draft_head_loss, operands, None, None, labels,
-                                           up_ce, None, wanted, splits=2, chunk_rows=16)
-        finally:
-            loss_head_triton.torch = real_torch
+        got = poisoned_run(operands, None, None, labels, up_ce, None, wanted)
         if got[1] is not None:
             sys.exit(f"draft_head_loss (no teacher, r = {markov_rank}): l1 should be None, got a tensor")
         rounded = tuple(t.to(torch.bfloat16).double() for t in operands)
