@@ -202,23 +202,6 @@ def test_the_ablations_cross_entropy_step_skips_the_teacher_and_the_zero_markov_
     assert calls[-1][:2] == (model.config.markov_rank,) * 2
 
 
-def test_the_teacher_keeps_the_precision_of_the_captured_lm_head_input():
-    """Computed in float32 from the LM head's input, the teacher's rows are stored in bf16 when the
-    capture is bf16 (a store's) and in float32 otherwise; the bf16 rows are the float32 ones rounded."""
-    from dspark.drafters.dspark.capture import BatchCapture
-    from dspark.drafters.dspark.steps import _teacher_at
-
-    model = llama_drafter(tiny_llama(SEED % 97))
-    final = torch.randn(2, 5, model.config.target_hidden_size, generator=torch.Generator().manual_seed(SEED))
-    cfg = TrainConfig(teacher="lm_head")
-    got = {dtype: _teacher_at(model, BatchCapture({model.config.target_num_layers: final.to(dtype)}, None), None, cfg)
-           for dtype in (torch.float32, torch.bfloat16)}
-    assert got[torch.float32].dtype == torch.float32 and got[torch.bfloat16].dtype == torch.bfloat16
-    from_rounded = _teacher_at(model, BatchCapture({model.config.target_num_layers: final.to(torch.bfloat16).float()}, None),
-                               None, cfg)
-    assert torch.equal(got[torch.bfloat16], from_rounded.to(torch.bfloat16))
-
-
 def test_a_config_with_every_loss_weight_zero_is_refused():
     with pytest.raises(ValueError, match="ce_weight, l1_weight, conf_weight: all 0"):
         TrainConfig(ce_weight=0.0, l1_weight=0.0, conf_weight=0.0).validate()

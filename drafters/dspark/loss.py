@@ -35,11 +35,11 @@ def _widened_product(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_probs(final_hidden: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """softmax(final_hidden @ lm_head^T) computed in float32 and stored in `dtype`, [M, d] -> [M, V],
-    HEAD_CHUNK_ROWS rows at a time: the target's distribution at M positions from the LM head's input
-    (TargetOutput's tap num_layers), as the target computes its own logits (docs/dspark-algorithm.md §6.1)."""
-    out = torch.empty(final_hidden.shape[0], lm_head.shape[0], dtype=dtype, device=final_hidden.device)
+def teacher_probs(final_hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """softmax(final_hidden @ lm_head^T) in float32, [M, d] -> [M, V], HEAD_CHUNK_ROWS rows at a
+    time: the target's distribution at M positions from the LM head's input (TargetOutput's tap
+    num_layers), as the target computes its own logits (docs/dspark-algorithm.md §6.1)."""
+    out = torch.empty(final_hidden.shape[0], lm_head.shape[0], dtype=torch.float32, device=final_hidden.device)
     for start in range(0, final_hidden.shape[0], HEAD_CHUNK_ROWS):
         part = slice(start, start + HEAD_CHUNK_ROWS)
         out[part] = _widened_product(final_hidden[part], lm_head).float().softmax(dim=-1)

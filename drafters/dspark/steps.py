@@ -112,17 +112,13 @@ def _widened(captured: BatchCapture, width: int) -> BatchCapture:
 
 
 def _teacher_at(model, captured: BatchCapture, flat_positions: torch.Tensor | None, cfg) -> torch.Tensor:
-    """The teacher's softmax [M, V] at flat positions b * S + p (None: every position), computed in
-    float32. An lm_head teacher read from a bf16 capture (the store's) is stored in bf16, within the
-    bound of docs/dspark-algorithm.md §6.7 ("Teacher precision"): half the bytes the head's teacher
-    passes read. Otherwise float32."""
+    """The teacher's softmax float32 [M, V] at flat positions b * S + p (None: every position)."""
     if cfg.teacher == "lm_head":
         final = captured.taps.get(model.config.target_num_layers)
         if final is None:
             raise ValueError(f"teacher='lm_head': the capture lacks tap {model.config.target_num_layers} (the LM head's input)")
         rows = final.reshape(-1, final.shape[-1])
-        dtype = torch.bfloat16 if final.dtype == torch.bfloat16 else torch.float32
-        return teacher_probs(rows if flat_positions is None else rows[flat_positions], model.lm_head, dtype)
+        return teacher_probs(rows if flat_positions is None else rows[flat_positions], model.lm_head)
     if captured.logits is None:
         raise ValueError("teacher='logits': the capture holds no logits")
     rows = captured.logits.reshape(-1, captured.logits.shape[-1])
