@@ -1139,9 +1139,11 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--compiled-capture", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                    help="the target's capture of a batch (causal_taps) through torch.compile (on a GPU by default: "
                         "smollm2_profile.py's capture_taps_compiled against capture_taps, experiments/notes/smollm2.md)")
-    r.add_argument("--capture-attention", choices=("sdpa", "flex"), default="sdpa",
+    r.add_argument("--capture-attention", choices=("sdpa", "flex"), default=None,
                    help="the compiled capture's attention: SDPA (its float32 kernel runs without tensor cores) or "
-                        "FlexAttention (TF32 matmuls, as the capture's GEMMs; needs --compiled-capture)")
+                        "FlexAttention (TF32 matmuls, as the capture's GEMMs; needs --compiled-capture). Default: flex "
+                        "with the compiled capture on a GPU (smollm2_profile.py's capture_taps_flex against "
+                        "capture_taps_compiled, experiments/notes/smollm2.md), else sdpa")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")
@@ -1149,6 +1151,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="experiments/smollm2_profile.py's output (repeatable: --pieces train and --pieces capture): "
                         "the step before/after and the capture outside the store, copied into the results")
     args = ap.parse_args(argv)
+    if args.command == "run" and args.capture_attention is None:  # resolved here, so results' settings show it
+        args.capture_attention = "flex" if args.compiled_capture and torch.cuda.is_available() else "sdpa"
     if args.command == "run" and args.capture_attention == "flex" and not args.compiled_capture:
         ap.error("--capture-attention flex needs --compiled-capture (uncompiled, FlexAttention evaluates every score)")
     return args
