@@ -71,7 +71,9 @@ When the two drafters do not fit one session, each trains to the end in its own:
 `run --variants dflash_ablation --finished K/drafters.safetensors` in the next, which trains the ablation and
 evaluates both, DSpark as packed (bf16). A drafter whose session ended before --steps is packed where it
 stopped; `--stop-at N` trains the other to the same step of the same schedule, so that both are compared as
-far as they went.
+far as they went. Legs and packs need a machine that keeps experiments/stage from one session to the next;
+this project's sessions start from a fresh clone, so here `run --lockstep` trains both drafters on each batch
+captured once and the evaluation follows in the same session (tools/lab/rounds/smollm2_10k/, session 5).
 """
 from __future__ import annotations
 
