@@ -1,8 +1,6 @@
 """The AttnRes mix + RMSNorm kernel (kernels/rmsnorm/triton_kernels.py) compiled for Hopper (sm_90) on the
-CPU at K3's width and a layer's checkpoint counts, both ways of reading the checkpoints: each build must
-keep its registers without spilling to local memory (tests/cubin_usage.py). The grouped build (TOGETHER)
-holds a group of checkpoint rows at once, so its register budget is what sets the group's size
-(kernels/rmsnorm/triton.py GROUP_ELEMENTS)."""
+CPU at K3's width and a layer's checkpoint counts: each build must keep its registers without spilling to
+local memory (tests/cubin_usage.py)."""
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -13,7 +11,6 @@ from triton.compiler import ASTSource  # noqa: E402
 from cubin_usage import MISSING, assert_no_spills, unavailable  # noqa: E402
 from dspark.kernels.rmsnorm import triton as norm_triton  # noqa: E402
 from dspark.kernels.rmsnorm import triton_kernels as norm_kernels  # noqa: E402
-from dspark.kernels.rmsnorm.triton import triton_block  # noqa: E402
 
 if unavailable():
     pytest.skip(MISSING, allow_module_level=True)
@@ -22,16 +19,11 @@ K3_WIDTH = 7168
 POINTERS = ("ckpt_ptr", "cur_ptr", "delta_ptr", "total_ptr", "mix_norm_ptr", "mix_proj_ptr", "out_norm_ptr", "out_ptr")
 
 
-@pytest.mark.parametrize("num_checkpoints", [2, 5, 8])  # one group; three, the last with a padding row; four
-@pytest.mark.parametrize("together", [False, True])
-def test_the_mix_compiles_for_sm90_without_spills(num_checkpoints, together, tmp_path, monkeypatch):
+@pytest.mark.parametrize("num_checkpoints", [2, 5, 8])
+def test_the_mix_compiles_for_sm90_without_spills(num_checkpoints, tmp_path):
     fn = norm_kernels.attn_res_mix_norm_kernel
     block, warps = norm_triton._launch_shape(K3_WIDTH)
-    group = min(triton_block(num_checkpoints), norm_triton.GROUP_ELEMENTS // block)
-    monkeypatch.setattr(norm_triton, "MIX_READS_TOGETHER", together)
-    assert norm_triton.reads_together(num_checkpoints, block) == (together, group)  # the build the host launches
-    constexprs = {"NUM_CKPT": num_checkpoints, "BLOCK": block, "HAS_DELTA": True, "PDL": False, "TOGETHER": together,
-                  "GROUP": group}
+    constexprs = {"NUM_CKPT": num_checkpoints, "BLOCK": block, "HAS_DELTA": True, "PDL": False}
     signature = {name: ("*bf16" if name in POINTERS else "fp32" if name == "eps" else "i32") for name in fn.arg_names}
     signature.update({name: "constexpr" for name in constexprs})
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),

@@ -46,14 +46,7 @@ def main(seed: int) -> None:
             sys.exit(f"rms_norm out_dtype: got {got.dtype}")
         close(got, norm_ref.rms_norm(x.double(), weight.double(), 1e-6), f"rms_norm width {width} into float64")
     M, d = 4, 96
-    # the checkpoint rows one at a time, or a group at a time: groups of 2 rows of 128 columns here, so 3
-    # checkpoints make a full group and one with a padding row, 8 make four
-    group_elements, norm_triton.GROUP_ELEMENTS = norm_triton.GROUP_ELEMENTS, 2 * 128
-    for num_checkpoints, together in ((0, False), (1, False), (3, False), (2, True), (3, True), (8, True)):
-        norm_triton.MIX_READS_TOGETHER = together
-        uses, group = norm_triton.reads_together(num_checkpoints, 128)
-        if uses != together or (together and group != 2):
-            sys.exit(f"attn_res_mix_norm: {num_checkpoints} checkpoints did not take the together={together} path")
+    for num_checkpoints in (0, 1, 3):
         current = torch.randn(M, d, generator=gen) * 3
         ckpts = torch.randn(num_checkpoints, M, d, generator=gen) * 2
         mix_norm, mix_proj, out_norm = (torch.rand(d, generator=gen) + 0.5 for _ in range(3))
@@ -61,7 +54,7 @@ def main(seed: int) -> None:
                                           out_norm.double(), 1e-6)
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6,
                                             out=torch.full((M, d), float("nan")))
-        close(got, want, f"attn_res_mix_norm with {num_checkpoints} checkpoints, together={together}")
+        close(got, want, f"attn_res_mix_norm with {num_checkpoints} checkpoints")
         residual, delta = current[:, :d], torch.randn(M, d + 8, generator=gen)[:, 4 : 4 + d]  # strided delta rows
         want_out, want_total = norm_ref.add_attn_res_mix_norm(
             residual.double(), delta.double(), ckpts.double(), mix_norm.double(), mix_proj.double(), out_norm.double(), 1e-6)
@@ -69,8 +62,7 @@ def main(seed: int) -> None:
             residual, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=torch.full((M, d), float("nan")),
             total=torch.full((M, d), float("nan")))
         close(got_total, want_total, f"add_attn_res_mix_norm's sum with {num_checkpoints} checkpoints")
-        close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints, together={together}")
-    norm_triton.MIX_READS_TOGETHER, norm_triton.GROUP_ELEMENTS = False, group_elements
+        close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints")
     rows, n = 3, 1500  # two column blocks, the second partial
     gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
     gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre

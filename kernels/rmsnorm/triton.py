@@ -12,13 +12,6 @@ from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
 
 MAX_WIDTH = 16384  # the row lives in registers: 16384 fp32 over 16 warps is 32 per thread
-# The mix's checkpoint rows a group at a time, each group in one load and one reduction
-# (attn_res_mix_norm_kernel's TOGETHER); off until the step bench measures it
-# (experiments/step_bench.py --setting mix_reads_together=1). A group holds at most GROUP_ELEMENTS
-# values: groups of 2 rows of K3's 7168 columns (padded to 8192) over 16 warps keep their registers;
-# 8 rows in one group spilled, and so did two groups of 4 (tests/test_mix_norm_compile.py).
-MIX_READS_TOGETHER = False
-GROUP_ELEMENTS = 2 * 8192
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -83,17 +76,9 @@ def add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_proj, out_
     return out, total
 
 
-def reads_together(num_checkpoints: int, block: int) -> tuple[bool, int]:
-    """(whether the mix loads its checkpoint rows a group at a time, the rows of a group: a power of
-    two, at most GROUP_ELEMENTS // block and no more than the checkpoints need)."""
-    group = min(triton_block(max(num_checkpoints, 1)), max(1, GROUP_ELEMENTS // block))
-    return MIX_READS_TOGETHER and num_checkpoints >= 1 and group >= 2, group
-
-
 def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, eps, out) -> None:
     M, d = current.shape
     block, warps = _launch_shape(d)
-    together, group = reads_together(checkpoints.shape[0], block)
     has_delta = delta is not None
     if has_delta:
         delta_args = (delta, delta.stride(0), total, total.stride(0))
@@ -103,7 +88,7 @@ def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, 
         _kernels().attn_res_mix_norm_kernel[(M,)](
             checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            BLOCK=block, HAS_DELTA=has_delta, TOGETHER=together, GROUP=group, **pdl_options(), num_warps=warps)
+            BLOCK=block, HAS_DELTA=has_delta, **pdl_options(), num_warps=warps)
 
 
 def _row_major(x: torch.Tensor) -> bool:

@@ -51,8 +51,7 @@ def _sum_pair(a0, b0, a1, b1):
 @triton.jit
 def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dm, total_ptr,
                              stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
-                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr,
-                             TOGETHER: tl.constexpr, GROUP: tl.constexpr):
+                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr):
     """AttnRes mix over {current, checkpoints[0..NUM_CKPT)} followed by RMSNorm, per row, in one pass
     over the candidates: each candidate's score takes one reduction (its dot with the pseudo-query and
     its sum of squares together) and folds into an online softmax, the running weighted sum and total
@@ -61,13 +60,7 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
     the whole step's mix, and its reductions, not its bytes, set its time. The checkpoint count is a
     compile-time constant (a model has a handful: one build each), so the loop unrolls. HAS_DELTA:
     current is cur + delta, rounded to the output dtype as a torch add would, and also stored to
-    total (add_attn_res_mix_norm).
-
-    TOGETHER (NUM_CKPT >= 1; GROUP, a power of two): the checkpoint rows GROUP at a time, each group in
-    one load with its scores in one reduction, folded into the online softmax a group at a time, its
-    rows loaded again (from L2) for the weighted sum. A row then costs 2 + ceil(NUM_CKPT / GROUP)
-    block-wide reductions and twice as many load latencies as groups, where the loop waits for each
-    checkpoint's load and reduction in turn (docs/kernels.md §10.9)."""
+    total (add_attn_res_mix_norm)."""
     prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -84,33 +77,15 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
     best = dot * tl.rsqrt(square / d + eps)  # the largest score so far; current's weight is exp(0) = 1
     acc = current
     weights = 1.0
-    if TOGETHER:
-        for first in tl.static_range(0, NUM_CKPT, GROUP):
-            cands = first + tl.arange(0, GROUP)
-            rows_ok = (cands < NUM_CKPT)[:, None] & mask[None, :]
-            group_rows = ckpt_ptr + cands[:, None] * stride_cc + row * stride_cm + offs[None, :]  # [GROUP, BLOCK]
-            x = tl.load(group_rows, mask=rows_ok, other=0.0).to(tl.float32)
-            dots, squares = tl.reduce((x * score_w[None, :], x * x), 1, _sum_pair)
-            scores = tl.where(cands < NUM_CKPT, dots * tl.rsqrt(squares / d + eps), float("-inf"))
-            grown = tl.maximum(best, tl.max(scores, axis=0))
-            scale, group_weights = tl.exp(best - grown), tl.exp(scores - grown)  # 0 for the padding rows
-            # The barrier keeps the second load a load: the rows are not held in registers across the
-            # softmax (holding them spilled at K3's width).
-            tl.debug_barrier()
-            x = tl.load(group_rows, mask=rows_ok, other=0.0).to(tl.float32)
-            acc = acc * scale + tl.sum(group_weights[:, None] * x, axis=0)
-            weights = weights * scale + tl.sum(group_weights, axis=0)
-            best = grown
-    else:
-        for c in tl.static_range(0, NUM_CKPT):
-            x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-            dot, square = tl.reduce((x * score_w, x * x), 0, _sum_pair)
-            score = dot * tl.rsqrt(square / d + eps)
-            grown = tl.maximum(best, score)
-            scale, weight = tl.exp(best - grown), tl.exp(score - grown)
-            acc = acc * scale + weight * x
-            weights = weights * scale + weight
-            best = grown
+    for c in tl.static_range(0, NUM_CKPT):
+        x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+        dot, square = tl.reduce((x * score_w, x * x), 0, _sum_pair)
+        score = dot * tl.rsqrt(square / d + eps)
+        grown = tl.maximum(best, score)
+        scale, weight = tl.exp(best - grown), tl.exp(score - grown)
+        acc = acc * scale + weight * x
+        weights = weights * scale + weight
+        best = grown
     mixed = (acc / weights).to(dtype).to(tl.float32)  # the mix's output is a tensor of current's dtype
     y = (mixed * tl.rsqrt(tl.sum(mixed * mixed, axis=0) / d + eps)).to(dtype).to(tl.float32)
     w = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)

@@ -44,10 +44,8 @@ def _close(got, want, what, roundings: int = 2):
     assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
 
 
-@pytest.mark.parametrize("together", [False, True])  # the mix's checkpoint rows one at a time or in groups
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_rms_norm_and_mix_norm_match_references(gen, rows, together, monkeypatch):
-    monkeypatch.setattr(norm_triton, "MIX_READS_TOGETHER", together)
+def test_rms_norm_and_mix_norm_match_references(gen, rows):
     d = 7168
     x = (torch.randn(rows, d + 512, device="cuda", generator=gen) * 2).bfloat16()[:, 256 : 256 + d]
     weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16()
