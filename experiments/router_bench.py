@@ -14,7 +14,7 @@ the selection over all 896), with the decode-time options of kernels/moe/triton.
 - logits (`--logits-experts`, default 56 and 896 router rows; rows up to 4): cuBLAS's bf16 GEMM with
   fp32 output (split K plus its reduction kernel at these rows) against router_logits_kernel, one
   launch (GEMV_MAX_ROWS), each beside its weight's read floor;
-- selection: route_kernel over 896 logits with 1, 2 and 4 warps (ROUTE_WARPS).
+- selection: route_kernel over 896 logits.
 
 Method (experiments/benchlib.py): ROUTERS distinct weights rotate so that L2 does not serve them;
 CUDA-graph replay, median of repeats. Every variant's experts are checked against the reference
@@ -74,23 +74,15 @@ def logits_rows(args, gen, rate: float) -> list[dict]:
 
 
 def selection_rows(args, gen) -> list[dict]:
-    """route_kernel alone over EXPERTS fp32 logits with 1, 2 and 4 warps, at each --rows up to 16."""
+    """route_kernel alone over EXPERTS fp32 logits, at each --rows up to 16."""
     entries = []
-    warps_before = moe_triton.ROUTE_WARPS
-    try:
-        for rows in [r for r in args.rows if r <= 16]:
-            logits = [torch.randn(rows, EXPERTS, device="cuda", generator=gen) for _ in range(ROUTERS)]
-            bias = torch.randn(EXPERTS, device="cuda", generator=gen) * 0.1
-            entry = {"rows": rows}
-            for warps in (1, 2, 4):
-                moe_triton.ROUTE_WARPS = warps
-                calls = [lambda x=x: moe_triton.route_logits(x, bias, TOP_K, SCALING) for x in logits]
-                entry[f"warps_{warps}"] = time_calls(calls, args.reps)
-            entries.append(entry)
-            print(f"selection {rows:2d} rows: " + ", ".join(f"{w} warps {entry[f'warps_{w}']['graph_us']} us"
-                                                            for w in (1, 2, 4)))
-    finally:
-        moe_triton.ROUTE_WARPS = warps_before
+    for rows in [r for r in args.rows if r <= 16]:
+        logits = [torch.randn(rows, EXPERTS, device="cuda", generator=gen) for _ in range(ROUTERS)]
+        bias = torch.randn(EXPERTS, device="cuda", generator=gen) * 0.1
+        calls = [lambda x=x: moe_triton.route_logits(x, bias, TOP_K, SCALING) for x in logits]
+        entry = {"rows": rows, "selection": time_calls(calls, args.reps)}
+        entries.append(entry)
+        print(f"selection {rows:2d} rows: {entry['selection']['graph_us']} us")
     return entries
 
 

@@ -226,15 +226,15 @@ def test_the_launch_switches_are_set_and_restored(bench):
             pass
 
 
-def test_the_router_options_are_switches_off_by_default(bench):
+def test_the_router_logits_option_is_a_switch_off_by_default(bench):
     from dspark.kernels.moe import triton as moe_triton
 
-    assert moe_triton.ROUTE_WARPS == 4 and moe_triton.GEMV_MAX_ROWS == 0  # until the rank's step measures them
-    with bench.applied("route_warps=1,router_gemv_rows=4"):
-        assert moe_triton.ROUTE_WARPS == 1 and moe_triton.GEMV_MAX_ROWS == 4
-    assert moe_triton.ROUTE_WARPS == 4 and moe_triton.GEMV_MAX_ROWS == 0
-    with pytest.raises(SystemExit, match="route_warps='3'"):
-        with bench.applied("route_warps=3"):
+    assert moe_triton.GEMV_MAX_ROWS == 0  # until the rank's step measures it
+    with bench.applied("router_gemv_rows=4"):
+        assert moe_triton.GEMV_MAX_ROWS == 4
+    assert moe_triton.GEMV_MAX_ROWS == 0
+    with pytest.raises(SystemExit, match="router_gemv_rows='3'"):
+        with bench.applied("router_gemv_rows=3"):
             pass
 
 

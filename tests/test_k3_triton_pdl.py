@@ -67,9 +67,6 @@ def launch_every_kernel(monkeypatch, dtype=torch.float32) -> Recorder:
     act.silu_mul(x, x)
     norm.add_rms_norm(x, x, w, 1e-6)
     moe.route_logits(torch.randn(4, 32, generator=gen), torch.randn(32, generator=gen), 4, 1.0)
-    monkeypatch.setattr(moe, "ROUTE_WARPS", 1)  # the selection in one warp (the route_warps setting)
-    moe.route_logits(torch.randn(4, 32, generator=gen), torch.randn(32, generator=gen), 4, 1.0)
-    monkeypatch.setattr(moe, "ROUTE_WARPS", 4)
     for rows in range(1, moe.GEMV_MAX_ROWS_BUILT + 1):  # every row tile of the router's logits kernel
         moe.router_logits_gemv(torch.randn(rows, 64, generator=gen), torch.randn(40, 64, generator=gen))
     moe.weighted_combine(torch.randn(16, 64, generator=gen), torch.randperm(16, generator=gen).view(4, 4),

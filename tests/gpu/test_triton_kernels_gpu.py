@@ -119,16 +119,6 @@ def test_router_selection_matches_float64():
                                    rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("warps", [1, 2, 4])
-def test_router_selection_at_each_warp_count_matches_float64(monkeypatch, warps):
-    """route_kernel launched with 1, 2 and 4 warps (kernels/moe/triton.py ROUTE_WARPS; the rank's step
-    times each with --setting route_warps) passes the float64 selection checks."""
-    from triton_interpret_checks import check_route
-
-    monkeypatch.setattr(moe_triton, "ROUTE_WARPS", warps)
-    check_route(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda")
-
-
 def test_router_logits_in_one_launch_match_float64_and_select_the_same_experts(monkeypatch):
     """router_logits_gemv (kernels/moe/triton.py, moe_router_logits at 1-4 rows under GEMV_MAX_ROWS) on
     the GPU: the interpreter's float64 checks, then bf16 tokens and weight at a TP16/EP16 rank's 56 router
