@@ -137,7 +137,7 @@ NAME_CLASSES = (
     (re.compile(r"expert_kernel|lists_kernel|gather_tokens_kernel|^combine_kernel"), "experts"),
     (re.compile(r"Kda"), "KDA"),
     (re.compile(r"MlaVerify|cutlass_combine_kernel"), "attention"),
-    (re.compile(r"route_kernel"), "routing"),
+    (re.compile(r"route_kernel|router_logits_kernel"), "routing"),
     (re.compile(r"SkinnyGemm|gemm|nvjet|splitKreduce|cutlass_reduce_kernel", re.IGNORECASE), "trunk GEMMs"),
     (re.compile(r"^accept|row_partials|sample"), "sampling"),
 )

@@ -116,7 +116,8 @@ def test_the_slice_profile_counts_its_kernels_not_its_op_ranges(bench):
     ("kernel_cutlass_kernel_dsparkkernelsmlacute_sm90MlaVerifySm90_object_at", "attention"),
     ("kernel_cutlass_combine_kernel_tensorptrf32gmemalign16o512i64div512", "attention"),
     ("kernel_cutlass_verify_kernel_dsparkkernelskdacute_kernelKdaVerify_object", "KDA"),
-    ("route_kernel", "routing"), ("accept", "sampling"), ("attn_res_mix_norm_kernel", "norms/glue"),
+    ("route_kernel", "routing"), ("router_logits_kernel", "routing"), ("accept", "sampling"),
+    ("attn_res_mix_norm_kernel", "norms/glue"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>", "norms/glue"),
 ])
 def test_kernel_names_of_an_h200_profile_are_classed(bench, name, cls):
@@ -226,13 +227,13 @@ def test_the_launch_switches_are_set_and_restored(bench):
             pass
 
 
-def test_the_router_logits_option_is_a_switch_off_by_default(bench):
+def test_the_router_logits_rows_are_a_switch_one_by_default(bench):
     from dspark.kernels.moe import triton as moe_triton
 
-    assert moe_triton.GEMV_MAX_ROWS == 0  # until the rank's step measures it
-    with bench.applied("router_gemv_rows=4"):
-        assert moe_triton.GEMV_MAX_ROWS == 4
-    assert moe_triton.GEMV_MAX_ROWS == 0
+    assert moe_triton.GEMV_MAX_ROWS == 1  # one row in one launch: measured faster than cuBLAS's; 2-4 rows are not
+    with bench.applied("router_gemv_rows=0"):
+        assert moe_triton.GEMV_MAX_ROWS == 0
+    assert moe_triton.GEMV_MAX_ROWS == 1
     with pytest.raises(SystemExit, match="router_gemv_rows='3'"):
         with bench.applied("router_gemv_rows=3"):
             pass

@@ -5,7 +5,8 @@ Why: the reference widens the bf16 router weight to a float32 copy on every call
 sigmoid, add, topk, gather, sum, divide and scale, each its own launch, in every MoE layer of a
 batch-1 step. Here bf16 tokens and weight multiply as they are in a cuBLAS bf16 GEMM with fp32
 output (bf16 products are exact in fp32 and summed in fp32: the reference's logits up to
-summation order), and one program per token does the rest.
+summation order; at one row router_logits_kernel, one launch, takes cuBLAS's place: GEMV_MAX_ROWS),
+and one program per token does the rest.
 
 The default on CUDA: checked under Triton's interpreter (tests/triton_interpret_checks.py) and on
 the H200 (docs/kernels.md §10.6).
@@ -23,9 +24,12 @@ LOW_PRECISION_GEMM = True
 
 # Rows up to which the router's logits take router_logits_kernel (one launch: a program per expert
 # reads its weight row once and sums in float32) where cuBLAS's bf16 GEMM with fp32 output splits K
-# and adds the splits in a second kernel at decode's few rows. 0 (off) until the rank's step
-# measures it (experiments/step_bench.py --setting router_gemv_rows=4; experiments/router_bench.py).
-GEMV_MAX_ROWS = 0
+# and adds the splits in a second kernel at decode's few rows. 1, as measured on the H100: at one
+# row the one launch took 4.8 us against cuBLAS's GEMM and split-K reduction's 7.2 (a TP16/EP16
+# rank's 56 router rows; 7.1 against 9.9 at all 896), and the K3 rank's step at T=1 went from 10.77
+# to 10.44 ms; at 2-4 rows it tied or lost. Other values stay for measuring
+# (experiments/step_bench.py --setting router_gemv_rows=0|1|2|4; experiments/router_bench.py).
+GEMV_MAX_ROWS = 1
 GEMV_MAX_ROWS_BUILT = 4  # the widest row tile the kernel is built and checked for (BLOCK_M below)
 GEMV_ELEMENTS = 4096  # a program's float32 products in flight, BLOCK_M x BLOCK_K: 32 registers a thread at 4 warps
 
