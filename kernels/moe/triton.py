@@ -24,10 +24,8 @@ LOW_PRECISION_GEMM = True
 
 # Rows up to which the router's logits take router_logits_kernel (one launch: a program per expert
 # reads its weight row once and sums in float32) where cuBLAS's bf16 GEMM with fp32 output splits K
-# and adds the splits in a second kernel at decode's few rows. 1, as measured on the H100: at one
-# row the one launch took 4.8 us against cuBLAS's GEMM and split-K reduction's 7.2 (a TP16/EP16
-# rank's 56 router rows; 7.1 against 9.9 at all 896), and the K3 rank's step at T=1 went from 10.77
-# to 10.44 ms; at 2-4 rows it tied or lost. Other values stay for measuring
+# and adds the splits in a second kernel at decode's few rows. 1: the one launch beat cuBLAS at one
+# row and tied or lost at 2-4 (docs/kernels.md §10.6). Other values stay for measuring
 # (experiments/step_bench.py --setting router_gemv_rows=0|1|2|4; experiments/router_bench.py).
 GEMV_MAX_ROWS = 1
 GEMV_MAX_ROWS_BUILT = 4  # the widest row tile the kernel is built and checked for (BLOCK_M below)
@@ -46,8 +44,8 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
             logits, logits.stride(0), bias, ids, weights, E, float(scaling), TOP_K=top_k,
             BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(16, 1 << (top_k - 1).bit_length()),
             # 4 warps: each of the k picks is a block-wide argmax across them (shared memory and a
-            # barrier); measured fastest on the H100 at K3's 896 logits, 6.2 us a call against 7.6
-            # with 2 warps and 8.0 with 1 (one warp's shuffles alone)
+            # barrier), which beat 1 and 2 warps (one warp's shuffles alone) at K3's 896 logits
+            # (docs/kernels.md §10.6)
             **pdl_options(), num_warps=4)
     return ids, weights
 
