@@ -112,9 +112,9 @@ def _forward(x, w, target_probs, rows, labels, splits: int | None):
     return lse, lse - label_logit, l1, mass
 
 
-def _grad_logits(x, w, target_probs, rows, labels, lse, mass, grad_ce, grad_l1, out: torch.Tensor) -> None:
-    """out [m, V] (bf16, rows 16-byte aligned) = dL/dz of rows x [m, Kp]; target_probs None: the
-    cross-entropy term alone (rows, mass and grad_l1 unread)."""
+def _grad_logits(x, w, labels, lse, grad_ce, teacher, out: torch.Tensor) -> None:
+    """out [m, V] (bf16, rows 16-byte aligned) = dL/dz of rows x [m, Kp]; teacher: (target_probs, rows,
+    mass, grad_l1) of the L1 term, or None for the cross-entropy term alone."""
     kernels = _kernels()
     m, Kp = x.shape
     V = w.shape[0]
@@ -122,13 +122,11 @@ def _grad_logits(x, w, target_probs, rows, labels, lse, mass, grad_ce, grad_l1, 
     def grid(meta):
         return (_cdiv(m, meta["BLOCK_M"]) * _cdiv(V, meta["BLOCK_V"]),)
 
-    with_l1 = target_probs is not None
-    # Without a teacher the kernel reads none of its pointers; lse stands in for them.
-    teacher = (target_probs, target_probs.stride(0), rows, mass, grad_l1) if with_l1 else (lse, 0, lse, lse, lse)
-    target, stride, rows, mass, grad_l1 = teacher
-    kernels.head_grad_kernel[grid](kernels.descriptor(x), kernels.descriptor(w), target, stride,
+    # Without a teacher the kernel reads none of the L1 term's pointers; lse stands in for them.
+    target, rows, mass, grad_l1 = teacher if teacher is not None else (lse,) * 4
+    kernels.head_grad_kernel[grid](kernels.descriptor(x), kernels.descriptor(w), target, target.stride(0),
                                    rows, labels, lse, mass, grad_ce, grad_l1, kernels.descriptor(out), m, V, Kp,
-                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, WITH_L1=with_l1)
+                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, WITH_L1=teacher is not None)
 
 
 def grad_chunk_rows(n: int, V: int, limit: int | None = None) -> int:
@@ -177,13 +175,12 @@ class _DraftHeadLoss(torch.autograd.Function):
             stop = min(start + chunk, n)
             grad_z = buffer[: stop - start, :V]
             part = slice(start, stop)
-            teacher = (rows[part], mass[part], grad_l1[part]) if target_probs is not None else (None, None, None)
-            _grad_logits(x[part], w, target_probs, teacher[0], labels[part], lse[part], teacher[1], grad_ce[part],
-                         teacher[2], grad_z)
+            teacher = None if target_probs is None else (target_probs, rows[part], mass[part], grad_l1[part])
+            _grad_logits(x[part], w, labels[part], lse[part], grad_ce[part], teacher, grad_z)
             if cols.stop > cols.start:
-                d_x[start:stop] = _product_float32(grad_z, w[:, cols])
+                d_x[part] = _product_float32(grad_z, w[:, cols])
             if needs_w2:
-                d_w2 += _product_float32(grad_z.t(), x[start:stop, d : d + r])
+                d_w2 += _product_float32(grad_z.t(), x[part, d : d + r])
         hidden_dtype, prev_dtype, w2_dtype = ctx.dtypes
         d_hidden = d_x[:, :d].to(hidden_dtype) if needs_hidden else None
         d_prev = d_x[:, d_x.shape[1] - r :].to(prev_dtype) if needs_prev else None
