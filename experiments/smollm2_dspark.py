@@ -549,12 +549,12 @@ def train_drafters(args, drafters: dict, *, data, work: Path, deadline: float, c
                 histories = train_together(target, trainers, stop_after=segment, deadline=deadline, store=store)
                 if target.device.type == "cuda":
                     torch.cuda.synchronize(target.device)
-                for run in runs.values():
+                for name, run in runs.items():
                     run["train_seconds"] = round(run.get("train_seconds", 0.0) + time.perf_counter() - began, 2)
                     run["steps_timed"] = run.get("steps_timed", 0) + first.step - begun
                     run["seconds_per_step"] = round(run["train_seconds"] / max(1, run["steps_timed"]), 4)
                     if len(drafters) > 1:
-                        run["lockstep_with"] = [name for name in drafters if runs[name] is not run]
+                        run["lockstep_with"] = [other for other in drafters if other != name]
                 if first.step < begun + segment:  # the deadline passed inside
                     raise StoppedEarly(f"train {together}: step {first.step} of {end} (--time-limit)")
                 if first.step % checks["every"] == 0 or first.step == end:

@@ -128,6 +128,20 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def reference_and_fast_steps(model, captured, seqs, masks, **loss):
+    """{"reference": ..., "fast": ...}: (loss, metrics read back, gradients) of one batch through the
+    reference step (anchor chunks of 4) and the fast step (buckets padding anchors and length), with
+    TrainConfig's `loss` options (weights) in both."""
+    results = {}
+    for name, cfg in (("reference", TrainConfig(num_anchors=9, anchor_chunk=4, **loss)),
+                      ("fast", TrainConfig(num_anchors=9, fast=True, anchor_bucket=8, length_bucket=16, **loss))):
+        model.zero_grad(set_to_none=True)
+        step_loss, metrics = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(SEED))
+        step_loss.backward()
+        results[name] = (step_loss.detach(), metrics_to_floats(metrics), grads(model))
+    return results
+
+
 @pytest.mark.parametrize("attention_type,markov", [("gqa", "vanilla"), ("mla", "gated")])
 def test_fast_step_equals_the_reference_step(attention_type, markov):
     """All anchors at once, supervised rows only, the seam (vanilla) or the gated head's path,
@@ -138,13 +152,7 @@ def test_fast_step_equals_the_reference_step(attention_type, markov):
     captured = capture(target, seqs, (0, 2))
     torch.manual_seed(SEED % 101)
     model = DSparkModel(small_config(target, attention_type, markov_head_type=markov), *target.embedding_weights())
-    results = {}
-    for name, cfg in (("reference", TrainConfig(num_anchors=9, anchor_chunk=4)),
-                      ("fast", TrainConfig(num_anchors=9, fast=True, anchor_bucket=8, length_bucket=16))):
-        model.zero_grad(set_to_none=True)
-        loss, metrics = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(SEED))
-        loss.backward()
-        results[name] = (loss.detach(), metrics_to_floats(metrics), grads(model))
+    results = reference_and_fast_steps(model, captured, seqs, masks)
     (loss0, m0, g0), (loss1, m1, g1) = results["reference"], results["fast"]
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
     for key in ("ce", "l1", "conf", "tau"):
@@ -179,14 +187,8 @@ def test_the_ablations_cross_entropy_step_skips_the_teacher_and_the_zero_markov_
         return real_op(hidden, prev_embedding, lm_head, markov_w2, target_probs, rows, labels, **options)
 
     monkeypatch.setattr(steps.ops, "draft_head_loss", spy)
-    ablation = dict(ce_weight=1.0, l1_weight=0.0, conf_weight=0.0, num_anchors=9)
-    results = {}
-    for name, cfg in (("reference", TrainConfig(**ablation, anchor_chunk=4)),
-                      ("fast", TrainConfig(**ablation, fast=True, anchor_bucket=8, length_bucket=16))):
-        model.zero_grad(set_to_none=True)
-        loss, metrics = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(SEED))
-        loss.backward()
-        results[name] = (loss.detach(), metrics_to_floats(metrics), grads(model))
+    ablation = dict(ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)
+    results = reference_and_fast_steps(model, captured, seqs, masks, **ablation)
     assert calls == [(0, 0, None, None)]
     (loss0, m0, g0), (loss1, m1, g1) = results["reference"], results["fast"]
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
@@ -198,7 +200,7 @@ def test_the_ablations_cross_entropy_step_skips_the_teacher_and_the_zero_markov_
     # A W2 written in place is read again: its bias is no longer zero, so the head gets its columns.
     with torch.no_grad():
         model.markov_head.markov_w2.weight[0, 0] = 1.0
-    train_step_loss(model, captured, seqs, masks, TrainConfig(**ablation, fast=True), torch.Generator().manual_seed(SEED))
+    train_step_loss(model, captured, seqs, masks, TrainConfig(**ablation, num_anchors=9, fast=True), torch.Generator().manual_seed(SEED))
     assert calls[-1][:2] == (model.config.markov_rank,) * 2
 
 
