@@ -244,11 +244,13 @@ def make_dflash_ablation(model: DSparkModel) -> None:
 def recipe_target(config, weights, args, slots: int, max_seq: int):
     """The recipe's LlamaTarget: `slots` requests of up to `max_seq` tokens on the --attention
     path (batched by default; per_query is the CPU reference, a Python loop per token); its training
-    capture compiled with --compiled-capture, its attention --capture-attention's."""
+    capture compiled with --compiled-capture, its attention --capture-attention's, its operands
+    --capture-precision's."""
     from dspark.targets.llama import LlamaTarget
 
     return LlamaTarget(config, weights, max_slots=slots, max_seq_len=max_seq, attention=args.attention,
-                       compiled_taps=args.compiled_capture, taps_attention=args.capture_attention)
+                       compiled_taps=args.compiled_capture, taps_attention=args.capture_attention,
+                       taps_precision=args.capture_precision)
 
 
 def init_layer_ids(text: str, num_layers: int, target_layers: int) -> list[int]:
@@ -996,7 +998,7 @@ def run(args) -> dict:
         args.anchor_bucket = anchors if args.anchor_bucket < 0 else args.anchor_bucket
         args.length_bucket = length if args.length_bucket < 0 else args.length_bucket
     models = training_phase(args, make_target, seqs, masks, held_out, work, results, save, deadline, start,
-                            results["target"]["sha256"], finished)
+                            f"{results['target']['sha256']} taps {args.capture_precision}", finished)
     phase_done("train")
     if args.only_train:  # a leg that others continue (pack): no calibration or evaluation
         return results
@@ -1051,6 +1053,7 @@ def step_profile(path: Path) -> dict:
     return {"file": path.name, "git_commit": profile.get("git_commit"), "device": profile.get("device"),
             **{piece: {k: profile[piece].get(k) for k in keys}
                for piece in ("train_before", "train_after", "capture_taps", "capture_taps_compiled", "capture_taps_flex",
+                             "capture_taps_flex_bf16",
                              "store_online")
                if piece in profile}}
 
@@ -1146,6 +1149,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "FlexAttention (TF32 matmuls, as the capture's GEMMs; needs --compiled-capture). Default: flex "
                         "with the compiled capture on a GPU (smollm2_profile.py's capture_taps_flex against "
                         "capture_taps_compiled, experiments/notes/smollm2.md), else sdpa")
+    r.add_argument("--capture-precision", choices=("float32", "bfloat16"), default="float32",
+                   help="the capture's matmul and attention operands: float32 (TF32 on a GPU) or bf16 (float32 "
+                        "residual, norms and activations; smollm2_profile.py's capture_taps_flex_bf16 against "
+                        "capture_taps_flex, experiments/notes/smollm2.md)")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")

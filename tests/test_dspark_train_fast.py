@@ -414,6 +414,41 @@ def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
     assert compiled._compiled_layers is not None and eager._compiled_layers is None
 
 
+@pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])
+def test_bf16_causal_taps_round_the_matmul_operands_only(taps_attention):
+    """taps_precision="bfloat16" gives float32 taps from bf16 matmul and attention operands: against the
+    float32 pass, the relative error of every tap is that of bf16 operands (above 1e-4, so the precision
+    took effect; below 2e-2), padding stays zero and the model's own weights stay float32. The compiled
+    pass (FlexAttention or SDPA) equals the eager bf16 pass to the rounding of bf16 operands that the two
+    may round at different points (rtol 2e-2 in norm)."""
+    tiny = tiny_llama(SEED, max_slots=4)
+    make = lambda **kw: LlamaTarget(tiny.config, tiny.weights, max_slots=4, max_seq_len=256,  # noqa: E731
+                                    attention="batched", **kw)
+    full, eager_bf16 = make(), make(taps_precision="bfloat16")
+    compiled_bf16 = make(taps_precision="bfloat16", compiled_taps=True, taps_attention=taps_attention)
+    g = torch.Generator().manual_seed(SEED)
+    layers = (-1, 1, full.num_layers)
+    lengths = [41] + torch.randint(3, 41, (2,), generator=g).tolist()
+    seqs = [torch.randint(0, full.vocab_size, (n,), generator=g) for n in lengths]
+    want, rounded, compiled = (t.causal_taps(seqs, layers) for t in (full, eager_bf16, compiled_bf16))
+
+    def relative(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for layer in layers:
+        assert rounded[layer].dtype == compiled[layer].dtype == torch.float32
+        error = relative(rounded[layer], want[layer])
+        assert (layer == -1 and error == 0) or 1e-4 < error < 2e-2, f"seed {SEED}: layer {layer}: {error}"
+        assert relative(compiled[layer], rounded[layer]) < 2e-2, f"seed {SEED}: layer {layer}"
+        for i, s in enumerate(seqs):
+            assert not rounded[layer][i, len(s):].any() and not compiled[layer][i, len(s):].any()
+    assert all(t.dtype == torch.float32 for layer in full.weights.layers for t in vars(layer).values())
+    assert eager_bf16.taps_layers()[0].qkv.dtype == torch.bfloat16
+    assert eager_bf16.taps_layers()[0].attn_norm.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"taps_precision='float16': must be one of \('float32', 'bfloat16'\)"):
+        make(taps_precision="float16")
+
+
 def test_causal_block_mask_reads_the_tiles_below_the_diagonal_whole_and_the_diagonal_masked():
     """causal_block_mask's tiles, built on the host: query tile i has its diagonal tile partial (under
     causal_mask) and tiles 0..i-1 full, for lengths inside one tile, at a tile's edge and past it."""

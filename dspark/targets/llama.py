@@ -253,6 +253,7 @@ def scatter_rows(flat: torch.Tensor, request: torch.Tensor, column: torch.Tensor
 
 ATTENTION_PATHS = ("per_query", "batched")
 TAPS_ATTENTION = ("sdpa", "flex")  # causal_taps' attention: one causal SDPA a layer, or FlexAttention
+TAPS_PRECISIONS = ("float32", "bfloat16")  # causal_taps' matmul and attention operands
 
 
 def causal_mask(b, h, q, kv):
@@ -271,17 +272,26 @@ def causal_block_mask(length: int, device):
     return block_mask_from_tiles(diagonal, below, causal_mask, (length, length), device)
 
 
+def operand_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with x rounded to the weight's dtype for the GEMM and the product returned in x's:
+    a bf16 weight makes a bf16 GEMM (float32 accumulation) inside a float32 pass; a float32 weight
+    is plain F.linear."""
+    return torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
 def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: tuple[int, ...],
                   mask=None) -> dict[int, torch.Tensor]:
     """LlamaTarget.causal_taps' pass over the right-padded batch x [B, S, d]: every layer, its causal
     attention (one SDPA, or FlexAttention under `mask`, causal_block_mask(S)), and the taps it asks for
-    (the final norm's output as tap num_layers)."""
-    c, w = target.config, target.weights
-    linear = torch.nn.functional.linear
+    (the final norm's output as tap num_layers). The matmuls and the attention run at the layers'
+    taps_precision (LlamaTarget.taps_layers); the residual stream, norms, rotations and activations
+    stay float32."""
+    c = target.config
     group = c.num_heads // c.num_kv_heads
     out = {-1: x} if -1 in taps else {}
-    for layer_index, layer in enumerate(w.layers):
-        q, k, v = (t.transpose(1, 2) for t in target._attention_inputs(layer, x, cos, sin, linear))  # [B, h, S, hd]
+    for layer_index, layer in enumerate(target.taps_layers()):
+        operand = layer.qkv.dtype
+        q, k, v = (t.transpose(1, 2).to(operand) for t in target._attention_inputs(layer, x, cos, sin, operand_linear))
         if mask is None:
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
             attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=target.scale)
@@ -293,11 +303,12 @@ def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin
             # the compiled pass q's and k's copies fold into their rotation's kernel.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             attended = flex_attention(q, k, v, block_mask=mask, scale=target.scale, enable_gqa=True)
-        x = target._ffn(layer, x + linear(attended.transpose(1, 2).flatten(2), layer.attn_output), linear)
+        attended = attended.transpose(1, 2).flatten(2).to(x.dtype)
+        x = target._ffn(layer, x + operand_linear(attended, layer.attn_output), operand_linear)
         if layer_index in taps:
             out[layer_index] = x
     if target.num_layers in taps:
-        out[target.num_layers] = rms_norm(x, w.output_norm, c.rms_norm_eps)
+        out[target.num_layers] = rms_norm(x, target.weights.output_norm, c.rms_norm_eps)
     return out
 
 
@@ -321,6 +332,7 @@ class LlamaTarget:
         prefill_chunk_tokens: int = 8192,
         compiled_taps: bool = False,
         taps_attention: str = "sdpa",
+        taps_precision: str = "float32",
     ):
         """prefill_chunk_tokens: the most prompt tokens (over the batch) one prefill forward feeds
         (dspark/targets/prefill.py). compiled_taps: causal_taps runs its layers through torch.compile,
@@ -328,12 +340,19 @@ class LlamaTarget:
         ~40 float32 elementwise kernels (a trainer's capture; the same function to float rounding).
         taps_attention="flex" (compiled only): its attention through FlexAttention, whose float32 kernel
         takes the tensor cores at the matmuls' precision (TF32 where enabled), where SDPA's float32
-        kernel does not (docs/dspark-algorithm.md §6.1)."""
+        kernel does not (docs/dspark-algorithm.md §6.1). taps_precision="bfloat16": causal_taps' matmuls
+        and attention take bf16 operands (a bf16 copy of the layers' matrices, made on first use; float32
+        accumulation), as under bf16 autocast without casting the weights on every call; the residual
+        stream, norms, rotations and activations stay float32 (docs/dspark-algorithm.md §6.1)."""
         self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
         if taps_attention not in TAPS_ATTENTION or (taps_attention == "flex" and not compiled_taps):
             raise ValueError(f"taps_attention={taps_attention!r}: must be one of {TAPS_ATTENTION}, 'flex' with "
                              f"compiled_taps=True (uncompiled, FlexAttention evaluates the whole score matrix)")
         self.compiled_taps, self.taps_attention = compiled_taps, taps_attention
+        if taps_precision not in TAPS_PRECISIONS:
+            raise ValueError(f"taps_precision={taps_precision!r}: must be one of {TAPS_PRECISIONS}")
+        self.taps_precision = taps_precision
+        self._taps_layers = None  # the layers at taps_precision, made on first use (taps_layers)
         self._compiled_layers = None  # torch.compile(self._causal_layers), made on first use
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
@@ -541,8 +560,21 @@ class LlamaTarget:
                 self._compiled_layers = torch.compile(causal_layers)
             layers = self._compiled_layers
         mask = causal_block_mask(S, self.device) if self.taps_attention == "flex" else None
+        self.taps_layers()  # a bf16 copy is made here, outside the compiled pass, which then reads it
         out = layers(self, x, cos, sin, taps, mask)
         return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
+
+    def taps_layers(self) -> list[LlamaLayerWeights]:
+        """The layers causal_taps runs: the model's own (float32), or for taps_precision="bfloat16" a
+        copy whose matrices are bf16 (the norms' weights stay float32)."""
+        if self.taps_precision == "float32":
+            return self.weights.layers
+        if self._taps_layers is None:
+            matrices = ("qkv", "attn_output", "gate_up", "ffn_down")
+            self._taps_layers = [LlamaLayerWeights(**{name: t.to(torch.bfloat16) if name in matrices else t
+                                                      for name, t in vars(layer).items()})
+                                 for layer in self.weights.layers]
+        return self._taps_layers
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
         """One query [heads, hd] over the keys 0..position of its slot: exactly the computation

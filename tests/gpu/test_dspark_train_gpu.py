@@ -145,6 +145,37 @@ def test_flex_capture_attention_gives_the_sdpa_capture_taps(precision, bound):
         torch.set_float32_matmul_precision(before)
 
 
+def test_bf16_capture_operands_stay_within_bf16_rounding_of_the_float32_capture():
+    """The compiled FlexAttention capture with bf16 operands (taps_precision="bfloat16", bf16 tensor-core
+    GEMMs and attention) against the same capture in float32 (matmul precision "highest"), at SmolLM2's
+    attention shape over sequences of 2-6 of its tiles: each tap's relative L2 error above 1e-4 (the bf16
+    path ran) and below 2e-2, padding zero."""
+    import test_dspark_train_fast as cpu_tests
+    from dspark.targets.llama import LlamaConfig, LlamaTarget
+
+    config = LlamaConfig(vocab_size=512, hidden_size=D, num_layers=3, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, context_length=1024, tie_word_embeddings=True)
+    cpu = cpu_tests.tiny_llama(25, config=config, max_seq_len=800)
+    weights = weights_to(cpu.weights, "cuda")
+    full, bf16 = (LlamaTarget(config, weights, max_slots=4, max_seq_len=800, attention="batched", compiled_taps=True,
+                              taps_attention="flex", taps_precision=p) for p in ("float32", "bfloat16"))
+    g = torch.Generator().manual_seed(26)
+    layers = (0, 2, config.num_layers)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for lengths in ([700, 257, 300, 129], [511, 200]):
+            seqs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+            want, got = full.causal_taps(seqs, layers), bf16.causal_taps(seqs, layers)
+            for layer in layers:
+                rows = torch.cat([want[layer][i, :n] for i, n in enumerate(lengths)])
+                bf16_rows = torch.cat([got[layer][i, :n] for i, n in enumerate(lengths)])
+                assert 1e-4 < relative(bf16_rows, rows) < 2e-2, (lengths, layer, relative(bf16_rows, rows))
+                assert all(not got[layer][i, n:].any() for i, n in enumerate(lengths))
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_a_bf16_store_on_the_gpu_gives_the_online_capture_losses():
     """A store of taps and the LM head's input (float32 and bf16) against capturing the batch with the
     target's own logits, both through the fast step: float32 to the batched target's row-order noise,
