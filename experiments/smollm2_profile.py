@@ -15,7 +15,9 @@ host-side aten calls, and the largest GPU kernels and host ops by name:
 - train_ablation: the DFlash ablation's step as train_after runs it (cross-entropy alone, no Markov head);
 - held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
 - capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
-  sequences of its batch that the capture store does not hold (capture_pieces says what each is).
+  sequences of its batch that the capture store does not hold (capture_pieces says what each is);
+- capture_precision (--pieces precision, meaningful with --gguf): what bf16 capture operands change in
+  the taps and in the teacher's distribution, beside what the store's bf16 rounding already changes.
 
     python experiments/smollm2_profile.py --pieces train --out experiments/results/h200/smollm2_profile_train.json
 """
@@ -215,21 +217,24 @@ def capture_pieces(config, weights, args, out: dict, save) -> None:
     the same forward under bf16 autocast (bf16 GEMMs and attention, float32 residual; the store keeps
     bf16 anyway); capture_taps_compiled, the same forward through torch.compile
     (LlamaTarget(compiled_taps=True): fused norms, rotations and activations); capture_taps_flex, the
-    compiled forward with FlexAttention for SDPA (taps_attention="flex": TF32 attention matmuls); store_online,
+    compiled forward with FlexAttention for SDPA (taps_attention="flex": TF32 attention matmuls);
+    capture_taps_flex_bf16, that with bf16 matmul and attention operands (taps_precision="bfloat16"); store_online,
     CaptureStore.batch with nothing cached (the capture plus the gather and the per-row copies into
     the batch)."""
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     batches = profiled_batches(args, ns, config)
     target = LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
                          attention="batched")
-    compiled, flex = (LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
-                                  attention="batched", compiled_taps=True, taps_attention=name) for name in ("sdpa", "flex"))
+    compiled, flex, flex_bf16 = (
+        LlamaTarget(config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1],
+                    attention="batched", compiled_taps=True, taps_attention=name, taps_precision=precision)
+        for name, precision in (("sdpa", "float32"), ("flex", "float32"), ("flex", "bfloat16")))
     layers = tuple(recipe.drafter_config(target, "dspark", ns.layers, ns.markov_rank).target_layer_ids) + (config.num_layers,)
     out["capture_batches"] = [data for _, _, data in batches]
     cuda = target.device.type == "cuda"
     autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cuda)
     measurements: dict[str, list[dict]] = {"capture_taps": [], "store_online": [], "capture_taps_autocast": [],
-                                           "capture_taps_compiled": [], "capture_taps_flex": []}
+                                           "capture_taps_compiled": [], "capture_taps_flex": [], "capture_taps_flex_bf16": []}
     with recipe.tf32_on_cuda(target.device):
         for sequences, _, _ in batches:
             store = CaptureStore(target, sequences, layers, dtype=torch.bfloat16, budget_bytes=0)
@@ -237,7 +242,8 @@ def capture_pieces(config, weights, args, out: dict, save) -> None:
             pieces = {"capture_taps": lambda: capture(target, sequences, layers, logits=False),
                       "store_online": lambda: store.batch(list(range(len(sequences)))),
                       "capture_taps_compiled": lambda: capture(compiled, sequences, layers, logits=False),
-                      "capture_taps_flex": lambda: capture(flex, sequences, layers, logits=False)}
+                      "capture_taps_flex": lambda: capture(flex, sequences, layers, logits=False),
+                      "capture_taps_flex_bf16": lambda: capture(flex_bf16, sequences, layers, logits=False)}
             for name, fn in pieces.items():
                 for _ in range(2):  # allocator warm-up; the compiled pass compiles (again when shapes go symbolic)
                     fn()
@@ -248,6 +254,49 @@ def capture_pieces(config, weights, args, out: dict, save) -> None:
             for name, taken in measurements.items():
                 out[name] = over_batches(taken)
             save()
+
+
+def precision_piece(config, weights, args, out: dict, save) -> None:
+    """capture_precision: over the profiled batches, the bf16-operand capture (taps_precision="bfloat16")
+    against the float32 one (full float32 matmuls: TF32 off), beside the float32 taps rounded to bf16 as
+    the capture store keeps them. Per tap, the relative error (norm over the real positions); for the
+    LM head's input, the teacher's distribution softmax(h E^T) at every real position: the mean L1
+    distance sum_v |p_v - p'_v| (the L1 term's own measure) and how often the argmax changes."""
+    ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
+    batches = profiled_batches(args, ns, config)
+    make = lambda precision: LlamaTarget(  # noqa: E731
+        config, weights, max_slots=args.batch_size, max_seq_len=batches[0][2]["buckets"][1], attention="batched",
+        taps_precision=precision)
+    full, bf16 = make("float32"), make("bfloat16")
+    layers = tuple(recipe.drafter_config(full, "dspark", ns.layers, ns.markov_rank).target_layer_ids) + (config.num_layers,)
+    head = weights.output
+    sums: dict[str, collections.Counter] = {"bf16_operands": collections.Counter(), "bf16_store": collections.Counter()}
+    positions = 0
+    for sequences, _, _ in batches:
+        want = capture(full, sequences, layers, logits=False)[1]
+        got = capture(bf16, sequences, layers, logits=False)[1]
+        real = torch.zeros(len(sequences), max(len(s) for s in sequences), dtype=torch.bool, device=head.device)
+        for i, s in enumerate(sequences):
+            real[i, : len(s)] = True
+        for name, taps in (("bf16_operands", got), ("bf16_store", {k: v.to(torch.bfloat16).float() for k, v in want.items()})):
+            for layer in layers:
+                a, b = want[layer][real].double(), taps[layer][real].double()
+                sums[name][f"tap {layer} err2"] += (a - b).square().sum().item()
+                sums[name][f"tap {layer} norm2"] += a.square().sum().item()
+            for chunk in torch.split(torch.arange(int(real.sum()), device=head.device), 1024):
+                p = torch.softmax(want[config.num_layers][real][chunk] @ head.T, dim=-1)
+                q = torch.softmax(taps[config.num_layers][real][chunk] @ head.T, dim=-1)
+                sums[name]["l1"] += (p - q).abs().sum().item()
+                sums[name]["argmax_changed"] += (p.argmax(-1) != q.argmax(-1)).sum().item()
+        positions += int(real.sum())
+    out["capture_precision"] = {
+        "positions": positions, "batches": [data for _, _, data in batches],
+        **{name: {"tap_relative_error": {str(layer): round((c[f"tap {layer} err2"] / c[f"tap {layer} norm2"]) ** 0.5, 6)
+                                         for layer in layers},
+                  "teacher_l1_mean": round(c["l1"] / positions, 6),
+                  "teacher_argmax_changed": round(c["argmax_changed"] / positions, 6)}
+           for name, c in sums.items()}}
+    save()
 
 
 def profiled_batches(args, ns, config) -> list[tuple[list[torch.Tensor], list[torch.Tensor], dict]]:
@@ -313,7 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each training piece (compiles)")
     ap.add_argument("--held-out-prompts", type=int, default=64, help="0: no held_out piece")
     ap.add_argument("--held-out-tokens", type=int, default=128)
-    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, capture, train")
+    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, capture, precision, train")
     ap.add_argument("--reference-loss", action="store_true",
                     help="the training step with the torch reference of draft_loss_terms (default on CUDA: Triton)")
     ap.add_argument("--seed", type=int, default=0)
@@ -347,6 +396,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if "capture" in pieces:
         capture_pieces(config, weights, args, result, save)
+    if "precision" in pieces:
+        precision_piece(config, weights, args, result, save)
     if "train" in pieces:
         try:
             training_pieces(config, weights, args, result, save)
@@ -355,7 +406,7 @@ def main(argv=None) -> int:
             return 2
     save()
     for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "capture_taps_flex",
-                 "store_online", "train_before", "train_after", "train_ablation", "held_out"):
+                 "capture_taps_flex_bf16", "store_online", "train_before", "train_after", "train_ablation", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

@@ -60,3 +60,31 @@ def test_batches_below_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         profile.main(["--batches", "0", "--out", "x.json"])
     assert "--batches=0" in capsys.readouterr().err
+
+
+def test_the_precision_piece_measures_bf16_operands_beside_the_stores_rounding(tmp_path):
+    """--pieces precision on a small random Llama at SmolLM2's vocabulary: the bf16-operand capture's
+    tap errors are those of bf16 operands (above the store's rounding alone, below 2e-2), the store's own
+    rounding is at most bf16's half-ulp (2^-9 relative, in norm), and the teacher figures are a mean L1
+    distance in [0, 2] and a fraction."""
+    import dataclasses
+
+    import torch
+    from test_dspark_train_fast import TINY, tiny_llama
+
+    config = dataclasses.replace(TINY, vocab_size=49152, num_layers=8, context_length=256)
+    target = tiny_llama(int(np.random.SeedSequence().entropy % 2**31), config=config, max_seq_len=256)
+    path = sequence_file(tmp_path / "seqs.npz", 24, seed=np.random.SeedSequence().entropy % 2**32)
+    args = argparse.Namespace(sequences=str(path), batches=2, seed=0, batch_size=4, seq_len=64)
+    out = {}
+    with torch.no_grad():
+        profile.precision_piece(config, target.weights, args, out, lambda: None)
+    result = out["capture_precision"]
+    assert result["positions"] == sum(sum(b["lengths"]) for b in result["batches"])
+    operands, store = result["bf16_operands"], result["bf16_store"]
+    assert set(operands["tap_relative_error"]) == set(store["tap_relative_error"]) and str(config.num_layers) in store["tap_relative_error"]
+    for layer, error in store["tap_relative_error"].items():
+        assert 0 < error <= 2**-9 and error < operands["tap_relative_error"][layer] < 2e-2, (layer, error, operands)
+    for figures in (operands, store):
+        assert 0 <= figures["teacher_l1_mean"] <= 2 and 0 <= figures["teacher_argmax_changed"] <= 1
+    assert store["teacher_l1_mean"] < operands["teacher_l1_mean"]
