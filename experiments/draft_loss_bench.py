@@ -6,6 +6,9 @@ training step, in one run (docs/kernels.md §12):
   today    float32 logits from torch matmuls under TF32 (hidden lm_head^T + prev_embedding
            markov_w2^T), draft_loss_terms' Triton kernels and their backward, autograd through the
            matmuls; float32 target rows (what draft_loss_terms takes);
+  variants the fused op with the teacher's tile loaded after the logits' GEMM (head_triton.TEACHER_FIRST
+           False; the default loads it before, so the load runs under the GEMM), each with bf16 and
+           float32 target rows (the recipe's);
   ceiling  FLOPs at the bf16 matmul rate measured in the same run (a large square cuBLAS GEMM):
            the fused op's own (3 recomputations of the logits' GEMM, d[hidden ; prev] = dz
            [lm_head ; markov_w2], d markov_w2 = dz^T prev) and the algorithmic minimum (3 GEMMs:
@@ -156,6 +159,17 @@ def main() -> None:
     result["fused"]["autotuned"] = autotuned_configs()
     result["fused"]["kernels"] = kernel_breakdown(fused)
     write_json(args.out, result)
+    result["variants"] = {}
+    for teacher_first in (True, False):
+        for name, teacher in (("bf16", target_bf16), ("float32", target)):
+            head_triton.TEACHER_FIRST = teacher_first
+            call = lambda backward=True, teacher=teacher: fused_call(  # noqa: E731
+                leaves, lm_head, teacher, rows, labels, weights, backward)
+            key = f"teacher_{'first' if teacher_first else 'after'}_{name}"
+            result["variants"][key] = {**measure(call, args.repeats, args.warmups),
+                                       "kernels": kernel_breakdown(call)[:4]}
+            write_json(args.out, result)
+    head_triton.TEACHER_FIRST = True
     result["today"] = measure(today, args.repeats, args.warmups)
     result["today"]["kernels"] = kernel_breakdown(today)
     with torch.no_grad():
@@ -180,8 +194,7 @@ def print_tables(result: dict) -> None:
     print(f"\nN={sizes['N']} V={sizes['V']} d={sizes['d']} r={sizes['r']} M={sizes['M']}, "
           f"bf16 matmul {result['ceiling']['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'':28s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'peak GB':>8s}")
-    for name in ("fused", "today"):
-        r = result[name]
+    for name, r in [("fused", result["fused"]), *result["variants"].items(), ("today", result["today"])]:
         print(f"{name:28s} {r['forward_ms']:8.2f} {r['forward_backward_ms']:11.2f} {r['peak_extra_GB']:8.2f}")
     print(f"{'ceiling, fused FLOPs':28s} {'':8s} {result['ceiling']['fused_ms']:11.2f}")
     print(f"{'ceiling, 3 GEMMs':28s} {'':8s} {result['ceiling']['minimum_ms']:11.2f}")

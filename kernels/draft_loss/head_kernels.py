@@ -99,11 +99,11 @@ def head_lse_kernel(x_desc, w_desc, part_max_ptr, part_sum_ptr, n, V, Kp, split_
     tl.store(part_sum_ptr + part, running_sum, mask=row_ok)
 
 
-@triton.autotune(configs=_configs(TILES), key=["V", "Kp"])
+@triton.autotune(configs=_configs(TILES), key=["V", "Kp", "TEACHER_FIRST"])
 @triton.jit
 def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_ptr,
                    part_l1_ptr, part_mass_ptr, n, V, Kp, split_width,
-                   BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, TEACHER_FIRST: tl.constexpr):
     """Program (row block, vocabulary split): with p = exp(z - lse), the split's part of
     sum_v |p_v - t_v| and of S = sum_v sign(p_v - t_v) p_v (sign(0) = 0, as autograd's |x|),
     partials [splits, n] summed by the wrapper."""
@@ -120,9 +120,12 @@ def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_pt
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_end
+        if TEACHER_FIRST:  # the teacher's tile in flight while the tensor cores make the logits
+            t = tl.load(target[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         z = _logits_tile(x_desc, w_desc, row0, v0, Kp, BLOCK_M, BLOCK_V, BLOCK_K)
         p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
-        t = tl.load(target[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if not TEACHER_FIRST:
+            t = tl.load(target[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         diff = p - t.to(tl.float32)
         l1 += tl.sum(tl.abs(diff), axis=1)
         mass += tl.sum(tl.where(diff > 0, p, tl.where(diff < 0, -p, 0.0)), axis=1)
@@ -131,12 +134,12 @@ def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_pt
     tl.store(part_mass_ptr + part, mass, mask=row_ok)
 
 
-@triton.autotune(configs=_configs(TILES), key=["V", "Kp"])
+@triton.autotune(configs=_configs(TILES), key=["V", "Kp", "TEACHER_FIRST"])
 @triton.jit
 def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labels_ptr, lse_ptr, mass_ptr,
                      grad_ce_ptr, grad_l1_ptr, grad_desc, n, V, Kp,
                      BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     WITH_L1: tl.constexpr):
+                     WITH_L1: tl.constexpr, TEACHER_FIRST: tl.constexpr):
     """One [BLOCK_M, BLOCK_V] tile of dL/dz = g_ce (p - [v = label]) + g_l1 p (sign(p - t) - S)
     per program, stored in bf16 (docs/dspark-algorithm.md §6.3); the descriptor clips the tile at
     the matrix's edges. Programs run in groups of GROUP_M row blocks sweeping the vocabulary
@@ -153,6 +156,11 @@ def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labe
     cols = col0 + tl.arange(0, BLOCK_V)
     row_ok = rows < n
     col_ok = cols < V
+    if WITH_L1:
+        ok = row_ok[:, None] & col_ok[None, :]
+        target = target_ptr + tl.load(target_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
+        if TEACHER_FIRST:  # the teacher's tile in flight while the tensor cores make the logits
+            t = tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0)
     z = _logits_tile(x_desc, w_desc, row0, col0, Kp, BLOCK_M, BLOCK_V, BLOCK_K)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
@@ -160,9 +168,9 @@ def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labe
     grad_ce = tl.load(grad_ce_ptr + rows, mask=row_ok, other=0.0)
     grad = grad_ce[:, None] * (p - tl.where(cols[None, :] == labels[:, None], 1.0, 0.0))
     if WITH_L1:
-        target = target_ptr + tl.load(target_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
-        ok = row_ok[:, None] & col_ok[None, :]
-        diff = p - tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if not TEACHER_FIRST:
+            t = tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0)
+        diff = p - t.to(tl.float32)
         sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
         grad_l1 = tl.load(grad_l1_ptr + rows, mask=row_ok, other=0.0)
         mass = tl.load(mass_ptr + rows, mask=row_ok, other=0.0)
