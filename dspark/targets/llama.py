@@ -256,6 +256,12 @@ TAPS_ATTENTION = ("sdpa", "flex")  # causal_taps' attention: one causal SDPA a l
 TAPS_PRECISIONS = ("float32", "bfloat16")  # causal_taps' matmul and attention operands
 
 
+def matrices_in(layer: LlamaLayerWeights, dtype: torch.dtype) -> LlamaLayerWeights:
+    """The layer with its four matrices in `dtype` and its norms' weights as they are."""
+    matrices = ("qkv", "attn_output", "gate_up", "ffn_down")
+    return LlamaLayerWeights(**{name: t.to(dtype) if name in matrices else t for name, t in vars(layer).items()})
+
+
 def causal_mask(b, h, q, kv):
     """Causal attention as FlexAttention's mask_mod: row q sees keys 0..q."""
     return q >= kv
@@ -565,15 +571,11 @@ class LlamaTarget:
         return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
 
     def taps_layers(self) -> list[LlamaLayerWeights]:
-        """The layers causal_taps runs: the model's own (float32), or for taps_precision="bfloat16" a
-        copy whose matrices are bf16 (the norms' weights stay float32)."""
+        """The layers causal_taps runs: the model's own, or a copy with bf16 matrices (taps_precision)."""
         if self.taps_precision == "float32":
             return self.weights.layers
         if self._taps_layers is None:
-            matrices = ("qkv", "attn_output", "gate_up", "ffn_down")
-            self._taps_layers = [LlamaLayerWeights(**{name: t.to(torch.bfloat16) if name in matrices else t
-                                                      for name, t in vars(layer).items()})
-                                 for layer in self.weights.layers]
+            self._taps_layers = [matrices_in(layer, torch.bfloat16) for layer in self.weights.layers]
         return self._taps_layers
 
     def _attend(self, layer_index: int, q: torch.Tensor, slot: int, position: int) -> torch.Tensor:
