@@ -273,22 +273,22 @@ def precision_piece(config, weights, args, out: dict, save) -> None:
     sums: dict[str, collections.Counter] = {"bf16_operands": collections.Counter(), "bf16_store": collections.Counter()}
     positions = 0
     for sequences, _, _ in batches:
-        want = capture(full, sequences, layers, logits=False)[1]
-        got = capture(bf16, sequences, layers, logits=False)[1]
-        real = torch.zeros(len(sequences), max(len(s) for s in sequences), dtype=torch.bool, device=head.device)
-        for i, s in enumerate(sequences):
-            real[i, : len(s)] = True
-        for name, taps in (("bf16_operands", got), ("bf16_store", {k: v.to(torch.bfloat16).float() for k, v in want.items()})):
+        real = (torch.arange(max(len(s) for s in sequences)) < torch.tensor([len(s) for s in sequences])[:, None]).to(head.device)
+        want = {layer: t[real] for layer, t in capture(full, sequences, layers, logits=False)[1].items()}
+        compared = {"bf16_operands": {layer: t[real] for layer, t in capture(bf16, sequences, layers, logits=False)[1].items()},
+                    "bf16_store": {layer: t.to(torch.bfloat16).float() for layer, t in want.items()}}
+        for name, taps in compared.items():
             for layer in layers:
-                a, b = want[layer][real].double(), taps[layer][real].double()
+                a, b = want[layer].double(), taps[layer].double()
                 sums[name][f"tap {layer} err2"] += (a - b).square().sum().item()
                 sums[name][f"tap {layer} norm2"] += a.square().sum().item()
-            for chunk in torch.split(torch.arange(int(real.sum()), device=head.device), 1024):
-                p = torch.softmax(want[config.num_layers][real][chunk] @ head.T, dim=-1)
-                q = torch.softmax(taps[config.num_layers][real][chunk] @ head.T, dim=-1)
+        for chunk in torch.split(torch.arange(len(want[config.num_layers]), device=head.device), 1024):
+            p = torch.softmax(want[config.num_layers][chunk] @ head.T, dim=-1)
+            for name, taps in compared.items():
+                q = torch.softmax(taps[config.num_layers][chunk] @ head.T, dim=-1)
                 sums[name]["l1"] += (p - q).abs().sum().item()
                 sums[name]["argmax_changed"] += (p.argmax(-1) != q.argmax(-1)).sum().item()
-        positions += int(real.sum())
+        positions += len(want[config.num_layers])
     out["capture_precision"] = {
         "positions": positions, "batches": [data for _, _, data in batches],
         **{name: {"tap_relative_error": {str(layer): round((c[f"tap {layer} err2"] / c[f"tap {layer} norm2"]) ** 0.5, 6)
