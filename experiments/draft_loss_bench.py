@@ -6,9 +6,9 @@ training step, in one run (docs/kernels.md §12):
   today    float32 logits from torch matmuls under TF32 (hidden lm_head^T + prev_embedding
            markov_w2^T), draft_loss_terms' Triton kernels and their backward, autograd through the
            matmuls; float32 target rows (what draft_loss_terms takes);
-  variants the fused op with the teacher's tile loaded after the logits' GEMM (head_triton.TEACHER_FIRST
-           False; the default loads it before, so the load runs under the GEMM), each with bf16 and
-           float32 target rows (the recipe's);
+  variants the fused op at the other three pairs of the teacher's load order (head_triton.TEACHER_FIRST:
+           before the logits' GEMM, so the load runs under it, or after) and target rows (bf16, or
+           float32 as the recipe's); "fused" is the default order with bf16 rows;
   ceiling  FLOPs at the bf16 matmul rate measured in the same run (a large square cuBLAS GEMM):
            the fused op's own (3 recomputations of the logits' GEMM, d[hidden ; prev] = dz
            [lm_head ; markov_w2], d markov_w2 = dz^T prev) and the algorithmic minimum (3 GEMMs:
@@ -160,8 +160,11 @@ def main() -> None:
     result["fused"]["kernels"] = kernel_breakdown(fused)
     write_json(args.out, result)
     result["variants"] = {}
+    default_order = head_triton.TEACHER_FIRST
     for teacher_first in (True, False):
         for name, teacher in (("bf16", target_bf16), ("float32", target)):
+            if (teacher_first, name) == (default_order, "bf16"):
+                continue  # "fused" above
             head_triton.TEACHER_FIRST = teacher_first
             call = lambda backward=True, teacher=teacher: fused_call(  # noqa: E731
                 leaves, lm_head, teacher, rows, labels, weights, backward)
@@ -169,7 +172,7 @@ def main() -> None:
             result["variants"][key] = {**measure(call, args.repeats, args.warmups),
                                        "kernels": kernel_breakdown(call)[:4]}
             write_json(args.out, result)
-    head_triton.TEACHER_FIRST = True
+    head_triton.TEACHER_FIRST = default_order
     result["today"] = measure(today, args.repeats, args.warmups)
     result["today"]["kernels"] = kernel_breakdown(today)
     with torch.no_grad():
