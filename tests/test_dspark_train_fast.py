@@ -389,8 +389,8 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
 
 @pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])
 def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
-    """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile; its taps, every one
-    asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
+    """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile, one graph for all of
+    them (the first batch compiles one); its taps, every one asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
     shapes (the third after the shapes went symbolic, 250 tokens: two of FlexAttention's 128-row tiles, the
     second partial), padding still zero. With taps_attention="flex" the attention is FlexAttention under
     causal_block_mask (on the CPU in float32, so to rounding as well)."""
@@ -400,18 +400,21 @@ def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
                            compiled_taps=True, taps_attention=taps_attention)
     g = torch.Generator().manual_seed(SEED)
     layers = (-1, 1, compiled.num_layers)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for count, longest in ((3, 41), (4, 41), (2, 250)):
         lengths = torch.randint(3, longest + 1, (count,), generator=g).tolist()
         lengths[0] = longest
         seqs = [torch.randint(0, eager.vocab_size, (n,), generator=g) for n in lengths]
         want, got = eager.causal_taps(seqs, layers), compiled.causal_taps(seqs, layers)
+        if count == 3:  # one layer's graph serves every layer: a graph per layer would also hit dynamo's recompile limit
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
         assert set(got) == set(layers)
         for layer in layers:
             torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5,
                                        msg=f"seed {SEED}: layer {layer}, lengths {lengths}")
             for i, s in enumerate(seqs):
                 assert not got[layer][i, len(s):].any()
-    assert compiled._compiled_layers is not None and eager._compiled_layers is None
+    assert compiled._compiled_layer is not None and eager._compiled_layer is None
 
 
 @pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])

@@ -285,36 +285,44 @@ def operand_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
 
 
-def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: tuple[int, ...],
-                  mask=None) -> dict[int, torch.Tensor]:
-    """LlamaTarget.causal_taps' pass over the right-padded batch x [B, S, d]: every layer, its causal
-    attention (one SDPA, or FlexAttention under `mask`, causal_block_mask(S)), and the taps it asks for
-    (the final norm's output as tap num_layers). The matmuls and the attention run at the layers'
-    taps_precision (LlamaTarget.taps_layers); the residual stream, norms, rotations and activations
-    stay float32."""
+def causal_layer(target: "LlamaTarget", layer: LlamaLayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, mask=None) -> torch.Tensor:
+    """One layer of LlamaTarget.causal_taps' pass over the right-padded batch x [B, S, d]: its causal
+    attention (one SDPA, or FlexAttention under `mask`, causal_block_mask(S)) and its FFN. The matmuls
+    and the attention run at the layer's matrices' dtype (LlamaTarget.taps_layers); the residual
+    stream, norms, rotations and activations stay float32. What a compiled capture compiles: one
+    layer's graph serves all of them (same shapes), where the whole pass compiled as one unrolled graph
+    took tens of seconds per shape."""
     c = target.config
     group = c.num_heads // c.num_kv_heads
+    operand = layer.qkv.dtype
+    q, k, v = (t.transpose(1, 2).to(operand) for t in target._attention_inputs(layer, x, cos, sin, operand_linear))
+    if mask is None:
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=target.scale)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Contiguous operands: compiled for the CPU (torch 2.13), FlexAttention read these transposed
+        # views of the fused qkv output wrongly (tests/test_dspark_train_fast.py catches it); inside
+        # the compiled pass q's and k's copies fold into their rotation's kernel.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        attended = flex_attention(q, k, v, block_mask=mask, scale=target.scale, enable_gqa=True)
+    attended = attended.transpose(1, 2).flatten(2).to(x.dtype)
+    return target._ffn(layer, x + operand_linear(attended, layer.attn_output), operand_linear)
+
+
+def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: tuple[int, ...],
+                  mask=None, layer_pass=causal_layer) -> dict[int, torch.Tensor]:
+    """LlamaTarget.causal_taps' pass: every layer through `layer_pass` (causal_layer, or its compiled
+    form), and the taps it asks for (the final norm's output as tap num_layers)."""
     out = {-1: x} if -1 in taps else {}
     for layer_index, layer in enumerate(target.taps_layers()):
-        operand = layer.qkv.dtype
-        q, k, v = (t.transpose(1, 2).to(operand) for t in target._attention_inputs(layer, x, cos, sin, operand_linear))
-        if mask is None:
-            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head h reads kv head h // group
-            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=target.scale)
-        else:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            # Contiguous operands: compiled for the CPU (torch 2.13), FlexAttention read these transposed
-            # views of the fused qkv output wrongly (tests/test_dspark_train_fast.py catches it); inside
-            # the compiled pass q's and k's copies fold into their rotation's kernel.
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            attended = flex_attention(q, k, v, block_mask=mask, scale=target.scale, enable_gqa=True)
-        attended = attended.transpose(1, 2).flatten(2).to(x.dtype)
-        x = target._ffn(layer, x + operand_linear(attended, layer.attn_output), operand_linear)
+        x = layer_pass(target, layer, x, cos, sin, mask)
         if layer_index in taps:
             out[layer_index] = x
     if target.num_layers in taps:
-        out[target.num_layers] = rms_norm(x, target.weights.output_norm, c.rms_norm_eps)
+        out[target.num_layers] = rms_norm(x, target.weights.output_norm, target.config.rms_norm_eps)
     return out
 
 
@@ -359,7 +367,7 @@ class LlamaTarget:
             raise ValueError(f"taps_precision={taps_precision!r}: must be one of {TAPS_PRECISIONS}")
         self.taps_precision = taps_precision
         self._taps_layers = None  # the layers at taps_precision, made on first use (taps_layers)
-        self._compiled_layers = None  # torch.compile(self._causal_layers), made on first use
+        self._compiled_layer = None  # torch.compile(causal_layer), made on first use
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
         self.attention = attention
@@ -558,16 +566,14 @@ class LlamaTarget:
         fed = tensor_on(fed, self.device)[..., None]
         cos, sin = self.rope_cos[:S, None], self.rope_sin[:S, None]  # [S, 1, hd/2]: each column's position
         x = w.embedding[tensor_on(padded, self.device)]  # [B, S, d]
-        layers = causal_layers
+        layer_pass = causal_layer
         if self.compiled_taps:
-            if self._compiled_layers is None:
-                # torch's default dynamism: shapes go symbolic once they change; the tap layers stay
-                # constants (dynamic=True made them symbolic too, and `layer_index in taps` came out False)
-                self._compiled_layers = torch.compile(causal_layers)
-            layers = self._compiled_layers
+            if self._compiled_layer is None:
+                # torch's default dynamism: shapes go symbolic once they change
+                self._compiled_layer = torch.compile(causal_layer)
+            layer_pass = self._compiled_layer
         mask = causal_block_mask(S, self.device) if self.taps_attention == "flex" else None
-        self.taps_layers()  # a bf16 copy is made here, outside the compiled pass, which then reads it
-        out = layers(self, x, cos, sin, taps, mask)
+        out = causal_layers(self, x, cos, sin, taps, mask, layer_pass)
         return {layer: torch.where(fed, t, 0.0) for layer, t in out.items()}  # padding positions: zeros
 
     def taps_layers(self) -> list[LlamaLayerWeights]:
