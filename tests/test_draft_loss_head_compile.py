@@ -25,7 +25,7 @@ def _signature(fn, block_m: int, block_v: int, target: str):
                    "grad_desc": (block_m, block_v)}
     # target "none": the gradient pass without a teacher (cross-entropy alone; its pointer unread).
     constexprs = {"BLOCK_M": block_m, "BLOCK_V": block_v, "BLOCK_K": head_triton.BLOCK_K,
-                  "GROUP_M": head_triton.GROUP_M, "WITH_L1": target != "none", "TEACHER_FIRST": head_triton.TEACHER_FIRST}
+                  "GROUP_M": head_triton.GROUP_M, "WITH_L1": target != "none"}
     target = "*fp32" if target == "none" else target
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

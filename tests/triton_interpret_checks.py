@@ -532,8 +532,7 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
     apart (all; prev_embedding's alone; hidden's and markov_w2's; markov_w2's alone). Then the
     cross-entropy alone (no teacher: l1 None), with the Markov part and without it (r = 0, the
     DFlash ablation's head; K = 56, one K step), against the reference's ce and gradients with
-    the L1 term's upstream gradient zero. Every buffer the wrapper allocates starts as NaN. The cases
-    alternate the order of the teacher's load (head_triton.TEACHER_FIRST: before the GEMM, then after)."""
+    the L1 term's upstream gradient zero. Every buffer the wrapper allocates starts as NaN."""
     positions, target_rows, vocab, d, r = 37, 11, 300, 56, 24
     cases = ((torch.bfloat16, torch.bfloat16, True, (True, True, True)),
              (torch.bfloat16, torch.float32, False, (False, True, False)),
@@ -549,25 +548,20 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
         finally:
             loss_head_triton.torch = real_torch
 
-    default_order = loss_head_triton.TEACHER_FIRST
     for case, (operand_dtype, target_dtype, given_rows, wanted) in enumerate(cases):
         operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, r, operand_dtype,
                                                           target_dtype)
         if not given_rows:
             target, rows = target[rows], None
         up_ce, up_l1 = (torch.randn(positions, generator=gen, dtype=torch.float64) for _ in range(2))
-        loss_head_triton.TEACHER_FIRST = case % 2 == 0
-        try:
-            got = poisoned_run(operands, target, rows, labels, up_ce, up_l1, wanted)
-        finally:
-            loss_head_triton.TEACHER_FIRST = default_order
+        got = poisoned_run(operands, target, rows, labels, up_ce, up_l1, wanted)
         rounded = tuple(t.to(torch.bfloat16).double() for t in operands)
         want, bounds = head_loss_expected(rounded, target, rows, labels, up_ce, up_l1, vocab_steps=vocab // 64 + 64,
                                           dz_rounding=INTERPRETER_BF16_U)
         grad_dtypes = (operands[0].dtype, operands[1].dtype, operands[3].dtype)
         check_head_close(got, want, bounds, grad_dtypes,
                          f"draft_head_loss ({operand_dtype} operands, {target_dtype} target, "
-                         f"{'rows' if given_rows else 'no rows'}, gradients of {wanted}, teacher first {case % 2 == 0})")
+                         f"{'rows' if given_rows else 'no rows'}, gradients of {wanted})")
     for markov_rank, wanted in ((r, (True, True, True)), (0, (True, False, False))):
         operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, markov_rank,
                                                           torch.bfloat16, torch.float32)

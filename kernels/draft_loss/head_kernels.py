@@ -99,11 +99,11 @@ def head_lse_kernel(x_desc, w_desc, part_max_ptr, part_sum_ptr, n, V, Kp, split_
     tl.store(part_sum_ptr + part, running_sum, mask=row_ok)
 
 
-@triton.autotune(configs=_configs(TILES), key=["V", "Kp", "TEACHER_FIRST"])
+@triton.autotune(configs=_configs(TILES), key=["V", "Kp"])
 @triton.jit
 def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_ptr,
                    part_l1_ptr, part_mass_ptr, n, V, Kp, split_width,
-                   BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, TEACHER_FIRST: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (row block, vocabulary split): with p = exp(z - lse), the split's part of
     sum_v |p_v - t_v| and of S = sum_v sign(p_v - t_v) p_v (sign(0) = 0, as autograd's |x|),
     partials [splits, n] summed by the wrapper."""
@@ -120,12 +120,11 @@ def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_pt
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_end
-        if TEACHER_FIRST:  # the teacher's tile in flight while the tensor cores make the logits
-            t = tl.load(target[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        # The teacher's tile is loaded before the GEMM, in flight while the tensor cores make the logits
+        # (experiments/draft_loss_bench.py timed both orders: before is faster here, after in the gradient).
+        t = tl.load(target[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         z = _logits_tile(x_desc, w_desc, row0, v0, Kp, BLOCK_M, BLOCK_V, BLOCK_K)
         p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
-        if not TEACHER_FIRST:
-            t = tl.load(target[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         diff = p - t.to(tl.float32)
         l1 += tl.sum(tl.abs(diff), axis=1)
         mass += tl.sum(tl.where(diff > 0, p, tl.where(diff < 0, -p, 0.0)), axis=1)
@@ -134,12 +133,12 @@ def head_l1_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, lse_pt
     tl.store(part_mass_ptr + part, mass, mask=row_ok)
 
 
-@triton.autotune(configs=_configs(TILES), key=["V", "Kp", "TEACHER_FIRST"])
+@triton.autotune(configs=_configs(TILES), key=["V", "Kp"])
 @triton.jit
 def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labels_ptr, lse_ptr, mass_ptr,
                      grad_ce_ptr, grad_l1_ptr, grad_desc, n, V, Kp,
                      BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     WITH_L1: tl.constexpr, TEACHER_FIRST: tl.constexpr):
+                     WITH_L1: tl.constexpr):
     """One [BLOCK_M, BLOCK_V] tile of dL/dz = g_ce (p - [v = label]) + g_l1 p (sign(p - t) - S)
     per program, stored in bf16 (docs/dspark-algorithm.md §6.3); the descriptor clips the tile at
     the matrix's edges. Programs run in groups of GROUP_M row blocks sweeping the vocabulary
@@ -159,8 +158,6 @@ def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labe
     if WITH_L1:
         ok = row_ok[:, None] & col_ok[None, :]
         target = target_ptr + tl.load(target_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
-        if TEACHER_FIRST:  # the teacher's tile in flight while the tensor cores make the logits
-            t = tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0)
     z = _logits_tile(x_desc, w_desc, row0, col0, Kp, BLOCK_M, BLOCK_V, BLOCK_K)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
@@ -168,8 +165,9 @@ def head_grad_kernel(x_desc, w_desc, target_ptr, stride_t, target_rows_ptr, labe
     grad_ce = tl.load(grad_ce_ptr + rows, mask=row_ok, other=0.0)
     grad = grad_ce[:, None] * (p - tl.where(cols[None, :] == labels[:, None], 1.0, 0.0))
     if WITH_L1:
-        if not TEACHER_FIRST:
-            t = tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0)
+        # Loaded after the GEMM: a tile loaded before it held registers through the GEMM, and the kernel
+        # ran slower (experiments/draft_loss_bench.py timed both orders).
+        t = tl.load(target[:, None] + cols[None, :], mask=ok, other=0.0)
         diff = p - t.to(tl.float32)
         sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
         grad_l1 = tl.load(grad_l1_ptr + rows, mask=row_ok, other=0.0)

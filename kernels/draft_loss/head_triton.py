@@ -44,9 +44,6 @@ GROUP_M = 8  # row blocks that sweep the vocabulary together in the backward (L2
 WAVES = 8
 MIN_SPLIT_COLUMNS = 1024
 _OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The L1 and gradient kernels load the teacher's tile before the logits' GEMM (True) or after it
-# (False); experiments/draft_loss_bench.py times both.
-TEACHER_FIRST = True
 
 
 def _kernels():
@@ -108,7 +105,7 @@ def _forward(x, w, target_probs, rows, labels, splits: int | None):
     l1 = mass = None
     if target_probs is not None:
         kernels.head_l1_kernel[grid](x_desc, w_desc, target_probs, target_probs.stride(0), rows, lse, part[2], part[3],
-                                     n, V, Kp, width, BLOCK_K=BLOCK_K, TEACHER_FIRST=TEACHER_FIRST)
+                                     n, V, Kp, width, BLOCK_K=BLOCK_K)
         l1, mass = part[2].sum(dim=0), part[3].sum(dim=0)
     # z[label] = x . w[label]: products of bf16 values are exact in float32, summed in float32.
     label_logit = (x.float() * w[labels].float()).sum(dim=1)
@@ -129,8 +126,7 @@ def _grad_logits(x, w, labels, lse, grad_ce, teacher, out: torch.Tensor) -> None
     target, rows, mass, grad_l1 = teacher if teacher is not None else (lse,) * 4
     kernels.head_grad_kernel[grid](kernels.descriptor(x), kernels.descriptor(w), target, target.stride(0),
                                    rows, labels, lse, mass, grad_ce, grad_l1, kernels.descriptor(out), m, V, Kp,
-                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, WITH_L1=teacher is not None,
-                                   TEACHER_FIRST=TEACHER_FIRST)
+                                   BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, WITH_L1=teacher is not None)
 
 
 def grad_chunk_rows(n: int, V: int, limit: int | None = None) -> int:
