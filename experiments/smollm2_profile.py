@@ -4,7 +4,8 @@ drafter training step, timed and profiled at the recipe's sizes.
 The weights are random at SmolLM2-135M's shapes (or the real ones with --gguf): the cost of a step
 does not depend on the values, and this needs no GGUF staging. For each piece it reports the wall
 time with a synchronize around it, the GPU time the profiler saw in it, the number of kernels and
-host-side aten calls, and the largest GPU kernels and host ops by name:
+host-side aten calls, the largest GPU kernels and host ops by name, and (warmup_s) the seconds of the
+warm-up calls before them, where a compiled piece compiles:
 
 - decode: a plain-decoding engine step at --slots requests (half greedy, half T = 1), each with a
   --context-token committed prefix, as experiments/smollm2_dspark.py's self-distillation runs it;
@@ -102,6 +103,18 @@ def measured(fn, repeats: int) -> dict:
             "top_host": host_calls.most_common(12)}
 
 
+def warm_up(fn, calls: int) -> float:
+    """Seconds of `calls` calls of fn() with a synchronize after them: a compiled piece's compiles (its
+    first batch, and a batch whose shapes make it compile again), then the allocator's warm-up."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return round(time.perf_counter() - t0, 2)
+
+
 def decode_piece(config, weights, args) -> dict:
     target = LlamaTarget(config, weights, max_slots=args.slots, max_seq_len=args.context + 64, attention="batched")
     engine = Engine(target, eos_token_ids=())
@@ -182,12 +195,10 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
                       ("train_ablation", ablation_model, ablation, lambda: store.batch(pick), cuda, False))
             for name, piece_model, cfg, captured_for, fused, read in pieces:
                 step = step_runner(piece_model, cfg, sequences, masks, captured_for, fused, read)
-                for _ in range(args.warmup if n == 0 else 1):  # compiles once (one shape), then the allocator
-                    step()
+                warm = warm_up(step, args.warmup if n == 0 else 1)  # compiles once per shape, then the allocator
                 if cuda:
-                    torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                measurements[name].append(measured(step, 3))
+                measurements[name].append({**measured(step, 3), "warmup_s": warm})
                 if cuda:
                     peak[name] = max(peak.get(name, 0.0), round(torch.cuda.max_memory_allocated() / 2**30, 2))
             for name, taken in measurements.items():
@@ -245,9 +256,8 @@ def capture_pieces(config, weights, args, out: dict, save) -> None:
                       "capture_taps_flex": lambda: capture(flex, sequences, layers, logits=False),
                       "capture_taps_flex_bf16": lambda: capture(flex_bf16, sequences, layers, logits=False)}
             for name, fn in pieces.items():
-                for _ in range(2):  # allocator warm-up; the compiled pass compiles (again when shapes go symbolic)
-                    fn()
-                measurements[name].append(measured(fn, 5))
+                warm = warm_up(fn, 2)  # allocator warm-up; the compiled pass compiles (again when shapes go symbolic)
+                measurements[name].append({**measured(fn, 5), "warmup_s": warm})
             with autocast:
                 pieces["capture_taps"]()
                 measurements["capture_taps_autocast"].append(measured(pieces["capture_taps"], 5))
@@ -331,6 +341,9 @@ def over_batches(measurements: list[dict]) -> dict:
     figures = ("wall_ms", "gpu_ms", "kernels", "aten_calls")
     costliest = max(measurements, key=lambda m: m["wall_ms"])
     out = {k: round(sum(m[k] for m in measurements) / len(measurements), 2) for k in figures}
+    if "warmup_s" in measurements[0]:  # summed: what the piece's compiles cost over these batches
+        figures += ("warmup_s",)
+        out["warmup_s"] = round(sum(m["warmup_s"] for m in measurements), 2)
     return {**out, "top_gpu": costliest["top_gpu"], "top_host": costliest["top_host"],
             "per_batch": [{k: m[k] for k in figures} for m in measurements]}
 
@@ -410,8 +423,9 @@ def main(argv=None) -> int:
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"
-            print(f"{name:21s} wall {r['wall_ms']:9.1f} ms  gpu {r['gpu_ms']:9.1f} ms  kernels {r['kernels']:8.1f}  "
-                  f"aten {r['aten_calls']:8.1f}  top: {top}")
+            warm = f"  warm-up {r['warmup_s']:6.1f} s" if "warmup_s" in r else ""
+            print(f"{name:22s} wall {r['wall_ms']:7.1f} ms  gpu {r['gpu_ms']:7.1f} ms  kernels {r['kernels']:7.1f}  "
+                  f"aten {r['aten_calls']:7.1f}{warm}  top: {top}")
     return 0
 
 

@@ -2,6 +2,7 @@
 its batch's supervised tokens, so the profile spans the epoch's batches instead of timing its first."""
 import argparse
 import importlib.util
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,23 @@ def test_a_piece_over_batches_is_their_mean_with_the_costliest_batch_named():
     assert out["wall_ms"] == pytest.approx(walls.mean(), abs=0.01) and out["kernels"] == pytest.approx(140)
     assert out["top_gpu"] == taken[int(np.argmax(walls))]["top_gpu"]
     assert [b["wall_ms"] for b in out["per_batch"]] == list(walls)
+    assert "warmup_s" not in out
+
+
+def test_a_pieces_warm_up_is_summed_over_its_batches():
+    """The warm-up seconds (a compiled piece's compiles) are the batches' total, each batch's kept."""
+    warmups = np.random.default_rng().uniform(0.1, 40, size=3).round(2)
+    taken = [{"wall_ms": 1.0, "gpu_ms": 0.5, "kernels": 1, "aten_calls": 2, "top_gpu": [], "top_host": [], "warmup_s": w}
+             for w in warmups]
+    out = profile.over_batches(taken)
+    assert out["warmup_s"] == pytest.approx(warmups.sum(), abs=0.01)
+    assert [b["warmup_s"] for b in out["per_batch"]] == list(warmups)
+
+
+def test_warm_up_times_its_calls():
+    calls = []
+    seconds = profile.warm_up(lambda: (calls.append(1), time.sleep(0.02)), 3)
+    assert len(calls) == 3 and 0.06 <= seconds < 5
 
 
 def test_batches_below_one_is_refused(capsys):
