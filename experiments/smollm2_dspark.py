@@ -1149,10 +1149,11 @@ def parse(argv=None) -> argparse.Namespace:
                         "FlexAttention (TF32 matmuls, as the capture's GEMMs; needs --compiled-capture). Default: flex "
                         "with the compiled capture on a GPU (smollm2_profile.py's capture_taps_flex against "
                         "capture_taps_compiled, experiments/notes/smollm2.md), else sdpa")
-    r.add_argument("--capture-precision", choices=("float32", "bfloat16"), default="float32",
+    r.add_argument("--capture-precision", choices=("float32", "bfloat16"), default=None,
                    help="the capture's matmul and attention operands: float32 (TF32 on a GPU) or bf16 (float32 "
-                        "residual, norms and activations; smollm2_profile.py's capture_taps_flex_bf16 against "
-                        "capture_taps_flex, experiments/notes/smollm2.md)")
+                        "residual, norms and activations). Default: bfloat16 on a GPU (smollm2_profile.py's "
+                        "capture_taps_flex_bf16 against capture_taps_flex, and what it changes in the taps, "
+                        "experiments/notes/smollm2.md), else float32")
     r.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     r.add_argument("--capture-file", default=None,
                    help="where the capture store is written for later calls (default --work-dir/capture.bin; '' none)")
@@ -1162,6 +1163,8 @@ def parse(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.command == "run" and args.capture_attention is None:  # resolved here, so results' settings show it
         args.capture_attention = "flex" if args.compiled_capture and torch.cuda.is_available() else "sdpa"
+    if args.command == "run" and args.capture_precision is None:
+        args.capture_precision = "bfloat16" if torch.cuda.is_available() else "float32"
     if args.command == "run" and args.capture_attention == "flex" and not args.compiled_capture:
         ap.error("--capture-attention flex needs --compiled-capture (uncompiled, FlexAttention evaluates every score)")
     return args
