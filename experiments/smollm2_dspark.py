@@ -557,7 +557,8 @@ def train_drafters(args, drafters: dict, *, data, work: Path, deadline: float, c
                     run["seconds_per_step"] = round(run["train_seconds"] / max(1, run["steps_timed"]), 4)
                     if len(drafters) > 1:
                         run["lockstep_with"] = [other for other in drafters if other != name]
-                if first.step < begun + segment:  # the deadline passed inside
+                if first.step < begun + segment:  # the deadline passed inside: the results keep the steps' time
+                    checks["save"]()
                     raise StoppedEarly(f"train {together}: step {first.step} of {end} (--time-limit)")
                 if first.step % checks["every"] == 0 or first.step == end:
                     check(first.step, histories)

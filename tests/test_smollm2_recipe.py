@@ -274,6 +274,31 @@ def test_lockstep_training_gives_the_separate_runs_drafters(tmp_path):
         assert "lockstep_with" not in runs["a"][name]
 
 
+def test_a_call_stopped_inside_training_keeps_its_steps_time(tmp_path, monkeypatch):
+    """A call whose --time-limit passes between two steps stops (exit 3) with the results file already
+    saying how far each drafter got and its seconds per step; the next call resumes there."""
+    tiny_data_for_the_gguf(tmp_path / "data.npz")
+    argv = ["run", "--data", str(tmp_path / "data.npz"), "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3",
+            "--prefill-chunk", "2", "--steps", "3", "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0",
+            "--layers", "1", "--markov-rank", "8", "--eval-every", "3", "--held-out-prompts", "1",
+            "--held-out-tokens", "3", "--attention", "per_query", "--log-every", "1", "--only-train", "--lockstep",
+            "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out.json"), "--sequences", ""]
+    whole = recipe.train_together
+    # the deadline passing after the first step of a segment
+    monkeypatch.setattr(recipe, "train_together", lambda *a, **k: whole(*a, **{**k, "stop_after": 1}))
+    assert recipe.main(argv) == 3
+    saved = json.loads((tmp_path / "work" / "results.json").read_text())
+    assert saved["complete"] is False
+    for name in recipe.VARIANTS:
+        run = saved["training"][name]
+        assert run["steps_timed"] == 1 and run["seconds_per_step"] > 0 and run["held_out"] == []
+        assert recipe.trained_steps(tmp_path / "work" / name) == 1
+    monkeypatch.setattr(recipe, "train_together", whole)
+    assert recipe.main(argv) == 0
+    for name in recipe.VARIANTS:
+        assert recipe.trained_steps(tmp_path / "work" / name) == 3
+
+
 def test_init_ab_trains_each_start_on_the_same_data(tmp_path, monkeypatch):
     """experiments/smollm2_init_ab.py at a tiny size: each start trains through the recipe's own
     train_variant, layers copied as named, and the held-out checks are recorded."""
