@@ -14,7 +14,8 @@ warm-up calls before them, where a compiled piece compiles:
   AdamW) before issue 33 and now, in one run on the same batches (training_pieces says what each is);
   both in the precision the recipe trains in (TF32 float32 matmuls, the backbone under bf16 autocast);
 - train_ablation: the DFlash ablation's step as train_after runs it (cross-entropy alone, no Markov head);
-- held_out: one held-out acceptance measurement (calibrate.run_rounds) as training runs it.
+- held_out, held_out_compiled (--pieces checks): one held-out acceptance measurement
+  (calibrate.run_rounds) as training runs it, the target's verify eager and compiled (checks_piece);
 - capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
   sequences of its batch that the capture store does not hold (capture_pieces says what each is);
 - capture_precision (--pieces precision, meaningful with --gguf): what bf16 capture operands change in
@@ -150,9 +151,8 @@ def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_ev
 
 
 def training_pieces(config, weights, args, out: dict, save) -> None:
-    """capture, train_before, train_after, train_ablation, each over the profiled batches (over_batches), and (unless
-    --held-out-prompts 0) held_out into `out`, saved after each batch: a call cut off by its time limit
-    keeps what it measured.
+    """capture, train_before, train_after, train_ablation, each over the profiled batches (over_batches), into
+    `out`, saved after each batch: a call cut off by its time limit keeps what it measured.
 
     train_before is the step rounds 1-7 trained with: the batch prefilled into the target every step
     (capture), anchor chunks of 128 through the dense-masked SDPA, the float32 LM head and loss on every
@@ -211,14 +211,30 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
             del store
         model.eval()
         ablation_model.eval()
-    if not args.held_out_prompts:
-        return
-    held_out = [torch.randint(3, config.vocab_size, (n,), generator=g) for n in (args.seq_len // 4,) * args.held_out_prompts]
-    rounds_target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 160,
-                                attention="batched")
-    drafter = DSparkDrafter(model, rounds_target.max_slots, max_seq_len=rounds_target.max_seq_len)
-    out["held_out"] = measured(lambda: run_rounds(rounds_target, drafter, held_out, max_new_tokens=args.held_out_tokens), 1)
-    save()
+
+
+def checks_piece(config, weights, args, out: dict, save) -> None:
+    """held_out and held_out_compiled: one held-out acceptance measurement (calibrate.run_rounds over
+    --held-out-prompts random prompts, --held-out-tokens each) as training runs it, with a random DSpark
+    drafter, on the batched target eagerly and with its verify compiled (compiled_verify; its warm-up
+    compiles). Both host-bound where the verify launches ~80 host ops a layer."""
+    ns = recipe.parse(["run", "--seed", str(args.seed)])
+    g = torch.Generator().manual_seed(args.seed)
+    held_out = [torch.randint(3, config.vocab_size, (args.seq_len // 4,), generator=g) for _ in range(args.held_out_prompts)]
+    for name, compiled in (("held_out", False), ("held_out_compiled", True)):
+        target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 160,
+                             attention="batched", compiled_verify=compiled)
+        model = recipe.new_model(target, "dspark", ns)
+        model.eval()
+        drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len)
+
+        def check():
+            with torch.no_grad():
+                run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
+
+        warm = warm_up(check, 1)
+        out[name] = {**measured(check, 1), "warmup_s": warm}
+        save()
 
 
 def capture_pieces(config, weights, args, out: dict, save) -> None:
@@ -373,9 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="train_after compiles the blocks' pass, as the recipe does on a GPU")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each training piece (compiles)")
-    ap.add_argument("--held-out-prompts", type=int, default=64, help="0: no held_out piece")
+    ap.add_argument("--held-out-prompts", type=int, default=64, help="the checks piece's prompts")
     ap.add_argument("--held-out-tokens", type=int, default=128)
-    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, capture, precision, train")
+    ap.add_argument("--pieces", default="decode,train", help="comma-separated: decode, capture, precision, train, checks")
     ap.add_argument("--reference-loss", action="store_true",
                     help="the training step with the torch reference of draft_loss_terms (default on CUDA: Triton)")
     ap.add_argument("--seed", type=int, default=0)
@@ -417,9 +433,12 @@ def main(argv=None) -> int:
         except (recipe.RecipeError, ValueError) as error:
             print(f"smollm2_profile: error: {error}", file=sys.stderr)
             return 2
+    if "checks" in pieces:
+        checks_piece(config, weights, args, result, save)
     save()
     for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "capture_taps_flex",
-                 "capture_taps_flex_bf16", "store_online", "train_before", "train_after", "train_ablation", "held_out"):
+                 "capture_taps_flex_bf16", "store_online", "train_before", "train_after", "train_ablation", "held_out",
+                 "held_out_compiled"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

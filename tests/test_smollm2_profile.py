@@ -106,3 +106,20 @@ def test_the_precision_piece_measures_bf16_operands_beside_the_stores_rounding(t
     for figures in (operands, store):
         assert 0 <= figures["teacher_l1_mean"] <= 2 and 0 <= figures["teacher_argmax_changed"] <= 1
     assert store["teacher_l1_mean"] < operands["teacher_l1_mean"]
+
+
+def test_the_checks_piece_times_the_eager_and_the_compiled_verify():
+    """--pieces checks on a small random Llama: held_out and held_out_compiled each measured, the
+    compiled one with its warm-up (the compiles) recorded."""
+    import dataclasses
+
+    from test_dspark_train_fast import TINY, tiny_llama
+
+    config = dataclasses.replace(TINY, num_layers=3, context_length=256)
+    target = tiny_llama(int(np.random.SeedSequence().entropy % 2**31), config=config, max_seq_len=256)
+    args = argparse.Namespace(seed=0, held_out_prompts=3, held_out_tokens=4, seq_len=32)
+    out = {}
+    profile.checks_piece(config, target.weights, args, out, lambda: None)
+    for name in ("held_out", "held_out_compiled"):
+        assert out[name]["wall_ms"] > 0 and out[name]["aten_calls"] > 0 and out[name]["warmup_s"] > 0
+    assert out["held_out_compiled"]["aten_calls"] < out["held_out"]["aten_calls"]
