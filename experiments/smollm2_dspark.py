@@ -708,12 +708,12 @@ def batch1_speed(target, drafter, prompts, eos: int, max_tokens: int) -> dict:
             "tokens_per_step": round(tokens / max(steps, 1), 3), "ms_per_step": round(1e3 * seconds / max(steps, 1), 3)}
 
 
-def make_drafters(models: dict[str, DSparkModel], target, mode: str, graphs: bool = False) -> dict:
+def make_drafters(models: dict[str, DSparkModel], target, mode: str, graphs: bool = False, hybrid: bool = True) -> dict:
     """T > 0 drafts probabilistically (drafts sampled from q, q returned for rejection sampling);
     greedy decoding drafts the argmax. The hybrid (issue 33's optional row, never counted as DSpark):
     n-gram's continuation where a match of >= 2 tokens exists, DSpark's block otherwise. graphs: greedy
     DSpark drafts and commits replay CUDA graphs, as dspark.build.build_drafter makes them for a CUDA
-    target (what a user's engine runs; the acceptance is the same either way)."""
+    target (what a user's engine runs; the acceptance is the same either way). hybrid False: without it."""
     method = "greedy" if mode == "greedy" else "probabilistic"
 
     def dspark_drafter(model):
@@ -722,7 +722,7 @@ def make_drafters(models: dict[str, DSparkModel], target, mode: str, graphs: boo
 
     drafters = {name: dspark_drafter(m) for name, m in models.items()}
     drafters["ngram"] = NgramDrafter(1, 4)
-    if "dspark" in models:
+    if hybrid and "dspark" in models:
         drafters["hybrid"] = HybridDrafter(dspark_drafter(models["dspark"]), NgramDrafter(2, 4))
     return drafters
 
@@ -738,7 +738,7 @@ def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, d
             raise StoppedEarly(f"evaluation: before {set_name} {mode} (--time-limit)")
         sampling = SamplingParams(temperature=temperature, max_tokens=args.eval_tokens)
         runs, recorder = {}, RoundRecorder(BLOCK)  # DSpark's confidence rounds come from its own run
-        drafters = make_drafters(models, target, mode)
+        drafters = make_drafters(models, target, mode, hybrid=args.hybrid)
         for name, drafter in drafters.items():
             runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed,
                                     observer=recorder if name == "dspark" else None)
@@ -1030,7 +1030,8 @@ def evaluation_phase(args, make_target, models, sets, calibration, eos: int, wor
     if "tokens_per_s_batch1" not in results:  # before the long evaluations, which a time limit may split
         one = make_target(1)
         speed_prompts = sets["humaneval"][: args.speed_prompts]
-        drafters = {"plain": None} | make_drafters(models, one, "greedy", graphs=one.device.type == "cuda")
+        drafters = {"plain": None} | make_drafters(models, one, "greedy", graphs=one.device.type == "cuda",
+                                                   hybrid=args.hybrid)
         speed = {name: batch1_speed(one, d, speed_prompts, eos, args.eval_tokens) for name, d in drafters.items()}
         results["batch1_speed"] = speed
         results["tokens_per_s_batch1"] = {name: s["tokens_per_s"] for name, s in speed.items()}
@@ -1082,6 +1083,9 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--attention", choices=("batched", "per_query"), default="batched")
     r.add_argument("--eval-plan", default="humaneval:greedy,mtbench:greedy,humaneval:t1,mtbench:t1",
                    help="comma-separated set:mode pairs (sets humaneval, mtbench; modes greedy, t1)")
+    r.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate the hybrid drafter (n-gram where it matches, else DSpark; never counted as DSpark) "
+                        "beside the others; --no-hybrid leaves its runs out (about a fifth of the evaluation)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
     r.add_argument("--reference-loss", action="store_true",
                    help="train with the torch reference of draft_loss_terms (default on CUDA: its Triton kernels)")

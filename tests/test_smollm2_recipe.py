@@ -381,3 +381,17 @@ def test_cache_gib_takes_auto_minus_one_zero_or_a_size():
     for bad in ("-3", "nan", "lots"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}': 'auto', -1"):
             recipe.cache_gib(bad)
+
+
+def test_no_hybrid_leaves_the_hybrid_out_of_the_drafters_evaluated():
+    """--no-hybrid: the evaluation's drafters are the trained ones and n-gram, without the hybrid; by default
+    the hybrid is there, drafting with a DSpark drafter of its own."""
+    from test_dspark_train_fast import SEED, tiny_llama
+
+    target = tiny_llama(SEED)
+    ns = recipe.parse(["run", "--layers", "1", "--markov-rank", "8"])
+    assert ns.hybrid and not recipe.parse(["run", "--no-hybrid"]).hybrid
+    models = {"dspark": recipe.new_model(target, "dspark", ns)}
+    for mode in ("greedy", "t1"):
+        assert set(recipe.make_drafters(models, target, mode, hybrid=False)) == {"dspark", "ngram"}
+        assert set(recipe.make_drafters(models, target, mode)) == {"dspark", "ngram", "hybrid"}
