@@ -390,7 +390,7 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
 @pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])
 def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
     """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile, one graph for all of
-    them (the first batch compiles one); its taps, every one asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
+    them (the first batch compiles at most one); its taps, every one asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
     shapes (the third after the shapes went symbolic, 250 tokens: two of FlexAttention's 128-row tiles, the
     second partial), padding still zero. With taps_attention="flex" the attention is FlexAttention under
     causal_block_mask (on the CPU in float32, so to rounding as well)."""
@@ -406,8 +406,9 @@ def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
         lengths[0] = longest
         seqs = [torch.randint(0, eager.vocab_size, (n,), generator=g) for n in lengths]
         want, got = eager.causal_taps(seqs, layers), compiled.causal_taps(seqs, layers)
-        if count == 3:  # one layer's graph serves every layer: a graph per layer would also hit dynamo's recompile limit
-            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+        if count == 3:  # one layer's graph serves every layer (none if an earlier test compiled the same); a graph
+            # per layer would also hit dynamo's recompile limit
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 1
         assert set(got) == set(layers)
         for layer in layers:
             torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5,
