@@ -178,7 +178,6 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     before = dataclasses.replace(after, fast=False, attention="sdpa", compile=False, anchor_bucket=0, length_bucket=0,
                                  anchor_chunk=args.anchor_chunk, recompute=args.recompute, teacher="logits")
     out["batches"] = [data for _, _, data in batches]
-    g = torch.Generator().manual_seed(args.seed)
     taps = tuple(model.config.target_layer_ids)
     measurements: dict[str, list[dict]] = {"capture": [], "train_before": [], "train_after": [], "train_ablation": []}
     peak: dict[str, float] = {}
@@ -221,14 +220,15 @@ def checks_piece(config, weights, args, out: dict, save) -> None:
     ns = recipe.parse(["run", "--seed", str(args.seed)])
     g = torch.Generator().manual_seed(args.seed)
     held_out = [torch.randint(3, config.vocab_size, (args.seq_len // 4,), generator=g) for _ in range(args.held_out_prompts)]
-    for name, compiled in (("held_out", False), ("held_out_compiled", True)):
-        target = LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 160,
-                             attention="batched", compiled_verify=compiled)
-        model = recipe.new_model(target, "dspark", ns)
-        model.eval()
-        drafter = DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len)
-
-        def check():
+    targets = {name: LlamaTarget(config, weights, max_slots=args.held_out_prompts, max_seq_len=args.seq_len + 160,
+                                 attention="batched", compiled_verify=compiled)
+               for name, compiled in (("held_out", False), ("held_out_compiled", True))}
+    # One drafter for both: the targets differ in how they run their verify, not in their weights.
+    model = recipe.new_model(targets["held_out"], "dspark", ns)
+    model.eval()
+    drafter = DSparkDrafter(model, args.held_out_prompts, max_seq_len=args.seq_len + 160)
+    for name, target in targets.items():
+        def check(target=target):
             with torch.no_grad():
                 run_rounds(target, drafter, held_out, max_new_tokens=args.held_out_tokens)
 

@@ -390,8 +390,8 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
 @pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])
 def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
     """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile, one graph for all of
-    them (the first batch compiles at most one); its taps, every one asked for, equal the eager pass's to float32 rounding of the fused elementwise work, over three batch
-    shapes (the third after the shapes went symbolic, 250 tokens: two of FlexAttention's 128-row tiles, the
+    them (the first batch compiles at most one); its taps, every one asked for, equal the eager pass's to
+    float32 rounding of the fused elementwise work, over three batch shapes (the third after the shapes went symbolic, 250 tokens: two of FlexAttention's 128-row tiles, the
     second partial), padding still zero. With taps_attention="flex" the attention is FlexAttention under
     causal_block_mask (on the CPU in float32, so to rounding as well)."""
     tiny = tiny_llama(SEED, max_slots=4)

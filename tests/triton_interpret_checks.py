@@ -548,7 +548,7 @@ def check_draft_head_loss(gen: torch.Generator) -> None:
         finally:
             loss_head_triton.torch = real_torch
 
-    for case, (operand_dtype, target_dtype, given_rows, wanted) in enumerate(cases):
+    for operand_dtype, target_dtype, given_rows, wanted in cases:
         operands, target, rows, labels = head_loss_inputs(gen, positions, target_rows, vocab, d, r, operand_dtype,
                                                           target_dtype)
         if not given_rows:
