@@ -60,3 +60,13 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return row[..., :width].float() * torch.sigmoid(row[..., width:].float())
 
     return per_row(apply, torch.cat([x, gate.to(x.dtype)], dim=-1)).to(x.dtype)
+
+
+def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, M, N] split-K partials -> [M, N] in `dtype`: added in split order in float32 (float64 when
+    either is), rounded once, as the CuTe GEMM's own reduction kernel does (cute_parts.reduce)."""
+    wide = torch.float64 if torch.float64 in (partials.dtype, dtype) else torch.float32
+    total = partials[0].to(wide)
+    for part in partials[1:]:
+        total = total + part.to(wide)
+    return total.to(dtype)

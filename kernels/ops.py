@@ -13,6 +13,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return select("linear", x, weight).fn(x, weight)
 
 
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight) left as its split-K partials [S, M, N], for a consumer that adds them in its own
+    pass (add_attn_res_mix_norm's delta) instead of a reduction launch: fp32 partials whose sum in split
+    order, rounded to x's dtype, is what linear returns; a GEMM that does not split gives [1, M, N] in x's
+    dtype. S depends on the shape and the kernel (docs/kimi-k3.md §8.5)."""
+    return select("linear_partials", x, weight).fn(x, weight)
+
+
 def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[M, H, N] = x[M, H, K] @ weight[H, N, K]^T, one small matrix per head."""
     return select("linear_heads", x, weight).fn(x, weight)
@@ -146,7 +154,8 @@ def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoin
                           mix_norm: torch.Tensor, mix_proj: torch.Tensor, out_norm: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """total = residual + delta ([M, d], one dtype), then (attn_res_mix_norm(total, checkpoints, ...),
-    total): the residual add fused into the norm that follows it."""
+    total): the residual add fused into the norm that follows it. delta may be a GEMM's split-K
+    partials [S, M, d] (linear_partials): the norm adds them, rounded to residual's dtype, first."""
     args = (residual, delta, checkpoints, mix_norm, mix_proj, out_norm)
     return select("add_attn_res_mix_norm", *args).fn(*args, eps)
 

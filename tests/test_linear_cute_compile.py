@@ -120,6 +120,18 @@ def test_shape_check_accepts_k3_shapes_and_rejects_what_the_kernel_cannot_take()
     assert not cute_host.supports(torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(64, 7168, dtype=torch.bfloat16))
 
 
+def test_the_partials_build_is_the_gemm_alone():
+    # keep_partials (ops.linear_partials): the split GEMM's partials stay in the workspace for the next
+    # kernel to add; no reduction kernel, no arrival counters
+    kept, splits = cute_sm90.compile_skinny_gemm(7168, 768, 8, torch.bfloat16, "sm_90a", keep_partials=True,
+                                                 extra_options=("--keep-ptx",))
+    ptx = kept.__ptx__
+    assert splits > 1 and ptx.count(".entry") == 1
+    assert "atom.global" not in ptx and ".local" not in ptx and "wgmma.mma_async" in ptx
+    with pytest.raises(ValueError, match="fused_reduce and keep_partials"):
+        cute_sm90.compile_skinny_gemm(7168, 768, 8, torch.bfloat16, "sm_90a", keep_partials=True, fused_reduce=True)
+
+
 # k3-rank's split GEMMs (one rank of TP16, docs/kimi-k3.md §8.1): KDA input rows (q|k|v|g|f_a|b,
 # padded to 8), latent down (28 splits of 2 tiles), shared gate|up, o_proj
 RANK_SPLIT_SHAPES = {"kda_in": (3208, 7168), "latent_down": (224, 7168), "shared_gate_up": (768, 7168),

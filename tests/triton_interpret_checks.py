@@ -63,6 +63,7 @@ def main(seed: int) -> None:
             total=torch.full((M, d), float("nan")))
         close(got_total, want_total, f"add_attn_res_mix_norm's sum with {num_checkpoints} checkpoints")
         close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints")
+        check_mix_norm_of_partials(gen, residual, ckpts, mix_norm, mix_proj, out_norm)
     rows, n = 3, 1500  # two column blocks, the second partial
     gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
     gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre
@@ -85,6 +86,23 @@ def main(seed: int) -> None:
     check_markov(gen)
     check_rotary(gen)
     print("triton kernels: all checks passed")
+
+
+def check_mix_norm_of_partials(gen, residual, ckpts, mix_norm, mix_proj, out_norm) -> None:
+    """delta as a GEMM's split-K partials [S, M, d] (ops.linear_partials): the norm adds all S of them
+    (a sum without the last part is shown to miss the tolerance first)."""
+    M, d = residual.shape
+    partials = torch.randn(3, M, d + 8, generator=gen)[:, :, :d]  # strided rows, as a view may have them
+    args = (ckpts.double(), mix_norm.double(), mix_proj.double(), out_norm.double(), 1e-6)
+    want_out, want_total = norm_ref.add_attn_res_mix_norm(residual.double(), partials.double(), *args)
+    _, short_total = norm_ref.add_attn_res_mix_norm(residual.double(), partials[:2].double(), *args)
+    if not (short_total - want_total).abs().max().item() > ATOL:
+        sys.exit("mix norm of partials: the check cannot tell a missing partial")
+    got_out, got_total = norm_triton.add_attn_res_mix_norm(
+        residual, partials, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=torch.full((M, d), float("nan")),
+        total=torch.full((M, d), float("nan")))
+    close(got_total, want_total, f"add_attn_res_mix_norm's sum of 3 partials, {ckpts.shape[0]} checkpoints")
+    close(got_out, want_out, f"add_attn_res_mix_norm of 3 partials, {ckpts.shape[0]} checkpoints")
 
 
 def check_add_rms_norm(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, atol: float = ATOL) -> None:

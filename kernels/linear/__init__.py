@@ -7,4 +7,6 @@ from .cute_host import supports, supports_hopper
 # CuTe DSL kernels, imported (with cutlass) on their first call: Hopper, and Blackwell tcgen05
 # (compile-checked only)
 register_cute_module("linear", "cute_sm90", supports_hopper, "dspark.kernels.linear.cute_sm90", "linear")
+register_cute_module("linear_partials", "cute_sm90", supports_hopper, "dspark.kernels.linear.cute_sm90",
+                     "linear_partials")
 register_cute_module("linear", "cute_sm100", supports, "dspark.kernels.linear.cute_sm100", "linear")

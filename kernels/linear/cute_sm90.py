@@ -11,8 +11,9 @@ Design (docs/kernels.md §7 row 1, §1.1; §5 for PDL):
 - Split-K so that small matrices fill the 132 SMs: grid = (weight tiles, 1, splits). With one
   split the epilogue writes bf16 y directly; with several, each split writes an fp32 partial
   y^T slice into a workspace and a second small kernel (same host call, PDL-launched) sums the
-  splits and casts to bf16 (cute_parts.reduce). Option: `fused_reduce`, where the last
-  split of each tile to finish does the sum in the GEMM kernel (cute_parts.fixup).
+  splits and casts to bf16 (cute_parts.reduce). Options: `fused_reduce`, where the last
+  split of each tile to finish does the sum in the GEMM kernel (cute_parts.fixup); `keep_partials`,
+  where nothing sums them and the caller's next kernel adds them as it reads them (linear_partials).
   Splits, pipeline depth and reduction follow the H200 measurements in
   experiments/notes/skinny_gemm.md (bench runs 1 and 2).
 - PDL: the kernel issues its first weight-tile loads before `griddepcontrol.wait` (weights never
@@ -48,10 +49,13 @@ class SkinnyGemmSm90:
     """One compiled instance per (N, K, token tile, splits, dtype); M is a runtime value."""
 
     def __init__(
-        self, n: int, k: int, tokens: int, splits: int, stages: int, fused_reduce: bool, use_pdl: bool
+        self, n: int, k: int, tokens: int, splits: int, stages: int, fused_reduce: bool, use_pdl: bool,
+        keep_partials: bool = False,
     ):
+        if fused_reduce and keep_partials:
+            raise ValueError("fused_reduce and keep_partials: the partials are either summed here or kept")
         self.n, self.k, self.tokens, self.splits, self.use_pdl = n, k, tokens, splits, use_pdl
-        self.fused_reduce = fused_reduce
+        self.fused_reduce, self.keep_partials = fused_reduce, keep_partials
         self.tile_mnk = (WEIGHT_TILE, tokens, K_TILE)
         self.k_tiles = math.ceil(k / K_TILE)
         self.k_tiles_per_split = math.ceil(self.k_tiles / splits)
@@ -127,7 +131,7 @@ class SkinnyGemmSm90:
             tma_a, tma_tensor_a, tma_b, tma_tensor_b, mC, mY, counters, tiled_mma, a_smem_staged, b_smem_staged
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, use_pdl=self.use_pdl)
 
-        if cutlass.const_expr(self.splits > 1 and not self.fused_reduce):
+        if cutlass.const_expr(self.splits > 1 and not self.fused_reduce and not self.keep_partials):
             cute_parts.reduce(workspace, y, m * n, self.splits, self.use_pdl, stream)
 
     # ---------------------------------------------------------------- device side
@@ -251,6 +255,7 @@ def compile_skinny_gemm(
     fused_reduce: bool = False,
     splits: int | None = None,
     extra_options: tuple = (),
+    keep_partials: bool = False,
 ):
     """Compiled kernel for weight [n, k] and up to `tokens` rows, cached per (shape, dtype, arch).
 
@@ -259,7 +264,8 @@ def compile_skinny_gemm(
     choose_stages and the two-pass split-K reduction (a second small kernel). `fused_reduce`
     instead sums the partials in the GEMM kernel (the last CTA of each tile does it: one launch,
     but serial, and slower than two passes for M >= 4 in run 2). `stages` and `splits` override
-    the heuristics (for benchmarking them).
+    the heuristics (for benchmarking them). `keep_partials` leaves a split GEMM's fp32 partials in
+    the workspace, unsummed (one launch; linear_partials).
     `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
     Returns (compiled function taking (x, w, y, workspace, counters) torch tensors, split-K factor).
     """
@@ -274,7 +280,8 @@ def compile_skinny_gemm(
         stages = choose_stages(n, splits)
     elif stages < 2:
         raise ValueError(f"stages={stages} must be at least 2")
-    key = ("linear_sm90", n, k, tokens, splits, stages, fused_reduce, dtype, arch, use_pdl, tuple(extra_options))
+    key = ("linear_sm90", n, k, tokens, splits, stages, fused_reduce, keep_partials, dtype, arch, use_pdl,
+           tuple(extra_options))
 
     def build():
         ab = cute_common.torch_to_cutlass_dtype(dtype)
@@ -286,11 +293,24 @@ def compile_skinny_gemm(
             cutlass.Float32, (splits, m, n), stride_order=(2, 1, 0), assumed_align=16
         )
         counters = make_fake_compact_tensor(cutlass.Int32, (math.ceil(n / WEIGHT_TILE),), assumed_align=16)
-        gemm = SkinnyGemmSm90(n, k, tokens, splits, stages, fused_reduce, use_pdl)
+        gemm = SkinnyGemmSm90(n, k, tokens, splits, stages, fused_reduce, use_pdl, keep_partials)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(gemm, x, w, y, workspace, counters, stream, options=cute_common.compile_options(arch, *extra_options))
 
     return _cache.get(key, build), splits
+
+
+def _checked_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x as the kernel takes it (16-byte aligned, contiguous), after refusing what it cannot compute."""
+    if not supports(x, weight, TOKEN_TILES[-1]):
+        raise ValueError(
+            f"cute_sm90 linear: unsupported x {tuple(x.shape)} {x.dtype} / weight {tuple(weight.shape)} "
+            f"{weight.dtype} stride {weight.stride()} (needs M <= {TOKEN_TILES[-1]}, K and N multiples of 8, "
+            "bf16/fp16, contiguous weight)"
+        )
+    if not x.is_contiguous() or x.data_ptr() % 16:  # TMA needs a 16-byte-aligned base
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None = None):
@@ -298,17 +318,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
 
     `workspace` ([splits, M, N] fp32) may be given to reuse or poison it; it is allocated if None.
     """
-    if not supports(x, weight, TOKEN_TILES[-1]):
-        raise ValueError(
-            f"cute_sm90 linear: unsupported x {tuple(x.shape)} {x.dtype} / weight {tuple(weight.shape)} "
-            f"{weight.dtype} stride {weight.stride()} (needs M <= {TOKEN_TILES[-1]}, K and N multiples of 8, "
-            "bf16/fp16, contiguous weight)"
-        )
+    x = _checked_rows(x, weight)
     m, n = x.shape[0], weight.shape[0]
     if out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}] tensor on {x.device}, got {out.dtype} {tuple(out.shape)}")
-    if not x.is_contiguous() or x.data_ptr() % 16:  # TMA needs a 16-byte-aligned base
-        x = x.clone(memory_format=torch.contiguous_format)
     compiled, splits = compile_skinny_gemm(n, weight.shape[1], token_tile(m), x.dtype, cute_common.target_arch(x.device),
                                            fused_reduce=cute_host.FUSED_REDUCE)
     if workspace is None:
@@ -324,3 +337,23 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, worksp
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     return skinny_gemm(x, weight, out)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.linear_partials: one launch, the split-K partials left unsummed in `workspace`, [splits, M, N]
+    fp32; an unsplit shape writes its result to `out` and gives it as [1, M, N]. Both buffers are
+    allocated when None (tests pass them poisoned)."""
+    x = _checked_rows(x, weight)
+    m, n = x.shape[0], weight.shape[0]
+    compiled, splits = compile_skinny_gemm(n, weight.shape[1], token_tile(m), x.dtype, cute_common.target_arch(x.device),
+                                           keep_partials=True)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if workspace is None else workspace
+    if out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}] tensor, got {out.dtype} {tuple(out.shape)}")
+    if workspace.shape != (splits, m, n) or workspace.dtype != torch.float32 or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be a contiguous fp32 [{splits}, {m}, {n}] tensor, got {workspace.dtype} "
+                         f"{tuple(workspace.shape)}")
+    compiled(x, weight, out, workspace, split_counters(x.device, n))
+    return out[None] if splits == 1 else workspace

@@ -27,6 +27,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
 
+@register("linear_partials", "reference", priority=0)
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear's result as the one partial [1, M, N] (a GEMM that does not split K has nothing to add)."""
+    return linear(x, weight)[None]
+
+
 @register("linear_heads", "reference", priority=0)
 def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y[M, H, N] = x[M, H, K] @ weight[H, N, K]^T per head (MLA's absorbed W_UK / W_UV).

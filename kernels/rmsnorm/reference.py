@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import per_row, rms_normalise
+from ..numerics import per_row, rms_normalise, sum_partials
 from ..numerics import rms_norm as _rms_norm
 from ..ops import linear
 from ..registry import register
@@ -52,7 +52,10 @@ def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoin
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add before a norm, with it: total = residual + delta (in their dtype), then
     (attn_res_mix_norm(total, checkpoints, ...), total). The model keeps `total` as its running
-    sum; a GPU kernel computes both in the norm's one pass over the row."""
+    sum; a GPU kernel computes both in the norm's one pass over the row. delta may come as a GEMM's
+    split-K partials [S, M, d] (ops.linear_partials): their sum, rounded to residual's dtype, is the delta."""
+    if delta.dim() == 3 and delta.shape[1:] == residual.shape:
+        delta = sum_partials(delta, residual.dtype)
     total = residual + delta
     return attn_res_mix_norm(total, checkpoints, mix_norm, mix_proj, out_norm, eps), total
 

@@ -80,15 +80,17 @@ def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, 
     M, d = current.shape
     block, warps = _launch_shape(d)
     has_delta = delta is not None
+    parts = delta if delta is None or delta.dim() == 3 else delta[None]  # [S, M, d]: a 2-D delta is one part
     if has_delta:
-        delta_args = (delta, delta.stride(0), total, total.stride(0))
+        delta_args = (parts, parts.stride(0), parts.stride(1), total, total.stride(0))
     else:  # not read: the kernel's HAS_DELTA branch is compiled out
-        delta_args = (current, current.stride(0), out, out.stride(0))
+        delta_args = (current, 0, current.stride(0), out, out.stride(0))
     if M:
         _kernels().attn_res_mix_norm_kernel[(M,)](
             checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            BLOCK=block, HAS_DELTA=has_delta, **pdl_options(), num_warps=warps)
+            BLOCK=block, HAS_DELTA=has_delta, DELTA_PARTS=parts.shape[0] if has_delta else 1, **pdl_options(),
+            num_warps=warps)
 
 
 def _row_major(x: torch.Tensor) -> bool:
@@ -109,7 +111,9 @@ def supports_attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_nor
 
 
 def supports_add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_proj, out_norm) -> bool:
-    return (delta.shape == residual.shape and delta.dtype == residual.dtype and delta.dim() == 2
+    """delta [M, d] in residual's dtype, or split-K partials [S, M, d] (fp32, or residual's dtype)."""
+    return ((delta.shape == residual.shape and delta.dtype == residual.dtype
+             or delta.dim() == 3 and delta.shape[1:] == residual.shape and delta.dtype in (residual.dtype, torch.float32))
             and delta.stride(-1) == 1 and supports_attn_res_mix_norm(residual, checkpoints, mix_norm, mix_proj, out_norm))
 
 

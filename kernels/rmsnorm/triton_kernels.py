@@ -49,9 +49,10 @@ def _sum_pair(a0, b0, a1, b1):
 
 
 @triton.jit
-def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dm, total_ptr,
-                             stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
-                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr):
+def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dp, stride_dm,
+                             total_ptr, stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
+                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                             DELTA_PARTS: tl.constexpr, PDL: tl.constexpr):
     """AttnRes mix over {current, checkpoints[0..NUM_CKPT)} followed by RMSNorm, per row, in one pass
     over the candidates: each candidate's score takes one reduction (its dot with the pseudo-query and
     its sum of squares together) and folds into an online softmax, the running weighted sum and total
@@ -60,7 +61,9 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
     the whole step's mix, and its reductions, not its bytes, set its time. The checkpoint count is a
     compile-time constant (a model has a handful: one build each), so the loop unrolls. HAS_DELTA:
     current is cur + delta, rounded to the output dtype as a torch add would, and also stored to
-    total (add_attn_res_mix_norm)."""
+    total (add_attn_res_mix_norm). DELTA_PARTS > 1: delta comes as a GEMM's split-K partials, added
+    here in split order in fp32 and rounded to the output dtype as the GEMM's reduction kernel would
+    have (ops.linear_partials), so this launch replaces that kernel bit for bit."""
     prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -70,7 +73,10 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
                * tl.load(mix_proj_ptr + offs, mask=mask, other=0.0).to(tl.float32))
     current = tl.load(cur_ptr + row * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        current = (current + tl.load(delta_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        delta = tl.load(delta_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, DELTA_PARTS):
+            delta += tl.load(delta_ptr + p * stride_dp + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
+        current = (current + delta.to(dtype).to(tl.float32)).to(dtype)
         tl.store(total_ptr + row * stride_t + offs, current, mask=mask)
         current = current.to(tl.float32)
     dot, square = tl.reduce((current * score_w, current * current), 0, _sum_pair)

@@ -149,3 +149,34 @@ def test_fused_split_k_reduction_variant(name):
         assert not out.isnan().any()
         assert relative_error(out, x.double() @ weight.double().t()) <= REL_TOL
         assert (counters == 0).all()
+
+
+# The rank's split GEMMs whose outputs a mix norm adds (docs/kimi-k3.md §8.5): o_proj, the MoE output
+# GEMM (2 splits each); one of many splits (23); and an unsplit one (its partial is the result itself)
+PARTIALS_SHAPES = {"rank o_proj": (7168, 768), "rank moe output": (7168, 608), "mla_kv_a": (576, 7168),
+                   "rank mla_kv_b": (1536, 512)}
+
+
+@pytest.mark.skipif(kernel is not cute_sm90, reason="linear_partials has a Hopper kernel only")
+@pytest.mark.parametrize("name", sorted(PARTIALS_SHAPES))
+def test_linear_partials_sum_to_what_the_reduction_kernel_writes(name):
+    """ops.linear_partials keeps the split-K partials in one launch: summed in split order and rounded
+    (sum_partials), they equal the two-kernel GEMM's output bit for bit, and float64 to REL_TOL."""
+    from dspark.kernels.numerics import sum_partials
+
+    n, k = PARTIALS_SHAPES[name]
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        splits = cute_host.choose_splits(n, k)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        workspace = torch.full((splits, m, n), float("nan"), dtype=torch.float32, device="cuda")
+        partials = cute_sm90.linear_partials(x, weight, out=out, workspace=workspace)
+        assert partials.shape == (splits, m, n)
+        assert partials.dtype == (torch.float32 if splits > 1 else torch.bfloat16)
+        assert not partials.isnan().any()
+        summed = sum_partials(partials, torch.bfloat16)
+        assert torch.equal(summed, cute_sm90.linear(x, weight))
+        assert relative_error(summed, x.double() @ weight.double().t()) <= REL_TOL
+    assert [cute_host.choose_splits(*PARTIALS_SHAPES[s]) for s in ("rank o_proj", "mla_kv_a", "rank mla_kv_b")] \
+        == [2, 23, 1]

@@ -17,6 +17,7 @@ from dspark.kernels import registry
 from dspark.kernels.activation import reference as act_ref
 from dspark.kernels.activation import triton as act_triton
 from dspark.kernels.moe import triton as moe_triton
+from dspark.kernels.numerics import sum_partials
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
 
@@ -74,6 +75,27 @@ def test_rms_norm_and_mix_norm_match_references(gen, rows):
         _close(got, want, f"add_attn_res_mix_norm, {num_checkpoints} checkpoints", roundings=3)
         assert registry.select("add_attn_res_mix_norm", current, delta, ckpts, mix_norm, mix_proj,
                                out_norm).name == "triton"
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_mix_norm_adds_split_k_partials_as_the_reduction_kernel_would(gen, parts):
+    """delta as a GEMM's fp32 split-K partials (ops.linear_partials): the sum and the norm equal, bit for
+    bit, the same launch given the partials already summed and rounded (what the GEMM's reduction
+    kernel writes), and the float64 reference to the mix's bound."""
+    rows, d = 4, 7168
+    current = (torch.randn(rows, d, device="cuda", generator=gen) * 3).bfloat16()
+    ckpts = (torch.randn(3, rows, d, device="cuda", generator=gen) * 2).bfloat16()
+    weights = [(torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(3)]
+    partials = torch.randn(parts, rows, d, device="cuda", generator=gen) * 2
+    assert registry.select("add_attn_res_mix_norm", current, partials, ckpts, *weights).name == "triton"
+    out, total = _poisoned(current), _poisoned(current)
+    got, got_total = norm_triton.add_attn_res_mix_norm(current, partials, ckpts, *weights, 1e-6, out=out, total=total)
+    summed = sum_partials(partials, torch.bfloat16)
+    want, want_total = norm_triton.add_attn_res_mix_norm(current, summed, ckpts, *weights, 1e-6)
+    assert torch.equal(got_total, want_total) and torch.equal(got, want)
+    exact, exact_total = norm_ref.add_attn_res_mix_norm(current, partials, ckpts, *weights, 1e-6)
+    assert torch.equal(got_total, exact_total)
+    _close(got, exact, f"add_attn_res_mix_norm of {parts} partials", roundings=3)
 
 
 def test_situ_glu_and_sigmoid_gate_match_references(gen):
