@@ -92,3 +92,24 @@ def test_rank_layers_match_the_reference_kernels(rank_model, float32_twin, batch
     print(f"k3-rank 4 layers, B={batch}, verify T={T} at {CONTEXT}: relative L2 error against float32 "
           f"{fast_error:.2e} (bf16 reference kernels {reference_error:.2e})")
     assert fast_error <= 1.5 * reference_error and fast_error < 5e-2
+
+
+def test_split_k_partials_into_the_norms_change_no_bit(rank_model, monkeypatch):
+    """SPLIT_K_INTO_NORMS: the output projections' partials added by the mix norms give the logits of the
+    two-kernel path bit for bit (the norm adds the splits in the reduction kernel's order and rounds as
+    it does), with the CuTe GEMM keeping partials of more than one split."""
+    from dspark.targets.kimi_k3 import model as k3_model
+
+    target = K3Target(rank_model, max_slots=1, max_seq_len=CONTEXT + 16)
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    target.kda_state.normal_(0.0, 0.02, generator=gen)
+    target.conv_state.normal_(0.0, 1.0, generator=gen)
+    target.mla_cache[:, :, :CONTEXT].normal_(0.0, 1.0, generator=gen)
+    target.lengths[:] = CONTEXT
+    tokens = torch.randint(0, K3.vocab_size, (1, T), device="cuda", generator=gen)
+    plain = target.verify([0], tokens, torch.full((1,), T)).logits.clone()
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_NORMS", True)
+    with registry.record_selections() as selections:
+        split = target.verify([0], tokens, torch.full((1,), T)).logits
+    assert {s.chosen.name for s in selections if s.op == "linear_partials"} == {"cute_sm90"}
+    assert torch.isfinite(split).all() and torch.equal(split, plain)

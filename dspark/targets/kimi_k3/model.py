@@ -33,6 +33,12 @@ from .sharding import Shard
 # This flag is the one place that choice is made.
 FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 
+# The output projections whose result a mix norm adds next (attention's inside a block, every FFN's)
+# hand it their split-K partials (ops.linear_partials): the norm adds the splits as it reads them,
+# bit for bit what the GEMM's reduction kernel would have written, and that kernel is not launched
+# (docs/kimi-k3.md §8.5). experiments/step_bench.py --setting split_k_into_norms=0|1 times it.
+SPLIT_K_INTO_NORMS = False
+
 
 # Projections that read the same input, fused into one GEMM each (K3Model._fuse_rows).
 MLA_INPUT_PROJECTIONS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.g_proj.weight")
@@ -209,7 +215,12 @@ class K3Model:
         """A row-parallel projection's output summed over the ranks (itself for the whole model)."""
         return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
-    def _kda(self, i, h, B, T, lengths, state, conv_state, slots, records: KDARecords):
+    def _output_projection(self, x: torch.Tensor, weight: torch.Tensor, partials: bool) -> torch.Tensor:
+        """A row-parallel output projection, summed over the ranks; `partials`: left as its split-K
+        partials [S, M, N] for the mix norm that adds it (SPLIT_K_INTO_NORMS)."""
+        return self._reduce(ops.linear_partials(x, weight) if partials else ops.linear(x, weight))
+
+    def _kda(self, i, h, B, T, lengths, state, conv_state, slots, records: KDARecords, partials: bool = False):
         """Layer i's KDA attention output; its verify fills `records`, this layer's views of the forward's."""
         cfg, a = self.cfg, "self_attn"
         H = self.kda_heads
@@ -225,9 +236,9 @@ class K3Model:
             self._w(i, f"{a}.dt_bias"), self._w(i, f"{a}.o_norm.weight"), state, lengths,
             lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, slots=slots, records=records,
         )
-        return self._reduce(ops.linear(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight")))
+        return self._output_projection(o.reshape(B * T, W), self._w(i, f"{a}.o_proj.weight"), partials)
 
-    def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens):
+    def _mla(self, i, h, B, T, lengths, cache, slots, cache_lens, partials: bool = False):
         cfg, a = self.cfg, "self_attn"
         H, R, P = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         eps = cfg.rms_norm_eps
@@ -243,18 +254,18 @@ class K3Model:
             cfg.qk_head_dim**-0.5,
         ).view(B * T, H, R)
         o = ops.mla_absorb_output(o_latent, w_uv, gate)  # [B*T, H * v], gated
-        return self._reduce(ops.linear(o, self._w(i, f"{a}.o_proj.weight")))
+        return self._output_projection(o, self._w(i, f"{a}.o_proj.weight"), partials)
 
-    def _ffn(self, i, y):
+    def _ffn(self, i, y, partials: bool = False):
         cfg = self.cfg
         if cfg.ffn_type(i) == "dense":
             fused, sizes = self.ffn_inputs[i]
             gate, up = ops.linear(y, fused).split(sizes, dim=-1)  # DENSE_FFN_INPUT_PROJECTIONS order
             act = ops.situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
-            return self._reduce(ops.linear(act, self._w(i, "mlp.down_proj.weight")))
+            return self._output_projection(act, self._w(i, "mlp.down_proj.weight"), partials)
         if self.parallel is not None:
-            return rank_latent_moe(y, self.moe[i], cfg, self.parallel, self.routing_log)
-        return latent_moe(y, self.moe[i], cfg, self.routing_log)
+            return rank_latent_moe(y, self.moe[i], cfg, self.parallel, self.routing_log, partials)
+        return latent_moe(y, self.moe[i], cfg, self.routing_log, partials)
 
     # ------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, state: DecodeState, tap_layers=()):
@@ -304,11 +315,16 @@ class K3Model:
                 checkpoints[sealed] = prefix
                 sealed += 1
                 block_prefix = None
+            # Partials only where a mix norm adds the output next: attention after a seal is the new
+            # block's first value, and a tapped FFN output is added here.
+            attn_partials = SPLIT_K_INTO_NORMS and FFN_MIX_INCLUDES_LAYER_ATTENTION and block_prefix is not None
             if cfg.layer_type(i) == "kda":
                 k = self.kda_index[i]
-                attn = self._kda(i, h, B, T, lengths, *state.kda[k], state.slots, layer_records(records, k))
+                attn = self._kda(i, h, B, T, lengths, *state.kda[k], state.slots, layer_records(records, k),
+                                 attn_partials)
             else:
-                attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens)
+                attn = self._mla(i, h, B, T, lengths, state.mla[self.mla_index[i]], state.slots, state.cache_lens,
+                                 attn_partials)
             # The block's sum with this attention: attn alone after a seal, else block_prefix + attn.
             base, delta = (attn, None) if block_prefix is None else (block_prefix, attn)
             ffn_mix = (self._w(i, "mlp_res_norm.weight"), self._w(i, "mlp_res_proj.weight"),
@@ -318,7 +334,7 @@ class K3Model:
             else:
                 prefix = base if delta is None else base + delta
                 y, _ = mix_norm(before_prefix, before_sealed, *ffn_mix)
-            ffn_out = self._ffn(i, y)
+            ffn_out = self._ffn(i, y, SPLIT_K_INTO_NORMS and i not in tap_layers)
             if i in tap_layers:  # a tap reads the sum now
                 prefix, ffn_out = prefix + ffn_out, None
                 taps[i] = prefix.view(B, T, -1)
