@@ -115,7 +115,9 @@ def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate
     """The input of the latent MoE's output GEMM, [M, width + S] in shared_gate_up's dtype: columns
     [start, start + width) of RMSNorm(routed [M, L] fp32; latent_norm) (normalised over all L),
     then situ_glu of shared_gate_up [M, 2S]'s halves. Against [latent_up | shared_down] it gives
-    latent_up RMSNorm(routed) + shared_down SiTU(...) as one GEMM (dspark/targets/kimi_k3/moe.py)."""
+    latent_up RMSNorm(routed) + shared_down SiTU(...) as one GEMM (dspark/targets/kimi_k3/moe.py).
+    shared_gate_up may be its GEMM's split-K partials [splits, M, 2S] (linear_partials): added and
+    rounded to latent_norm's dtype first, which is then the result's."""
     args = (routed, latent_norm, shared_gate_up)
     return select("moe_tail_inputs", *args).fn(*args, start, width, eps, situ_beta, situ_linear_beta)
 

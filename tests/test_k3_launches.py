@@ -70,17 +70,18 @@ def test_launches_per_layer_are_pinned(world, layer, batch, tokens):
 
 
 @pytest.mark.parametrize("world, layer", sorted(PINNED))
-def test_split_k_into_norms_moves_two_projections_a_layer_to_linear_partials(world, layer, monkeypatch):
-    """SPLIT_K_INTO_NORMS: attention's and the FFN's output projections (layers 1 and 7 seal no block)
-    hand their split-K partials to the mix norm; on the GPU each is one launch fewer (its reduction)."""
+def test_split_k_into_consumers_moves_three_gemms_a_layer_to_linear_partials(world, layer, monkeypatch):
+    """SPLIT_K_INTO_CONSUMERS: attention's and the FFN's output projections (layers 1 and 7 seal no block)
+    hand their split-K partials to the mix norm, the shared gate|up GEMM to moe_tail_inputs; on the GPU
+    each is one launch fewer (its reduction)."""
     from dspark.targets.kimi_k3 import model as k3_model
 
-    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_NORMS", True)
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", True)
     before = forward_launches(layer, world, 1, 8)
     ops = forward_launches(layer + 1, world, 1, 8).ops - before.ops
     want_ops = dict(PINNED[world, layer][0])
-    want_ops["linear"] -= 2
-    want_ops["linear_partials"] = 2
+    want_ops["linear"] -= 3
+    want_ops["linear_partials"] = 3
     assert dict(ops) == want_ops
 
 

@@ -1,5 +1,6 @@
-"""Split-K partials handed to the mix norm (ops.linear_partials, SPLIT_K_INTO_NORMS; docs/kimi-k3.md §8.5)
-on the CPU: the reference ops' contract, and the K3 forward's wiring. On the GPU the CuTe GEMM's
+"""Split-K partials handed to the kernel that reads a GEMM's output next (ops.linear_partials,
+SPLIT_K_INTO_CONSUMERS; docs/kimi-k3.md §8.5) on the CPU: the reference ops' contract, and the K3 forward's
+wiring. On the GPU the CuTe GEMM's
 partials and the Triton norm are checked bit for bit against the two-kernel path
 (tests/gpu/test_linear_gpu.py, tests/gpu/test_triton_kernels_gpu.py, tests/gpu/test_k3_rank_gpu.py)."""
 import pytest
@@ -39,6 +40,17 @@ def test_the_reference_partial_is_linear_itself_and_the_norm_adds_partials():
     assert not torch.equal(got[1], dropped[1])
 
 
+def test_the_tail_inputs_take_the_shared_gate_up_as_partials():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    routed, norm = torch.randn(3, 48, generator=gen), (torch.rand(48, generator=gen) + 0.5).bfloat16()
+    split = torch.randn(3, 3, 40, generator=gen) * 2
+    got = ops.moe_tail_inputs(routed, norm, split, 8, 16, 1e-6, 4.0, 25.0)
+    want = ops.moe_tail_inputs(routed, norm, sum_partials(split, torch.bfloat16), 8, 16, 1e-6, 4.0, 25.0)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 36) and torch.equal(got, want)
+    with pytest.raises(ValueError, match="shared_gate_up"):
+        ops.moe_tail_inputs(routed, norm, split[:, :2], 8, 16, 1e-6, 4.0, 25.0)
+
+
 def _three_exact_partials(x, weight):
     """linear's result as three fp32 partials whose sum is it exactly (quarter, half, quarter): a consumer
     that drops or double-counts one changes the result."""
@@ -50,7 +62,7 @@ def _three_exact_partials(x, weight):
 def test_the_forward_with_partials_equals_it_without(world, monkeypatch):
     """k3-tiny (one AttnRes seal at layer 0, KDA and MLA layers, dense and MoE FFNs), whole and rank 0 of 4
     with the busiest rank's routing, taps at a middle layer and the head: the logits and taps are the same
-    bits with the projections' partials handed to the norms, three partials each."""
+    bits with the GEMMs' partials handed to the kernels that read them next, three partials each."""
     model = K3Model.random(K3_TINY, seed=int(torch.randint(0, 2**31 - 1, ())), dtype=torch.bfloat16,
                            shard=Shard(0, world), routing="busiest" if world > 1 else "exact")
     target = K3Target(model, max_slots=2, max_seq_len=32)
@@ -63,7 +75,7 @@ def test_the_forward_with_partials_equals_it_without(world, monkeypatch):
         return target.verify([0, 1], tokens, [5, 4], taps)
 
     plain = verify()
-    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_NORMS", True)
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", True)
     monkeypatch.setattr(ops, "linear_partials", _three_exact_partials)
     split = verify()
     assert torch.equal(split.logits, plain.logits)

@@ -256,6 +256,17 @@ def check_tail_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.flo
         got = moe_triton.moe_tail_inputs(routed.to(device), norm.to(device), gate_up.to(device, dtype), start, width,
                                          1e-6, 3.0, 5.0, out=out)
         close(got.cpu(), want, f"moe_tail_inputs latent {latent} [{start}, +{width}) shared {shared}")
+    # gate|up as split-K partials [3, M, 2S] (ops.linear_partials): every part added before the activation
+    partials = torch.randn(3, 5, 2 * shared, generator=gen) * 2
+    want = moe_ref.moe_tail_inputs(routed.double(), norm.double(), partials.double(), start, width, 1e-6, 3.0, 5.0)
+    short = moe_ref.moe_tail_inputs(routed.double(), norm.double(), partials[:2].double(), start, width, 1e-6, 3.0,
+                                    5.0)
+    if not (short - want).abs().max().item() > ATOL:
+        sys.exit("moe_tail_inputs of partials: the check cannot tell a missing partial")
+    out = torch.full((5, width + shared), float("nan"), dtype=dtype, device=device)
+    got = moe_triton.moe_tail_inputs(routed.to(device), norm.to(device, dtype), partials.to(device), start, width,
+                                     1e-6, 3.0, 5.0, out=out)
+    close(got.cpu(), want, f"moe_tail_inputs of 3 partials, shared {shared}")
 
 
 def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from .. import ops
 from ..mxfp4 import dequantise
-from ..numerics import per_row, rms_norm, situ
+from ..numerics import per_row, rms_norm, situ, sum_partials
 from ..registry import register
 
 
@@ -113,17 +113,28 @@ def check_tail_inputs(routed, latent_norm, shared_gate_up, start: int, width: in
     M, L = routed.shape
     if tuple(latent_norm.shape) != (L,):
         raise ValueError(f"latent_norm: expected shape ({L},), got {tuple(latent_norm.shape)}")
-    if shared_gate_up.dim() != 2 or shared_gate_up.shape[0] != M or shared_gate_up.shape[1] % 2:
-        raise ValueError(f"shared_gate_up: expected [{M}, 2S], got {tuple(shared_gate_up.shape)}")
+    if shared_gate_up.dim() not in (2, 3) or shared_gate_up.shape[-2] != M or shared_gate_up.shape[-1] % 2:
+        raise ValueError(f"shared_gate_up: expected [{M}, 2S] or split-K partials [splits, {M}, 2S], "
+                         f"got {tuple(shared_gate_up.shape)}")
     if not (isinstance(start, int) and isinstance(width, int) and 0 <= start and 1 <= width and start + width <= L):
         raise ValueError(f"start / width: columns [{start}, {start} + {width}) outside the latent's [0, {L})")
+
+
+def tail_dtype(latent_norm: torch.Tensor, shared_gate_up: torch.Tensor) -> torch.dtype:
+    """moe_tail_inputs' result dtype: shared_gate_up's; latent_norm's (the model's) when gate|up comes as
+    split-K partials, which are fp32."""
+    return latent_norm.dtype if shared_gate_up.dim() == 3 else shared_gate_up.dtype
 
 
 @register("moe_tail_inputs", "reference", priority=0)
 def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate_up: torch.Tensor, start: int,
                     width: int, eps: float, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
-    """rms_norm's and situ_glu's references, side by side: [M, width + S] in shared_gate_up's dtype."""
+    """rms_norm's and situ_glu's references, side by side: [M, width + S] in shared_gate_up's dtype.
+    shared_gate_up may be split-K partials [splits, M, 2S] (ops.linear_partials): summed and rounded to
+    latent_norm's dtype first, as the GEMM's reduction would, and the result takes that dtype."""
     check_tail_inputs(routed, latent_norm, shared_gate_up, start, width)
+    if shared_gate_up.dim() == 3:
+        shared_gate_up = sum_partials(shared_gate_up, latent_norm.dtype)
     normed = rms_norm(routed, latent_norm, eps).to(shared_gate_up.dtype)[:, start : start + width]
     gate, up = shared_gate_up.chunk(2, dim=-1)
     return torch.cat([normed, situ(gate, up, situ_beta, situ_linear_beta)], dim=-1)

@@ -16,7 +16,7 @@ import torch
 from .. import ops
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
-from .reference import check_route, check_tail_inputs
+from .reference import check_route, check_tail_inputs, tail_dtype
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
 # (False: both widened to fp32 first, as the reference does). experiments/router_bench.py.
@@ -163,28 +163,30 @@ def moe_tail_inputs(routed: torch.Tensor, latent_norm: torch.Tensor, shared_gate
                     width: int, eps: float, situ_beta: float, situ_linear_beta: float,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """ops.moe_tail_inputs in one launch: per row, program 0 normalises the routed row and stores
-    its window, programs 1.. the shared activation's column blocks. out: an optional contiguous
-    [M, width + S] buffer (tests poison it first)."""
+    its window, programs 1.. the shared activation's column blocks (adding gate|up's split-K partials
+    first when it comes as them). out: an optional contiguous [M, width + S] buffer (tests poison it first)."""
     check_tail_inputs(routed, latent_norm, shared_gate_up, start, width)
     M, L = routed.shape
-    S = shared_gate_up.shape[1] // 2
-    dtype = shared_gate_up.dtype
+    parts = shared_gate_up if shared_gate_up.dim() == 3 else shared_gate_up[None]
+    S = parts.shape[2] // 2
+    dtype = tail_dtype(latent_norm, shared_gate_up)
     out = torch.empty(M, width + S, dtype=dtype, device=routed.device) if out is None else out
     if tuple(out.shape) != (M, width + S) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous {dtype} [{M}, {width + S}], got {out.dtype} {tuple(out.shape)}")
     if M:
         kernel_module(__package__).tail_inputs_kernel[(M, 1 + -(-S // TAIL_BLOCK))](
-            routed, routed.stride(0), latent_norm, shared_gate_up, shared_gate_up.stride(0), out, out.stride(0),
+            routed, routed.stride(0), latent_norm, parts, parts.stride(0), parts.stride(1), out, out.stride(0),
             L, start, width, S, float(eps), float(situ_beta), float(situ_linear_beta),
-            BLOCK_L=1 << (L - 1).bit_length(), BLOCK=TAIL_BLOCK, **pdl_options(), num_warps=4)
+            BLOCK_L=1 << (L - 1).bit_length(), BLOCK=TAIL_BLOCK, PARTS=parts.shape[0], **pdl_options(), num_warps=4)
     return out
 
 
 def supports_tail_inputs(routed, latent_norm, shared_gate_up) -> bool:
     return (routed.dim() == 2 and routed.dtype == torch.float32 and routed.stride(-1) == 1
             and routed.shape[1] <= TAIL_MAX_LATENT
-            and latent_norm.is_contiguous() and shared_gate_up.dim() == 2 and shared_gate_up.stride(-1) == 1
-            and shared_gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32))
+            and latent_norm.is_contiguous() and shared_gate_up.dim() in (2, 3) and shared_gate_up.stride(-1) == 1
+            and shared_gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and tail_dtype(latent_norm, shared_gate_up) in (torch.bfloat16, torch.float16, torch.float32))
 
 
 register("moe_tail_inputs", "triton", devices=("cuda",), priority=10, available=triton_available,

@@ -112,29 +112,36 @@ def _tail_norm_row(routed_ptr, stride_r, norm_ptr, out_ptr, stride_o, row, L, st
 
 
 @triton.jit
-def _tail_glu_block(gate_up_ptr, stride_g, out_ptr, stride_o, row, block, width, S, beta, linear_beta,
-                    BLOCK: tl.constexpr):
+def _tail_glu_block(gate_up_ptr, stride_gp, stride_g, out_ptr, stride_o, row, block, width, S, beta, linear_beta,
+                    BLOCK: tl.constexpr, PARTS: tl.constexpr):
     offs = block * BLOCK + tl.arange(0, BLOCK)
     inside = offs < S
     g = tl.load(gate_up_ptr + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, PARTS):  # split-K partials: added in split order, rounded as a reduction would
+        g += tl.load(gate_up_ptr + p * stride_gp + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
+        u += tl.load(gate_up_ptr + p * stride_gp + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    g, u = g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)
     act = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
     tl.store(out_ptr + row * stride_o + width + offs, act.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def tail_inputs_kernel(routed_ptr, stride_r, norm_ptr, gate_up_ptr, stride_g, out_ptr, stride_o, L, start, width, S,
-                       eps, beta, linear_beta, BLOCK_L: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def tail_inputs_kernel(routed_ptr, stride_r, norm_ptr, gate_up_ptr, stride_gp, stride_g, out_ptr, stride_o, L, start,
+                       width, S, eps, beta, linear_beta, BLOCK_L: tl.constexpr, BLOCK: tl.constexpr,
+                       PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program (row, 0): RMSNorm of the fp32 routed row over all L columns (rms_norm_kernel's
     rounding: fp32 input, so none before the store), columns [start, start + width) stored at
     out[row, 0:width]. Program (row, b > 0): SiTU-GLU of shared columns [(b-1)*BLOCK, b*BLOCK),
     stored after them (situ_glu_kernel's arithmetic). Each branch is its own function: Triton
     requires a name bound in both branches of an `if` to have one type, and the two parts' blocks
-    differ in width."""
+    differ in width. PARTS > 1: gate|up comes as a GEMM's split-K partials (ops.linear_partials)."""
     prologue(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     if part == 0:
         _tail_norm_row(routed_ptr, stride_r, norm_ptr, out_ptr, stride_o, row, L, start, width, eps, BLOCK_L)
     else:
-        _tail_glu_block(gate_up_ptr, stride_g, out_ptr, stride_o, row, part - 1, width, S, beta, linear_beta, BLOCK)
+        _tail_glu_block(gate_up_ptr, stride_gp, stride_g, out_ptr, stride_o, row, part - 1, width, S, beta,
+                        linear_beta, BLOCK, PARTS)

@@ -72,6 +72,25 @@ def test_moe_tail_inputs_match_the_reference(gen, rows, latent, start, width, sh
     assert ops.moe_tail_inputs(routed, norm, gate_up, start, width, 1e-5, 4.0, 25.0).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("parts", [2, 7])
+def test_moe_tail_inputs_add_split_k_partials_as_the_reduction_kernel_would(gen, parts):
+    """shared gate|up as a GEMM's fp32 split-K partials (ops.linear_partials): the same bits as the launch
+    given them summed and rounded (the GEMM reduction's output), in the model's dtype."""
+    from dspark.kernels.moe import triton as moe_triton
+    from dspark.kernels.numerics import sum_partials
+
+    latent, start, width, shared = TAIL_SHAPES[0]
+    routed = torch.randn(1, latent, device="cuda", generator=gen) * 2
+    norm = (torch.rand(latent, device="cuda", generator=gen) + 0.5).bfloat16()
+    partials = torch.randn(parts, 1, 2 * shared, device="cuda", generator=gen) * 2
+    assert registry.select("moe_tail_inputs", routed, norm, partials).name == "triton"
+    out = torch.full((1, width + shared), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = moe_triton.moe_tail_inputs(routed, norm, partials, start, width, 1e-5, 4.0, 25.0, out=out)
+    want = moe_triton.moe_tail_inputs(routed, norm, sum_partials(partials, torch.bfloat16), start, width, 1e-5, 4.0,
+                                      25.0)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
 # k3-rank's split GEMMs (tests/test_linear_cute_compile.py RANK_SPLIT_SHAPES)
 RANK_SPLIT_SHAPES = {"kda_in": (3208, 7168), "latent_down": (224, 7168), "shared_gate_up": (768, 7168),
                      "o_proj": (7168, 768), "moe_output": (7168, 608)}

@@ -95,7 +95,7 @@ def test_rank_layers_match_the_reference_kernels(rank_model, float32_twin, batch
 
 
 def test_split_k_partials_into_the_norms_change_no_bit(rank_model, monkeypatch):
-    """SPLIT_K_INTO_NORMS: the output projections' partials added by the mix norms give the logits of the
+    """SPLIT_K_INTO_CONSUMERS: the output projections' partials added by the mix norms give the logits of the
     two-kernel path bit for bit (the norm adds the splits in the reduction kernel's order and rounds as
     it does), with the CuTe GEMM keeping partials of more than one split."""
     from dspark.targets.kimi_k3 import model as k3_model
@@ -108,7 +108,7 @@ def test_split_k_partials_into_the_norms_change_no_bit(rank_model, monkeypatch):
     target.lengths[:] = CONTEXT
     tokens = torch.randint(0, K3.vocab_size, (1, T), device="cuda", generator=gen)
     plain = target.verify([0], tokens, torch.full((1,), T)).logits.clone()
-    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_NORMS", True)
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", True)
     with registry.record_selections() as selections:
         split = target.verify([0], tokens, torch.full((1,), T)).logits
     assert {s.chosen.name for s in selections if s.op == "linear_partials"} == {"cute_sm90"}

@@ -33,11 +33,12 @@ from .sharding import Shard
 # This flag is the one place that choice is made.
 FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 
-# The output projections whose result a mix norm adds next (attention's inside a block, every FFN's)
-# hand it their split-K partials (ops.linear_partials): the norm adds the splits as it reads them,
-# bit for bit what the GEMM's reduction kernel would have written, and that kernel is not launched
-# (docs/kimi-k3.md §8.5). experiments/step_bench.py --setting split_k_into_norms=0|1 times it.
-SPLIT_K_INTO_NORMS = False
+# GEMMs whose next kernel can add their split-K partials as it reads them (ops.linear_partials) hand
+# it the partials, bit for bit what the GEMM's reduction kernel would have written, and that kernel is
+# not launched (docs/kimi-k3.md §8.5): the output projections whose result a mix norm adds next
+# (attention's inside a block, every FFN's), and the MoE's shared gate|up GEMM (into moe_tail_inputs).
+# experiments/step_bench.py --setting split_k_into_consumers=0|1 times it.
+SPLIT_K_INTO_CONSUMERS = False
 
 
 # Projections that read the same input, fused into one GEMM each (K3Model._fuse_rows).
@@ -217,7 +218,7 @@ class K3Model:
 
     def _output_projection(self, x: torch.Tensor, weight: torch.Tensor, partials: bool) -> torch.Tensor:
         """A row-parallel output projection, summed over the ranks; `partials`: left as its split-K
-        partials [S, M, N] for the mix norm that adds it (SPLIT_K_INTO_NORMS)."""
+        partials [S, M, N] for the mix norm that adds it (SPLIT_K_INTO_CONSUMERS)."""
         return self._reduce(ops.linear_partials(x, weight) if partials else ops.linear(x, weight))
 
     def _kda(self, i, h, B, T, lengths, state, conv_state, slots, records: KDARecords, partials: bool = False):
@@ -264,8 +265,9 @@ class K3Model:
             act = ops.situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
             return self._output_projection(act, self._w(i, "mlp.down_proj.weight"), partials)
         if self.parallel is not None:
-            return rank_latent_moe(y, self.moe[i], cfg, self.parallel, self.routing_log, partials)
-        return latent_moe(y, self.moe[i], cfg, self.routing_log, partials)
+            return rank_latent_moe(y, self.moe[i], cfg, self.parallel, self.routing_log, partials,
+                                   SPLIT_K_INTO_CONSUMERS)
+        return latent_moe(y, self.moe[i], cfg, self.routing_log, partials, SPLIT_K_INTO_CONSUMERS)
 
     # ------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, state: DecodeState, tap_layers=()):
@@ -317,7 +319,7 @@ class K3Model:
                 block_prefix = None
             # Partials only where a mix norm adds the output next: attention after a seal is the new
             # block's first value, and a tapped FFN output is added here.
-            attn_partials = SPLIT_K_INTO_NORMS and FFN_MIX_INCLUDES_LAYER_ATTENTION and block_prefix is not None
+            attn_partials = SPLIT_K_INTO_CONSUMERS and FFN_MIX_INCLUDES_LAYER_ATTENTION and block_prefix is not None
             if cfg.layer_type(i) == "kda":
                 k = self.kda_index[i]
                 attn = self._kda(i, h, B, T, lengths, *state.kda[k], state.slots, layer_records(records, k),
@@ -334,7 +336,7 @@ class K3Model:
             else:
                 prefix = base if delta is None else base + delta
                 y, _ = mix_norm(before_prefix, before_sealed, *ffn_mix)
-            ffn_out = self._ffn(i, y, SPLIT_K_INTO_NORMS and i not in tap_layers)
+            ffn_out = self._ffn(i, y, SPLIT_K_INTO_CONSUMERS and i not in tap_layers)
             if i in tap_layers:  # a tap reads the sum now
                 prefix, ffn_out = prefix + ffn_out, None
                 taps[i] = prefix.view(B, T, -1)

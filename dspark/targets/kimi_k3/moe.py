@@ -108,20 +108,22 @@ class LatentMoEWeights:
 
 
 def _output(x: torch.Tensor, routed: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config,
-            start: int, partials: bool) -> torch.Tensor:
+            start: int, partials: bool, split_k_into_tail: bool) -> torch.Tensor:
     """latent_up RMSNorm(routed)[start : start + latent'] + shared_down SiTU(shared_gate x, shared_up x)
     as one GEMM of [normed latent window | shared activation] against output_proj; `partials`: left as
-    its split-K partials (ops.linear_partials) for the mix norm that adds it."""
-    tail = ops.moe_tail_inputs(routed, weights.latent_norm, ops.linear(x, weights.shared_gate_up), start,
-                               weights.latent_width, cfg.rms_norm_eps, cfg.situ_beta, cfg.situ_linear_beta)
+    its split-K partials (ops.linear_partials) for the mix norm that adds it; `split_k_into_tail`: the
+    shared gate|up GEMM's partials added by moe_tail_inputs instead of a reduction launch."""
+    gate_up = (ops.linear_partials if split_k_into_tail else ops.linear)(x, weights.shared_gate_up)
+    tail = ops.moe_tail_inputs(routed, weights.latent_norm, gate_up, start, weights.latent_width, cfg.rms_norm_eps,
+                               cfg.situ_beta, cfg.situ_linear_beta)
     return (ops.linear_partials if partials else ops.linear)(tail, weights.output_proj)
 
 
 def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record: list | None = None,
-               partials: bool = False) -> torch.Tensor:
+               partials: bool = False, split_k_into_tail: bool = False) -> torch.Tensor:
     """The K3 latent-MoE FFN: x [M, D] -> [M, D] in x.dtype (with `partials`, its split-K partials
-    [S, M, D]: ops.linear_partials). `record`: a list the expert ids [M, k] of the call are appended
-    to (left on the device)."""
+    [S, M, D]: ops.linear_partials; `split_k_into_tail`: _output's). `record`: a list the expert ids
+    [M, k] of the call are appended to (left on the device)."""
     if x.dim() != 2 or x.shape[1] != weights.gate.shape[1]:
         raise ValueError(f"x: expected [M, {weights.gate.shape[1]}], got {tuple(x.shape)}")
     ids, route_weights = ops.moe_route(
@@ -134,11 +136,11 @@ def latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, record
     # The shared experts run in line: on a side stream, concurrently with the routed path, they
     # cost more per k3-slice step inside the step's CUDA graph than they saved (the fork and
     # join; the A/B is in experiments/notes/step.md).
-    return _output(x, routed, weights, cfg, 0, partials)
+    return _output(x, routed, weights, cfg, 0, partials, split_k_into_tail)
 
 
 def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, parallel,
-                    record: list | None = None, partials: bool = False) -> torch.Tensor:
+                    record: list | None = None, partials: bool = False, split_k_into_tail: bool = False) -> torch.Tensor:
     """One rank's share of the latent-MoE FFN: x [M, D] (the same on every rank) -> the rank's
     partial output, all-reduced by `parallel` (a parallel.RankParallel). `weights` holds the
     rank's parts: router and latent down rows, latent up and shared down columns, shared gate|up
@@ -151,4 +153,5 @@ def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, p
     if record is not None:
         record.append(local_ids)
     partial = ops.moe_experts(latent, local_ids, local_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
-    return parallel.all_reduce(_output(x, parallel.all_reduce(partial), weights, cfg, parallel.latent.start, partials))
+    return parallel.all_reduce(_output(x, parallel.all_reduce(partial), weights, cfg, parallel.latent.start, partials,
+                                       split_k_into_tail))
