@@ -499,6 +499,7 @@ SWITCHES = {
     "moe_pass2_splits": ("dspark.kernels.moe.cute_sm90", "PASS2_SPLITS",
                          {"1": 1, "2": 2, "3": 3, "4": 4, "auto": "auto"}),
     "router_gemv_rows": ("dspark.kernels.moe.triton", "GEMV_MAX_ROWS", {"0": 0, "1": 1, "2": 2, "4": 4}),
+    "linear_strided_tokens": ("dspark.kernels.linear.cute_host", "STRIDED_TOKENS", {"0": False, "1": True}),
     "split_k_into_consumers": ("dspark.targets.kimi_k3.model", "SPLIT_K_INTO_CONSUMERS", {"0": False, "1": True}),
 }
 
@@ -522,7 +523,8 @@ def applied(setting: str):
     router_logits_kernel instead of cuBLAS (kernels/moe/triton.py); `split_k_into_consumers=0|1` sums
     the split-K partials of the output projections and of the MoE's shared gate|up GEMM in their GEMM's
     reduction kernel or in the kernel that reads them next (dspark/targets/kimi_k3/model.py
-    SPLIT_K_INTO_CONSUMERS)."""
+    SPLIT_K_INTO_CONSUMERS); `linear_strided_tokens=0|1` copies a GEMM's strided token rows first or lets
+    the Hopper kernel's TMA read them in place (kernels/linear/cute_host.py STRIDED_TOKENS)."""
     import importlib
 
     from dspark.kernels import registry
@@ -568,7 +570,8 @@ def main(argv=None) -> int:
                              "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
                              "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
                              "linear_fused_reduce=0|1, triton_pdl=0|1, linear_hopper_rows=16|64, "
-                             "moe_pass2_splits=1|2|3|4|auto, router_gemv_rows=0|1|2|4, split_k_into_consumers=0|1")
+                             "moe_pass2_splits=1|2|3|4|auto, router_gemv_rows=0|1|2|4, split_k_into_consumers=0|1, "
+                             "linear_strided_tokens=0|1")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

@@ -120,6 +120,16 @@ def test_shape_check_accepts_k3_shapes_and_rejects_what_the_kernel_cannot_take()
     assert not cute_host.supports(torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(64, 7168, dtype=torch.bfloat16))
 
 
+def test_token_rows_the_hopper_kernel_reads_in_place():
+    fused = torch.ones(3, 3208, dtype=torch.bfloat16)
+    assert cute_host.x_rows_supported(fused[:, 3072:3200])  # KDA's f_a on a rank: row 6416 bytes, offset 6144
+    assert cute_host.x_rows_supported(fused)
+    assert not cute_host.x_rows_supported(fused[:, 3073:3201])  # base 2 bytes off 16
+    assert not cute_host.x_rows_supported(torch.ones(3, 3209, dtype=torch.bfloat16)[:, :128])  # row 6418 bytes
+    assert not cute_host.x_rows_supported(fused.t())  # column-major
+    assert not cute_host.x_rows_supported(torch.ones(3, 128))  # fp32 is not a kernel dtype
+
+
 def test_the_partials_build_is_the_gemm_alone():
     # keep_partials (ops.linear_partials): the split GEMM's partials stay in the workspace for the next
     # kernel to add; no reduction kernel, no arrival counters

@@ -103,6 +103,21 @@ def shape_supported(m: int, n: int, k: int, dtype: torch.dtype, weight_stride: t
     )
 
 
+# Token rows read where they lie when TMA can (x_rows_supported); False copies every non-contiguous x
+# first, as the kernel did before (experiments/step_bench.py --setting linear_strided_tokens=0).
+STRIDED_TOKENS = True
+
+
+def x_rows_supported(x: torch.Tensor) -> bool:
+    """Whether the Hopper kernel's TMA reads x [M, K] where it lies: unit column stride, a row stride
+    of whole 16-byte units, a 16-byte-aligned base (a column slice of a fused GEMM's output, as KDA's
+    f_a, qualifies when its offset and the row are multiples of 8 elements). Otherwise it takes a copy."""
+    if not STRIDED_TOKENS and not x.is_contiguous():
+        return False
+    return (x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.stride(0) >= x.shape[1] and x.data_ptr() % 16 == 0
+            and x.element_size() == 2)
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = MAX_TOKENS) -> bool:
     """Registry predicate (of the Blackwell kernel; supports_hopper the Hopper one's): anything
     else must go to another implementation."""

@@ -37,7 +37,7 @@ import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from .. import cute_common
 from ..cute_pipelines import deferred_pipeline
@@ -84,7 +84,8 @@ class SkinnyGemmSm90:
         n, k = self.n, self.k
         # GEMM views in (rows, K, batch) form. The accumulator tile is y^T: (weight rows, tokens).
         mA = cute.make_tensor(w.iterator, cute.make_layout((n, k, 1), stride=(k, 1, n * k)))
-        mB = cute.make_tensor(x.iterator, cute.make_layout((m, k, 1), stride=(k, 1, m * k)))
+        rows = x.stride[0]  # the token rows may be strided (a column slice of a wider GEMM's output)
+        mB = cute.make_tensor(x.iterator, cute.make_layout((m, k, 1), stride=(rows, 1, m * rows)))
         mY = cute.make_tensor(y.iterator, cute.make_layout((n, m, 1), stride=(1, n, m * n)))
         if cutlass.const_expr(self.splits == 1):
             mC = mY
@@ -286,7 +287,8 @@ def compile_skinny_gemm(
     def build():
         ab = cute_common.torch_to_cutlass_dtype(dtype)
         m = cute.sym_int()
-        x = make_fake_compact_tensor(ab, (m, k), stride_order=(1, 0), assumed_align=16)
+        # rows at any stride that keeps TMA's 16-byte alignment (x_rows_supported)
+        x = make_fake_tensor(ab, (m, k), (cute.sym_int(divisibility=8), 1), assumed_align=16)
         w = make_fake_compact_tensor(ab, (n, k), stride_order=(1, 0), assumed_align=16)
         y = make_fake_compact_tensor(ab, (m, n), stride_order=(1, 0), assumed_align=16)
         workspace = make_fake_compact_tensor(
@@ -301,14 +303,15 @@ def compile_skinny_gemm(
 
 
 def _checked_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x as the kernel takes it (16-byte aligned, contiguous), after refusing what it cannot compute."""
+    """x as the kernel takes it (rows TMA can read in place, else a contiguous copy), after refusing what
+    it cannot compute."""
     if not supports(x, weight, TOKEN_TILES[-1]):
         raise ValueError(
             f"cute_sm90 linear: unsupported x {tuple(x.shape)} {x.dtype} / weight {tuple(weight.shape)} "
             f"{weight.dtype} stride {weight.stride()} (needs M <= {TOKEN_TILES[-1]}, K and N multiples of 8, "
             "bf16/fp16, contiguous weight)"
         )
-    if not x.is_contiguous() or x.data_ptr() % 16:  # TMA needs a 16-byte-aligned base
+    if not cute_host.x_rows_supported(x):
         x = x.clone(memory_format=torch.contiguous_format)
     return x
 

@@ -103,6 +103,25 @@ def test_unaligned_token_view_and_steady_state_has_no_recompiles():
     assert kernel._cache.compiles == compiles
 
 
+@pytest.mark.skipif(kernel is not cute_sm90, reason="the Hopper kernel reads strided token rows in place")
+def test_a_column_slice_of_a_wider_output_is_read_in_place():
+    """KDA's f_a: a 128-column slice of its fused input GEMM's [M, 3208] output (a rank's), at column 3072.
+    TMA reads it where it lies (no copy): the same bits as the contiguous copy, and one compile for both."""
+    n, k = 7168, 128
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    for m in (1, 5, 16):
+        fused = torch.randn(m, 3208, device="cuda").to(torch.bfloat16)
+        x = fused[:, 3072 : 3072 + k]
+        assert not x.is_contiguous() and cute_host.x_rows_supported(x)
+        compiles = kernel._cache.compiles
+        contiguous = kernel.linear(x.contiguous(), weight)
+        in_place = kernel.linear(x, weight)
+        assert torch.equal(in_place, contiguous)
+        assert relative_error(in_place, x.double() @ weight.double().t()) <= REL_TOL
+        assert kernel._cache.compiles - compiles <= 1  # the token tile's build, shared by both
+    assert not cute_host.x_rows_supported(fused[:, 3073 : 3073 + k])  # a 2-byte offset: copied
+
+
 def test_runs_on_a_side_stream_and_in_a_cuda_graph():
     n, k = 7168, 12288
     weight = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
