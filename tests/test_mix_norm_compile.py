@@ -19,12 +19,16 @@ K3_WIDTH = 7168
 POINTERS = ("ckpt_ptr", "cur_ptr", "delta_ptr", "total_ptr", "mix_norm_ptr", "mix_proj_ptr", "out_norm_ptr", "out_ptr")
 
 
-@pytest.mark.parametrize("num_checkpoints", [2, 5, 8])
-def test_the_mix_compiles_for_sm90_without_spills(num_checkpoints, tmp_path):
+@pytest.mark.parametrize("num_checkpoints, delta_parts", [(2, 1), (5, 1), (8, 1), (8, 2)])
+def test_the_mix_compiles_for_sm90_without_spills(num_checkpoints, delta_parts, tmp_path):
+    """delta_parts 2: delta as a split GEMM's fp32 partials (ops.linear_partials)."""
     fn = norm_kernels.attn_res_mix_norm_kernel
     block, warps = norm_triton._launch_shape(K3_WIDTH)
-    constexprs = {"NUM_CKPT": num_checkpoints, "BLOCK": block, "HAS_DELTA": True, "PDL": False}
+    constexprs = {"NUM_CKPT": num_checkpoints, "BLOCK": block, "HAS_DELTA": True, "DELTA_PARTS": delta_parts,
+                  "PDL": False}
     signature = {name: ("*bf16" if name in POINTERS else "fp32" if name == "eps" else "i32") for name in fn.arg_names}
+    if delta_parts > 1:
+        signature["delta_ptr"] = "*fp32"
     signature.update({name: "constexpr" for name in constexprs})
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})
