@@ -19,19 +19,19 @@ KDA_MOE, MLA_MOE = 1, 7  # k3-tiny layers of each kind, away from a block seal
 
 # {(world, layer): (op calls by op, glue by aten op)}
 PINNED = {
-    (4, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 6, "kda_verify": 1, "moe_router_logits": 1,
-                    "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
+    (4, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 3, "linear_partials": 3, "kda_verify": 1,
+                    "moe_router_logits": 1, "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
                    {"repeat": 2}),
-    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "mla_cache_rows": 1, "mla_absorb_q": 1,
-                    "mla_verify_attention": 1, "mla_absorb_output": 1, "moe_router_logits": 1, "moe_route_logits": 1,
+    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 3, "linear_partials": 3,
+                    "mla_cache_rows": 1, "mla_absorb_q": 1, "mla_verify_attention": 1, "mla_absorb_output": 1,
+                    "moe_router_logits": 1, "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
+                   {"repeat": 2}),
+    (1, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 3, "linear_partials": 3, "kda_verify": 1, "moe_route": 1,
                     "moe_experts": 1, "moe_tail_inputs": 1},
-                   {"repeat": 2}),
-    (1, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 6, "kda_verify": 1, "moe_route": 1, "moe_experts": 1,
-                    "moe_tail_inputs": 1},
                    {}),
-    (1, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 6, "mla_cache_rows": 1, "mla_absorb_q": 1,
-                    "mla_verify_attention": 1, "mla_absorb_output": 1, "moe_route": 1, "moe_experts": 1,
-                    "moe_tail_inputs": 1},
+    (1, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 3, "linear_partials": 3,
+                    "mla_cache_rows": 1, "mla_absorb_q": 1, "mla_verify_attention": 1, "mla_absorb_output": 1,
+                    "moe_route": 1, "moe_experts": 1, "moe_tail_inputs": 1},
                    {}),
 }
 
@@ -70,18 +70,17 @@ def test_launches_per_layer_are_pinned(world, layer, batch, tokens):
 
 
 @pytest.mark.parametrize("world, layer", sorted(PINNED))
-def test_split_k_into_consumers_moves_three_gemms_a_layer_to_linear_partials(world, layer, monkeypatch):
-    """SPLIT_K_INTO_CONSUMERS: attention's and the FFN's output projections (layers 1 and 7 seal no block)
-    hand their split-K partials to the mix norm, the shared gate|up GEMM to moe_tail_inputs; on the GPU
-    each is one launch fewer (its reduction)."""
+def test_without_split_k_into_consumers_three_gemms_a_layer_reduce_their_own_splits(world, layer, monkeypatch):
+    """SPLIT_K_INTO_CONSUMERS (on): attention's and the FFN's output projections (layers 1 and 7 seal no
+    block) hand their split-K partials to the mix norm, the shared gate|up GEMM to moe_tail_inputs. Off,
+    each is a linear again, one launch more on the GPU (its reduction)."""
     from dspark.targets.kimi_k3 import model as k3_model
 
-    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", True)
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", False)
     before = forward_launches(layer, world, 1, 8)
     ops = forward_launches(layer + 1, world, 1, 8).ops - before.ops
     want_ops = dict(PINNED[world, layer][0])
-    want_ops["linear"] -= 3
-    want_ops["linear_partials"] = 3
+    want_ops["linear"] += want_ops.pop("linear_partials")
     assert dict(ops) == want_ops
 
 

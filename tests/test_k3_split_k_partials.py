@@ -74,6 +74,7 @@ def test_the_forward_with_partials_equals_it_without(world, monkeypatch):
     def verify():
         return target.verify([0, 1], tokens, [5, 4], taps)
 
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", False)
     plain = verify()
     monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", True)
     monkeypatch.setattr(ops, "linear_partials", _three_exact_partials)

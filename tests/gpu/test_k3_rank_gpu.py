@@ -95,8 +95,8 @@ def test_rank_layers_match_the_reference_kernels(rank_model, float32_twin, batch
 
 
 def test_split_k_partials_into_the_norms_change_no_bit(rank_model, monkeypatch):
-    """SPLIT_K_INTO_CONSUMERS: the output projections' partials added by the mix norms give the logits of the
-    two-kernel path bit for bit (the norm adds the splits in the reduction kernel's order and rounds as
+    """SPLIT_K_INTO_CONSUMERS (the default): the GEMMs' partials added by their consumers give the logits of
+    the two-kernel path bit for bit (the norm adds the splits in the reduction kernel's order and rounds as
     it does), with the CuTe GEMM keeping partials of more than one split."""
     from dspark.targets.kimi_k3 import model as k3_model
 
@@ -107,6 +107,7 @@ def test_split_k_partials_into_the_norms_change_no_bit(rank_model, monkeypatch):
     target.mla_cache[:, :, :CONTEXT].normal_(0.0, 1.0, generator=gen)
     target.lengths[:] = CONTEXT
     tokens = torch.randint(0, K3.vocab_size, (1, T), device="cuda", generator=gen)
+    monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", False)
     plain = target.verify([0], tokens, torch.full((1,), T)).logits.clone()
     monkeypatch.setattr(k3_model, "SPLIT_K_INTO_CONSUMERS", True)
     with registry.record_selections() as selections:

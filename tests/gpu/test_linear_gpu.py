@@ -112,7 +112,7 @@ def test_a_column_slice_of_a_wider_output_is_read_in_place():
     for m in (1, 5, 16):
         fused = torch.randn(m, 3208, device="cuda").to(torch.bfloat16)
         x = fused[:, 3072 : 3072 + k]
-        assert not x.is_contiguous() and cute_host.x_rows_supported(x)
+        assert (m == 1 or not x.is_contiguous()) and cute_host.x_rows_supported(x)  # one row: contiguous
         compiles = kernel._cache.compiles
         contiguous = kernel.linear(x.contiguous(), weight)
         in_place = kernel.linear(x, weight)

@@ -37,8 +37,10 @@ FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 # it the partials, bit for bit what the GEMM's reduction kernel would have written, and that kernel is
 # not launched (docs/kimi-k3.md §8.5): the output projections whose result a mix norm adds next
 # (attention's inside a block, every FFN's), and the MoE's shared gate|up GEMM (into moe_tail_inputs).
-# experiments/step_bench.py --setting split_k_into_consumers=0|1 times it.
-SPLIT_K_INTO_CONSUMERS = False
+# On a rank that is ~3 launches a layer fewer for the same step time or a little less (H100,
+# experiments/notes/rank.md "Sixth round"); experiments/step_bench.py --setting split_k_into_consumers=0
+# times the reductions again.
+SPLIT_K_INTO_CONSUMERS = True
 
 
 # Projections that read the same input, fused into one GEMM each (K3Model._fuse_rows).
