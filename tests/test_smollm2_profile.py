@@ -108,9 +108,8 @@ def test_the_precision_piece_measures_bf16_operands_beside_the_stores_rounding(t
     assert store["teacher_l1_mean"] < operands["teacher_l1_mean"]
 
 
-def test_the_checks_piece_times_the_eager_and_the_compiled_verify():
-    """--pieces checks on a small random Llama: held_out and held_out_compiled each measured, the
-    compiled one with its warm-up (the compiles) recorded."""
+def test_the_checks_piece_times_a_held_out_check():
+    """--pieces checks on a small random Llama: held_out measured, with its warm-up."""
     import dataclasses
 
     from test_dspark_train_fast import TINY, tiny_llama
@@ -120,6 +119,5 @@ def test_the_checks_piece_times_the_eager_and_the_compiled_verify():
     args = argparse.Namespace(seed=0, held_out_prompts=3, held_out_tokens=4, seq_len=32)
     out = {}
     profile.checks_piece(config, target.weights, args, out, lambda: None)
-    for name in ("held_out", "held_out_compiled"):
-        assert out[name]["wall_ms"] > 0 and out[name]["aten_calls"] > 0 and out[name]["warmup_s"] > 0
-    assert out["held_out_compiled"]["aten_calls"] < out["held_out"]["aten_calls"]
+    assert out["held_out"]["wall_ms"] > 0 and out["held_out"]["aten_calls"] > 0 and out["held_out"]["warmup_s"] > 0
+    assert set(out) == {"held_out"}

@@ -346,7 +346,6 @@ class LlamaTarget:
         compiled_taps: bool = False,
         taps_attention: str = "sdpa",
         taps_precision: str = "float32",
-        compiled_verify: bool = False,
     ):
         """prefill_chunk_tokens: the most prompt tokens (over the batch) one prefill forward feeds
         (dspark/targets/prefill.py). compiled_taps: causal_taps runs its layers through torch.compile,
@@ -357,11 +356,7 @@ class LlamaTarget:
         kernel does not (docs/dspark-algorithm.md §6.1). taps_precision="bfloat16": causal_taps' matmuls
         and attention take bf16 operands (a bf16 copy of the layers' matrices, made on first use; float32
         accumulation), as under bf16 autocast without casting the weights on every call; the residual
-        stream, norms, rotations and activations stay float32 (docs/dspark-algorithm.md §6.1).
-        compiled_verify (attention="batched" only): a verify's layers run as two compiled graphs a layer
-        around its cache write (verify_layer_inputs, verify_layer_rest), the graphs every layer and step
-        replay, where the eager layer issues ~80 host ops: for host-bound verifies (a drafter's held-out
-        checks and evaluation at large batches). The same function, to float rounding."""
+        stream, norms, rotations and activations stay float32 (docs/dspark-algorithm.md §6.1)."""
         self.prefill_chunk_tokens = checked_chunk_tokens(prefill_chunk_tokens)
         if taps_attention not in TAPS_ATTENTION or (taps_attention == "flex" and not compiled_taps):
             raise ValueError(f"taps_attention={taps_attention!r}: must be one of {TAPS_ATTENTION}, 'flex' with "
@@ -374,11 +369,7 @@ class LlamaTarget:
         self._compiled_layer = None  # torch.compile(causal_layer), made on first use
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: must be one of {ATTENTION_PATHS}")
-        if compiled_verify and attention != "batched":
-            raise ValueError(f"compiled_verify=True: needs attention='batched', got {attention!r}")
         self.attention = attention
-        self.compiled_verify = compiled_verify
-        self._compiled_verify_passes = None  # (inputs, rest) through torch.compile, made on first use
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots={max_slots!r}: must be an integer >= 1")
         if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= config.context_length:
@@ -509,16 +500,15 @@ class LlamaTarget:
         linear = torch.nn.functional.linear if batched else ops.linear
         x = w.embedding[token_ids]
         flat_taps = {-1: x} if -1 in tap_layers else {}
-        inputs_pass, rest_pass = self._verify_passes() if batched else (None, None)
         for layer_index, layer in enumerate(w.layers):
             if batched:
-                q, k, v = inputs_pass(self, layer, x, cos, sin)
+                q, k, v = verify_layer_inputs(self, layer, x, cos, sin)
             else:
                 q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
             if batched:
-                x = rest_pass(self, layer, x, q, self.k_cache[layer_index], self.v_cache[layer_index], plan)
+                x = verify_layer_rest(self, layer, x, q, self.k_cache[layer_index], self.v_cache[layer_index], plan)
             else:
                 attended = torch.stack([
                     self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
@@ -533,16 +523,6 @@ class LlamaTarget:
         width = width or max(counts)
         places = (request, column, len(counts), width)
         return TargetOutput(logits=scatter_rows(logits, *places), taps={l: scatter_rows(t, *places) for l, t in flat_taps.items()})
-
-    def _verify_passes(self):
-        """(verify_layer_inputs, verify_layer_rest) as a batched verify runs them: compiled with
-        compiled_verify (shapes go symbolic once they change: a batch's rows, requests and context
-        change every step), else as they are."""
-        if not self.compiled_verify:
-            return verify_layer_inputs, verify_layer_rest
-        if self._compiled_verify_passes is None:
-            self._compiled_verify_passes = (torch.compile(verify_layer_inputs), torch.compile(verify_layer_rest))
-        return self._compiled_verify_passes
 
     def _attention_inputs(self, layer: LlamaLayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
