@@ -21,7 +21,6 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -136,10 +135,12 @@ def _row_places(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return request, column
 
 
-class _BatchPlan(NamedTuple):
-    """Index tensors shared by every layer of one batched forward (LlamaTarget._batch_plan). Its sizes
-    (B requests, T the most rows any request feeds, L the longest cache prefix any query attends to)
-    are read off the tensors' shapes, so a compiled layer takes them as symbolic sizes."""
+@dataclass(frozen=True)
+class _BatchPlan:
+    """Index tensors shared by every layer of one batched forward (LlamaTarget._batch_plan)."""
+    batch: int  # B requests
+    width: int  # T: the most rows any request feeds
+    context: int  # L: the longest cache prefix any query attends to
     request: torch.Tensor  # [N] the request of each flat row
     column: torch.Tensor  # [N] its place among that request's rows
     slots: torch.Tensor  # [B] cache slot of each request
@@ -331,7 +332,7 @@ class LlamaTarget:
     attention="per_query" (default) is the token-invariant CPU reference described above.
     attention="batched" is the path for GPU training and self-distillation: plain F.linear and one
     batched attention per layer over the slots' padded KV cache with a causal mask per request
-    (attend_batched). It computes the same function, but reduction order depends on the batch, so a token's
+    (_attend_batched). It computes the same function, but reduction order depends on the batch, so a token's
     logits agree with the reference to a tolerance, not bitwise (tests/test_llama_target.py).
     """
 
@@ -501,19 +502,16 @@ class LlamaTarget:
         x = w.embedding[token_ids]
         flat_taps = {-1: x} if -1 in tap_layers else {}
         for layer_index, layer in enumerate(w.layers):
-            if batched:
-                q, k, v = verify_layer_inputs(self, layer, x, cos, sin)
-            else:
-                q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
+            q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
             self.k_cache[layer_index, row_slots, :, positions] = k
             self.v_cache[layer_index, row_slots, :, positions] = v
             if batched:
-                x = verify_layer_rest(self, layer, x, q, self.k_cache[layer_index], self.v_cache[layer_index], plan)
+                attended = self._attend_batched(layer_index, q, plan)
             else:
                 attended = torch.stack([
                     self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
                 ])
-                x = self._ffn(layer, x + linear(attended, layer.attn_output), linear)
+            x = self._ffn(layer, x + linear(attended, layer.attn_output), linear)
             if layer_index in tap_layers:
                 flat_taps[layer_index] = x
         final = rms_norm(x, w.output_norm, c.rms_norm_eps)
@@ -605,55 +603,37 @@ class LlamaTarget:
         ends = [s + n for s, n in zip(starts, counts)]
         L = max(ends)
         span = torch.arange(L)
-        # Cache rows up to each request's last fed token; the rest are stale (attend_batched).
+        # Cache rows up to each request's last fed token; the rest are stale (_attend_batched).
         written = (span < torch.tensor(ends)[:, None])[:, None, :, None]
         query_pos = torch.tensor(starts)[:, None] + torch.arange(T)
         causal = (span.to(self.device) <= query_pos.to(self.device)[..., None])  # [B, T, L]
         group = self.config.num_heads // self.config.num_kv_heads
         visible = causal[:, None, None].expand(B, 1, group, T, L).reshape(B, 1, group * T, L)
-        return _BatchPlan(request, column, torch.tensor(slots).to(self.device), written.to(self.device), visible)
+        return _BatchPlan(B, T, L, request, column, torch.tensor(slots).to(self.device), written.to(self.device),
+                          visible)
 
+    def _attend_batched(self, layer_index: int, q: torch.Tensor, plan: _BatchPlan) -> torch.Tensor:
+        """All queries q [N, heads, hd] (request r's rows at positions starts[r]...) over their
+        slots' cache rows, two batched matmuls for the whole batch; returns [N, heads * hd].
 
-def attend_batched(config: LlamaConfig, scale: float, q: torch.Tensor, keys_cache: torch.Tensor,
-                   values_cache: torch.Tensor, plan: _BatchPlan) -> torch.Tensor:
-    """All queries q [N, heads, hd] (request r's rows at positions starts[r]...) over their slots'
-    rows of one layer's cache ([slots, kv_heads, max_seq_len, hd]), two batched matmuls for the whole
-    batch; returns [N, heads * hd].
-
-    The heads that share a kv head are stacked as rows of one matmul against that kv head's
-    keys, so the cache rows are read once per kv head and never repeated per query head (SDPA's
-    GQA path on float32 copies them per query head)."""
-    c = config
-    B, L = plan.written.shape[0], plan.written.shape[2]
-    group = c.num_heads // c.num_kv_heads
-    T, hd = plan.visible.shape[2] // group, c.head_dim
-    queries = q.new_zeros(B, T, c.num_heads, hd)
-    queries[plan.request, plan.column] = q
-    queries = queries.view(B, T, c.num_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(B, c.num_kv_heads, group * T, hd)
-    keys = keys_cache[plan.slots, :, :L]  # [B, kv_heads, L, hd]
-    # Rows past a request's last fed token are stale (an earlier occupant's, or never written):
-    # a stale key is masked below whatever it holds, a stale value must be zeroed, since a
-    # masked-out NaN there would still poison the product (0 * NaN).
-    values = torch.where(plan.written, values_cache[plan.slots, :, :L], 0.0)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale).masked_fill_(~plan.visible, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), values)  # [B, kv_heads, group * T, hd]
-    out = out.view(B, c.num_kv_heads, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.num_heads * hd)
-    return out[plan.request, plan.column]
-
-
-def verify_layer_inputs(target: "LlamaTarget", layer: LlamaLayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batched verify's layer up to its cache write: q, k, v of the rows x [N, d]."""
-    return target._attention_inputs(layer, x, cos, sin, torch.nn.functional.linear)
-
-
-def verify_layer_rest(target: "LlamaTarget", layer: LlamaLayerWeights, x: torch.Tensor, q: torch.Tensor,
-                      keys_cache: torch.Tensor, values_cache: torch.Tensor, plan: _BatchPlan) -> torch.Tensor:
-    """A batched verify's layer after its cache write: the attention over the layer's cache, the output
-    projection and the FFN, returning the layer's output rows."""
-    attended = attend_batched(target.config, target.scale, q, keys_cache, values_cache, plan)
-    linear = torch.nn.functional.linear
-    return target._ffn(layer, x + linear(attended, layer.attn_output), linear)
+        The heads that share a kv head are stacked as rows of one matmul against that kv head's
+        keys, so the cache rows are read once per kv head and never repeated per query head (SDPA's
+        GQA path on float32 copies them per query head)."""
+        c = self.config
+        B, T, L, hd = plan.batch, plan.width, plan.context, c.head_dim
+        group = c.num_heads // c.num_kv_heads
+        queries = q.new_zeros(B, T, c.num_heads, hd)
+        queries[plan.request, plan.column] = q
+        queries = queries.view(B, T, c.num_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(B, c.num_kv_heads, group * T, hd)
+        keys = self.k_cache[layer_index, plan.slots, :, :L]  # [B, kv_heads, L, hd]
+        # Rows past a request's last fed token are stale (an earlier occupant's, or never written):
+        # a stale key is masked below whatever it holds, a stale value must be zeroed, since a
+        # masked-out NaN there would still poison the product (0 * NaN).
+        values = torch.where(plan.written, self.v_cache[layer_index, plan.slots, :, :L], 0.0)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(self.scale).masked_fill_(~plan.visible, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), values)  # [B, kv_heads, group * T, hd]
+        out = out.view(B, c.num_kv_heads, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.num_heads * hd)
+        return out[plan.request, plan.column]
 
 
 def weights_to(weights: LlamaWeights, device: torch.device | str) -> LlamaWeights:
