@@ -15,9 +15,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(x, weight) left as its split-K partials [S, M, N], for a consumer that adds them in its own
-    pass (add_attn_res_mix_norm's delta) instead of a reduction launch: fp32 partials whose sum in split
-    order, rounded to x's dtype, is what linear returns; a GEMM that does not split gives [1, M, N] in x's
-    dtype. S depends on the shape and the kernel (docs/kimi-k3.md §8.5)."""
+    pass (add_attn_res_mix_norm's delta) instead of a reduction launch: fp32 partials (float64 for float64
+    operands) whose sum in split order, rounded to x's dtype, is what linear returns; a GEMM that does not
+    split gives its one unrounded partial [1, M, N]. S depends on the shape and the kernel
+    (docs/kimi-k3.md §8.5)."""
     return select("linear_partials", x, weight).fn(x, weight)
 
 
@@ -97,6 +98,17 @@ def moe_route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scali
     """moe_route's selection from router logits [M, E] fp32 (computed elsewhere: a rank of a
     sharded router gathers them) -> (expert ids [M, k] long, weights [M, k] fp32)."""
     return select("moe_route_logits", logits, bias).fn(logits, bias, top_k, scaling)
+
+
+def moe_dispatch_inputs(partials: torch.Tensor, router_width: int, dtype: torch.dtype, copies: int):
+    """A rank's router | latent-down GEMM, from its split-K partials [S, M, R + L] (linear_partials), to
+    the dispatch's inputs -> (logits [M, copies * R] fp32, latent [M, copies * L] in `dtype`): the
+    partials added in split order in fp32, the R router columns kept in fp32 (the router is fp32,
+    docs/kimi-k3.md §1.2), the L latent columns rounded once to `dtype` (what linear returns), each
+    part written `copies` times side by side: one GPU's stand-in for all-gathering them over the
+    ranks (dspark/targets/kimi_k3/parallel.py), in one launch where the GEMM's reduction and the
+    two gathers took three (docs/kimi-k3.md §8.5)."""
+    return select("moe_dispatch_inputs", partials).fn(partials, router_width, dtype, copies)
 
 
 def moe_experts(latent: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, w1_packed, w1_scale,

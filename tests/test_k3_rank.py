@@ -19,7 +19,7 @@ import torch
 
 from dspark.kernels.kda.reference import allocate_records
 from dspark.targets.kimi_k3 import K3, K3_TINY, K3Model, K3Target, Shard, first_layers, load_target
-from dspark.targets.kimi_k3.parallel import (OmittedCollectives, busiest_rank_experts, busiest_table,
+from dspark.targets.kimi_k3.parallel import (OmittedCollectives, RankParallel, busiest_rank_experts, busiest_table,
                                              exact_local_pairs)
 from dspark.targets.kimi_k3.weights import random_tensors, shard_tensors, tensor_specs
 
@@ -225,6 +225,30 @@ def test_omitted_collectives_keep_shapes():
     x = torch.randn(3, 5)
     assert omitted.all_reduce(x) is x
     assert torch.equal(omitted.all_gather(x), torch.cat([x] * 4, dim=-1))
+
+
+def test_dispatch_inputs_are_the_partials_summed_split_and_gathered():
+    """RankParallel.dispatch_inputs: with the omitted collectives one op writes the world's copies; with
+    collectives that lack the fused gather, the op's one copy goes through their all_gather. Both give
+    the split-order fp32 sum's router columns in fp32 and its latent columns rounded once to bf16."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    partials = torch.randn(3, 2, 8 + 24, generator=gen) * torch.tensor([1.0, 1e3, -1e3])[:, None, None]
+    total = (partials[0] + partials[1]) + partials[2]
+    want = (total[:, :8].repeat(1, 4), total[:, 8:].bfloat16().repeat(1, 4))
+
+    class GatherOnly:  # real collectives: all_gather and all_reduce, no fused gather
+        def all_gather(self, x):
+            return torch.cat([x] * 4, dim=-1)
+
+    for collectives in (OmittedCollectives(4), GatherOnly()):
+        parallel = RankParallel(K3_TINY, Shard(0, 4), collectives)
+        logits, latent = parallel.dispatch_inputs(partials, 8, torch.bfloat16)
+        assert logits.dtype == torch.float32 and torch.equal(logits, want[0])
+        assert latent.dtype == torch.bfloat16 and torch.equal(latent, want[1])
+    with pytest.raises(ValueError, match="router_width"):
+        parallel.dispatch_inputs(partials, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="partials"):
+        parallel.dispatch_inputs(partials.bfloat16(), 8, torch.bfloat16)
 
 
 def test_rank_preset_builds_the_deployment_shape():

@@ -24,11 +24,13 @@ def test_sum_partials_adds_in_split_order_in_float32_and_rounds_once():
     assert sum_partials(partials.double(), torch.bfloat16).dtype == torch.bfloat16
 
 
-def test_the_reference_partial_is_linear_itself_and_the_norm_adds_partials():
+def test_the_reference_partial_is_linear_unrounded_and_the_norm_adds_partials():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     x, w = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()
     partials = ops.linear_partials(x, w)
-    assert partials.shape == (1, 3, 32) and torch.equal(partials[0], ops.linear(x, w))
+    assert partials.shape == (1, 3, 32) and partials.dtype == torch.float32
+    assert torch.equal(partials[0].bfloat16(), ops.linear(x, w))
+    assert not torch.equal(partials[0], partials[0].bfloat16().float())  # not rounded before the consumer
     residual = torch.randn(3, 32, generator=gen).bfloat16()
     ckpts = torch.randn(2, 3, 32, generator=gen).bfloat16()
     weights = [(torch.rand(32, generator=gen) + 0.5).bfloat16() for _ in range(3)]

@@ -138,6 +138,12 @@ def test_the_partials_build_is_the_gemm_alone():
     ptx = kept.__ptx__
     assert splits > 1 and ptx.count(".entry") == 1
     assert "atom.global" not in ptx and ".local" not in ptx and "wgmma.mma_async" in ptx
+    # an unsplit shape keeps its one partial in fp32 too: the epilogue stores fp32, never rounds to bf16
+    unsplit, splits = cute_sm90.compile_skinny_gemm(1536, 512, 8, torch.bfloat16, "sm_90a", keep_partials=True,
+                                                    extra_options=("--keep-ptx",))
+    plain, _ = cute_sm90.compile_skinny_gemm(1536, 512, 8, torch.bfloat16, "sm_90a", extra_options=("--keep-ptx",))
+    assert splits == 1 and unsplit.__ptx__.count(".entry") == 1
+    assert "cvt.rn.bf16" not in unsplit.__ptx__ and "cvt.rn.bf16" in plain.__ptx__
     with pytest.raises(ValueError, match="fused_reduce and keep_partials"):
         cute_sm90.compile_skinny_gemm(7168, 768, 8, torch.bfloat16, "sm_90a", keep_partials=True, fused_reduce=True)
 

@@ -16,6 +16,7 @@ from dspark.kernels.draft_loss import reference as loss_ref
 from dspark.kernels.draft_loss import triton as loss_triton
 from dspark.kernels.moe import expert_layout
 from dspark.kernels.moe import triton as moe_triton
+from dspark.kernels.numerics import sum_partials
 from dspark.kernels.rmsnorm import reference as norm_ref
 from dspark.kernels.rmsnorm import triton as norm_triton
 
@@ -79,6 +80,7 @@ def main(seed: int) -> None:
     check_router_logits_gemv(gen)
     check_combine(gen)
     check_gather_tokens(gen)
+    check_dispatch_inputs(gen)
     check_tail_inputs(gen)
     check_cache_rows(gen)
     check_absorb(gen)
@@ -356,6 +358,35 @@ def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.f
                                        expert_layout.B_SCALE_LOG2, out=out)
         if not torch.equal(got, want):
             sys.exit(f"gather_tokens ({order} order): differs from permute_k + scale + gather")
+
+
+def check_dispatch_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.float32,
+                          cases=((1, 3, 56, 224, 16), (4, 23, 40, 600, 3), (2, 1, 8, 24, 1))) -> None:
+    """moe_dispatch_inputs against float64: the partials added (every split counts: dropping the last one
+    fails), router columns in fp32, latent columns in `dtype` (a half-precision one on the GPU only: equal
+    to sum_partials' rounding), each written `copies` times; the outputs poisoned first. cases: (rows, splits, router columns, latent columns, copies); the second
+    leaves the last column block partial."""
+    for rows, splits, R, L, copies in cases:
+        partials = (torch.randn(splits, rows, R + L, generator=gen) * 3).to(device)
+        logits = torch.full((rows, copies * R), float("nan"), device=device)
+        latent = torch.full((rows, copies * L), float("nan"), dtype=dtype, device=device)
+        got_logits, got_latent = moe_triton.moe_dispatch_inputs(partials, R, dtype, copies, logits=logits,
+                                                                 latent=latent)
+        if got_logits.data_ptr() != logits.data_ptr() or got_latent.dtype != dtype:
+            sys.exit("moe_dispatch_inputs: did not write the given outputs")
+        total = partials.cpu().double().sum(0)
+        what = f"moe_dispatch_inputs {rows}x{splits}x{R}+{L}x{copies} {dtype}"
+        close(got_logits.cpu(), total[:, :R].repeat(1, copies), f"{what} logits")
+        if dtype == torch.float32:
+            close(got_latent.cpu(), total[:, R:].repeat(1, copies), f"{what} latent")
+        elif not torch.equal(got_latent.cpu(), sum_partials(partials.cpu(), dtype)[:, R:].repeat(1, copies)):
+            # on the GPU (the interpreter rounds half-precision toward zero): the fp32 sum in split
+            # order rounded once, bit for bit
+            sys.exit(f"{what} latent: not the fp32 sum rounded to {dtype}")
+        if splits > 1:
+            short = partials[:-1].cpu().double().sum(0)
+            if (got_logits.cpu().double() - short[:, :R].repeat(1, copies)).abs().max() < ATOL:
+                sys.exit(f"{what}: the last split was not added")
 
 
 def check_router_logits_gemv(gen: torch.Generator, device: str = "cpu",

@@ -13,7 +13,8 @@ Design (docs/kernels.md §7 row 1, §1.1; §5 for PDL):
   y^T slice into a workspace and a second small kernel (same host call, PDL-launched) sums the
   splits and casts to bf16 (cute_parts.reduce). Options: `fused_reduce`, where the last
   split of each tile to finish does the sum in the GEMM kernel (cute_parts.fixup); `keep_partials`,
-  where nothing sums them and the caller's next kernel adds them as it reads them (linear_partials).
+  where nothing sums them and the caller's next kernel adds them as it reads them (linear_partials;
+  there an unsplit shape writes its one fp32 partial to the workspace too, not bf16 y).
   Splits, pipeline depth and reduction follow the H200 measurements in
   experiments/notes/skinny_gemm.md (bench runs 1 and 2).
 - PDL: the kernel issues its first weight-tile loads before `griddepcontrol.wait` (weights never
@@ -87,7 +88,7 @@ class SkinnyGemmSm90:
         rows = x.stride[0]  # the token rows may be strided (a column slice of a wider GEMM's output)
         mB = cute.make_tensor(x.iterator, cute.make_layout((m, k, 1), stride=(rows, 1, m * rows)))
         mY = cute.make_tensor(y.iterator, cute.make_layout((n, m, 1), stride=(1, n, m * n)))
-        if cutlass.const_expr(self.splits == 1):
+        if cutlass.const_expr(self.splits == 1 and not self.keep_partials):
             mC = mY
         else:
             # batch mode = split index: split s writes workspace[s, :, :]^T
@@ -265,7 +266,7 @@ def compile_skinny_gemm(
     choose_stages and the two-pass split-K reduction (a second small kernel). `fused_reduce`
     instead sums the partials in the GEMM kernel (the last CTA of each tile does it: one launch,
     but serial, and slower than two passes for M >= 4 in run 2). `stages` and `splits` override
-    the heuristics (for benchmarking them). `keep_partials` leaves a split GEMM's fp32 partials in
+    the heuristics (for benchmarking them). `keep_partials` leaves the GEMM's fp32 partials in
     the workspace, unsummed (one launch; linear_partials).
     `extra_options` are added to cute.compile's (e.g. "--keep-ptx" for tests).
     Returns (compiled function taking (x, w, y, workspace, counters) torch tensors, split-K factor).
@@ -342,21 +343,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return skinny_gemm(x, weight, out)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """ops.linear_partials: one launch, the split-K partials left unsummed in `workspace`, [splits, M, N]
-    fp32; an unsplit shape writes its result to `out` and gives it as [1, M, N]. Both buffers are
-    allocated when None (tests pass them poisoned)."""
+    fp32 (an unsplit shape writes its one fp32 partial there too, unrounded). Allocated when None
+    (tests pass it poisoned)."""
     x = _checked_rows(x, weight)
     m, n = x.shape[0], weight.shape[0]
     compiled, splits = compile_skinny_gemm(n, weight.shape[1], token_tile(m), x.dtype, cute_common.target_arch(x.device),
                                            keep_partials=True)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if workspace is None else workspace
-    if out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}] tensor, got {out.dtype} {tuple(out.shape)}")
     if workspace.shape != (splits, m, n) or workspace.dtype != torch.float32 or not workspace.is_contiguous():
         raise ValueError(f"workspace must be a contiguous fp32 [{splits}, {m}, {n}] tensor, got {workspace.dtype} "
                          f"{tuple(workspace.shape)}")
-    compiled(x, weight, out, workspace, split_counters(x.device, n))
-    return out[None] if splits == 1 else workspace
+    # a keep_partials build never writes y; the compiled signature still takes one
+    unused_y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    compiled(x, weight, unused_y, workspace, split_counters(x.device, n))
+    return workspace

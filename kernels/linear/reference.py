@@ -29,8 +29,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @register("linear_partials", "reference", priority=0)
 def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear's result as the one partial [1, M, N] (a GEMM that does not split K has nothing to add)."""
-    return linear(x, weight)[None]
+    """linear's product as the one partial [1, M, N] in float32 (float64 for float64 operands), unrounded
+    (a GEMM that does not split K has nothing to add): rounded to x's dtype it is linear's result, bit
+    for bit on the CPU."""
+    if x.dtype in (torch.float32, torch.float64):  # a float64 GEMM's partial stays float64
+        return linear(x, weight)[None]
+    if x.device.type == "cpu":
+        return linear(x.float(), weight.float())[None]
+    return torch.mm(x, weight.t(), out_dtype=torch.float32)[None]
 
 
 @register("linear_heads", "reference", priority=0)

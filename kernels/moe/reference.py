@@ -64,6 +64,30 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: 
     return routed[:, :top_k].long(), routed[:, top_k:]
 
 
+def check_dispatch_inputs(partials: torch.Tensor, router_width: int, dtype: torch.dtype, copies: int) -> None:
+    """The arguments moe_dispatch_inputs takes (every implementation checks the same contract)."""
+    if partials.dim() != 3 or partials.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"partials: expected split-K partials [S, M, N] in float32 (float64: a reference run), "
+                         f"got {partials.dtype} {tuple(partials.shape)}")
+    if not 0 < router_width < partials.shape[2]:
+        raise ValueError(f"router_width: {router_width} must leave router and latent columns in the partials' "
+                         f"{partials.shape[2]}")
+    if not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies: {copies!r} must be a positive integer")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype: {dtype} is not a floating-point type")
+
+
+@register("moe_dispatch_inputs", "reference", priority=0)
+def moe_dispatch_inputs(partials: torch.Tensor, router_width: int, dtype: torch.dtype, copies: int):
+    """The router's fp32 logits and the latent in `dtype`, each repeated `copies` times along the last
+    dimension, from the router | latent-down GEMM's split-K partials (ops.moe_dispatch_inputs)."""
+    check_dispatch_inputs(partials, router_width, dtype, copies)
+    total = sum_partials(partials, partials.dtype)  # float32 (float64 partials: a reference run)
+    logits, latent = total[:, :router_width], total[:, router_width:].to(dtype)
+    return logits.float().repeat(1, copies), latent.repeat(1, copies)
+
+
 def check_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale) -> None:
     """The shapes moe_experts takes (every implementation checks the same contract)."""
     num_experts, inter, half_latent = w1_packed.shape

@@ -16,7 +16,7 @@ import torch
 from .. import ops
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
-from .reference import check_route, check_tail_inputs, tail_dtype
+from .reference import check_dispatch_inputs, check_route, check_tail_inputs, tail_dtype
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
 # (False: both widened to fp32 first, as the reference does). experiments/router_bench.py.
@@ -191,3 +191,34 @@ def supports_tail_inputs(routed, latent_norm, shared_gate_up) -> bool:
 
 register("moe_tail_inputs", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_tail_inputs)(moe_tail_inputs)
+
+
+DISPATCH_BLOCK = 512  # partial columns per program
+
+
+def moe_dispatch_inputs(partials: torch.Tensor, router_width: int, dtype: torch.dtype, copies: int,
+                        logits: torch.Tensor | None = None, latent: torch.Tensor | None = None):
+    """ops.moe_dispatch_inputs in one launch: a program per (row, column block) adds its columns' partials
+    and writes them `copies` times. logits / latent: optional contiguous outputs (tests poison them first)."""
+    check_dispatch_inputs(partials, router_width, dtype, copies)
+    S, M, N = partials.shape
+    R, L = router_width, N - router_width
+    logits = torch.empty(M, copies * R, dtype=torch.float32, device=partials.device) if logits is None else logits
+    latent = torch.empty(M, copies * L, dtype=dtype, device=partials.device) if latent is None else latent
+    for name, out, shape, want in (("logits", logits, (M, copies * R), torch.float32),
+                                   ("latent", latent, (M, copies * L), dtype)):
+        if tuple(out.shape) != shape or out.dtype != want or not out.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous {want} {list(shape)}, got {out.dtype} {tuple(out.shape)}")
+    if M:
+        kernel_module(__package__).dispatch_inputs_kernel[(M, -(-N // DISPATCH_BLOCK))](
+            partials, partials.stride(0), partials.stride(1), logits, latent, N, R, copies, SPLITS=S,
+            BLOCK=DISPATCH_BLOCK, **pdl_options(), num_warps=4)
+    return logits, latent
+
+
+def supports_dispatch_inputs(partials) -> bool:
+    return partials.dim() == 3 and partials.dtype == torch.float32 and partials.stride(-1) == 1
+
+
+register("moe_dispatch_inputs", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_dispatch_inputs)(moe_dispatch_inputs)

@@ -145,3 +145,27 @@ def tail_inputs_kernel(routed_ptr, stride_r, norm_ptr, gate_up_ptr, stride_gp, s
     else:
         _tail_glu_block(gate_up_ptr, stride_gp, stride_g, out_ptr, stride_o, row, part - 1, width, S, beta,
                         linear_beta, BLOCK, PARTS)
+
+
+@triton.jit
+def dispatch_inputs_kernel(parts_ptr, stride_p, stride_m, logits_ptr, latent_ptr, N, R, copies,
+                           SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, column block) of the router | latent-down partials [SPLITS, M, N]: their sum in split
+    order in fp32; router columns [0, R) stored as they are at logits[row, c * R + col], the latent
+    columns rounded to latent's dtype at latent[row, c * (N - R) + col - R], for every copy c."""
+    prologue(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < N
+    total = tl.load(parts_ptr + row * stride_m + cols, mask=inside, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, SPLITS):
+        total += tl.load(parts_ptr + p * stride_p + row * stride_m + cols, mask=inside, other=0.0).to(tl.float32)
+    router = inside & (cols < R)
+    latent = inside & (cols >= R)
+    L = N - R
+    router_cols = tl.where(router, cols, 0)
+    latent_cols = tl.where(latent, cols - R, 0)
+    rounded = total.to(latent_ptr.dtype.element_ty)
+    for c in range(copies):
+        tl.store(logits_ptr + (row * copies + c) * R + router_cols, total, mask=router)
+        tl.store(latent_ptr + (row * copies + c) * L + latent_cols, rounded, mask=latent)

@@ -24,9 +24,10 @@ from dspark.targets.kimi_k3 import K3, K3Target, load_target
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CONTEXT, T = 8192, 8
-OPS = ("linear", "linear_heads", "kda_verify", "mla_verify_attention", "mla_cache_rows", "mla_absorb_q",
-       "mla_absorb_output", "moe_router_logits", "moe_route_logits", "moe_experts", "moe_tail_inputs", "rms_norm",
-       "attn_res_mix_norm", "add_attn_res_mix_norm", "situ_glu", "sigmoid_gate")
+OPS = ("linear", "linear_partials", "linear_heads", "kda_verify", "mla_verify_attention", "mla_cache_rows",
+       "mla_absorb_q", "mla_absorb_output", "moe_router_logits", "moe_dispatch_inputs", "moe_route_logits",
+       "moe_experts", "moe_tail_inputs", "rms_norm", "attn_res_mix_norm", "add_attn_res_mix_norm", "situ_glu",
+       "sigmoid_gate")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,8 @@ def test_rank_layers_match_the_reference_kernels(rank_model, float32_twin, batch
         fast = target.verify(slots, tokens, lengths).logits.clone()
     assert not [str(s) for s in selections if s.blocks_capture]
     assert {s.chosen.name for s in selections if s.op == "mla_verify_attention"} == {"cute_sm90"}
+    # the router | latent-down GEMM (DISPATCH_IN_ONE_GEMM): CuTe partials, added and gathered in Triton
+    assert {s.chosen.name for s in selections if s.op == "moe_dispatch_inputs"} == {"triton"}
     with registry.scoped(tuple((op, "reference") for op in OPS)):
         reference = target.verify(slots, tokens, lengths).logits
     twin = K3Target(float32_twin, max_slots=batch, max_seq_len=CONTEXT + 16)

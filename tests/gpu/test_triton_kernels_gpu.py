@@ -180,6 +180,27 @@ def test_gather_tokens_equals_the_torch_composition():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_inputs_add_split_and_gather_the_partials(dtype):
+    """kernels/moe/triton.py:moe_dispatch_inputs on the GPU: the interpreter's cases, then a TP16 rank's
+    router | latent-down GEMM (56 + 224 columns, its CuTe partials at one and eight rows, 16 copies).
+    The latent in bf16 equals the partials' fp32 sum rounded once (sum_partials), which is the GEMM's own
+    reduction: bit for bit; the logits equal the fp32 sum (tests/triton_interpret_checks.py)."""
+    from triton_interpret_checks import check_dispatch_inputs
+
+    from dspark.kernels import ops
+    from dspark.kernels.numerics import sum_partials
+
+    check_dispatch_inputs(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda", dtype)
+    weight = (torch.randn(280, 7168, device="cuda") / 7168**0.5).bfloat16()
+    for rows in (1, 8):
+        partials = ops.linear_partials(torch.randn(rows, 7168, device="cuda").bfloat16(), weight)
+        assert partials.dtype == torch.float32 and partials.shape[0] > 1
+        logits, latent = moe_triton.moe_dispatch_inputs(partials, 56, dtype, 16)
+        assert torch.equal(logits, sum_partials(partials, torch.float32)[:, :56].repeat(1, 16))
+        assert torch.equal(latent, sum_partials(partials, dtype)[:, 56:].repeat(1, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_markov_greedy_draft_takes_the_argmax_chain(dtype):
     """kernels/markov/triton.py at the tests' small shapes, at a TP16 rank's vocabulary and at K3's
     (B, G, V, r), fp32 and bf16 weights, against the float64 argmax chain

@@ -47,6 +47,8 @@ SPLIT_K_INTO_CONSUMERS = True
 MLA_INPUT_PROJECTIONS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.g_proj.weight")
 KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "g", "f_a", "b"))
 DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+ROUTER_LATENT_DOWN_PROJECTIONS = ("block_sparse_moe.gate.weight",
+                                  "block_sparse_moe.routed_expert_down_proj.weight")  # LatentMoEWeights.router_latent_down
 SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight",
                               "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
 # Projections whose outputs are summed, fused along K (K3Model._fuse_columns): LatentMoEWeights.output_proj
@@ -158,7 +160,9 @@ class K3Model:
             experts_of_kind = [tensors.pop(f"{x}.{w}.{part}") for x in experts]
             return _stack_of_views(experts_of_kind)
 
+        router_latent_down = self._fuse_rows(i, ROUTER_LATENT_DOWN_PROJECTIONS)[0]
         return LatentMoEWeights(
+            router_latent_down=router_latent_down,
             gate=self.tensors[f"{m}.gate.weight"],
             score_bias=self.tensors[f"{m}.gate.e_score_correction_bias"],
             latent_down=self.tensors[f"{m}.routed_expert_down_proj.weight"],

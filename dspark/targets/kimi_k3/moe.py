@@ -27,6 +27,13 @@ from dspark.kernels import ops
 
 from .config import K3Config
 
+# A rank's router and latent-down projections read the same x and are both gathered over the ranks
+# (the EP dispatch's inputs): as one GEMM whose split-K partials one kernel adds, splits into fp32
+# logits and the model-dtype latent, and gathers (parallel.RankParallel.dispatch_inputs), they take
+# two launches where the router's GEMV, the latent GEMM, its reduction and the two gathers took five
+# (docs/kimi-k3.md §8.5). experiments/step_bench.py --setting rank_dispatch_gemm=0 times the five.
+DISPATCH_IN_ONE_GEMM = True
+
 
 @dataclass
 class LatentMoEWeights:
@@ -48,7 +55,7 @@ class LatentMoEWeights:
     rank the copy of its latent window (docs/kimi-k3.md §8.5). `from_parts` builds one from the
     separate matrices."""
 
-    gate: torch.Tensor  # [E, D] router
+    gate: torch.Tensor  # [E, D] router (E a rank's experts)
     score_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
     latent_down: torch.Tensor  # [latent, D]
     latent_norm: torch.Tensor  # [latent] (a rank's: the whole latent; it normalises the summed latent)
@@ -60,11 +67,21 @@ class LatentMoEWeights:
     w3_scale: torch.Tensor
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
+    # [E + latent, D]: gate | latent_down, the rank's dispatch GEMM (rank_latent_moe); built here (gate and
+    # latent_down then become its row views) unless the caller built it so (K3Model._fuse_rows)
+    router_latent_down: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.shared_gate_up.dim() != 2 or self.shared_gate_up.shape[0] % 2:
             raise ValueError(f"LatentMoEWeights.shared_gate_up: expected [2S, D] (shared_gate | shared_up), "
                              f"got {tuple(self.shared_gate_up.shape)}")
+        if self.router_latent_down is None:
+            self.router_latent_down = torch.cat([self.gate, self.latent_down])
+            self.gate, self.latent_down = self.router_latent_down.split([self.gate.shape[0], self.latent_down.shape[0]])
+        elif self.router_latent_down.shape[0] != self.gate.shape[0] + self.latent_down.shape[0]:
+            raise ValueError(f"LatentMoEWeights.router_latent_down: expected [{self.gate.shape[0]} + "
+                             f"{self.latent_down.shape[0]}, D] (gate | latent_down), got "
+                             f"{tuple(self.router_latent_down.shape)}")
         shared = self.shared_gate_up.shape[0] // 2
         if self.output_proj.dim() != 2 or self.output_proj.shape[1] <= shared:
             raise ValueError(f"LatentMoEWeights.output_proj: expected [D, latent + {shared}] (latent_up | "
@@ -145,8 +162,12 @@ def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, p
     partial output, all-reduced by `parallel` (a parallel.RankParallel). `weights` holds the
     rank's parts: router and latent down rows, latent up and shared down columns, shared gate|up
     rows, its experts. `record` gets the local expert ids [M, k'] the rank's experts run on."""
-    logits = parallel.all_gather(ops.moe_router_logits(x, weights.gate))
-    latent = parallel.all_gather(ops.linear(x, weights.latent_down))
+    if DISPATCH_IN_ONE_GEMM:
+        logits, latent = parallel.dispatch_inputs(ops.linear_partials(x, weights.router_latent_down),
+                                                  weights.gate.shape[0], x.dtype)
+    else:
+        logits = parallel.all_gather(ops.moe_router_logits(x, weights.gate))
+        latent = parallel.all_gather(ops.linear(x, weights.latent_down))
     ids, route_weights = ops.moe_route_logits(logits, weights.score_bias, cfg.num_experts_per_token,
                                               cfg.routed_scaling_factor)
     local_ids, local_weights = parallel.local_pairs(ids, route_weights)

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from dspark.kernels import ops
+
 from .config import K3Config
 from .sharding import Shard
 from .sizes import distinct_experts, expected_max_experts_per_rank
@@ -46,6 +48,11 @@ class OmittedCollectives:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.repeat(*([1] * (x.dim() - 1)), self.world)
+
+    def gather_dispatch_inputs(self, partials: torch.Tensor, router_width: int, dtype: torch.dtype):
+        """RankParallel.dispatch_inputs in one launch (ops.moe_dispatch_inputs writes the world's copies):
+        the one-shot gather a deployment would run, its sender adding its GEMM's partials first."""
+        return ops.moe_dispatch_inputs(partials, router_width, dtype, self.world)
 
 
 def exact_local_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int):
@@ -100,6 +107,17 @@ class RankParallel:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_gather(x)
+
+    def dispatch_inputs(self, partials: torch.Tensor, router_width: int, dtype: torch.dtype):
+        """(logits [M, E] fp32, latent [M, latent] in `dtype`) from the rank's router | latent-down GEMM
+        partials [S, M, E' + latent'] (ops.linear_partials): summed, split, each part all-gathered. The
+        collectives' own `gather_dispatch_inputs` when they have one; else ops.moe_dispatch_inputs sums
+        and splits them and the collectives gather each part."""
+        fused = getattr(self.collectives, "gather_dispatch_inputs", None)
+        if fused is not None:
+            return fused(partials, router_width, dtype)
+        logits, latent = ops.moe_dispatch_inputs(partials, router_width, dtype, 1)
+        return self.all_gather(logits), self.all_gather(latent)
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding: the rows of the rank's ids (zeros for the others), summed."""
