@@ -119,8 +119,8 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
 # The op classes of a step's kernels: each op of dspark.kernels.ops, and the rank's pieces that
 # are not ops, by the class their kernels count in.
 OP_CLASSES = {
-    "linear": "trunk GEMMs", "linear_heads": "trunk GEMMs", "mla_absorb_q": "trunk GEMMs",
-    "mla_absorb_output": "trunk GEMMs", "moe_experts": "experts",
+    "linear": "trunk GEMMs", "linear_partials": "trunk GEMMs", "linear_heads": "trunk GEMMs",
+    "mla_absorb_q": "trunk GEMMs", "mla_absorb_output": "trunk GEMMs", "moe_experts": "experts",
     "mla_verify_attention": "attention", "mla_cache_rows": "attention", "kda_verify": "KDA", "kda_commit": "KDA",
     "kda_commit_layers": "KDA",
     "moe_route": "routing", "moe_route_logits": "routing", "moe_router_logits": "routing",
@@ -130,6 +130,9 @@ OP_CLASSES = {
     "rejection_sample": "sampling",
 }
 COLLECTIVES = "collective stand-ins"
+# the router | latent-down GEMM's partials added and gathered (RankParallel.dispatch_inputs): the
+# all-gather's stand-in, which also does the GEMM's reduction
+OP_CLASSES["moe_dispatch_inputs"] = COLLECTIVES
 CLASSES = ("trunk GEMMs", "experts", "attention", "KDA", "routing", "norms/glue", "sampling", COLLECTIVES)
 SCOPE = "dspark:"
 # A kernel the profiler did not link to a launching op is classed by its name (first match).
@@ -140,6 +143,7 @@ NAME_CLASSES = (
     (re.compile(r"route_kernel|router_logits_kernel"), "routing"),
     (re.compile(r"SkinnyGemm|gemm|nvjet|splitKreduce|cutlass_reduce_kernel", re.IGNORECASE), "trunk GEMMs"),
     (re.compile(r"^accept|row_partials|sample"), "sampling"),
+    (re.compile(r"dispatch_inputs_kernel"), COLLECTIVES),
 )
 
 
@@ -157,7 +161,8 @@ def op_scopes():
 
     patches = [(ops, name, cls) for name, cls in OP_CLASSES.items()]
     patches += [(RankParallel, "local_pairs", "routing"),
-                (RankParallel, "all_gather", COLLECTIVES), (RankParallel, "all_reduce", COLLECTIVES)]
+                (RankParallel, "all_gather", COLLECTIVES), (RankParallel, "all_reduce", COLLECTIVES),
+                (RankParallel, "dispatch_inputs", COLLECTIVES)]
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
 
     def scoped(fn, cls):
