@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark.kernels import ops
+from dspark.kernels.linear import reference as linear_reference
 from dspark.kernels.numerics import sum_partials
 from dspark.targets.kimi_k3 import K3_TINY, K3Model, K3Target, Shard
 from dspark.targets.kimi_k3 import model as k3_model
@@ -54,10 +55,13 @@ def test_the_tail_inputs_take_the_shared_gate_up_as_partials():
 
 
 def _three_exact_partials(x, weight):
-    """linear's result as three fp32 partials whose sum is it exactly (quarter, half, quarter): a consumer
-    that drops or double-counts one changes the result."""
-    y = ops.linear(x, weight).float()
-    return torch.stack([0.25 * y, 0.5 * y, 0.25 * y])
+    """The reference's unrounded product y as three fp32 partials that sum to it exactly in split order: half
+    and half of y rounded to bf16 (exact halves), then the rounding's remainder (exact in fp32). A consumer
+    that drops or double-counts a half changes the result; the router's fp32 logits (a rank's dispatch GEMM)
+    see the remainder too."""
+    y = linear_reference.linear_partials(x, weight)[0]
+    head = y.bfloat16().float()
+    return torch.stack([0.5 * head, 0.5 * head, y - head])
 
 
 @pytest.mark.parametrize("world", [1, 4])
