@@ -493,7 +493,8 @@ def measure(row: dict, step, reset, args) -> None:
 
 # Module switches a setting may flip (name -> (module, attribute, allowed values)).
 SWITCHES = {
-    "moe_lists": ("dspark.kernels.moe.cute_sm90", "DEFAULT_LISTS", {"torch": "torch", "device": "device"}),
+    "moe_lists": ("dspark.kernels.moe.cute_sm90", "DEFAULT_LISTS",
+                  {"torch": "torch", "device": "device", "fused": "fused"}),
     "router_low_precision_gemm": ("dspark.kernels.moe.triton", "LOW_PRECISION_GEMM", {"0": False, "1": True}),
     "kda_strided_inputs": ("dspark.kernels.kda.cute_host", "STRIDED_INPUTS", {"0": False, "1": True}),
     "moe_combine": ("dspark.kernels.moe.cute_sm90", "COMBINE", {"torch": "torch", "triton": "triton"}),
@@ -513,8 +514,8 @@ SWITCHES = {
 @contextlib.contextmanager
 def applied(setting: str):
     """Run under one comma-separated setting ('' = the defaults): `op=implementation` forces a
-    kernel (registry.use); `moe_lists=torch|device` picks how the MXFP4 expert kernel's lists are
-    built; `router_low_precision_gemm=0|1` multiplies the router's bf16 tokens and weight as they
+    kernel (registry.use); `moe_lists=torch|device|fused` picks how the MXFP4 expert kernel's lists are
+    built (fused: in the token gather's launch); `router_low_precision_gemm=0|1` multiplies the router's bf16 tokens and weight as they
     are (fp32 output) or widened to fp32 first; `kda_strided_inputs=0|1` passes the KDA inputs to
     the kernel as strided slices or as contiguous copies; `moe_combine=torch|triton` adds up each
     token's expert outputs in three torch launches or one Triton launch; `token_gather=torch|triton`
@@ -576,7 +577,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-graph", action="store_true", help="eager only")
     parser.add_argument("--setting", action="append",
                         help="measure every point under this setting (repeatable; '' = the defaults, also when none is given): "
-                             "comma-separated op=implementation, moe_lists=torch|device, router_low_precision_gemm=0|1, "
+                             "comma-separated op=implementation, moe_lists=torch|device|fused, router_low_precision_gemm=0|1, "
                              "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
                              "linear_fused_reduce=0|1, triton_pdl=0|1, linear_hopper_rows=16|64, "
                              "moe_pass2_splits=1|2|3|4|auto, router_gemv_rows=0|1|2|4, split_k_into_consumers=0|1, "

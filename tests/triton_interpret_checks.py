@@ -80,6 +80,7 @@ def main(seed: int) -> None:
     check_router_logits_gemv(gen)
     check_combine(gen)
     check_gather_tokens(gen)
+    check_lists_and_tokens(gen)
     check_dispatch_inputs(gen)
     check_tail_inputs(gen)
     check_cache_rows(gen)
@@ -358,6 +359,32 @@ def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.f
                                        expert_layout.B_SCALE_LOG2, out=out)
         if not torch.equal(got, want):
             sys.exit(f"gather_tokens ({order} order): differs from permute_k + scale + gather")
+
+
+LISTS_CASES = ((1, 3, 56, 8), (8, 2, 56, 8), (5, 16, 20, 8))  # under the interpreter: a program at a time
+LISTS_CASES_GPU = LISTS_CASES + ((8, 16, 40, 8), (16, 16, 896, 16))  # 256 pairs: the most the lists take
+
+
+def check_lists_and_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 256,
+                           cases=LISTS_CASES) -> None:
+    """lists_and_tokens (the expert lists in the token gather's launch) against build_expert_lists and the
+    torch operand (permute_k, the scale, the row gather): equal, lists and operand, with every output
+    poisoned by the allocator's garbage replaced first. Each row's experts are distinct; few experts
+    (20, 40) make tokens share them, so ranks above 0 and pairs spread over several chunks of 16
+    occur. cases: (tokens, k, experts, tile)."""
+    perm = expert_layout.permutation("sm90", torch.device(device))
+    for tokens, k, experts, tile in cases:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]).to(device)
+        x = (torch.randn(tokens, width + 16, generator=gen) * 3)[:, 8 : 8 + width].to(device=device, dtype=dtype)
+        want = expert_layout.build_expert_lists(ids, experts, tile)
+        want_xb = (expert_layout.permute_k(x, "sm90") * 2.0**expert_layout.B_SCALE_LOG2)[want.slot_tokens]
+        lists, xb = moe_triton.lists_and_tokens(x, ids, experts, tile, perm, expert_layout.B_SCALE_LOG2)
+        what = f"lists_and_tokens {tokens}x{k} of {experts} experts, tile {tile}"
+        for name in ("slot_expert", "slot_tokens", "pair_position"):
+            if not torch.equal(getattr(lists, name), getattr(want, name)):
+                sys.exit(f"{what}: {name} differs from build_expert_lists")
+        if not torch.equal(xb, want_xb):
+            sys.exit(f"{what}: the operand differs from permute_k + scale + gather")
 
 
 def check_dispatch_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.float32,

@@ -723,10 +723,11 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 
 
 # How moe_experts builds its expert lists for up to one slot per expert (at most `token_tile`
-# rows): "device" = the one-launch list kernel above, "torch" = expert_layout.build_expert_lists
-# (~16 small kernels: a sort, a scan, scatters). The list kernel equals the torch lists on the
-# H200 (tests/gpu/test_moe_gpu.py; experiments/notes/moe.md), so it is the default;
-# experiments/step_bench.py --setting moe_lists=torch times the other.
+# rows): "device" = the one-launch list kernel above, then gather_tokens' launch for the B operand;
+# "fused" = one Triton launch for both (kernels/moe/triton.py lists_and_tokens, whose programs each
+# derive the lists from the ids); "torch" = expert_layout.build_expert_lists (~16 small kernels: a
+# sort, a scan, scatters). The list kernel equals the torch lists on the H200 (tests/gpu/test_moe_gpu.py;
+# experiments/notes/moe.md); experiments/step_bench.py --setting moe_lists=torch|device|fused times each.
 DEFAULT_LISTS = "device"
 
 
@@ -764,9 +765,21 @@ COMBINE = "triton"
 
 def expert_lists(latent: torch.Tensor, ids: torch.Tensor, num_experts: int) -> expert_layout.ExpertLists:
     tile = token_tile(latent.shape[0])
-    if DEFAULT_LISTS == "device" and latent.shape[0] <= tile:  # the list kernel: one slot per expert
+    if DEFAULT_LISTS in ("device", "fused") and latent.shape[0] <= tile:  # the list kernel: one slot per expert
         return build_expert_lists_device(ids, num_experts, tile)
     return expert_layout.build_expert_lists(ids, num_experts, tile)
+
+
+def expert_lists_and_tokens(latent: torch.Tensor, ids: torch.Tensor, num_experts: int):
+    """(the expert lists, the B operand): one Triton launch where DEFAULT_LISTS is "fused" and one slot per
+    expert holds the tokens (moe_triton.lists_and_tokens); else the lists, then tokens_for_kernel."""
+    tile = token_tile(latent.shape[0])
+    if (DEFAULT_LISTS == "fused" and latent.shape[0] <= tile and expert_layout.TOKEN_GATHER == "triton"
+            and latent.shape[0] * ids.shape[1] <= moe_triton.LIST_PAIRS):
+        return moe_triton.lists_and_tokens(latent, ids, num_experts, tile,
+                                           expert_layout.permutation("sm90", latent.device), expert_layout.B_SCALE_LOG2)
+    lists = expert_lists(latent, ids, num_experts)
+    return lists, tokens_for_kernel(latent, lists)
 
 
 def routed_experts(latent: torch.Tensor, ids: torch.Tensor, experts: tuple, situ_beta: float, situ_linear_beta: float,
@@ -804,11 +817,11 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     registered by kernels/moe/__init__.py."""
     experts = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     reference.check_experts(latent, ids, route_weights, *experts)
-    lists = expert_lists(latent, ids, w1_packed.shape[0])
+    lists, xb = expert_lists_and_tokens(latent, ids, w1_packed.shape[0])
     splits = pass2_splits(w2_packed.shape[1], 2 * w2_packed.shape[2], lists.slot_expert.shape[0],
                           latent.device) if COMBINE == "triton" else 1
     rows = expert_layout.slot_outputs(latent, lists, experts, tokens_for_kernel, expert_pass, situ_beta,
-                                      situ_linear_beta, splits)
+                                      situ_linear_beta, splits, xb=xb)
     if COMBINE == "triton":  # adds the splits too
         return moe_triton.weighted_combine(rows, lists.pair_position, route_weights.float())
     return expert_layout.weighted_sum(route_weights, rows[0][lists.pair_position])

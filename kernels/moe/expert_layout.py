@@ -153,13 +153,15 @@ def run_expert_passes(latent: torch.Tensor, lists: ExpertLists, experts: tuple, 
 
 
 def slot_outputs(latent: torch.Tensor, lists: ExpertLists, experts: tuple, tokens_for_kernel, expert_pass,
-                 situ_beta: float, situ_linear_beta: float, splits: int = 1) -> torch.Tensor:
+                 situ_beta: float, situ_linear_beta: float, splits: int = 1, xb: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """The two passes' output rows as pass 2 writes them, [splits, slots * tile_tokens, latent] fp32:
     the pair (t, j) is row lists.pair_position[t, j] of every split, and its output the sum over the
-    splits (pass 2's K split in `splits` parts; 1: the whole output in split 0)."""
+    splits (pass 2's K split in `splits` parts; 1: the whole output in split 0). xb: the B operand when
+    the caller built it with the lists (else tokens_for_kernel builds it)."""
     w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale = experts
     slots, tile = lists.slot_tokens.shape
-    xb = tokens_for_kernel(latent, lists)
+    xb = tokens_for_kernel(latent, lists) if xb is None else xb
     act = torch.empty((slots, tile, w1_packed.shape[1]), dtype=torch.bfloat16, device=latent.device)
     expert_pass(w1_packed, w1_scale, w3_packed, w3_scale, lists, xb, act, True, situ_beta, situ_linear_beta)
     latent_dim = w2_packed.shape[1]

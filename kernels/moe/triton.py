@@ -222,3 +222,39 @@ def supports_dispatch_inputs(partials) -> bool:
 
 register("moe_dispatch_inputs", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_dispatch_inputs)(moe_dispatch_inputs)
+
+
+LIST_PAIRS = 256  # the CuTe list kernel's bound (one thread a pair), kept so either builds the same routings
+
+
+def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_tokens: int, perm: torch.Tensor,
+                     scale_log2: int):
+    """(expert_layout.ExpertLists, the expert kernels' B operand [S, tile_tokens, K]) in one launch: the
+    CuTe list kernel's lists (one slot per expert: T <= tile_tokens) and gather_tokens' operand, every
+    program deriving the lists from the ids itself (lists_gather_kernel). x [T, K] (rows may be strided),
+    ids [T, k] distinct per row, perm: the K permutation of period P dividing K; 2^scale_log2 is exact."""
+    from .expert_layout import ExpertLists
+
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x: needs [T, K] with contiguous columns, got shape {tuple(x.shape)} stride {x.stride()}")
+    if ids.dim() != 2 or ids.dtype != torch.long or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids: expected [{x.shape[0]}, k] int64, got {ids.dtype} {tuple(ids.shape)}")
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    if not 1 <= tokens <= tile_tokens or pairs > LIST_PAIRS:
+        raise ValueError(f"ids: {tokens} tokens x {top_k} experts: needs 1 to {tile_tokens} tokens and at most "
+                         f"{LIST_PAIRS} pairs")
+    K, period = x.shape[1], perm.numel()
+    if K % period:
+        raise ValueError(f"x: last dimension {K} is not a multiple of the permutation's period {period}")
+    slots = min(num_experts, pairs)
+    slot_expert = torch.empty(slots, dtype=torch.int32, device=x.device)
+    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=x.device)
+    pair_position = torch.empty(pairs, dtype=torch.long, device=x.device)
+    out = torch.empty(slots, tile_tokens, K, dtype=x.dtype, device=x.device)
+    kernel_module(__package__).lists_gather_kernel[(slots * tile_tokens, -(-K // GATHER_BLOCK))](
+        ids.contiguous().view(-1), pairs, x, x.stride(0), perm.contiguous(), out, K, float(2.0**scale_log2),
+        slot_expert, slot_tokens, pair_position, slots, TOP_K=top_k, TILE=tile_tokens, PERIOD=period,
+        BLOCK_P=max(16, 1 << (pairs - 1).bit_length()), CHUNK_Q=16, BLOCK_S=max(16, 1 << (slots - 1).bit_length()),
+        BLOCK=GATHER_BLOCK, **pdl_options(), num_warps=4)
+    return ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k)), out

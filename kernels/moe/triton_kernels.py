@@ -169,3 +169,52 @@ def dispatch_inputs_kernel(parts_ptr, stride_p, stride_m, logits_ptr, latent_ptr
     for c in range(copies):
         tl.store(logits_ptr + (row * copies + c) * R + router_cols, total, mask=router)
         tl.store(latent_ptr + (row * copies + c) * L + latent_cols, rounded, mask=latent)
+
+
+
+@triton.jit
+def lists_gather_kernel(ids_ptr, P, x_ptr, stride_x, perm_ptr, out_ptr, K, scale, slot_expert_ptr, slot_tokens_ptr,
+                        pair_position_ptr, SLOTS, TOP_K: tl.constexpr, TILE: tl.constexpr, PERIOD: tl.constexpr,
+                        BLOCK_P: tl.constexpr, CHUNK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    """The expert lists and the expert kernels' B operand in one launch (gather_tokens' grid: program
+    (row r = slot * TILE + t, column block)). Every program derives the lists from the P = T * TOP_K
+    pair ids, as the CuTe list kernel does: a pair's rank is the number of earlier pairs of its expert,
+    a pair of rank 0 opens a slot, and its slot is the number of opening pairs of a smaller expert; the
+    pair sits at row slot * TILE + rank. Row r's token is then the token of the pair at r (token 0 for
+    a padding row), gathered through the K permutation and scaled. Column block 0 stores its row's
+    token; program (0, 0) also stores every pair's row and each slot's expert (-1 unused)."""
+    prologue(PDL)
+    r = tl.program_id(0)
+    block = tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    valid = p < P
+    ids = tl.load(ids_ptr + p, mask=valid, other=-1)
+    # ranks and slots against the ids in chunks of CHUNK_Q: a [BLOCK_P, CHUNK_Q] comparison at a time. Along
+    # the rows, pair p's rank (earlier pairs q of its expert); along the columns, whether pair q opens a
+    # slot (no earlier pair p of its expert), and then p's slot (opening pairs q of a smaller expert).
+    rank = tl.zeros([BLOCK_P], dtype=tl.int32)
+    slot = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for q0 in range(0, P, CHUNK_Q):
+        q = q0 + tl.arange(0, CHUNK_Q)
+        other = tl.load(ids_ptr + q, mask=q < P, other=-1)
+        same = (ids[:, None] == other[None, :]) & valid[:, None] & (q[None, :] < P)
+        rank += tl.sum((same & (q[None, :] < p[:, None])).to(tl.int32), axis=1)
+        opener = (q < P) & (tl.sum((same & (p[:, None] < q[None, :])).to(tl.int32), axis=0) == 0)
+        slot += tl.sum(((other[None, :] < ids[:, None]) & opener[None, :]).to(tl.int32), axis=1)
+    opens = valid & (rank == 0)
+    position = slot * TILE + rank
+    token = tl.sum(tl.where(valid & (position == r), p // TOP_K, 0), axis=0)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < K
+    source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
+    v = tl.load(x_ptr + token.to(tl.int64) * stride_x + source, mask=inside, other=0.0)
+    tl.store(out_ptr + r.to(tl.int64) * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
+    if block == 0:
+        tl.store(slot_tokens_ptr + r, token.to(tl.int64))
+        if r == 0:
+            tl.store(pair_position_ptr + p, position.to(tl.int64), mask=valid)
+            tl.store(slot_expert_ptr + slot, ids.to(tl.int32), mask=opens)
+            s = tl.arange(0, BLOCK_S)
+            used = tl.sum(opens.to(tl.int32), axis=0)  # slots [0, used) are the opened ones: disjoint from these
+            tl.store(slot_expert_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=(s >= used) & (s < SLOTS))

@@ -175,6 +175,25 @@ def test_moe_experts_op_matches_float64(weights, kind, combine, splits, monkeypa
 
 
 @hopper
+@pytest.mark.parametrize("kind", ["disjoint", "repeated"])
+def test_lists_in_the_token_gather_give_the_same_bits(weights, kind, monkeypatch):
+    """DEFAULT_LISTS = "fused" (the lists built in the token gather's launch, moe_triton.lists_and_tokens):
+    the same lists and operand as the list kernel and gather_tokens, so ops.moe_experts gives the same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cfg = K3
+    latent_all = torch.randn(max(TOKEN_COUNTS), cfg.latent_size, device="cuda", generator=gen).to(torch.bfloat16)
+    for tokens in TOKEN_COUNTS:
+        ids = routing_ids(kind, tokens, gen)
+        route_weights = torch.rand(tokens, cfg.num_experts_per_token, device="cuda", generator=gen) + 0.1
+        args = (latent_all[:tokens], ids, route_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
+        monkeypatch.setattr(cute_sm90, "DEFAULT_LISTS", "device")
+        apart = ops.moe_experts(*args)
+        monkeypatch.setattr(cute_sm90, "DEFAULT_LISTS", "fused")
+        fused = ops.moe_experts(*args)
+        assert not fused.isnan().any() and torch.equal(fused, apart), f"{kind} T={tokens}"
+
+
+@hopper
 @pytest.mark.parametrize("tokens", [32, 64])
 @pytest.mark.parametrize("kind", ["random", "repeated"])
 def test_steps_past_16_tokens_take_several_slots_per_expert(weights, kind, tokens):

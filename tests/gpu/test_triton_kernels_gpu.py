@@ -179,6 +179,16 @@ def test_gather_tokens_equals_the_torch_composition():
                         width=3584)
 
 
+def test_lists_and_tokens_equal_the_torch_lists_and_operand():
+    """kernels/moe/triton.py:lists_and_tokens in bf16 at K3's latent width, up to 256 pairs (16 tokens x 16
+    experts): the lists equal build_expert_lists' and the operand the torch composition's
+    (tests/triton_interpret_checks.py:check_lists_and_tokens)."""
+    from triton_interpret_checks import LISTS_CASES_GPU, check_lists_and_tokens
+
+    check_lists_and_tokens(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))), "cuda", torch.bfloat16,
+                           width=3584, cases=LISTS_CASES_GPU)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_inputs_add_split_and_gather_the_partials(dtype):
     """kernels/moe/triton.py:moe_dispatch_inputs on the GPU: the interpreter's cases, then a TP16 rank's
