@@ -728,6 +728,9 @@ def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: 
 # derive the lists from the ids); "torch" = expert_layout.build_expert_lists (~16 small kernels: a
 # sort, a scan, scatters). The list kernel equals the torch lists on the H200 (tests/gpu/test_moe_gpu.py;
 # experiments/notes/moe.md); experiments/step_bench.py --setting moe_lists=torch|device|fused times each.
+# "fused" saves a launch a MoE layer but repeats the lists' O(pairs^2) comparisons in every program: on
+# the rank's few pairs it ran as fast as the two launches, and on the slice's 128 pairs (T = 8, 16
+# experts a token) its step was slower (experiments/notes/rank.md, "Seventh round"), so it is not the default.
 DEFAULT_LISTS = "device"
 
 
