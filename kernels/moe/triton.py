@@ -231,7 +231,7 @@ def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_
                      scale_log2: int):
     """(expert_layout.ExpertLists, the expert kernels' B operand [S, tile_tokens, K]) in one launch: the
     CuTe list kernel's lists (one slot per expert: T <= tile_tokens) and gather_tokens' operand, every
-    program deriving the lists from the ids itself (lists_gather_kernel). x [T, K] (rows may be strided),
+    program (one an operand row) deriving the lists from the ids itself (lists_gather_kernel). x [T, K] (rows may be strided),
     ids [T, k] distinct per row, perm: the K permutation of period P dividing K; 2^scale_log2 is exact."""
     from .expert_layout import ExpertLists
 
@@ -252,7 +252,7 @@ def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_
     slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=x.device)
     pair_position = torch.empty(pairs, dtype=torch.long, device=x.device)
     out = torch.empty(slots, tile_tokens, K, dtype=x.dtype, device=x.device)
-    kernel_module(__package__).lists_gather_kernel[(slots * tile_tokens, -(-K // GATHER_BLOCK))](
+    kernel_module(__package__).lists_gather_kernel[(slots * tile_tokens,)](
         ids.contiguous().view(-1), pairs, x, x.stride(0), perm.contiguous(), out, K, float(2.0**scale_log2),
         slot_expert, slot_tokens, pair_position, slots, TOP_K=top_k, TILE=tile_tokens, PERIOD=period,
         BLOCK_P=max(16, 1 << (pairs - 1).bit_length()), CHUNK_Q=16, BLOCK_S=max(16, 1 << (slots - 1).bit_length()),

@@ -177,16 +177,16 @@ def lists_gather_kernel(ids_ptr, P, x_ptr, stride_x, perm_ptr, out_ptr, K, scale
                         pair_position_ptr, SLOTS, TOP_K: tl.constexpr, TILE: tl.constexpr, PERIOD: tl.constexpr,
                         BLOCK_P: tl.constexpr, CHUNK_Q: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
-    """The expert lists and the expert kernels' B operand in one launch (gather_tokens' grid: program
-    (row r = slot * TILE + t, column block)). Every program derives the lists from the P = T * TOP_K
-    pair ids, as the CuTe list kernel does: a pair's rank is the number of earlier pairs of its expert,
-    a pair of rank 0 opens a slot, and its slot is the number of opening pairs of a smaller expert; the
-    pair sits at row slot * TILE + rank. Row r's token is then the token of the pair at r (token 0 for
-    a padding row), gathered through the K permutation and scaled. Column block 0 stores its row's
-    token; program (0, 0) also stores every pair's row and each slot's expert (-1 unused)."""
+    """The expert lists and the expert kernels' B operand in one launch, a program per operand row
+    r = slot * TILE + t. Every program derives the lists from the P = T * TOP_K pair ids, as the CuTe list
+    kernel does: a pair's rank is the number of earlier pairs of its expert, a pair of rank 0 opens a
+    slot, and its slot is the number of opening pairs of a smaller expert; the pair sits at row
+    slot * TILE + rank. Row r's token is then the token of the pair at r (token 0 for a padding row),
+    gathered through the K permutation and scaled, all K columns in blocks of BLOCK (one program a row,
+    so the lists are derived once a row, not once a column block). Program r stores its row's token;
+    program 0 also every pair's row and each slot's expert (-1 unused)."""
     prologue(PDL)
     r = tl.program_id(0)
-    block = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
     valid = p < P
     ids = tl.load(ids_ptr + p, mask=valid, other=-1)
@@ -205,16 +205,16 @@ def lists_gather_kernel(ids_ptr, P, x_ptr, stride_x, perm_ptr, out_ptr, K, scale
     opens = valid & (rank == 0)
     position = slot * TILE + rank
     token = tl.sum(tl.where(valid & (position == r), p // TOP_K, 0), axis=0)
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < K
-    source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
-    v = tl.load(x_ptr + token.to(tl.int64) * stride_x + source, mask=inside, other=0.0)
-    tl.store(out_ptr + r.to(tl.int64) * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
-    if block == 0:
-        tl.store(slot_tokens_ptr + r, token.to(tl.int64))
-        if r == 0:
-            tl.store(pair_position_ptr + p, position.to(tl.int64), mask=valid)
-            tl.store(slot_expert_ptr + slot, ids.to(tl.int32), mask=opens)
-            s = tl.arange(0, BLOCK_S)
-            used = tl.sum(opens.to(tl.int32), axis=0)  # slots [0, used) are the opened ones: disjoint from these
-            tl.store(slot_expert_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=(s >= used) & (s < SLOTS))
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        inside = cols < K
+        source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
+        v = tl.load(x_ptr + token.to(tl.int64) * stride_x + source, mask=inside, other=0.0)
+        tl.store(out_ptr + r.to(tl.int64) * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
+    tl.store(slot_tokens_ptr + r, token.to(tl.int64))
+    if r == 0:
+        tl.store(pair_position_ptr + p, position.to(tl.int64), mask=valid)
+        tl.store(slot_expert_ptr + slot, ids.to(tl.int32), mask=opens)
+        s = tl.arange(0, BLOCK_S)
+        used = tl.sum(opens.to(tl.int32), axis=0)  # slots [0, used) are the opened ones: disjoint from these
+        tl.store(slot_expert_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=(s >= used) & (s < SLOTS))
