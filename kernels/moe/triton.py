@@ -16,6 +16,7 @@ import torch
 from .. import ops
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
+from .expert_layout import ExpertLists
 from .reference import check_dispatch_inputs, check_route, check_tail_inputs, tail_dtype
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
@@ -231,10 +232,9 @@ def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_
                      scale_log2: int):
     """(expert_layout.ExpertLists, the expert kernels' B operand [S, tile_tokens, K]) in one launch: the
     CuTe list kernel's lists (one slot per expert: T <= tile_tokens) and gather_tokens' operand, every
-    program (one an operand row) deriving the lists from the ids itself (lists_gather_kernel). x [T, K] (rows may be strided),
-    ids [T, k] distinct per row, perm: the K permutation of period P dividing K; 2^scale_log2 is exact."""
-    from .expert_layout import ExpertLists
-
+    program (one an operand row) deriving the lists from the ids itself (lists_gather_kernel). x [T, K]
+    (rows may be strided), ids [T, k] distinct per row, perm: the K permutation of period P dividing K;
+    2^scale_log2 is exact."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x: needs [T, K] with contiguous columns, got shape {tuple(x.shape)} stride {x.stride()}")
     if ids.dim() != 2 or ids.dtype != torch.long or ids.shape[0] != x.shape[0]:
