@@ -118,6 +118,7 @@ def lay_context(target: K3Target, batch: int, context: int, seed: int) -> None:
 
 # The op classes of a step's kernels: each op of dspark.kernels.ops, and the rank's pieces that
 # are not ops, by the class their kernels count in.
+COLLECTIVES = "collective stand-ins"
 OP_CLASSES = {
     "linear": "trunk GEMMs", "linear_partials": "trunk GEMMs", "linear_heads": "trunk GEMMs",
     "mla_absorb_q": "trunk GEMMs", "mla_absorb_output": "trunk GEMMs", "moe_experts": "experts",
@@ -128,11 +129,10 @@ OP_CLASSES = {
     "add_attn_res_mix_norm": "norms/glue", "situ_glu": "norms/glue", "sigmoid_gate": "norms/glue",
     "moe_tail_inputs": "norms/glue",
     "rejection_sample": "sampling",
+    # the router | latent-down GEMM's partials added and gathered (RankParallel.dispatch_inputs): the
+    # all-gather's stand-in, which also does the GEMM's reduction
+    "moe_dispatch_inputs": COLLECTIVES,
 }
-COLLECTIVES = "collective stand-ins"
-# the router | latent-down GEMM's partials added and gathered (RankParallel.dispatch_inputs): the
-# all-gather's stand-in, which also does the GEMM's reduction
-OP_CLASSES["moe_dispatch_inputs"] = COLLECTIVES
 CLASSES = ("trunk GEMMs", "experts", "attention", "KDA", "routing", "norms/glue", "sampling", COLLECTIVES)
 SCOPE = "dspark:"
 # A kernel the profiler did not link to a launching op is classed by its name (first match).

@@ -624,7 +624,7 @@ def tokens_for_kernel(x: torch.Tensor, lists: expert_layout.ExpertLists) -> torc
     return expert_layout.tokens_for_kernel(x, lists, "sm90")
 
 
-LIST_THREADS = 256  # one thread per (token, expert) pair: T * k <= 16 * 16
+LIST_THREADS = expert_layout.DEVICE_LIST_PAIRS  # one thread per (token, expert) pair
 
 
 def _build_lists_kernel(tile_tokens: int, top_k: int):
@@ -707,11 +707,8 @@ def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options:
 
 def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> expert_layout.ExpertLists:
     """expert_layout.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
-    if ids.dim() != 2 or ids.dtype != torch.long:
-        raise ValueError(f"ids: expected a [T, k] int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    expert_layout.check_device_list_ids(ids, tile_tokens, "list kernel")
     tokens, top_k = ids.shape
-    if not 1 <= tokens <= tile_tokens or tokens * top_k > LIST_THREADS:
-        raise ValueError(f"ids: {tokens} tokens x {top_k} experts exceeds the list kernel ({LIST_THREADS} pairs, <= {tile_tokens} tokens)")
     pairs = tokens * top_k
     slots = min(num_experts, pairs)
     slot_expert = torch.empty(slots, dtype=torch.int32, device=ids.device)
@@ -777,8 +774,7 @@ def expert_lists_and_tokens(latent: torch.Tensor, ids: torch.Tensor, num_experts
     """(the expert lists, the B operand): one Triton launch where DEFAULT_LISTS is "fused" and one slot per
     expert holds the tokens (moe_triton.lists_and_tokens); else the lists, then tokens_for_kernel."""
     tile = token_tile(latent.shape[0])
-    if (DEFAULT_LISTS == "fused" and latent.shape[0] <= tile and expert_layout.TOKEN_GATHER == "triton"
-            and latent.shape[0] * ids.shape[1] <= moe_triton.LIST_PAIRS):
+    if DEFAULT_LISTS == "fused" and latent.shape[0] <= tile and expert_layout.TOKEN_GATHER == "triton":
         return moe_triton.lists_and_tokens(latent, ids, num_experts, tile,
                                            expert_layout.permutation("sm90", latent.device), expert_layout.B_SCALE_LOG2)
     lists = expert_lists(latent, ids, num_experts)

@@ -115,6 +115,22 @@ def slot_count(tokens: int, top_k: int, num_experts: int, tile_tokens: int) -> i
     return min(num_experts, pairs) + (pairs // tile_tokens if tokens > tile_tokens else 0)
 
 
+# The most (token, expert) pairs the one-launch list builders take (cute_sm90's list kernel: one thread a
+# pair; triton.lists_and_tokens: the same bound, so either builds the same routings): T * k <= 16 * 16.
+DEVICE_LIST_PAIRS = 256
+
+
+def check_device_list_ids(ids: torch.Tensor, tile_tokens: int, builder: str) -> None:
+    """The ids a one-launch list builder takes: [T, k] int64, T <= tile_tokens (one slot per expert) and
+    at most DEVICE_LIST_PAIRS pairs; `builder` names it in the error."""
+    if ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"ids: expected a [T, k] int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    tokens, top_k = ids.shape
+    if not 1 <= tokens <= tile_tokens or tokens * top_k > DEVICE_LIST_PAIRS:
+        raise ValueError(f"ids: {tokens} tokens x {top_k} experts exceeds the {builder} ({DEVICE_LIST_PAIRS} pairs, "
+                         f"<= {tile_tokens} tokens)")
+
+
 def build_expert_lists(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> ExpertLists:
     """ids [T, k] (distinct per row) -> slots; fixed shapes, no host synchronisation."""
     if ids.dim() != 2 or ids.shape[0] < 1:

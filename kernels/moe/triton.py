@@ -16,7 +16,7 @@ import torch
 from .. import ops
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
-from .expert_layout import ExpertLists
+from .expert_layout import ExpertLists, check_device_list_ids
 from .reference import check_dispatch_inputs, check_route, check_tail_inputs, tail_dtype
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
@@ -135,6 +135,16 @@ def weighted_combine(rows: torch.Tensor, position: torch.Tensor, route_weights: 
 GATHER_BLOCK = 512  # operand columns per program
 
 
+def _gather_shape(x: torch.Tensor, perm: torch.Tensor) -> tuple[int, int]:
+    """(K, the permutation's period) of a token gather's x [T, K], after refusing what the kernels cannot read."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x: needs [T, K] with contiguous columns, got shape {tuple(x.shape)} stride {x.stride()}")
+    K, period = x.shape[1], perm.numel()
+    if K % period:
+        raise ValueError(f"x: last dimension {K} is not a multiple of the permutation's period {period}")
+    return K, period
+
+
 def gather_tokens(x: torch.Tensor, slot_tokens: torch.Tensor, perm: torch.Tensor, scale_log2: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The expert kernels' B operand in one launch (expert_layout.tokens_for_kernel's contract):
@@ -142,11 +152,7 @@ def gather_tokens(x: torch.Tensor, slot_tokens: torch.Tensor, perm: torch.Tensor
     (rows may be strided), slot_tokens [S, tokens] and a permutation perm of period P dividing K.
     The scale is a power of two, exact in x's dtype. out: an optional contiguous [S, tokens, K]
     output of x's dtype (tests poison it first)."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x: needs [T, K] with contiguous columns, got shape {tuple(x.shape)} stride {x.stride()}")
-    K, period = x.shape[1], perm.numel()
-    if K % period:
-        raise ValueError(f"x: last dimension {K} is not a multiple of the permutation's period {period}")
+    K, period = _gather_shape(x, perm)
     S, tokens = slot_tokens.shape
     out = torch.empty(S, tokens, K, dtype=x.dtype, device=x.device) if out is None else out
     if S * tokens:
@@ -225,9 +231,6 @@ register("moe_dispatch_inputs", "triton", devices=("cuda",), priority=10, availa
          supports=supports_dispatch_inputs)(moe_dispatch_inputs)
 
 
-LIST_PAIRS = 256  # the CuTe list kernel's bound (one thread a pair), kept so either builds the same routings
-
-
 def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_tokens: int, perm: torch.Tensor,
                      scale_log2: int):
     """(expert_layout.ExpertLists, the expert kernels' B operand [S, tile_tokens, K]) in one launch: the
@@ -235,18 +238,12 @@ def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_
     program (one an operand row) deriving the lists from the ids itself (lists_gather_kernel). x [T, K]
     (rows may be strided), ids [T, k] distinct per row, perm: the K permutation of period P dividing K;
     2^scale_log2 is exact."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x: needs [T, K] with contiguous columns, got shape {tuple(x.shape)} stride {x.stride()}")
-    if ids.dim() != 2 or ids.dtype != torch.long or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"ids: expected [{x.shape[0]}, k] int64, got {ids.dtype} {tuple(ids.shape)}")
+    K, period = _gather_shape(x, perm)
+    check_device_list_ids(ids, tile_tokens, "fused list gather")
+    if ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids: {ids.shape[0]} rows for x's {x.shape[0]} tokens")
     tokens, top_k = ids.shape
     pairs = tokens * top_k
-    if not 1 <= tokens <= tile_tokens or pairs > LIST_PAIRS:
-        raise ValueError(f"ids: {tokens} tokens x {top_k} experts: needs 1 to {tile_tokens} tokens and at most "
-                         f"{LIST_PAIRS} pairs")
-    K, period = x.shape[1], perm.numel()
-    if K % period:
-        raise ValueError(f"x: last dimension {K} is not a multiple of the permutation's period {period}")
     slots = min(num_experts, pairs)
     slot_expert = torch.empty(slots, dtype=torch.int32, device=x.device)
     slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=x.device)

@@ -84,12 +84,20 @@ def gather_tokens_kernel(x_ptr, stride_x, slot_tokens_ptr, perm_ptr, out_ptr, K,
     K permutation (period PERIOD), times scale; one program per (row, column block)."""
     prologue(PDL)
     r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _gather_block(x_ptr, stride_x, tl.load(slot_tokens_ptr + r), perm_ptr, out_ptr, r, K, tl.program_id(1) * BLOCK,
+                  scale, PERIOD, BLOCK)
+
+
+@triton.jit
+def _gather_block(x_ptr, stride_x, token, perm_ptr, out_ptr, r, K, k0, scale, PERIOD: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Columns [k0, k0 + BLOCK) of operand row r: x[token] read through the K permutation (period
+    PERIOD), times scale."""
+    cols = k0 + tl.arange(0, BLOCK)
     inside = cols < K
-    token = tl.load(slot_tokens_ptr + r)
     source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
-    v = tl.load(x_ptr + token * stride_x + source, mask=inside, other=0.0)
-    tl.store(out_ptr + r * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
+    v = tl.load(x_ptr + token.to(tl.int64) * stride_x + source, mask=inside, other=0.0)
+    tl.store(out_ptr + r.to(tl.int64) * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
 
 
 @triton.jit
@@ -206,11 +214,7 @@ def lists_gather_kernel(ids_ptr, P, x_ptr, stride_x, perm_ptr, out_ptr, K, scale
     position = slot * TILE + rank
     token = tl.sum(tl.where(valid & (position == r), p // TOP_K, 0), axis=0)
     for k0 in range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        inside = cols < K
-        source = (cols // PERIOD) * PERIOD + tl.load(perm_ptr + cols % PERIOD, mask=inside, other=0)
-        v = tl.load(x_ptr + token.to(tl.int64) * stride_x + source, mask=inside, other=0.0)
-        tl.store(out_ptr + r.to(tl.int64) * K + cols, (v.to(tl.float32) * scale).to(v.dtype), mask=inside)
+        _gather_block(x_ptr, stride_x, token, perm_ptr, out_ptr, r, K, k0, scale, PERIOD, BLOCK)
     tl.store(slot_tokens_ptr + r, token.to(tl.int64))
     if r == 0:
         tl.store(pair_position_ptr + p, position.to(tl.int64), mask=valid)
