@@ -708,15 +708,10 @@ def compile_lists_kernel(tile_tokens: int, top_k: int, arch: str, extra_options:
 def build_expert_lists_device(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> expert_layout.ExpertLists:
     """expert_layout.build_expert_lists in one CuTe kernel launch (same outputs; no host sync)."""
     expert_layout.check_device_list_ids(ids, tile_tokens, "list kernel")
-    tokens, top_k = ids.shape
-    pairs = tokens * top_k
-    slots = min(num_experts, pairs)
-    slot_expert = torch.empty(slots, dtype=torch.int32, device=ids.device)
-    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=ids.device)
-    pair_position = torch.empty(pairs, dtype=torch.long, device=ids.device)
-    compiled = compile_lists_kernel(tile_tokens, top_k, cute_common.target_arch(ids.device))
-    compiled(ids.contiguous().view(-1), slot_expert, slot_tokens, pair_position)
-    return expert_layout.ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k))
+    lists = expert_layout.empty_device_lists(ids, num_experts, tile_tokens)
+    compiled = compile_lists_kernel(tile_tokens, ids.shape[1], cute_common.target_arch(ids.device))
+    compiled(ids.contiguous().view(-1), lists.slot_expert, lists.slot_tokens.view(-1), lists.pair_position.view(-1))
+    return lists
 
 
 # How moe_experts builds its expert lists for up to one slot per expert (at most `token_tile`

@@ -131,6 +131,16 @@ def check_device_list_ids(ids: torch.Tensor, tile_tokens: int, builder: str) -> 
                          f"<= {tile_tokens} tokens)")
 
 
+def empty_device_lists(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> ExpertLists:
+    """Unfilled lists for ids [T, k] with one slot per expert (a one-launch builder's outputs, after
+    check_device_list_ids): min(E, T * k) slots of tile_tokens rows; a builder writes them flat (view(-1))."""
+    tokens, top_k = ids.shape
+    slots = min(num_experts, tokens * top_k)
+    return ExpertLists(torch.empty(slots, dtype=torch.int32, device=ids.device),
+                       torch.empty(slots, tile_tokens, dtype=torch.long, device=ids.device),
+                       torch.empty(tokens, top_k, dtype=torch.long, device=ids.device))
+
+
 def build_expert_lists(ids: torch.Tensor, num_experts: int, tile_tokens: int) -> ExpertLists:
     """ids [T, k] (distinct per row) -> slots; fixed shapes, no host synchronisation."""
     if ids.dim() != 2 or ids.shape[0] < 1:

@@ -16,7 +16,7 @@ import torch
 from .. import ops
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
-from .expert_layout import ExpertLists, check_device_list_ids
+from .expert_layout import check_device_list_ids, empty_device_lists
 from .reference import check_dispatch_inputs, check_route, check_tail_inputs, tail_dtype
 
 # Whether bf16 (or fp16) tokens and weight take the low-precision-input GEMM with fp32 output
@@ -242,16 +242,12 @@ def lists_and_tokens(x: torch.Tensor, ids: torch.Tensor, num_experts: int, tile_
     check_device_list_ids(ids, tile_tokens, "fused list gather")
     if ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids: {ids.shape[0]} rows for x's {x.shape[0]} tokens")
-    tokens, top_k = ids.shape
-    pairs = tokens * top_k
-    slots = min(num_experts, pairs)
-    slot_expert = torch.empty(slots, dtype=torch.int32, device=x.device)
-    slot_tokens = torch.empty(slots * tile_tokens, dtype=torch.long, device=x.device)
-    pair_position = torch.empty(pairs, dtype=torch.long, device=x.device)
+    lists = empty_device_lists(ids, num_experts, tile_tokens)
+    pairs, slots = ids.numel(), lists.slot_expert.numel()
     out = torch.empty(slots, tile_tokens, K, dtype=x.dtype, device=x.device)
     kernel_module(__package__).lists_gather_kernel[(slots * tile_tokens,)](
         ids.contiguous().view(-1), pairs, x, x.stride(0), perm.contiguous(), out, K, float(2.0**scale_log2),
-        slot_expert, slot_tokens, pair_position, slots, TOP_K=top_k, TILE=tile_tokens, PERIOD=period,
-        BLOCK_P=max(16, 1 << (pairs - 1).bit_length()), CHUNK_Q=16, BLOCK_S=max(16, 1 << (slots - 1).bit_length()),
-        BLOCK=GATHER_BLOCK, **pdl_options(), num_warps=4)
-    return ExpertLists(slot_expert, slot_tokens.view(slots, tile_tokens), pair_position.view(tokens, top_k)), out
+        lists.slot_expert, lists.slot_tokens.view(-1), lists.pair_position.view(-1), slots, TOP_K=ids.shape[1],
+        TILE=tile_tokens, PERIOD=period, BLOCK_P=max(16, 1 << (pairs - 1).bit_length()), CHUNK_Q=16,
+        BLOCK_S=max(16, 1 << (slots - 1).bit_length()), BLOCK=GATHER_BLOCK, **pdl_options(), num_warps=4)
+    return lists, out
