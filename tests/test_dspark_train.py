@@ -181,10 +181,11 @@ def test_anchor_chunks_give_the_same_loss_and_gradients(recompute):
         loss, metrics = train_step_loss(model, capture(target, data, model.config.target_layer_ids), data,
                                         [torch.ones_like(s) for s in data], cfg, torch.Generator().manual_seed(9))
         loss.backward()
-        results.append((loss.detach(), metrics_to_floats(metrics), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        floats = metrics_to_floats(metrics) | {"accept": metrics["accept"].tolist()}  # unrounded: see test_dspark_train_fast
+        results.append((loss.detach(), floats, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss0, m0, g0), (loss1, m1, g1) = results
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
-    assert m1["tau"] == pytest.approx(m0["tau"], rel=1e-5) and m1["accept"] == pytest.approx(m0["accept"], abs=1e-4)
+    assert m1["tau"] == pytest.approx(m0["tau"], rel=1e-5) and m1["accept"] == pytest.approx(m0["accept"], abs=1e-5)
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().max() > 0 for g in g0.values())

@@ -138,7 +138,11 @@ def reference_and_fast_steps(model, captured, seqs, masks, **loss):
         model.zero_grad(set_to_none=True)
         step_loss, metrics = train_step_loss(model, captured, seqs, masks, cfg, torch.Generator().manual_seed(SEED))
         step_loss.backward()
-        results[name] = (step_loss.detach(), metrics_to_floats(metrics), grads(model))
+        floats = metrics_to_floats(metrics)
+        # accept unrounded: metrics_to_floats rounds it to 4 places, where two rates 1e-7 apart
+        # (float32 summation order) can read 1e-4 apart.
+        floats["accept"] = metrics["accept"].tolist()
+        results[name] = (step_loss.detach(), floats, grads(model))
     return results
 
 
