@@ -16,9 +16,13 @@
   without it, a model: its bytes (drafter weights, the target's lm_head again, its cache) over
   the GPUs at the verify's measured fraction of the floor;
 - communication, from cited public figures (CITED): two all-reduces per layer (attention output,
-  FFN output) and one for the embedding at the step's message size, an EP dispatch + combine per
-  MoE layer, the logits' all-gather; the drafter's all-reduces (two per layer and the
-  embedding's) and its logits' all-gather. All in series: at batch 1 each waits for its layer.
+  FFN output) and one for the embedding at the step's message size; per MoE layer the exchange
+  the rank runs (docs/kimi-k3.md §8.2): the dispatch's all-gather of router logits and latent and
+  the combine's all-reduce of the experts' latent sums (MOE_EXCHANGES["gather"]); the logits'
+  all-gather; the drafter's all-reduces (two per layer and the embedding's) and its logits'
+  all-gather. All in series: at batch 1 each waits for its layer. A second exchange,
+  MOE_EXCHANGES["all_to_all"], prices an EP all-to-all dispatch + combine in its place (the
+  published batch-1 figures of one), for comparison.
 """
 from __future__ import annotations
 
@@ -56,6 +60,14 @@ CITED = {
     "logits_all_gather": Cited(10.8, "vLLM PR 55021: K3 logits all-gather, one-shot MNNVL, 8x B300"),
 }
 ALL_REDUCE_SIZE = 16 * 1024  # bytes the all-reduce latency was published at
+# How a MoE layer's tokens reach the experts of other ranks and come back.
+MOE_EXCHANGES = {
+    "gather": ("the rank's own (docs/kimi-k3.md §8.2): the router logits and latent all-gathered ([rows, E] fp32 + "
+               "[rows, latent] bf16), priced as a one-shot all-reduce of the gathered tensor (assumed: both read "
+               "every peer, the all-gather 1/G of what the all-reduce reads); the experts' latent sums all-reduced "
+               "([rows, latent] fp32)"),
+    "all_to_all": "an EP all-to-all dispatch + combine in place of the gather and the latent all-reduce",
+}
 PUBLISHED = (
     "SGLang K3 cookbook (sgl-project/sglang PR 37878), 8x B300 TP8, MXFP4, 8k/1k, c=1: no speculation TPOT "
     "8.51 ms (118 tok/s); DSpark 2.84 ms/token (352 tok/s)",
@@ -162,18 +174,24 @@ def dispatch_combine_us(gpus: int) -> float:
     return ep8 + (ep64 - ep8) * min(max(math.log2(gpus / 8) / 3, 0.0), 1.0)
 
 
-def step_communication(cfg: K3Config, rows: int, gpus: int, base: Cited, draft_rows: int = 0,
-                       draft_layers: int = 0) -> dict[str, float]:
+def step_communication(cfg: K3Config, rows: int, gpus: int, base: Cited, exchange: str = "gather",
+                       draft_rows: int = 0, draft_layers: int = 0) -> dict[str, float]:
     """Microseconds per kind of collective in one step of `rows` tokens (plus a draft pass of
-    `draft_rows` positions through `draft_layers` layers)."""
+    `draft_rows` positions through `draft_layers` layers), the MoE layers' tokens exchanged as
+    MOE_EXCHANGES[exchange] says."""
+    if exchange not in MOE_EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}: must be one of {list(MOE_EXCHANGES)}")
     hidden = rows * cfg.hidden_size * roofline.BF16
     draft_hidden = draft_rows * cfg.hidden_size * roofline.BF16
     moe_layers = cfg.num_layers - cfg.first_k_dense
-    comm = {
-        "all_reduce": (2 * cfg.num_layers + 1) * all_reduce_us(hidden, gpus, base),
-        "ep_dispatch_combine": moe_layers * dispatch_combine_us(gpus),
-        "logits_all_gather": CITED["logits_all_gather"].us,
-    }
+    comm = {"all_reduce": (2 * cfg.num_layers + 1) * all_reduce_us(hidden, gpus, base)}
+    if exchange == "gather":
+        gathered = rows * (cfg.num_experts * roofline.FP32 + cfg.latent_size * roofline.BF16)
+        comm["moe_dispatch_all_gather"] = moe_layers * all_reduce_us(gathered, gpus, base)
+        comm["moe_combine_all_reduce"] = moe_layers * all_reduce_us(rows * cfg.latent_size * roofline.FP32, gpus, base)
+    else:
+        comm["ep_dispatch_combine"] = moe_layers * dispatch_combine_us(gpus)
+    comm["logits_all_gather"] = CITED["logits_all_gather"].us
     if draft_rows:
         comm["draft_all_reduce"] = (2 * draft_layers + 1) * all_reduce_us(draft_hidden, gpus, base)
         comm["draft_logits_all_gather"] = CITED["logits_all_gather"].us
@@ -182,9 +200,10 @@ def step_communication(cfg: K3Config, rows: int, gpus: int, base: Cited, draft_r
 
 def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths=(3.84, 6.0),
             draft_measurement: DraftMeasurement | None = None) -> dict:
-    """The projection's inputs and, per GPU count, the plain and spec steps and tokens/s, with the
-    cited one-shot all-reduce (the rows' plain keys) and with the cited small-message floor
-    (floor_all_reduce_* keys). The draft pass is draft_measurement's, scaled, where given."""
+    """The projection's inputs and, per GPU count, the plain and spec steps and tokens/s: with the
+    cited one-shot all-reduce and the rank's own MoE exchange (the rows' plain keys), with the cited
+    small-message all-reduce floor (floor_all_reduce_* keys), and with an EP all-to-all in place of
+    the exchange (all_to_all_* keys). The draft pass is draft_measurement's, scaled, where given."""
     draft = roofline.default_draft(cfg)
     if draft is None:
         raise ValueError(f"preset {cfg.name!r}: no drafter preset drafts for it")
@@ -212,9 +231,11 @@ def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths
         else:
             draft_ms = draft_measurement.propose_ms * measured_draft_factor(draft, draft_measurement, gpus)
         row = {"gpus": gpus, "plain_compute_ms": compute[1], "verify_compute_ms": compute[VERIFY_T], "draft_ms": draft_ms}
-        for key, base in (("", CITED["all_reduce"]), ("floor_all_reduce_", CITED["all_reduce_floor"])):
-            plain_comm = step_communication(cfg, 1, gpus, base)
-            spec_comm = step_communication(cfg, VERIFY_T, gpus, base, draft.block_size, draft.num_layers)
+        for key, base, exchange in (("", CITED["all_reduce"], "gather"),
+                                    ("floor_all_reduce_", CITED["all_reduce_floor"], "gather"),
+                                    ("all_to_all_", CITED["all_reduce"], "all_to_all")):
+            plain_comm = step_communication(cfg, 1, gpus, base, exchange)
+            spec_comm = step_communication(cfg, VERIFY_T, gpus, base, exchange, draft.block_size, draft.num_layers)
             plain_ms = compute[1] + sum(plain_comm.values()) / 1e3
             spec_ms = compute[VERIFY_T] + draft_ms + sum(spec_comm.values()) / 1e3
             row.update({
@@ -236,6 +257,7 @@ def project(measurement: RankMeasurement, cfg: K3Config = K3, acceptance_lengths
             "propose_ms": draft_measurement.propose_ms, "world": draft_measurement.world}},
         "communication": {"all_reduce": _all_reduce_text(CITED["all_reduce"]),
                           "all_reduce_floor": _all_reduce_text(CITED["all_reduce_floor"]),
+                          "moe_exchange": MOE_EXCHANGES["gather"],
                           "ep_dispatch_combine": (
                               f"{CITED['dispatch_ep8'].us:g} + {CITED['combine_ep8'].us:g} us at EP8, "
                               f"{CITED['dispatch_ep64'].us:g} + {CITED['combine_ep64'].us:g} us at EP64 "
@@ -287,9 +309,9 @@ def format_projection(p: dict) -> str:
         f"GB300 {sc['gb300_TBps']:g} TB/s; 8 GPUs: x the 8-way rank's bytes / the 16-way rank's",
         _draft_line(p["draft"], m),
         f"  all-reduce: {p['communication']['all_reduce']}",
-        f"  EP dispatch + combine: {p['communication']['ep_dispatch_combine']}",
+        f"  MoE exchange: {p['communication']['moe_exchange']}",
         f"  logits all-gather: {p['communication']['logits_all_gather']}",
-        f"  {'GPUs':<6}{'step':<8}{'compute ms':>11}{'draft ms':>10}{'all-red. ms':>12}{'EP d+c ms':>11}{'gather ms':>10}"
+        f"  {'GPUs':<6}{'step':<8}{'compute ms':>11}{'draft ms':>10}{'all-red. ms':>12}{'MoE x ms':>11}{'gather ms':>10}"
         f"{'step ms':>9}" + "".join(f"{'tok/s AL=' + al:>15}" for al in als),
     ]
     for r in p["rows"]:
@@ -301,13 +323,18 @@ def format_projection(p: dict) -> str:
             draft = "" if kind == "plain" else f"{r['draft_ms']:.3f}"
             speeds = ([f"{r['plain_tokens_per_s']:.0f} (AL 1)"] + [""] * (len(als) - 1) if kind == "plain"
                       else [f"{r['spec_tokens_per_s'][al]:.0f}" for al in als])
+            exchange_ms = (comm["moe_dispatch_all_gather"] + comm["moe_combine_all_reduce"]) / 1e3
             lines.append(f"  {r['gpus']:<6}{kind:<8}{compute:>11.3f}{draft:>10}{reduce_ms:>12.3f}"
-                         f"{comm['ep_dispatch_combine'] / 1e3:>11.3f}{gather_ms:>10.3f}{r[kind + '_step_ms']:>9.3f}"
+                         f"{exchange_ms:>11.3f}{gather_ms:>10.3f}{r[kind + '_step_ms']:>9.3f}"
                          + "".join(f"{s:>15}" for s in speeds))
-    floor = "; ".join(f"{r['gpus']} GPUs: plain {r['floor_all_reduce_plain_tokens_per_s']:.0f}, spec "
-                      + ", ".join(f"{r['floor_all_reduce_spec_tokens_per_s'][al]:.0f} at AL {al}" for al in als)
-                      for r in p["rows"])
-    lines.append(f"  with the all-reduce at {p['communication']['all_reduce_floor']}: tok/s {floor}")
+    def variant(key: str) -> str:
+        return "; ".join(f"{r['gpus']} GPUs: plain {r[key + 'plain_tokens_per_s']:.0f}, spec "
+                         + ", ".join(f"{r[key + 'spec_tokens_per_s'][al]:.0f} at AL {al}" for al in als)
+                         for r in p["rows"])
+
+    lines.append(f"  with the all-reduce at {p['communication']['all_reduce_floor']}: tok/s {variant('floor_all_reduce_')}")
+    lines.append(f"  with {MOE_EXCHANGES['all_to_all']} ({p['communication']['ep_dispatch_combine']}): "
+                 f"tok/s {variant('all_to_all_')}")
     lines.append("  published, beside it:")
     lines += [f"    {text}" for text in p["published"]]
     return "\n".join(lines)

@@ -587,19 +587,37 @@ def test_rank_projection_arithmetic(tmp_path):
         assert row["verify_compute_ms"] == pytest.approx(verify * 93 / 70 * 3.35 / 8 * ratio[8])
         assert row["draft_ms"] == pytest.approx(draft / g / 8e12 / fraction * 1e3)
         ep = 49.9 if g == 8 else 49.9 + (60.4 - 49.9) / 3  # log2(16/8) / log2(64/8) of the way to EP64
-        one_token_ar = 7.0  # 14 KiB <= 16 KiB
-        eight_token_ar = 7.0 + (8 * 7168 * 2 - 16384) * (g - 1) / 900e9 * 1e6
-        assert row["plain_comm_us"] == pytest.approx({"all_reduce": 187 * one_token_ar, "ep_dispatch_combine": 92 * ep,
-                                                      "logits_all_gather": 10.8})
+
+        def one_shot(nbytes):  # the cited 7 us up to 16 KiB, the rest over NVLink 5 from each peer
+            return 7.0 + max(0, nbytes - 16384) * (g - 1) / 900e9 * 1e6
+
+        # per row: the hidden 7168 bf16; the gathered 896 fp32 logits + 3584 bf16 latent; the 3584 fp32 latent sums
+        hidden, gathered, latent_sums = 7168 * 2, 896 * 4 + 3584 * 2, 3584 * 4
+        assert max(hidden, gathered, latent_sums) <= 16384
+        assert row["plain_comm_us"] == pytest.approx({"all_reduce": 187 * 7.0, "moe_dispatch_all_gather": 92 * 7.0,
+                                                      "moe_combine_all_reduce": 92 * 7.0, "logits_all_gather": 10.8})
+        assert row["all_to_all_plain_comm_us"] == pytest.approx({"all_reduce": 187 * 7.0, "ep_dispatch_combine": 92 * ep,
+                                                                 "logits_all_gather": 10.8})
         spec = row["spec_comm_us"]
-        assert spec["all_reduce"] == pytest.approx(187 * eight_token_ar)
+        assert spec["all_reduce"] == pytest.approx(187 * one_shot(8 * hidden))
+        assert spec["moe_dispatch_all_gather"] == pytest.approx(92 * one_shot(8 * gathered))
+        assert spec["moe_combine_all_reduce"] == pytest.approx(92 * one_shot(8 * latent_sums))
+        assert row["all_to_all_spec_comm_us"]["ep_dispatch_combine"] == pytest.approx(92 * ep)
         assert spec["draft_all_reduce"] == pytest.approx(11 * (7.0 + (7 * 7168 * 2 - 16384) * (g - 1) / 900e9 * 1e6))
         spec_ms = row["verify_compute_ms"] + row["draft_ms"] + sum(spec.values()) / 1e3
         assert row["spec_step_ms"] == pytest.approx(spec_ms)
         assert row["spec_tokens_per_s"] == pytest.approx({"3.84": 3840 / spec_ms, "6": 6000 / spec_ms})
         assert row["plain_tokens_per_s"] == pytest.approx(1e3 / (row["plain_compute_ms"] + sum(row["plain_comm_us"].values()) / 1e3))
         assert row["floor_all_reduce_plain_comm_us"]["all_reduce"] == pytest.approx(187 * 3.0)
+        assert row["floor_all_reduce_plain_comm_us"]["moe_combine_all_reduce"] == pytest.approx(92 * 3.0)
+        # the exchange the rank runs costs less than the all-to-all's published figures, at every step
+        for kind in ("plain", "spec"):
+            assert row[f"{kind}_step_ms"] < row[f"all_to_all_{kind}_step_ms"]
+            assert row[f"all_to_all_{kind}_step_ms"] - row[f"{kind}_step_ms"] == pytest.approx(
+                (sum(row[f"all_to_all_{kind}_comm_us"].values()) - sum(row[f"{kind}_comm_us"].values())) / 1e3)
     assert p["rows"][0]["plain_compute_ms"] > p["rows"][1]["plain_compute_ms"]  # 8 GPUs hold twice the share
+    with pytest.raises(ValueError, match="exchange='ring'"):
+        rp.step_communication(K3, 1, 16, rp.CITED["all_reduce"], "ring")
 
 
 def test_rank_projection_cli_names_every_input(tmp_path, capsys):
@@ -609,7 +627,8 @@ def test_rank_projection_cli_names_every_input(tmp_path, capsys):
     out = capsys.readouterr().out
     for words in ("PROJECTION (not a measurement)", "NVIDIA H200", "plain 3.600 ms, verify T=8 7.500 ms",
                   "vLLM PR 37756", "NVIDIA/nccl issue 1940", "TensorRT-LLM tech blog 18", "vLLM PR 55021",
-                  "sglang PR 37878", "~423 tok/s", "331", "golden AL 3.84", "53.4 us at EP16"):
+                  "sglang PR 37878", "~423 tok/s", "331", "golden AL 3.84", "53.4 us at EP16",
+                  "MoE exchange: the rank's own", "with an EP all-to-all dispatch + combine in place"):
         assert words in out, words
     assert rf.main(parser.parse_args(["--json", "--measured", bench, "--al", "3.84", "6"])) == 0
     projection = json.loads(capsys.readouterr().out)["projection"]
