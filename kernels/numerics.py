@@ -62,6 +62,12 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return per_row(apply, torch.cat([x, gate.to(x.dtype)], dim=-1)).to(x.dtype)
 
 
+def is_partials_of(delta: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether delta is split-K partials [S, *residual.shape] of a GEMM's output (ops.linear_partials,
+    its rows viewed in residual's shape) rather than one tensor of residual's shape."""
+    return delta.dim() == residual.dim() + 1 and delta.shape[1:] == residual.shape
+
+
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[S, M, N] split-K partials -> [M, N] in `dtype`: added in split order in float32 (float64 when
     either is), rounded once, as the CuTe GEMM's own reduction kernel does (cute_parts.reduce)."""

@@ -125,6 +125,20 @@ def check_add_rms_norm(gen: torch.Generator, device: str = "cpu", dtype=torch.fl
             err = (got.double() - want).abs().max().item()
             if got.shape != want.shape or not err < atol:
                 sys.exit(f"add_rms_norm {what} {shape} {dtype}: max abs error {err:.2e} >= {atol}")
+        # delta as a GEMM's split-K partials [S, *shape] in fp32 (ops.linear_partials, its rows viewed in the
+        # residual's shape): all S added (a sum without the last part is shown to miss the tolerance first)
+        partials = torch.randn(3, *shape, generator=gen).to(device)
+        want_out, want_total = norm_ref.add_rms_norm(residual.double(), partials.double(), weight.double(), 1e-6)
+        _, short_total = norm_ref.add_rms_norm(residual.double(), partials[:2].double(), weight.double(), 1e-6)
+        if not (short_total - want_total).abs().max().item() > atol:
+            sys.exit("add_rms_norm of partials: the check cannot tell a missing partial")
+        got_out, got_total = norm_triton.add_rms_norm(residual, partials, weight, 1e-6,
+                                                      out=torch.full(shape, float("nan"), **poison),
+                                                      total=torch.full(shape, float("nan"), **poison))
+        for got, want, what in ((got_total, want_total, "sum"), (got_out, want_out, "norm")):
+            err = (got.double() - want).abs().max().item()
+            if got.shape != want.shape or not err < atol:
+                sys.exit(f"add_rms_norm {what} of 3 partials {shape} {dtype}: max abs error {err:.2e} >= {atol}")
 
 
 def check_route(gen: torch.Generator, device: str = "cpu") -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import per_row, rms_normalise, sum_partials
+from ..numerics import is_partials_of, per_row, rms_normalise, sum_partials
 from ..numerics import rms_norm as _rms_norm
 from ..ops import linear
 from ..registry import register
@@ -54,7 +54,7 @@ def add_attn_res_mix_norm(residual: torch.Tensor, delta: torch.Tensor, checkpoin
     (attn_res_mix_norm(total, checkpoints, ...), total). The model keeps `total` as its running
     sum; a GPU kernel computes both in the norm's one pass over the row. delta may come as a GEMM's
     split-K partials [S, M, d] (ops.linear_partials): their sum, rounded to residual's dtype, is the delta."""
-    if delta.dim() == 3 and delta.shape[1:] == residual.shape:
+    if is_partials_of(delta, residual):
         delta = sum_partials(delta, residual.dtype)
     total = residual + delta
     return attn_res_mix_norm(total, checkpoints, mix_norm, mix_proj, out_norm, eps), total
@@ -65,7 +65,11 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """total = residual + delta (in their dtype), then (torch's RMSNorm of total, total): the statistics
     and the weight's scale in fp32, one rounding at the end, as F.rms_norm computes it. This is the
-    DSpark drafter's norm (drafters/dspark/model.py), not K3's rms_norm, which rounds before it scales."""
+    DSpark drafter's norm (drafters/dspark/model.py), not K3's rms_norm, which rounds before it scales.
+    delta may come as a GEMM's split-K partials [S, *residual.shape] (ops.linear_partials): their sum,
+    rounded to residual's dtype, is the delta."""
+    if is_partials_of(delta, residual):
+        delta = sum_partials(delta.flatten(1, -2), residual.dtype).view(residual.shape)
     total = residual + delta
     return rms_norm_scaled_in_fp32(total, weight, eps), total
 

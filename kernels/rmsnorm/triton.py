@@ -8,6 +8,7 @@ forty launches per mix, each a few microseconds on a handful of rows (docs/kerne
 
 import torch
 
+from ..numerics import is_partials_of
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
 
@@ -48,15 +49,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None, total: torch.Tensor | None = None):
-    """out, total: optional contiguous buffers of residual's shape and dtype (tests poison them)."""
-    r, dl = _rows(residual), _rows(delta)
+    """out, total: optional contiguous buffers of residual's shape and dtype (tests poison them). delta:
+    residual's shape, or split-K partials [S, *residual.shape] that the kernel adds in split order
+    (reference.add_rms_norm), in place of the GEMM's reduction launch."""
+    r = _rows(residual)
+    parts = delta.reshape(delta.shape[0], -1, delta.shape[-1]) if is_partials_of(delta, residual) else _rows(delta)[None]
     out = torch.empty(r.shape, dtype=residual.dtype, device=residual.device) if out is None else out.view(r.shape)
     total = torch.empty(r.shape, dtype=residual.dtype, device=residual.device) if total is None else total.view(r.shape)
     block, warps = _launch_shape(r.shape[1])
     if r.shape[0]:
-        _kernels().add_rms_norm_kernel[(r.shape[0],)](r, r.stride(0), dl, dl.stride(0), weight, out, out.stride(0), total,
-                                                      total.stride(0), r.shape[1], float(eps), BLOCK=block,
-                                                      **pdl_options(), num_warps=warps)
+        _kernels().add_rms_norm_kernel[(r.shape[0],)](r, r.stride(0), parts, parts.stride(0), parts.stride(1), weight,
+                                                      out, out.stride(0), total, total.stride(0), r.shape[1], float(eps),
+                                                      DELTA_PARTS=parts.shape[0], BLOCK=block, **pdl_options(),
+                                                      num_warps=warps)
     return out.view(residual.shape), total.view(residual.shape)
 
 
@@ -118,6 +123,11 @@ def supports_add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_p
 
 
 def supports_add_rms_norm(residual, delta, weight) -> bool:
+    """delta of residual's shape and dtype (rows may be strided when 2-D), or contiguous split-K partials
+    [S, *residual.shape] (fp32, or residual's dtype)."""
+    if is_partials_of(delta, residual):
+        return (delta.dtype in (residual.dtype, torch.float32) and delta.is_contiguous()
+                and supports_rms_norm(residual, weight))
     return (delta.shape == residual.shape and delta.dtype == residual.dtype and supports_rms_norm(residual, weight)
             and _row_major(delta) and (delta.dim() == 2 or delta.is_contiguous()))
 

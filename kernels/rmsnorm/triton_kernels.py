@@ -25,17 +25,22 @@ def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl
 
 
 @triton.jit
-def add_rms_norm_kernel(res_ptr, stride_r, delta_ptr, stride_d, w_ptr, out_ptr, stride_o, total_ptr, stride_t, d, eps,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+def add_rms_norm_kernel(res_ptr, stride_r, delta_ptr, stride_dp, stride_dm, w_ptr, out_ptr, stride_o, total_ptr,
+                        stride_t, d, eps, DELTA_PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """total = residual + delta rounded to their dtype (a torch add, bit for bit), stored; then the
-    drafter's RMSNorm of it: statistics and scale in fp32, one rounding (add_rms_norm's reference)."""
+    drafter's RMSNorm of it: statistics and scale in fp32, one rounding (add_rms_norm's reference).
+    delta is DELTA_PARTS split-K partials (one: delta itself), added here in split order in fp32 and
+    rounded to the residual's dtype as the GEMM's reduction kernel would have (ops.linear_partials)."""
     prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
     dtype = total_ptr.dtype.element_ty
+    delta = tl.load(delta_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, DELTA_PARTS):
+        delta += tl.load(delta_ptr + p * stride_dp + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
     x = (tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-         + tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+         + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(total_ptr + row * stride_t + offs, x, mask=mask)
     x = x.to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -268,3 +268,28 @@ def test_the_drafters_add_rms_norm_and_silu_mul_match_their_torch_ops(gen, shape
         f"silu_mul against torch's two ops: {apart.max().item():.3e} apart"
     _close(got, act_ref.silu_mul(gate.double(), up.double()), "silu_mul against float64")
     assert registry.select("silu_mul", gate, up).name == "triton"
+
+
+@pytest.mark.parametrize("rows,inner", [(7, 512), (7, 1152), (14, 4096)])
+def test_the_drafters_add_rms_norm_adds_a_gemms_partials_as_its_reduction_would(gen, rows, inner):
+    """The drafting pass's o_proj and down GEMMs left as their split-K partials (ops.linear_partials) and
+    added in the norm after them (drafters/dspark/model.py): the sum bit for bit the residual plus the
+    GEMM's own reduced output (ops.linear), the norm bit for bit the kernel's on that delta; at a TP16
+    share's and the full drafter's inner widths, over 7 rows (a block) and 14 (two), both the Hopper
+    GEMM's (at most HOPPER_MAX_TOKENS rows)."""
+    from dspark.kernels import ops
+
+    x = (torch.randn(rows, inner, device="cuda", generator=gen) * 0.5).bfloat16()
+    w = (torch.randn(7168, inner, device="cuda", generator=gen) / inner**0.5).bfloat16()
+    residual = (torch.randn(1, rows // 7, 7, 7168, device="cuda", generator=gen) * 2).bfloat16()
+    weight = (torch.rand(7168, device="cuda", generator=gen) + 0.5).bfloat16()
+    partials = ops.linear_partials(x, w)
+    assert partials.dtype == torch.float32 and partials.shape[1:] == (rows, 7168)
+    out, total = norm_triton.add_rms_norm(residual, partials.view(partials.shape[0], *residual.shape), weight, 1e-6,
+                                          out=_poisoned(residual), total=_poisoned(residual))
+    delta = ops.linear(x, w).view(residual.shape)
+    assert torch.equal(total, residual + delta)
+    want_out, want_total = norm_triton.add_rms_norm(residual, delta, weight, 1e-6)
+    assert torch.equal(total, want_total) and torch.equal(out, want_out)
+    assert registry.select("add_rms_norm", residual, partials.view(partials.shape[0], *residual.shape),
+                           weight).name == "triton"
