@@ -7,6 +7,7 @@ median over repeats. A verify step runs as a CUDA graph, so `graph_us` is the nu
 matters; `eager_us` adds whatever host overhead exceeds the GPU time.
 """
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -119,3 +120,35 @@ def largest_by_name(launches, top: int) -> list[dict]:
         totals[event.name] += event.time_range.elapsed_us()
         counts[event.name] += 1
     return [{"name": name[:160], "calls": counts[name], "us": round(us, 1)} for name, us in totals.most_common(top)]
+
+
+@contextlib.contextmanager
+def switched(setting: str, switches: dict):
+    """Run under one comma-separated setting ('' = the defaults): `key=value` with key in `switches`
+    (name -> (module, attribute, {value: what the attribute is set to})) sets that module attribute
+    for the block; any other `op=implementation` forces a kernel (registry.use). Everything is
+    restored after. An unknown value of a switch is a SystemExit naming it."""
+    import importlib
+
+    from dspark.kernels import registry
+
+    restore, forced = [], []
+    try:
+        for item in filter(None, (part.strip() for part in setting.split(","))):
+            key, _, value = item.partition("=")
+            if key in switches:
+                module_name, attribute, allowed = switches[key]
+                if value not in allowed:
+                    raise SystemExit(f"--setting {setting!r}: {key}={value!r} is not a valid value")
+                module = importlib.import_module(module_name)
+                restore.append((module, attribute, getattr(module, attribute)))
+                setattr(module, attribute, allowed[value])
+            else:
+                registry.use(key, value)
+                forced.append(key)
+        yield
+    finally:
+        for module, attribute, value in reversed(restore):
+            setattr(module, attribute, value)
+        for op in forced:
+            registry.use(op, None)

@@ -60,7 +60,7 @@ from dspark.targets.kimi_k3.parallel import RankParallel
 from dspark.targets.kimi_k3.weights import tensor_dtype, tensor_specs
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from benchlib import largest_by_name, provenance, read_ceiling, write_json  # noqa: E402
+from benchlib import largest_by_name, provenance, read_ceiling, switched, write_json  # noqa: E402
 
 
 def _layers(text: str) -> str | int:
@@ -511,7 +511,6 @@ SWITCHES = {
 }
 
 
-@contextlib.contextmanager
 def applied(setting: str):
     """Run under one comma-separated setting ('' = the defaults): `op=implementation` forces a
     kernel (registry.use); `moe_lists=torch|device|fused` picks how the MXFP4 expert kernel's lists are
@@ -535,30 +534,7 @@ def applied(setting: str):
     `rank_dispatch_gemm=0|1` runs a rank's router and latent-down projections as a GEMV, a GEMM, its
     reduction and two gathers, or as one GEMM and one kernel that adds, splits and gathers its partials
     (dspark/targets/kimi_k3/moe.py DISPATCH_IN_ONE_GEMM)."""
-    import importlib
-
-    from dspark.kernels import registry
-
-    restore, forced = [], []
-    try:
-        for item in filter(None, (part.strip() for part in setting.split(","))):
-            key, _, value = item.partition("=")
-            if key in SWITCHES:
-                module_name, attribute, allowed = SWITCHES[key]
-                if value not in allowed:
-                    raise SystemExit(f"--setting {setting!r}: {key}={value!r} is not a valid value")
-                module = importlib.import_module(module_name)
-                restore.append((module, attribute, getattr(module, attribute)))
-                setattr(module, attribute, allowed[value])
-            else:
-                registry.use(key, value)
-                forced.append(key)
-        yield
-    finally:
-        for module, attribute, value in reversed(restore):
-            setattr(module, attribute, value)
-        for op in forced:
-            registry.use(op, None)
+    return switched(setting, SWITCHES)
 
 
 def main(argv=None) -> int:
