@@ -104,12 +104,14 @@ class DraftMeasurement:
 
 
 def load_draft_measurement(path: str, context: int = 8192) -> DraftMeasurement:
-    """The graphed propose row at `context` of an experiments/drafter_bench.py result; ValueError
-    naming the file and what is missing."""
+    """The graphed propose row at `context` of an experiments/drafter_bench.py result, the default
+    kernels (no `setting`); ValueError naming the file and what is missing."""
     data, rows = roofline._read_result_rows(path, "--measured-draft", "drafter_bench.py")
-    match = [r for r in rows if isinstance(r, dict) and r.get("context") == context and r.get("cuda_graphs") is True]
+    match = [r for r in rows if isinstance(r, dict) and r.get("context") == context and r.get("cuda_graphs") is True
+             and not r.get("setting")]
     if not match:
-        raise ValueError(f"--measured-draft {path!r}: no graphed (cuda_graphs true) row at context {context}")
+        raise ValueError(f"--measured-draft {path!r}: no graphed (cuda_graphs true) row of the default setting at "
+                         f"context {context}")
     try:
         measurement = DraftMeasurement(propose_ms=float(match[0]["propose_ms"]), world=int(data["settings"]["world"]),
                                        context=context, device=str(data["device_name"]), source=path)

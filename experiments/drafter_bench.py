@@ -19,6 +19,11 @@ After each commit the request is cropped back to its context, so every call sees
 docs/kimi-k3.md §8.6): 1/N of the heads, FFN and vocabulary, the q_a / kv_a projections and the
 latent cache whole; the collectives between the ranks are left out, as the k3-rank step's are.
 
+--setting (repeatable, as step_bench's) measures every point under each: comma-separated
+op=implementation, or draft_output_partials=0|1 (drafters/dspark/model.py OUTPUTS_AS_PARTIALS_ON:
+o_proj's and down's split-K partials added by the GEMM's reduction kernel or by the norm after them).
+A row measured under a setting names it; `dspark roofline --measured-draft` reads the default rows.
+
     python experiments/drafter_bench.py --out experiments/results/h200/drafter_bench.json
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ import sys
 import time
 
 import torch
-from benchlib import largest_by_name, provenance, read_ceiling, write_json
+from benchlib import largest_by_name, provenance, read_ceiling, switched, write_json
 
 from dspark.config import SamplingParams
 from dspark.drafters.dspark.config import K3_DSPARK, rank_share
@@ -38,6 +43,10 @@ from dspark.drafters.dspark.model import DSparkModel
 from dspark.roofline import draft_pass_bytes
 
 GREEDY = SamplingParams(temperature=0.0)
+# Module switches a setting may flip (name -> (module, attribute, allowed values)): benchlib.switched.
+SWITCHES = {
+    "draft_output_partials": ("dspark.drafters.dspark.model", "OUTPUTS_AS_PARTIALS_ON", {"0": (), "1": ("cuda",)}),
+}
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -71,6 +80,33 @@ def kernels_in(fn, top: int = 30) -> tuple[int, list[dict]]:
     return len(events), largest_by_name(events, top)
 
 
+def measure(model, c, args, prompt, taps, step_taps, anchor, kept, graphs: bool) -> dict:
+    """One drafter's propose and commit timed, eager or graphed (the module docstring's figures)."""
+    drafter = DSparkDrafter(model, 1, max_seq_len=prompt.shape[0] + 64, cuda_graphs=graphs)
+    drafter.start(0, prompt, taps)
+    tokens = torch.zeros(1, args.tokens, dtype=torch.long, device=prompt.device)
+
+    def propose():
+        return drafter.propose([0], anchor, c.block_size, [GREEDY], [None])
+
+    def commit():
+        drafter.commit([0], tokens, kept, step_taps)
+        drafter.crop(0, prompt.shape[0])
+
+    for _ in range(3):  # compiles, captures, warms up
+        propose()
+        commit()
+    propose_ms, propose_host = timed(propose, args.repeats)
+    commit_ms, commit_host = timed(commit, args.repeats)
+    propose_kernels, propose_top = kernels_in(propose)
+    commit_kernels, commit_top = kernels_in(commit)
+    del drafter
+    torch.cuda.empty_cache()
+    return {"propose_ms": propose_ms, "propose_host_us": propose_host, "propose_kernels": propose_kernels,
+            "commit_ms": commit_ms, "commit_host_us": commit_host, "commit_kernels": commit_kernels,
+            "propose_top": propose_top, "commit_top": commit_top}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
@@ -80,8 +116,12 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=1, help="time one rank's share of a drafter split this many ways")
     ap.add_argument("--bandwidth-gbps", type=float, default=None,
                     help="the read ceiling in GB/s (default: measured on this GPU first)")
+    ap.add_argument("--setting", action="append",
+                    help="measure every point under this setting (repeatable; '' = the defaults, also when none is "
+                         "given): comma-separated op=implementation, draft_output_partials=0|1")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    args.setting = args.setting or [""]
     if not torch.cuda.is_available():
         print("drafter_bench: needs CUDA", file=sys.stderr)
         return 2
@@ -111,40 +151,20 @@ def main(argv=None) -> int:
                      for layer in c.target_layer_ids}
         anchor = torch.randint(0, c.vocab_size, (1,), generator=g, device=dev)
         kept = torch.tensor([args.kept], device=dev)
-        for graphs in (False, True):
-            drafter = DSparkDrafter(model, 1, max_seq_len=context + 64, cuda_graphs=graphs)
-            drafter.start(0, prompt, taps)
-            tokens = torch.zeros(1, args.tokens, dtype=torch.long, device=dev)
-
-            def propose():
-                return drafter.propose([0], anchor, c.block_size, [GREEDY], [None])
-
-            def commit():
-                drafter.commit([0], tokens, kept, step_taps)
-                drafter.crop(0, context)
-
-            for _ in range(3):  # compiles, captures, warms up
-                propose()
-                commit()
-            propose_ms, propose_host = timed(propose, args.repeats)
-            commit_ms, commit_host = timed(commit, args.repeats)
-            propose_kernels, propose_top = kernels_in(propose)
-            commit_kernels, commit_top = kernels_in(commit)
-            row = {"context": context, "cuda_graphs": graphs, "propose_ms": propose_ms, "propose_host_us": propose_host,
-                   "propose_kernels": propose_kernels, "commit_ms": commit_ms, "commit_host_us": commit_host,
-                   "commit_kernels": commit_kernels, "propose_floor_ms": floor_ms,
-                   "propose_floor_fraction": floor_ms / propose_ms, "propose_top": propose_top,
-                   "commit_top": commit_top}
-            result["rows"].append(row)
-            write_json(args.out, result)
-            del drafter
-            torch.cuda.empty_cache()
+        for setting in args.setting:
+            for graphs in (False, True):
+                with switched(setting, SWITCHES):
+                    row = measure(model, c, args, prompt, taps, step_taps, anchor, kept, graphs)
+                row = {"context": context, **({"setting": setting} if setting else {}), "cuda_graphs": graphs, **row,
+                       "propose_floor_ms": floor_ms, "propose_floor_fraction": floor_ms / row["propose_ms"]}
+                result["rows"].append(row)
+                write_json(args.out, result)
     print(f"{'context':>8} {'graphs':>6} {'propose ms':>10} {'host us':>8} {'kernels':>7} {'floor':>6} "
-          f"{'commit ms':>9} {'host us':>8} {'kernels':>7}")
+          f"{'commit ms':>9} {'host us':>8} {'kernels':>7}  setting")
     for r in result["rows"]:
         print(f"{r['context']:8d} {str(r['cuda_graphs']):>6} {r['propose_ms']:10.3f} {r['propose_host_us']:8.0f} "
               f"{r['propose_kernels']:7d} {r['propose_floor_fraction']:6.0%} {r['commit_ms']:9.3f} "
-              f"{r['commit_host_us']:8.0f} {r['commit_kernels']:7d}")
+              f"{r['commit_host_us']:8.0f} {r['commit_kernels']:7d}  {r.get('setting', '')}")
     return 0
 
 

@@ -4,11 +4,19 @@ creep back. At a rank's share the propose is set by its launches, not its bytes 
 each residual add is done in the norm after it, SwiGLU's product in its activation's launch and RoPE in
 MLA's absorb and cache-row ops, so a layer has no torch add, silu, product, rotation or cat between its
 ops and GEMMs; with its projection pairs laid out as one weight each (pair_projections, as load_drafter
-serves it on a GPU), gate|up and q_a|kv_a are one GEMM each.
+serves it on a GPU), gate|up and q_a|kv_a are one GEMM each; o_proj and down leave their split-K partials
+to the norm after them (model.OUTPUTS_AS_PARTIALS_ON, counted here as a GPU runs it), so no reduction
+launch follows them.
 """
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from dspark.config import SamplingParams
+from dspark.drafters.dspark import model as model_module
 from dspark.drafters.dspark.config import K3_TINY_DSPARK, rank_share
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
@@ -19,13 +27,15 @@ LAYERS = K3_TINY_DSPARK.num_layers
 # (absorb_q rotates the queries' rope part, cache_rows the keys': no rotary op of their own), and the
 # Markov head's greedy chain
 PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LAYERS, "mla_absorb_q": LAYERS,
-              "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "markov_greedy_draft": 1}
-# the GEMMs between them: q_a with kv_a, q_b, o_proj, gate with up, and down a layer (the pairs as one GEMM
-# each once pair_projections laid them out, as load_drafter does on a GPU), and the lm_head
-GEMMS = 5 * LAYERS + 1
+              "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "markov_greedy_draft": 1,
+              "linear_partials": 2 * LAYERS}  # o_proj and down, their partials added by the norms
+# the torch GEMMs between them: q_a with kv_a, q_b and gate with up a layer (the pairs as one GEMM each once
+# pair_projections laid them out, as load_drafter does on a GPU), and the lm_head
+GEMMS = 3 * LAYERS + 1
 
 
-def propose_launches(dtype=torch.bfloat16):
+def propose_launches(monkeypatch, dtype=torch.bfloat16):
+    monkeypatch.setattr(model_module, "OUTPUTS_AS_PARTIALS_ON", ("cpu",))  # as on a GPU
     config = rank_share(K3_TINY_DSPARK, 2)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     table = torch.randn(config.vocab_size, config.hidden_size, generator=gen, dtype=dtype)
@@ -44,8 +54,8 @@ def propose_launches(dtype=torch.bfloat16):
     return launches
 
 
-def test_a_propose_launches_the_pinned_ops_and_no_layer_glue():
-    launches = propose_launches()
+def test_a_propose_launches_the_pinned_ops_and_no_layer_glue(monkeypatch):
+    launches = propose_launches(monkeypatch)
     assert dict(launches.ops) == PINNED_OPS, launches
     assert launches.glue["mm"] == GEMMS, launches
     assert not launches.syncs, f"the propose reads device values on the host: {launches}"
@@ -56,3 +66,20 @@ def test_a_propose_launches_the_pinned_ops_and_no_layer_glue():
     # made: every layer attends over the cache in place (BlockPass.mask is built on first use).
     assert "silu" not in launches.glue and launches.glue["add"] == (1 + LAYERS) + 2, launches
     assert launches.glue["cat"] == 2 and "eye" not in launches.glue, launches
+
+
+def test_the_drafter_benchs_partials_switch_is_set_and_restored():
+    """experiments/drafter_bench.py --setting draft_output_partials=0|1 flips model.OUTPUTS_AS_PARTIALS_ON
+    for its block (on CUDA by default) and restores it; another value is refused by name."""
+    script = Path(__file__).resolve().parents[1] / "experiments" / "drafter_bench.py"
+    sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location("drafter_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert model_module.OUTPUTS_AS_PARTIALS_ON == ("cuda",)
+    with bench.switched("draft_output_partials=0", bench.SWITCHES):
+        assert model_module.OUTPUTS_AS_PARTIALS_ON == ()
+    assert model_module.OUTPUTS_AS_PARTIALS_ON == ("cuda",)
+    with pytest.raises(SystemExit, match="draft_output_partials='2'"):
+        with bench.switched("draft_output_partials=2", bench.SWITCHES):
+            pass

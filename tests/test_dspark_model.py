@@ -135,6 +135,47 @@ def test_paired_projections_keep_the_parameters_and_the_drafting_pass():
     assert torch.equal(draft().tokens, want.tokens)
 
 
+def test_a_drafting_pass_adds_its_output_projections_partials_in_the_norms(monkeypatch):
+    """With the CPU among OUTPUTS_AS_PARTIALS_ON (a GPU's default), a drafting pass over the cache leaves
+    MLA's o_proj and SwiGLU's down as split-K partials (ops.linear_partials, two a layer) and the norm
+    after each adds them (ops.add_rms_norm): the same drafts as the pass with reduced outputs, and its
+    confidence logits to fp32 rounding (the CPU's reference GEMM sums in another order than nn.Linear)."""
+    from dspark.drafters.dspark import model as model_module
+    from dspark.drafters.dspark.config import K3_TINY_DSPARK
+    from dspark.kernels import ops
+
+    config = dataclasses.replace(K3_TINY_DSPARK, markov_rank=8).validate()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    table = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
+    model = DSparkModel(config, table, table * 0.1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    prompt = torch.randint(0, config.vocab_size, (24,), generator=gen)
+    taps = {layer: torch.randn(24, config.target_hidden_size, generator=gen) for layer in config.target_layer_ids}
+    anchor, greedy = torch.tensor([7]), [SamplingParams(temperature=0.0)]
+
+    def draft():
+        drafter = DSparkDrafter(model, 1, max_seq_len=64)
+        drafter.start(0, prompt, taps)
+        return drafter.draft([0], anchor, greedy, [None])
+
+    want = draft()
+    partial_deltas = []
+    real_norm = ops.add_rms_norm
+
+    def spy(residual, delta, weight, eps):
+        partial_deltas.append(delta.dim() == residual.dim() + 1)
+        return real_norm(residual, delta, weight, eps)
+
+    monkeypatch.setattr(model_module, "OUTPUTS_AS_PARTIALS_ON", ("cpu",))
+    monkeypatch.setattr(ops, "add_rms_norm", spy)
+    got = draft()
+    assert partial_deltas == [True, True] * config.num_layers
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_mla_latent_attention_equals_the_expanded_one(dtype):
     """The drafting pass's latent MLA attention (W_UK folded into the queries, W_UV after the sum)

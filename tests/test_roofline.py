@@ -643,6 +643,7 @@ def _draft_bench(tmp_path, propose_ms=0.9, world=16, device="NVIDIA H100 80GB HB
     if rows is None:
         rows = [{"context": context, "cuda_graphs": graphs, "propose_ms": ms} for graphs, ms in
                 ((False, 5.0), (True, propose_ms))]
+        rows.insert(1, {**rows[1], "setting": "draft_output_partials=0", "propose_ms": 99.0})  # an A/B row: not it
     path = tmp_path / "drafter.json"
     path.write_text(json.dumps({"device_name": device, "settings": {"world": world}, "rows": rows}))
     return str(path)

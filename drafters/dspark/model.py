@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import ops, registry
+from dspark.kernels.numerics import is_partials_of
 from dspark.kernels.rmsnorm.reference import rms_norm_scaled_in_fp32
 from dspark.kernels.rotary.reference import rotary as rotary_formula
 from dspark.policy import calibrated_confidence, temperature_tensor
@@ -28,6 +29,14 @@ from dspark.policy import calibrated_confidence, temperature_tensor
 from .config import DSparkConfig
 from .flex import flex_attend
 from .heads import ConfidenceHead, MarkovHead, init_like_deepspec
+
+# The devices on which a drafting pass leaves its output projections (MLA's o_proj over the cache,
+# SwiGLU's down) as their split-K partials (ops.linear_partials) for the add + norm after each to add
+# (ops.add_rms_norm), where the GEMM's reduction kernel added them: two launches a layer fewer
+# (docs/kernels.md §10.11). Not the CPU, which launches nothing: there the pass stays bit for bit the
+# unfused layers' nn.Linear (the CPU's row-invariant reference GEMM sums in another order).
+# experiments/drafter_bench.py --setting draft_output_partials=0 times the reduced outputs.
+OUTPUTS_AS_PARTIALS_ON: tuple[str, ...] = ("cuda",)
 
 
 class RMSNorm(nn.Module):
@@ -185,6 +194,9 @@ class BlockPass:
         self._mask: torch.Tensor | None = None
         self._hidden_per_head: dict[int, torch.Tensor] = {}
         self._cache_counts: tuple[torch.Tensor, ...] | None = None
+        # set by a drafting pass whose norms take split-K partials (DSparkModel._drafting_layers): the
+        # layers' output projections may hand theirs over unreduced (_project_out)
+        self.output_partials = False
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -255,6 +267,14 @@ def _product_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return torch.bmm(a, b, out_dtype=torch.float32)
         return torch.bmm(a.float(), b.float())
     return torch.bmm(a, b)
+
+
+def _project_out(linear: nn.Linear, x: torch.Tensor, partials: bool) -> torch.Tensor:
+    """linear(x) [..., N]; with `partials` (and x in the weight's dtype), its split-K partials
+    [S, ..., N] in fp32 for the add + norm after it to add (ops.add_rms_norm)."""
+    if not partials or x.dtype != linear.weight.dtype:
+        return linear(x)
+    return ops.linear_partials(x.reshape(-1, x.shape[-1]), linear.weight).view(-1, *x.shape[:-1], linear.out_features)
 
 
 def _one_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
@@ -362,7 +382,7 @@ class MLAAttention(BlockAttention):
                            context.lengths, block_rows, rope)
         o_latent = ops.mla_verify_attention(*queries, context.cache, context.index, ends, ones, self.scale)
         out = ops.linear_heads(o_latent.view(M, H, r), w_uv.to(o_latent.dtype))  # [M, H, v]
-        return self.o_proj(out.reshape(B, A, G, H * self.v_dim).to(x.dtype))
+        return _project_out(self.o_proj, out.reshape(B, A, G, H * self.v_dim).to(x.dtype), shared.output_partials)
 
     def _latent_forward(self, x, positions, context_rows, context_visible, shared=None):
         """BlockAttention.forward with W_UK folded into the queries and W_UV applied after the
@@ -432,23 +452,25 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def drafting(self, x):
+    def drafting(self, x, partials: bool = False):
         """forward for a drafting pass (no gradients): gate and up as one GEMM where their weights are
         laid out one after the other (DSparkModel.pair_projections), silu and the product in one launch
-        where the two share a dtype (autocast's mixed ones keep the torch ops)."""
+        where the two share a dtype (autocast's mixed ones keep the torch ops); partials: down's
+        split-K partials for the norm after it (_project_out)."""
         paired = _one_weight(self.gate_proj, self.up_proj)
         if paired is not None:
             gate, up = F.linear(x, paired).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up)
+        return _project_out(self.down_proj, ops.silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up,
+                            partials)
 
 
 def _add_then_norm(residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(residual + delta), residual + delta) with the add in the norm's launch (ops.add_rms_norm, the
     same function as RMSNorm after a torch add) where the three share a dtype; autocast's mixed
-    dtypes keep the two steps."""
-    if residual.dtype == delta.dtype == norm.weight.dtype:
+    dtypes keep the two steps. delta may be a GEMM's split-K partials (_project_out), which the op adds."""
+    if residual.dtype == norm.weight.dtype and (delta.dtype == residual.dtype or is_partials_of(delta, residual)):
         return ops.add_rms_norm(residual, delta, norm.weight, norm.eps)
     total = residual + delta
     return norm(total), total
@@ -624,12 +646,16 @@ class DSparkModel(nn.Module):
         residual add done in the norm after it (the post-attention norm, the next layer's input norm, the
         final norm) and SwiGLU's product in its activation's launch: three launches fewer a layer, which at
         a rank's share of the K3 drafter are what its propose costs, not bytes (docs/kernels.md §10.11)."""
+        norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_layernorm,
+                                                                             layer.post_attention_layernorm)]
+        shared.output_partials = (x.device.type in OUTPUTS_AS_PARTIALS_ON and self.autocast_dtype is None
+                                  and all(n.weight.dtype == x.dtype for n in norms))
         h = self.layers[0].input_layernorm(x)
         for i, (layer, rows) in enumerate(zip(self.layers, context_rows)):
             delta = layer.self_attn(h, positions, rows, context_visible, True, shared)
             h, x = _add_then_norm(x, delta, layer.post_attention_layernorm)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
-            h, x = _add_then_norm(x, layer.mlp.drafting(h), after)
+            h, x = _add_then_norm(x, layer.mlp.drafting(h, shared.output_partials), after)
         return h
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
