@@ -10,6 +10,8 @@ microseconds on a handful of rows (docs/kimi-k3.md §8.5):
   rows by its weight tile (tl.dot, fp32 accumulation) and writes the token-major result; the first
   column block of each head also copies q_pe out, or the epilogue applies the sigmoid gate.
   Taken for few heads (a rank's 6): the whole model's 96 keep cuBLAS's batched GEMM until measured.
+- linear_heads: the same kernel with neither (the DSpark drafter's ungated W_UV at a rank's share,
+  whose reference is cuBLAS's batched GEMM and the copy of its head-major result).
 """
 import torch
 
@@ -62,7 +64,8 @@ ABSORB_MAX_HEADS = 16
 
 
 def _absorb(x, w, out, K, gate=None, pe=None, rope=None) -> None:
-    """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K] contiguous), gated by
+    """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K], its rows strided as a view of a
+    wider weight may have them), gated by
     gate [M, H*N] when given; pe: the rope columns x[:, :, K:] copied there when given, rotated by
     rope's tables when that is given too."""
     M, H = x.shape[0], x.shape[1]
@@ -73,7 +76,7 @@ def _absorb(x, w, out, K, gate=None, pe=None, rope=None) -> None:
     rope_args, rope_flags = _rope_args(rope, M, P, x)
     if M:
         kernel_module(__package__).absorb_kernel[(H, -(-N // ABSORB_BLOCK_N))](
-            x, x.stride(0), x.stride(1), w, out, out.stride(0), N, *gate_args, *pe_args, *rope_args, M, N, K, P,
+            x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), out, out.stride(0), N, *gate_args, *pe_args, *rope_args, M, N, K, P,
             HAS_GATE=gate is not None, COPY_PE=pe is not None, **rope_flags, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
             BLOCK_N=ABSORB_BLOCK_N, BLOCK_K=ABSORB_BLOCK_K, BLOCK_P=max(16, 1 << max(P - 1, 0).bit_length()),
             **pdl_options(), num_warps=4)
@@ -101,10 +104,22 @@ def mla_absorb_output(o_latent, w_uv, gate, out=None):
 
 def _absorbs(x, w) -> bool:
     return (x.dim() == 3 and w.dim() == 3 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and x.stride(-1) == 1 and w.is_contiguous() and x.shape[0] <= ABSORB_MAX_ROWS
+            and x.stride(-1) == 1 and w.stride(-1) == 1 and x.shape[0] <= ABSORB_MAX_ROWS
             and x.shape[1] <= ABSORB_MAX_HEADS and w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0)
 
 
+def linear_heads(x, weight, out=None):
+    """ops.linear_heads (kernels/linear/reference.py); out: an optional contiguous [M, H, N] buffer
+    (tests poison it first)."""
+    M, H, N = x.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty(M, H, N, dtype=x.dtype, device=x.device) if out is None else out
+    _absorb(x, weight, out, x.shape[2])
+    return out
+
+
+register("linear_heads", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=lambda x, weight: _absorbs(x, weight) and x.shape[2] == weight.shape[2]
+         and weight.shape[0] == x.shape[1])(linear_heads)
 register("mla_absorb_q", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=lambda q, w_uk_t: _absorbs(q, w_uk_t))(mla_absorb_q)
 register("mla_absorb_output", "triton", devices=("cuda",), priority=10, available=triton_available,

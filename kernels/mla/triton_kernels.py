@@ -59,8 +59,8 @@ def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_r
 
 
 @triton.jit
-def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride_oh, gate_ptr, stride_gm, pe_ptr,
-                  stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P, HAS_GATE: tl.constexpr,
+def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, stride_wh, stride_wn, out_ptr, stride_om, stride_oh, gate_ptr,
+                  stride_gm, pe_ptr, stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P, HAS_GATE: tl.constexpr,
                   COPY_PE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Program (h, nb): out[:, h, nb-th 64 columns] = x[:, h, :K] . w[h, those rows, :]^T over all M
@@ -80,7 +80,7 @@ def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, out_ptr, stride_om, stride
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks[None, :] < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + h * stride_xh + ks[None, :], mask=row_in & k_in, other=0.0)
-        w = tl.load(w_ptr + (h * N + cols[:, None]) * K + ks[None, :], mask=col_in & k_in, other=0.0)
+        w = tl.load(w_ptr + h * stride_wh + cols[:, None] * stride_wn + ks[None, :], mask=col_in & k_in, other=0.0)
         acc += tl.dot(x, tl.trans(w))
     dtype = out_ptr.dtype.element_ty
     y = acc.to(dtype)

@@ -189,6 +189,26 @@ def test_mla_absorptions_at_the_rank_heads(gen, rows):
     assert torch.isfinite(out).all() and ((out.double() - want).norm() / want.norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("rows", [7, 28])
+def test_linear_heads_at_the_drafters_tp16_share(gen, rows):
+    """The DSpark drafter's ungated W_UV at its TP16 share (4 heads): one Triton launch writing the
+    token-major result (where cuBLAS's batched GEMM and a copy ran), within one bf16 rounding of the
+    reference and of float64; the attention output's rows and the weight's strided as views have them."""
+    from dspark.kernels.linear import reference as linear_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    H, R, V = 4, 512, 128
+    o_latent = torch.randn(rows, H, R + 64, device="cuda", generator=gen).bfloat16()[:, :, :R]
+    # W_UV as the drafter passes it: a view of kv_b_proj's weight, [H, nope + V, R] split on dim 1
+    w_uv = (torch.randn(H, 128 + V, R, device="cuda", generator=gen) / R**0.5).bfloat16()[:, 128:]
+    assert registry.select("linear_heads", o_latent, w_uv).name == "triton"
+    out = mla_triton.linear_heads(o_latent, w_uv, out=torch.full((rows, H, V), float("nan"), device="cuda",
+                                                                 dtype=torch.bfloat16))
+    _close(out, torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()), "linear_heads against float64",
+           exact=True)
+    _close(out, linear_ref.linear_heads(o_latent, w_uv), "linear_heads against cuBLAS's batched GEMM")
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_the_drafters_rope_inside_absorb_q_and_cache_rows(gen, interleaved):
     """The DSpark drafter's RoPE done in MLA's absorb and cache-row launches (its TP16 share: 4 heads,
