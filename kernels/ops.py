@@ -157,6 +157,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     return select("rms_norm", x, weight).fn(x, weight, eps, out_dtype)
 
 
+def rms_norm_scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's RMSNorm (F.rms_norm, the DSpark drafter's): the statistics and the weight's scale in fp32,
+    one rounding to x's dtype; K3's rms_norm rounds before it scales."""
+    return select("rms_norm_scaled_in_fp32", x, weight).fn(x, weight, eps)
+
+
 def attn_res_mix_norm(current: torch.Tensor, checkpoints: torch.Tensor, mix_norm: torch.Tensor,
                       mix_proj: torch.Tensor, out_norm: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(out_norm) of Block AttnRes's mix of {checkpoints [C, M, d], current [M, d]} -> [M, d]."""

@@ -118,7 +118,7 @@ def test_the_prologue_waits_before_the_first_load(pdl):
 
     cases = [
         (norm_kernels.rms_norm_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                                        "stride_o": "i32", "d": "i32", "eps": "fp32"}, {"BLOCK": 8192}),
+                                        "stride_o": "i32", "d": "i32", "eps": "fp32"}, {"BLOCK": 8192, "SCALE_IN_FP32": False}),
         (mla_kernels.cache_rows_kernel, {"kv_ptr": "*bf16", "stride_kv": "i32", "w_ptr": "*bf16", "cache_ptr": "*bf16",
                                          "stride_slot": "i64", "stride_row": "i32", "slots_ptr": "*i64",
                                          "cache_lens_ptr": "*i64", "lengths_ptr": "*i64", "cos_ptr": "*fp32",

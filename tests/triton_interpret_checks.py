@@ -46,6 +46,9 @@ def main(seed: int) -> None:
         if got.dtype != torch.float64:
             sys.exit(f"rms_norm out_dtype: got {got.dtype}")
         close(got, norm_ref.rms_norm(x.double(), weight.double(), 1e-6), f"rms_norm width {width} into float64")
+        got = norm_triton.rms_norm_scaled_in_fp32(x, weight, 1e-6, out=torch.full((5, width), float("nan")))
+        close(got, norm_ref.rms_norm_scaled_in_fp32(x.double(), weight.double(), 1e-6),
+              f"rms_norm_scaled_in_fp32 width {width}")
     M, d = 4, 96
     for num_checkpoints in (0, 1, 3):
         current = torch.randn(M, d, generator=gen) * 3
@@ -356,6 +359,11 @@ def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32)
     mla_triton.mla_absorb_output(o_latent.to(device, dtype), w_uv.to(device, dtype), gate.to(device, dtype), out=out)
     product = torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(M, H * V)
     close(out.cpu(), product * torch.sigmoid(gate.double()), "mla_absorb_output")
+    out = torch.full((M, H, V), float("nan"), dtype=dtype, device=device)  # ungated: linear_heads
+    strided = torch.randn(M, H, R + 8, generator=gen)[:, :, :R]  # the attention output's rows may be strided
+    w_view = torch.randn(H, 2 * V, R, generator=gen)[:, V:] * R**-0.5  # W_UV as a view of kv_b_proj's weight
+    mla_triton.linear_heads(strided.to(device, dtype), w_view.to(device, dtype), out=out)
+    close(out.cpu(), torch.einsum("mhr,hvr->mhv", strided.double(), w_view.double()), "linear_heads")
 
 
 def check_gather_tokens(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, width: int = 640) -> None:

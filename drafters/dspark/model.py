@@ -47,6 +47,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype == self.weight.dtype:
+            if not x.is_contiguous() and not (torch.is_grad_enabled() and x.requires_grad):
+                # strided rows (the q_a norm of a paired q_a | kv_a GEMM's output), which F.rms_norm
+                # would copy first: the op reads them in place (docs/kernels.md §10.11; no backward)
+                rows = x.reshape(-1, x.shape[-1])
+                return ops.rms_norm_scaled_in_fp32(rows, self.weight, self.eps).view(x.shape)
             # torch's fused CUDA kernel, one launch for the same math (fp32 statistics and scale,
             # one rounding at the end) where rms_norm_scaled_in_fp32's torch ops are nine launches:
             # 21 norms in a K3 drafter's propose (experiments/notes/step.md). Mixed dtypes (autocast

@@ -74,6 +74,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     return rms_norm_scaled_in_fp32(total, weight, eps), total
 
 
+@register("rms_norm_scaled_in_fp32", "reference", priority=0)
 def rms_norm_scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """torch's RMSNorm (F.rms_norm): the statistics and the weight's scale in fp32, one rounding to x's
     dtype. The drafter's RMSNorm where F.rms_norm does not serve (the CPU, mixed dtypes)."""

@@ -34,17 +34,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, scale_in_fp32: bool = False) -> torch.Tensor:
     """out: an optional contiguous buffer of x's shape and out_dtype (default x's; tests poison it
-    first). The kernel rounds as the reference does in x's dtype and casts when it stores."""
+    first). The kernel rounds as the reference does in x's dtype and casts when it stores;
+    scale_in_fp32: as rms_norm_scaled_in_fp32 rounds instead (once, after the scale)."""
     rows = _rows(x)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device) if out is None else out.view(rows.shape)
     block, warps = _launch_shape(rows.shape[1])
     if rows.shape[0]:
         _kernels().rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), weight, out, out.stride(0), rows.shape[1],
-                                                     float(eps), BLOCK=block, **pdl_options(), num_warps=warps)
+                                                     float(eps), BLOCK=block, SCALE_IN_FP32=scale_in_fp32,
+                                                     **pdl_options(), num_warps=warps)
     return out.view(x.shape)
+
+
+def rms_norm_scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.rms_norm_scaled_in_fp32, reading strided 2-D rows in place (a column slice of a paired GEMM's
+    output), where F.rms_norm copies them to a contiguous tensor first."""
+    return rms_norm(x, weight, eps, out=out, scale_in_fp32=True)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -134,6 +143,8 @@ def supports_add_rms_norm(residual, delta, weight) -> bool:
 
 register("rms_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_rms_norm)(rms_norm)
+register("rms_norm_scaled_in_fp32", "triton", devices=("cuda",), priority=10, available=triton_available,
+         supports=supports_rms_norm)(rms_norm_scaled_in_fp32)
 register("attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=supports_attn_res_mix_norm)(attn_res_mix_norm)
 register("add_attn_res_mix_norm", "triton", devices=("cuda",), priority=10, available=triton_available,

@@ -10,18 +10,24 @@ from ..triton_pdl import prologue
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl.constexpr,
+                    SCALE_IN_FP32: tl.constexpr, PDL: tl.constexpr):
     prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < d
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    # the reference rounds twice in x's dtype (the normalised row, then weight * row); the store
-    # casts to the output's dtype (the same unless rms_norm's out_dtype asks for another)
-    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype).to(out_ptr.dtype.element_ty), mask=mask)
+    if SCALE_IN_FP32:  # torch's RMSNorm (rms_norm_scaled_in_fp32): one rounding, after the scale
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps) * w
+        tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # K3's: the reference rounds twice in x's dtype (the normalised row, then weight * row); the
+        # store casts to the output's dtype (the same unless rms_norm's out_dtype asks for another)
+        y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * y).to(dtype).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

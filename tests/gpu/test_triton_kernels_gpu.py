@@ -293,3 +293,24 @@ def test_the_drafters_add_rms_norm_adds_a_gemms_partials_as_its_reduction_would(
     assert torch.equal(total, want_total) and torch.equal(out, want_out)
     assert registry.select("add_rms_norm", residual, partials.view(partials.shape[0], *residual.shape),
                            weight).name == "triton"
+
+
+@pytest.mark.parametrize("width", [1536, 7168])
+def test_the_drafters_norm_reads_strided_rows_in_place(gen, width):
+    """ops.rms_norm_scaled_in_fp32 on a column slice of a paired GEMM's output (the drafter's q_a norm:
+    q_a | kv_a as one GEMM): one launch reading the rows where they are, within one bf16 ulp of torch's
+    RMSNorm (F.rms_norm, which copies the rows to a contiguous tensor first) and of float64."""
+    import torch.nn.functional as F
+
+    from dspark.kernels import ops
+
+    x = (torch.randn(7, width + 576, device="cuda", generator=gen) * 2).bfloat16()[:, :width]
+    weight = (torch.rand(width, device="cuda", generator=gen) + 0.5).bfloat16()
+    assert registry.select("rms_norm_scaled_in_fp32", x, weight).name == "triton"
+    out = norm_triton.rms_norm_scaled_in_fp32(x, weight, 1e-6, out=_poisoned(x.contiguous()))
+    torch_norm = F.rms_norm(x, weight.shape, weight, 1e-6)
+    apart = (out.float() - torch_norm.float()).abs()
+    assert torch.isfinite(out).all() and (apart <= _bf16_ulp(torch_norm) + 1e-3).all(), \
+        f"against F.rms_norm: {apart.max().item():.3e} apart"
+    _close(out, norm_ref.rms_norm_scaled_in_fp32(x.double(), weight.double(), 1e-6), "against float64", roundings=1)
+    assert torch.equal(ops.rms_norm_scaled_in_fp32(x, weight, 1e-6), out)
