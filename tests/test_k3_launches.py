@@ -19,10 +19,10 @@ KDA_MOE, MLA_MOE = 1, 7  # k3-tiny layers of each kind, away from a block seal
 
 # {(world, layer): (op calls by op, glue by aten op)}
 PINNED = {
-    (4, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 2, "linear_partials": 4, "kda_verify": 1,
+    (4, KDA_MOE): ({"add_attn_res_mix_norm": 2, "linear": 2, "linear_partials": 3, "kda_verify": 1,
                     "moe_dispatch_inputs": 1, "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
                    {}),
-    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 2, "linear_partials": 4,
+    (4, MLA_MOE): ({"add_attn_res_mix_norm": 2, "rms_norm": 1, "linear": 2, "linear_partials": 3,
                     "mla_cache_rows": 1, "mla_absorb_q": 1, "mla_verify_attention": 1, "mla_absorb_output": 1,
                     "moe_dispatch_inputs": 1, "moe_route_logits": 1, "moe_experts": 1, "moe_tail_inputs": 1},
                    {}),
@@ -80,8 +80,11 @@ def test_without_split_k_into_consumers_three_gemms_a_layer_reduce_their_own_spl
     before = forward_launches(layer, world, 1, 8)
     ops = forward_launches(layer + 1, world, 1, 8).ops - before.ops
     want_ops = dict(PINNED[world, layer][0])
-    want_ops["linear"] += 3
-    want_ops["linear_partials"] -= 3  # a rank's dispatch GEMM keeps its partials (DISPATCH_IN_ONE_GEMM)
+    # a rank's one GEMM over the FFN's input keeps its partials (DISPATCH_IN_ONE_GEMM, INPUTS_IN_ONE_GEMM):
+    # the shared gate|up's go with it
+    reduced = 2 if world > 1 else 3
+    want_ops["linear"] += reduced
+    want_ops["linear_partials"] -= reduced
     assert dict(ops) == {op: n for op, n in want_ops.items() if n}
 
 
@@ -97,9 +100,24 @@ def test_without_the_dispatch_gemm_a_rank_runs_the_router_and_latent_down_apart(
     after = forward_launches(layer + 1, 4, 1, 8)
     want_ops = dict(PINNED[4, layer][0])
     del want_ops["moe_dispatch_inputs"]
-    want_ops.update(linear=want_ops["linear"] + 1, linear_partials=want_ops["linear_partials"] - 1,
-                    moe_router_logits=1)
+    # the router's logits op and latent down's linear in place of the inputs GEMM, the shared gate|up its
+    # own GEMM's partials again
+    want_ops.update(linear=want_ops["linear"] + 1, moe_router_logits=1)
     assert (dict(after.ops - before.ops), dict(after.glue - before.glue)) == (want_ops, {"repeat": 2})
+
+
+@pytest.mark.parametrize("layer", [KDA_MOE, MLA_MOE])
+def test_without_the_inputs_gemm_a_rank_runs_the_shared_gate_up_apart(layer, monkeypatch):
+    """INPUTS_IN_ONE_GEMM (on): the shared experts' gate|up rows are in the rank's dispatch GEMM, its
+    partials' column window going to moe_tail_inputs. Off: a GEMM of its own, one more launch."""
+    from dspark.targets.kimi_k3 import moe as k3_moe
+
+    monkeypatch.setattr(k3_moe, "INPUTS_IN_ONE_GEMM", False)
+    before = forward_launches(layer, 4, 1, 8)
+    after = forward_launches(layer + 1, 4, 1, 8)
+    want_ops = dict(PINNED[4, layer][0])
+    want_ops["linear_partials"] += 1
+    assert (dict(after.ops - before.ops), dict(after.glue - before.glue)) == (want_ops, {})
 
 
 def test_the_counter_sees_glue_and_op_calls_and_not_views():

@@ -86,6 +86,7 @@ def main(seed: int) -> None:
     check_lists_and_tokens(gen)
     check_dispatch_inputs(gen)
     check_tail_inputs(gen)
+    check_inputs_gemm_windows(gen)
     check_cache_rows(gen)
     check_absorb(gen)
     check_draft_loss(gen)
@@ -407,6 +408,26 @@ def check_lists_and_tokens(gen: torch.Generator, device: str = "cpu", dtype=torc
                 sys.exit(f"{what}: {name} differs from build_expert_lists")
         if not torch.equal(xb, want_xb):
             sys.exit(f"{what}: the operand differs from permute_k + scale + gather")
+
+
+def check_inputs_gemm_windows(gen: torch.Generator) -> None:
+    """A rank's MoE inputs GEMM (INPUTS_IN_ONE_GEMM): one partials tensor [S, M, R + L + 2S'] whose first
+    R + L columns feed moe_dispatch_inputs and the rest moe_tail_inputs, as column windows with the wide
+    tensor's strides; each against float64 of its window."""
+    from dspark.kernels.moe import reference as moe_ref
+
+    R, L, shared, latent = 8, 40, 48, 96
+    partials = torch.randn(3, 4, R + L + 2 * shared, generator=gen) * 2
+    dispatch, gate_up = partials.split([R + L, 2 * shared], dim=-1)
+    logits, latent_rows = moe_triton.moe_dispatch_inputs(dispatch, R, torch.float32, 2)
+    total = dispatch.double().sum(0)
+    close(logits, total[:, :R].repeat(1, 2), "moe_dispatch_inputs of a column window: logits")
+    close(latent_rows, total[:, R:].repeat(1, 2), "moe_dispatch_inputs of a column window: latent")
+    routed, norm = torch.randn(4, latent, generator=gen) * 3, torch.rand(latent, generator=gen) + 0.5
+    want = moe_ref.moe_tail_inputs(routed.double(), norm.double(), gate_up.double(), 24, 24, 1e-6, 3.0, 5.0)
+    got = moe_triton.moe_tail_inputs(routed, norm, gate_up, 24, 24, 1e-6, 3.0, 5.0,
+                                     out=torch.full((4, 24 + shared), float("nan")))
+    close(got, want, "moe_tail_inputs of a column window of partials")
 
 
 def check_dispatch_inputs(gen: torch.Generator, device: str = "cpu", dtype=torch.float32,

@@ -210,6 +210,28 @@ def test_dispatch_inputs_add_split_and_gather_the_partials(dtype):
         assert torch.equal(latent, sum_partials(partials, dtype)[:, 56:].repeat(1, 16))
 
 
+def test_the_ranks_inputs_gemm_feeds_the_dispatch_and_tail_kernels_through_column_windows():
+    """INPUTS_IN_ONE_GEMM (dspark/targets/kimi_k3/moe.py): a TP16 rank's one GEMM over the MoE input
+    (56 router + 224 latent + 768 shared gate|up rows), its CuTe partials split into column windows
+    without a copy; the dispatch kernel's outputs bit for bit what it gives on a contiguous copy of its
+    window, and the tail kernel's likewise, at one and eight rows."""
+    from dspark.kernels import ops
+
+    weight = (torch.randn(1048, 7168, device="cuda") / 7168**0.5).bfloat16()
+    routed = torch.randn(8, 3584, device="cuda") * 3
+    norm = (torch.rand(3584, device="cuda") + 0.5).bfloat16()
+    for rows in (1, 8):
+        partials = ops.linear_partials(torch.randn(rows, 7168, device="cuda").bfloat16(), weight)
+        dispatch, gate_up = partials.split([280, 768], dim=-1)
+        assert dispatch.data_ptr() == partials.data_ptr() and not gate_up.is_contiguous()
+        got = moe_triton.moe_dispatch_inputs(dispatch, 56, torch.bfloat16, 16)
+        want = moe_triton.moe_dispatch_inputs(dispatch.contiguous(), 56, torch.bfloat16, 16)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        tail = moe_triton.moe_tail_inputs(routed[:rows], norm, gate_up, 3 * 224, 224, 1e-6, 3.0, 5.0)
+        assert torch.equal(tail, moe_triton.moe_tail_inputs(routed[:rows], norm, gate_up.contiguous(), 3 * 224, 224,
+                                                            1e-6, 3.0, 5.0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_markov_greedy_draft_takes_the_argmax_chain(dtype):
     """kernels/markov/triton.py at the tests' small shapes, at a TP16 rank's vocabulary and at K3's

@@ -47,10 +47,9 @@ SPLIT_K_INTO_CONSUMERS = True
 MLA_INPUT_PROJECTIONS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.g_proj.weight")
 KDA_INPUT_PROJECTIONS = tuple(f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "g", "f_a", "b"))
 DENSE_FFN_INPUT_PROJECTIONS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-ROUTER_LATENT_DOWN_PROJECTIONS = ("block_sparse_moe.gate.weight",
-                                  "block_sparse_moe.routed_expert_down_proj.weight")  # LatentMoEWeights.router_latent_down
-SHARED_GATE_UP_PROJECTIONS = ("block_sparse_moe.shared_experts.gate_proj.weight",
-                              "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.shared_gate_up
+MOE_INPUT_PROJECTIONS = ("block_sparse_moe.gate.weight", "block_sparse_moe.routed_expert_down_proj.weight",
+                         "block_sparse_moe.shared_experts.gate_proj.weight",
+                         "block_sparse_moe.shared_experts.up_proj.weight")  # LatentMoEWeights.moe_inputs
 # Projections whose outputs are summed, fused along K (K3Model._fuse_columns): LatentMoEWeights.output_proj
 MOE_OUTPUT_PROJECTIONS = ("block_sparse_moe.routed_expert_up_proj.weight",
                           "block_sparse_moe.shared_experts.down_proj.weight")
@@ -160,14 +159,14 @@ class K3Model:
             experts_of_kind = [tensors.pop(f"{x}.{w}.{part}") for x in experts]
             return _stack_of_views(experts_of_kind)
 
-        router_latent_down = self._fuse_rows(i, ROUTER_LATENT_DOWN_PROJECTIONS)[0]
+        moe_inputs, rows = self._fuse_rows(i, MOE_INPUT_PROJECTIONS)
         return LatentMoEWeights(
-            router_latent_down=router_latent_down,
+            moe_inputs=moe_inputs,
             gate=self.tensors[f"{m}.gate.weight"],
             score_bias=self.tensors[f"{m}.gate.e_score_correction_bias"],
             latent_down=self.tensors[f"{m}.routed_expert_down_proj.weight"],
             latent_norm=self.tensors[f"{m}.routed_expert_norm.weight"],
-            shared_gate_up=self._fuse_rows(i, SHARED_GATE_UP_PROJECTIONS)[0],
+            shared_gate_up=moe_inputs[rows[0] + rows[1]:],  # the shared experts' gate | up rows
             output_proj=self._fuse_columns(i, MOE_OUTPUT_PROJECTIONS),
             w1_packed=stacked("w1", "weight_packed"), w1_scale=stacked("w1", "weight_scale"),
             w3_packed=stacked("w3", "weight_packed"), w3_scale=stacked("w3", "weight_scale"),

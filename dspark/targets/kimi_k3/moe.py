@@ -33,6 +33,11 @@ from .config import K3Config
 # two launches where the router's GEMV, the latent GEMM, its reduction and the two gathers took five
 # (docs/kimi-k3.md §8.5). experiments/step_bench.py --setting rank_dispatch_gemm=0 times the five.
 DISPATCH_IN_ONE_GEMM = True
+# With it, the shared experts' gate|up rows join that GEMM too (LatentMoEWeights.moe_inputs: every
+# projection that reads the FFN's input): its partials' column windows go to the dispatch kernel and to
+# moe_tail_inputs, one GEMM a MoE layer where there were two (docs/kimi-k3.md §8.5).
+# experiments/step_bench.py --setting rank_inputs_gemm=0 times the two.
+INPUTS_IN_ONE_GEMM = True
 
 
 @dataclass
@@ -53,7 +58,12 @@ class LatentMoEWeights:
     side by side along K as `output_proj` [D, latent + S]: their sum is one GEMM of the
     concatenated inputs (ops.moe_tail_inputs), which saves a GEMM, the add after it, and on a
     rank the copy of its latent window (docs/kimi-k3.md §8.5). `from_parts` builds one from the
-    separate matrices."""
+    separate matrices.
+
+    Every projection that reads the block's input lies in one tensor, `moe_inputs` [E + latent + 2S, D]
+    (gate | latent_down | shared_gate_up), and those three are its row views: built here, or by the
+    caller (K3Model._fuse_rows, which keeps one copy of the checkpoint's rows). A rank runs them as
+    one GEMM (rank_latent_moe); the whole model's path runs them apart."""
 
     gate: torch.Tensor  # [E, D] router (E a rank's experts)
     score_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
@@ -67,21 +77,19 @@ class LatentMoEWeights:
     w3_scale: torch.Tensor
     w2_packed: torch.Tensor
     w2_scale: torch.Tensor
-    # [E + latent, D]: gate | latent_down, the rank's dispatch GEMM (rank_latent_moe); built here (gate and
-    # latent_down then become its row views) unless the caller built it so (K3Model._fuse_rows)
-    router_latent_down: torch.Tensor | None = None
+    moe_inputs: torch.Tensor | None = None  # [E + latent + 2S, D], see the class docstring
 
     def __post_init__(self):
         if self.shared_gate_up.dim() != 2 or self.shared_gate_up.shape[0] % 2:
             raise ValueError(f"LatentMoEWeights.shared_gate_up: expected [2S, D] (shared_gate | shared_up), "
                              f"got {tuple(self.shared_gate_up.shape)}")
-        if self.router_latent_down is None:
-            self.router_latent_down = torch.cat([self.gate, self.latent_down])
-            self.gate, self.latent_down = self.router_latent_down.split([self.gate.shape[0], self.latent_down.shape[0]])
-        elif self.router_latent_down.shape[0] != self.gate.shape[0] + self.latent_down.shape[0]:
-            raise ValueError(f"LatentMoEWeights.router_latent_down: expected [{self.gate.shape[0]} + "
-                             f"{self.latent_down.shape[0]}, D] (gate | latent_down), got "
-                             f"{tuple(self.router_latent_down.shape)}")
+        rows = [self.gate.shape[0], self.latent_down.shape[0], self.shared_gate_up.shape[0]]
+        if self.moe_inputs is None:
+            self.moe_inputs = torch.cat([self.gate, self.latent_down, self.shared_gate_up])
+        elif self.moe_inputs.shape[0] != sum(rows):
+            raise ValueError(f"LatentMoEWeights.moe_inputs: expected [{rows[0]} + {rows[1]} + {rows[2]}, D] (gate | "
+                             f"latent_down | shared_gate_up), got {tuple(self.moe_inputs.shape)}")
+        self.gate, self.latent_down, self.shared_gate_up = self.moe_inputs.split(rows)
         shared = self.shared_gate_up.shape[0] // 2
         if self.output_proj.dim() != 2 or self.output_proj.shape[1] <= shared:
             raise ValueError(f"LatentMoEWeights.output_proj: expected [D, latent + {shared}] (latent_up | "
@@ -92,6 +100,11 @@ class LatentMoEWeights:
         """From the separate projections (copied into the fused tensors)."""
         return cls(shared_gate_up=torch.cat([shared_gate, shared_up]),
                    output_proj=torch.cat([latent_up, shared_down], dim=1), **others)
+
+    @property
+    def router_latent_down(self) -> torch.Tensor:
+        """[E + latent, D]: gate | latent_down, the rank's dispatch GEMM (rank_latent_moe)."""
+        return self.moe_inputs[: self.gate.shape[0] + self.latent_down.shape[0]]
 
     @property
     def shared_size(self) -> int:
@@ -125,12 +138,14 @@ class LatentMoEWeights:
 
 
 def _output(x: torch.Tensor, routed: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config,
-            start: int, partials: bool, split_k_into_tail: bool) -> torch.Tensor:
+            start: int, partials: bool, split_k_into_tail: bool, gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """latent_up RMSNorm(routed)[start : start + latent'] + shared_down SiTU(shared_gate x, shared_up x)
     as one GEMM of [normed latent window | shared activation] against output_proj; `partials`: left as
     its split-K partials (ops.linear_partials) for the mix norm that adds it; `split_k_into_tail`: the
-    shared gate|up GEMM's partials added by moe_tail_inputs instead of a reduction launch."""
-    gate_up = (ops.linear_partials if split_k_into_tail else ops.linear)(x, weights.shared_gate_up)
+    shared gate|up GEMM's partials added by moe_tail_inputs instead of a reduction launch; `gate_up`: that
+    GEMM's output (or partials) where the caller ran it."""
+    if gate_up is None:
+        gate_up = (ops.linear_partials if split_k_into_tail else ops.linear)(x, weights.shared_gate_up)
     tail = ops.moe_tail_inputs(routed, weights.latent_norm, gate_up, start, weights.latent_width, cfg.rms_norm_eps,
                                cfg.situ_beta, cfg.situ_linear_beta)
     return (ops.linear_partials if partials else ops.linear)(tail, weights.output_proj)
@@ -162,9 +177,14 @@ def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, p
     partial output, all-reduced by `parallel` (a parallel.RankParallel). `weights` holds the
     rank's parts: router and latent down rows, latent up and shared down columns, shared gate|up
     rows, its experts. `record` gets the local expert ids [M, k'] the rank's experts run on."""
+    gate_up = None
     if DISPATCH_IN_ONE_GEMM:
-        logits, latent = parallel.dispatch_inputs(ops.linear_partials(x, weights.router_latent_down),
-                                                  weights.gate.shape[0], x.dtype)
+        if INPUTS_IN_ONE_GEMM:  # the partials' column windows: gate | latent_down, then shared gate|up
+            dispatch, gate_up = ops.linear_partials(x, weights.moe_inputs).split(
+                [weights.router_latent_down.shape[0], weights.shared_gate_up.shape[0]], dim=-1)
+        else:
+            dispatch = ops.linear_partials(x, weights.router_latent_down)
+        logits, latent = parallel.dispatch_inputs(dispatch, weights.gate.shape[0], x.dtype)
     else:
         logits = parallel.all_gather(ops.moe_router_logits(x, weights.gate))
         latent = parallel.all_gather(ops.linear(x, weights.latent_down))
@@ -175,4 +195,4 @@ def rank_latent_moe(x: torch.Tensor, weights: LatentMoEWeights, cfg: K3Config, p
         record.append(local_ids)
     partial = ops.moe_experts(latent, local_ids, local_weights, *weights.experts, cfg.situ_beta, cfg.situ_linear_beta)
     return parallel.all_reduce(_output(x, parallel.all_reduce(partial), weights, cfg, parallel.latent.start, partials,
-                                       split_k_into_tail))
+                                       split_k_into_tail, gate_up))
