@@ -94,13 +94,10 @@ def test_a_pass_sharing_its_rope_tables_and_mask_equals_layers_making_their_own(
     assert torch.equal(shared, own)
 
 
-def test_paired_projections_keep_the_parameters_and_the_drafting_pass():
-    """pair_projections lays gate|up and q_a|kv_a out in one storage each: the state dict (names, values)
-    is unchanged, each pair reads as one weight, a drafting pass over the cache equals the unpaired one
-    to fp32 rounding (one GEMM where there were two), and a .to() that moves the weights undoes the
-    layout, the pass then taking two GEMMs again."""
+def tiny_k3_drafter():
+    """(a K3-shaped tiny drafter with random weights, a function drafting one greedy block of it over a
+    24-token context): the same context and anchor at every call."""
     from dspark.drafters.dspark.config import K3_TINY_DSPARK
-    from dspark.drafters.dspark.model import _one_weight
 
     config = dataclasses.replace(K3_TINY_DSPARK, markov_rank=8).validate()
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
@@ -109,7 +106,6 @@ def test_paired_projections_keep_the_parameters_and_the_drafting_pass():
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
     prompt = torch.randint(0, config.vocab_size, (24,), generator=gen)
     taps = {layer: torch.randn(24, config.target_hidden_size, generator=gen) for layer in config.target_layer_ids}
     anchor, greedy = torch.tensor([7]), [SamplingParams(temperature=0.0)]
@@ -118,6 +114,19 @@ def test_paired_projections_keep_the_parameters_and_the_drafting_pass():
         drafter = DSparkDrafter(model, 1, max_seq_len=64)
         drafter.start(0, prompt, taps)
         return drafter.draft([0], anchor, greedy, [None])
+
+    return model, draft
+
+
+def test_paired_projections_keep_the_parameters_and_the_drafting_pass():
+    """pair_projections lays gate|up and q_a|kv_a out in one storage each: the state dict (names, values)
+    is unchanged, each pair reads as one weight, a drafting pass over the cache equals the unpaired one
+    to fp32 rounding (one GEMM where there were two), and a .to() that moves the weights undoes the
+    layout, the pass then taking two GEMMs again."""
+    from dspark.drafters.dspark.model import _one_weight
+
+    model, draft = tiny_k3_drafter()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
 
     layer = model.layers[0]
     assert _one_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is None  # as built: two GEMMs
@@ -141,24 +150,9 @@ def test_a_drafting_pass_adds_its_output_projections_partials_in_the_norms(monke
     after each adds them (ops.add_rms_norm): the same drafts as the pass with reduced outputs, and its
     confidence logits to fp32 rounding (the CPU's reference GEMM sums in another order than nn.Linear)."""
     from dspark.drafters.dspark import model as model_module
-    from dspark.drafters.dspark.config import K3_TINY_DSPARK
     from dspark.kernels import ops
 
-    config = dataclasses.replace(K3_TINY_DSPARK, markov_rank=8).validate()
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    table = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
-    model = DSparkModel(config, table, table * 0.1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    prompt = torch.randint(0, config.vocab_size, (24,), generator=gen)
-    taps = {layer: torch.randn(24, config.target_hidden_size, generator=gen) for layer in config.target_layer_ids}
-    anchor, greedy = torch.tensor([7]), [SamplingParams(temperature=0.0)]
-
-    def draft():
-        drafter = DSparkDrafter(model, 1, max_seq_len=64)
-        drafter.start(0, prompt, taps)
-        return drafter.draft([0], anchor, greedy, [None])
+    model, draft = tiny_k3_drafter()
 
     want = draft()
     partial_deltas = []
@@ -171,7 +165,7 @@ def test_a_drafting_pass_adds_its_output_projections_partials_in_the_norms(monke
     monkeypatch.setattr(model_module, "OUTPUTS_AS_PARTIALS_ON", ("cpu",))
     monkeypatch.setattr(ops, "add_rms_norm", spy)
     got = draft()
-    assert partial_deltas == [True, True] * config.num_layers
+    assert partial_deltas == [True, True] * model.config.num_layers
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
 

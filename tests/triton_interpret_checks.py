@@ -114,35 +114,29 @@ def check_mix_norm_of_partials(gen, residual, ckpts, mix_norm, mix_proj, out_nor
 
 def check_add_rms_norm(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, atol: float = ATOL) -> None:
     """The drafter's residual add + RMSNorm (ops.add_rms_norm) against float64, on 4-D rows as the drafter's
-    blocks have them and on strided 2-D rows; out and total poisoned first."""
+    blocks have them and on strided 2-D rows, delta as one tensor and as a GEMM's split-K partials [S, *shape]
+    in fp32 (ops.linear_partials, its rows viewed in the residual's shape: all S added, where a sum without
+    the last part is shown to miss the tolerance first); out and total poisoned first."""
     for shape, width in (((1, 1, 7, 448), 448), ((3, 100), 100), ((2, 7168), 7168)):
         residual = (torch.randn(*shape, generator=gen) * 2 + 0.5).to(device, dtype)
         wide = torch.randn(*shape[:-1], width + 16, generator=gen)
         delta = (wide[..., 8 : 8 + width] if len(shape) == 2 else torch.randn(*shape, generator=gen)).to(device, dtype)
         weight = (torch.rand(width, generator=gen) + 0.5).to(device, dtype)
-        want_out, want_total = norm_ref.add_rms_norm(residual.double(), delta.double(), weight.double(), 1e-6)
-        poison = dict(dtype=dtype, device=device)
-        got_out, got_total = norm_triton.add_rms_norm(residual, delta, weight, 1e-6,
-                                                      out=torch.full(shape, float("nan"), **poison),
-                                                      total=torch.full(shape, float("nan"), **poison))
-        for got, want, what in ((got_total, want_total, "sum"), (got_out, want_out, "norm")):
-            err = (got.double() - want).abs().max().item()
-            if got.shape != want.shape or not err < atol:
-                sys.exit(f"add_rms_norm {what} {shape} {dtype}: max abs error {err:.2e} >= {atol}")
-        # delta as a GEMM's split-K partials [S, *shape] in fp32 (ops.linear_partials, its rows viewed in the
-        # residual's shape): all S added (a sum without the last part is shown to miss the tolerance first)
         partials = torch.randn(3, *shape, generator=gen).to(device)
-        want_out, want_total = norm_ref.add_rms_norm(residual.double(), partials.double(), weight.double(), 1e-6)
         _, short_total = norm_ref.add_rms_norm(residual.double(), partials[:2].double(), weight.double(), 1e-6)
-        if not (short_total - want_total).abs().max().item() > atol:
+        _, full_total = norm_ref.add_rms_norm(residual.double(), partials.double(), weight.double(), 1e-6)
+        if not (short_total - full_total).abs().max().item() > atol:
             sys.exit("add_rms_norm of partials: the check cannot tell a missing partial")
-        got_out, got_total = norm_triton.add_rms_norm(residual, partials, weight, 1e-6,
-                                                      out=torch.full(shape, float("nan"), **poison),
-                                                      total=torch.full(shape, float("nan"), **poison))
-        for got, want, what in ((got_total, want_total, "sum"), (got_out, want_out, "norm")):
-            err = (got.double() - want).abs().max().item()
-            if got.shape != want.shape or not err < atol:
-                sys.exit(f"add_rms_norm {what} of 3 partials {shape} {dtype}: max abs error {err:.2e} >= {atol}")
+        for given, kind in ((delta, "delta"), (partials, "3 partials")):
+            want_out, want_total = norm_ref.add_rms_norm(residual.double(), given.double(), weight.double(), 1e-6)
+            poison = dict(dtype=dtype, device=device)
+            got_out, got_total = norm_triton.add_rms_norm(residual, given, weight, 1e-6,
+                                                          out=torch.full(shape, float("nan"), **poison),
+                                                          total=torch.full(shape, float("nan"), **poison))
+            for got, want, what in ((got_total, want_total, "sum"), (got_out, want_out, "norm")):
+                err = (got.double() - want).abs().max().item()
+                if got.shape != want.shape or not err < atol:
+                    sys.exit(f"add_rms_norm {what} of a {kind} {shape} {dtype}: max abs error {err:.2e} >= {atol}")
 
 
 def check_route(gen: torch.Generator, device: str = "cpu") -> None:
