@@ -229,10 +229,12 @@ def step_rows(r: Result, points: set | None = None) -> list[list[str]]:
 
 
 def drafter_rows(r: Result) -> list[list[str]]:
-    """drafter_bench.py: the DSpark drafter's propose, graphed against its floor and against eager."""
+    """drafter_bench.py: the DSpark drafter's propose, graphed against its floor and against eager (its
+    default rows: a --setting row is an A/B)."""
     rows = []
-    eager = {row["context"]: row for row in r.data["rows"] if not row["cuda_graphs"]}
-    for row in sorted((x for x in r.data["rows"] if x["cuda_graphs"]), key=lambda x: x["context"]):
+    default = [row for row in r.data["rows"] if not row.get("setting")]
+    eager = {row["context"]: row for row in default if not row["cuda_graphs"]}
+    for row in sorted((x for x in default if x["cuda_graphs"]), key=lambda x: x["context"]):
         eager_ms = eager.get(row["context"], {}).get("propose_ms")
         rows.append([f"DSpark drafter propose (`{r.data['drafter']}`)", "1", str(row["context"]),
                      str(r.data["settings"]["tokens"]), num(row["propose_ms"]), num(row["propose_floor_ms"]),

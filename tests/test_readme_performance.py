@@ -109,6 +109,21 @@ def test_the_step_table_shows_default_rows_with_their_ratios(tmp_path):
         assert row[8] == f"{source['eager_ms'] / source['graph_ms']:.2f}x", (row, source)
 
 
+def test_the_drafter_propose_rows_are_the_default_settings(tmp_path):
+    propose, eager, floor = RNG.uniform(0.5, 1.0), RNG.uniform(3.0, 6.0), RNG.uniform(0.1, 0.3)
+    rows = [{"context": 8192, "cuda_graphs": graphs, "propose_ms": ms, "propose_floor_ms": floor,
+             "propose_floor_fraction": floor / ms, "propose_kernels": 107, **extra}
+            for graphs, ms, extra in ((False, eager, {}), (True, propose, {}),
+                                      (False, 99.0, {"setting": "draft_output_partials=0"}),
+                                      (True, 9.0, {"setting": "draft_output_partials=0"}))]
+    command = "python3 experiments/drafter_bench.py --world 16 --out /tmp/x/drafter_bench_tp16.json"
+    write(tmp_path, "h200/drafter_bench_tp16.json", {**provenance("3333333", "2026-12-05T00:00:00+00:00", command),
+                                                      "drafter": "k3_dspark_tp16", "settings": {"tokens": 8},
+                                                      "rows": rows})
+    (row,) = table_rows(render(tmp_path), "The step against its floor")  # the --setting rows are an A/B
+    assert row[4] == f"{propose:.2f}" and row[7] == f"{eager:.2f}" and row[8] == f"{eager / propose:.2f}x", row
+
+
 def test_the_newest_file_of_a_kind_wins_and_a_new_target_gets_its_own_rows(tmp_path):
     old, new = step_bench(created="2026-12-01T00:00:00+00:00", commit="1111111"), step_bench(commit="2222222")
     write(tmp_path, "h200/step_bench.json", new)
