@@ -223,7 +223,7 @@ def test_the_ranks_inputs_gemm_feeds_the_dispatch_and_tail_kernels_through_colum
     for rows in (1, 8):
         partials = ops.linear_partials(torch.randn(rows, 7168, device="cuda").bfloat16(), weight)
         dispatch, gate_up = partials.split([280, 768], dim=-1)
-        assert dispatch.data_ptr() == partials.data_ptr() and not gate_up.is_contiguous()
+        assert dispatch.data_ptr() == partials.data_ptr() and gate_up.stride(1) == 1048  # windows, not copies
         got = moe_triton.moe_dispatch_inputs(dispatch, 56, torch.bfloat16, 16)
         want = moe_triton.moe_dispatch_inputs(dispatch.contiguous(), 56, torch.bfloat16, 16)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
