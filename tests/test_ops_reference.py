@@ -360,6 +360,37 @@ def test_moe_experts_matches_a_float64_loop_and_is_token_invariant(gen):
         ops.moe_experts(latent, ids, route_weights, p1, s1, p3, s3, p1, s1, beta, linear_beta)
 
 
+def test_the_cpu_reference_keeps_small_experts_dequantised_until_their_weights_change(gen, monkeypatch):
+    """moe_experts' CPU reference dequantises a touched expert once and reuses it while neither its
+    codes nor its scales are written; an in-place write to either (their version) rebuilds it, and a
+    new tensor with the same values starts with none kept. The result equals a cold call's every time."""
+    from dspark.kernels.moe import reference as moe_ref
+
+    E, L, I, M, k = 4, 64, 32, 3, 2
+    experts = [t for pair in (pack(randn(gen, E, I, L, scale=L**-0.5)), pack(randn(gen, E, I, L, scale=L**-0.5)),
+                              pack(randn(gen, E, L, I, scale=I**-0.5))) for t in pair]
+    latent, route_weights = randn(gen, M, L), torch.rand(M, k, generator=gen) + 0.1
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)])
+    calls = []
+    real = moe_ref.dequantise
+    monkeypatch.setattr(moe_ref, "dequantise", lambda *a: calls.append(a) or real(*a))
+
+    def run():
+        calls.clear()
+        return ops.moe_experts(latent, ids, route_weights, *experts, 4.0, 25.0)
+
+    first = run()
+    touched = len(ids.unique())
+    assert len(calls) == 3 * touched
+    assert torch.equal(run(), first) and calls == []  # kept
+    with torch.no_grad():
+        experts[5].add_(1)  # w2's scales written in place: w2 of every touched expert is rebuilt
+    changed = run()
+    assert len(calls) == touched and not torch.equal(changed, first)
+    experts[4] = experts[4].clone()  # w2's codes as a new tensor: nothing kept on it
+    assert torch.equal(run(), changed) and len(calls) == touched
+
+
 def test_record_selections_names_fallbacks_and_what_blocks_a_capture(gen):
     """registry.record_selections: each select() of the block, the implementation it ran, and
     whether the device's default passed the call on (a fallback); a CUDA call that runs an

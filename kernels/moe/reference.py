@@ -13,6 +13,8 @@ math is per row (numerics.per_row).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import ops
@@ -109,6 +111,29 @@ def check_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3
                          f"and {tuple(route_weights.shape)}")
 
 
+# A CPU run of a small model (k3-tiny: the tests, the README's examples) spent a sixth of its step
+# dequantising the same experts again at every call. Expert weights do not change between calls, so the
+# CPU reference keeps each small expert's dequantised matrix on the stacked tensor it came from, checked
+# against both tensors' versions (an in-place write rebuilds it). Larger experts (a whole K3 on the CPU)
+# are dequantised per call as before: keeping them would double the weights' memory.
+CACHED_EXPERT_ELEMENTS = 1 << 20
+
+
+def _expert_weight(packed: torch.Tensor, scale: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """dequantise(packed[e], scale[e], dtype), kept for the next call where it is small and on the CPU."""
+    if packed.device.type != "cpu" or packed[e].numel() * 2 > CACHED_EXPERT_ELEMENTS:
+        return dequantise(packed[e], scale[e], dtype)
+    kept = packed.__dict__.setdefault("_dspark_dequantised", {})
+    entry = kept.get((e, dtype))
+    if entry is not None:
+        versions, scale_ref, weight = entry
+        if versions == (packed._version, scale._version) and scale_ref() is scale:
+            return weight
+    weight = dequantise(packed[e], scale[e], dtype)
+    kept[(e, dtype)] = ((packed._version, scale._version), weakref.ref(scale), weight)
+    return weight
+
+
 @register("moe_experts", "reference", priority=0, reads_device_values=True)
 def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                 situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
@@ -118,7 +143,7 @@ def moe_experts(latent, ids, route_weights, w1_packed, w1_scale, w3_packed, w3_s
     expert_out = torch.zeros(*ids.shape, latent.shape[1], dtype=torch.float32, device=latent.device)
     for e in ids.unique().tolist():
         rows, slots = (ids == e).nonzero(as_tuple=True)
-        w1, w3, w2 = (dequantise(packed[e], scale[e], latent.dtype)
+        w1, w3, w2 = (_expert_weight(packed, scale, e, latent.dtype)
                       for packed, scale in ((w1_packed, w1_scale), (w3_packed, w3_scale), (w2_packed, w2_scale)))
         h = latent[rows]
         act = situ(ops.linear(h, w1), ops.linear(h, w3), situ_beta, situ_linear_beta)
