@@ -140,21 +140,32 @@ def _assert_one_line_error(result, command, *needles):
     assert all(n in lines[0] for n in needles), lines[0]
 
 
-def test_cli_errors_are_one_line_on_stderr(tmp_path):
+def test_cli_errors_are_one_line_on_stderr(tmp_path, capsys):
+    """A refused value is one line on stderr, exit 2, no traceback. Three cases run as a real process (one
+    through the target's build, with every import's own stderr; one argparse's; an unknown command); the
+    others through main() in this process, where a subprocess would add ~5 s of imports each."""
     import pytest
 
-    cases = [
-        (["generate", "--target", "toy", "-k", "1000000"], "generate", ["num_speculative_tokens=1000000", "[0, 64]"]),
+    in_process = [
         (["generate", "--target", "toy", "--max-seq-len", "8", "-k", "7"], "generate",
          ["num_speculative_tokens=7", "at most 6", "max_seq_len=8"]),
         (["generate", "--target", "toy", "--temperature", "1e-31"], "generate", ["temperature=1e-31"]),
         (["generate", "--target", "toy", "--drafter", "dspark", "--drafter-path", str(tmp_path / "missing")],
          "generate", [str(tmp_path / "missing")]),
-        (["generate", "--target", "toy", "--max-tokens", "x"], "generate", ["--max-tokens", "'x'"]),
         (["sweep", "--target", "toy", "--k", "7", "--al", "9"], "sweep", ["--al 9"]),
+    ]
+    for args, command, needles in in_process:
+        code = main(args)
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == 2 and "Traceback" not in err and len(lines) == 1, (args, err)
+        assert lines[0].startswith(f"dspark {command}: error: ") and all(n in lines[0] for n in needles), (args, err)
+    processes = [
+        (["generate", "--target", "toy", "-k", "1000000"], "generate", ["num_speculative_tokens=1000000", "[0, 64]"]),
+        (["generate", "--target", "toy", "--max-tokens", "x"], "generate", ["--max-tokens", "'x'"]),
         (["nonsense"], None, ["unknown command 'nonsense'"]),
     ]
-    for args, command, needles in cases:
+    for args, command, needles in processes:
         result = _run_cli(*args)
         if command is None:
             assert result.returncode == 2 and result.stderr.startswith("dspark: error: unknown command 'nonsense'")

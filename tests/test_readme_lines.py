@@ -56,7 +56,7 @@ CHECKS = {
     "scripts/run": Check(stdout=("wrote runs/sweep-k3-tiny/sweep.json",), files=("runs/sweep-k3-tiny/sweep.png",),
                          smaller=["--k", "1", "--batch", "1", "--al", "1,2", *TINY_SWEEP]),
     "scripts/test": Check(stdout=("No broken requirements found", "passed", "vLLM interop tests not run"),
-                          smaller=["tests/test_layering.py"], env={"DSPARK_TEST_VLLM": "0"}),
+                          smaller=["tests/test_layering.py"], env={"DSPARK_TEST_VLLM": "0", "DSPARK_TEST_WORKERS": "0"}),
     GENERATE.format(k=7): Check(stdout=("acceptance length 1.00", "(k=7, drafter=ngram)")),
     GENERATE.format(k=0) + "    # plain decoding, same loop": Check(stdout=("acceptance length 1.00", "(k=0")),
     "dspark sweep --k 3 --batch 1 --al 1,2,3,4 --context 16 --out runs/sweep-small": Check(
