@@ -26,6 +26,7 @@ def _load_module():
     return module
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_gloo_run_covers_every_collective_and_feeds_the_roofline(tmp_path):
     out = tmp_path / "results" / "comm_bench.json"

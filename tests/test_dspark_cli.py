@@ -72,6 +72,7 @@ def _state_step(out) -> int:
     return torch.load(out / "trainer_state.pt", weights_only=False)["step"]
 
 
+@pytest.mark.long
 def test_a_killed_run_resumes_to_the_weights_of_an_unbroken_one(tmp_path, capsys):
     """Ctrl-C mid-training saves a checkpoint after the current step; SIGKILL (nothing to catch)
     loses only the steps since the last save; each time --resume continues, and the final weights

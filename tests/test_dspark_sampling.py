@@ -14,6 +14,7 @@ import torch
 from distribution import SAMPLES, broken_sampler, sampled_run, toy_dspark
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sampler,should_pass", [(None, True), (broken_sampler, False)])
 def test_probabilistic_dspark_drafts_preserve_the_distribution(sampler, should_pass):
     seed = int.from_bytes(os.urandom(4), "little")

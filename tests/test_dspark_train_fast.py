@@ -391,6 +391,7 @@ def test_causal_taps_equal_the_taps_of_a_verify_on_free_slots():
         target.causal_taps(bad, layers)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("taps_attention", ["sdpa", "flex"])
 def test_compiled_causal_taps_equal_the_eager_ones(taps_attention):
     """LlamaTarget(compiled_taps=True) runs causal_taps' layers through torch.compile, one graph for all of

@@ -17,6 +17,7 @@ from toy_drafters import ScriptedDrafter, TableDrafter
     "drafter_kind,sampler,should_pass",
     [("table", None, True), ("ngram", None, True), ("table", broken_sampler, False)],
 )
+@pytest.mark.long
 def test_speculative_sampling_preserves_the_sequence_distribution(drafter_kind, sampler, should_pass):
     engine, pvalue = sampled_run(
         lambda target: TableDrafter(V, seed=5, scale=1.5) if drafter_kind == "table" else NgramDrafter(1, 2), sampler,

@@ -15,6 +15,7 @@ from dspark.engine import Engine
 from toy_drafters import ScriptedDrafter
 
 NUM_PROMPTS, MAX_TOKENS, SEQ_LEN = 20, 16, 64
+pytestmark = pytest.mark.long  # the whole module, its module-scoped references beside it (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

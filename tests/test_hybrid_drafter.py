@@ -40,6 +40,7 @@ def test_greedy_hybrid_output_equals_plain_decoding_with_both_drafters_proposing
     assert hybrid.rows["ngram"] > 0 and hybrid.rows["dspark"] >= len(prompts), (seed, hybrid.rows)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sampler,should_pass", [(None, True), (broken_sampler, False)])
 def test_probabilistic_hybrid_drafts_preserve_the_distribution(sampler, should_pass):
     seed = int.from_bytes(os.urandom(4), "little")

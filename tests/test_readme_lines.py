@@ -229,6 +229,7 @@ def chains(commands: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
     return sorted(found.values(), key=len, reverse=True)
 
 
+@pytest.mark.long
 def test_every_readme_line_runs_as_written(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 

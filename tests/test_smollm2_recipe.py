@@ -123,6 +123,7 @@ def tiny_data_for_the_gguf(path):
     tiny_data(path, GGUFTokenizer(GGUFFile(gguf).metadata))
 
 
+@pytest.mark.long
 def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     tiny_data_for_the_gguf(tmp_path / "data.npz")
     out = tmp_path / "results.json"
@@ -194,6 +195,7 @@ def test_recipe_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert "rerun with the same --start-from" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, capsys):
     """A run that does not fit one session: DSpark alone packed where its session ended (step 2 of a 3-step
     schedule, --stop-at), then the ablation trained as far on the same schedule in a fresh work folder and
@@ -246,6 +248,7 @@ def test_drafters_trained_in_separate_sessions_are_evaluated_together(tmp_path, 
         torch.testing.assert_close(calibrated[key].float(), tensor.float(), rtol=0, atol=0)
 
 
+@pytest.mark.long
 def test_lockstep_training_gives_the_separate_runs_drafters(tmp_path):
     """--lockstep trains both drafters on each batch captured once: on the CPU the same weights, bit for
     bit, and the same held-out records as training them one after the other, with each run saying what it
@@ -274,6 +277,7 @@ def test_lockstep_training_gives_the_separate_runs_drafters(tmp_path):
         assert "lockstep_with" not in runs["a"][name]
 
 
+@pytest.mark.long
 def test_a_call_stopped_inside_training_keeps_its_steps_time(tmp_path, monkeypatch):
     """A call whose --time-limit passes between two steps stops (exit 3) with the results file already
     saying how far each drafter got and its seconds per step; the next call resumes there."""

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 
+@pytest.mark.long
 def test_triton_kernels_match_references_under_the_interpreter():
     seed = int(torch.randint(0, 2**31 - 1, ()))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
