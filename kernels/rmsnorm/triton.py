@@ -62,15 +62,16 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     residual's shape, or split-K partials [S, *residual.shape] that the kernel adds in split order
     (reference.add_rms_norm), in place of the GEMM's reduction launch."""
     r = _rows(residual)
-    parts = delta.reshape(delta.shape[0], -1, delta.shape[-1]) if is_partials_of(delta, residual) else _rows(delta)[None]
+    partials = is_partials_of(delta, residual)
+    parts = delta.reshape(delta.shape[0], -1, delta.shape[-1]) if partials else _rows(delta)[None]
     out = torch.empty(r.shape, dtype=residual.dtype, device=residual.device) if out is None else out.view(r.shape)
     total = torch.empty(r.shape, dtype=residual.dtype, device=residual.device) if total is None else total.view(r.shape)
     block, warps = _launch_shape(r.shape[1])
     if r.shape[0]:
         _kernels().add_rms_norm_kernel[(r.shape[0],)](r, r.stride(0), parts, parts.stride(0), parts.stride(1), weight,
-                                                      out, out.stride(0), total, total.stride(0), r.shape[1], float(eps),
-                                                      DELTA_PARTS=parts.shape[0], BLOCK=block, **pdl_options(),
-                                                      num_warps=warps)
+                                                      out, out.stride(0), total, total.stride(0), r.shape[1],
+                                                      float(eps), DELTA_PARTS=parts.shape[0], BLOCK=block,
+                                                      **pdl_options(), num_warps=warps)
     return out.view(residual.shape), total.view(residual.shape)
 
 
@@ -127,7 +128,7 @@ def supports_attn_res_mix_norm(current, checkpoints, mix_norm, mix_proj, out_nor
 def supports_add_attn_res_mix_norm(residual, delta, checkpoints, mix_norm, mix_proj, out_norm) -> bool:
     """delta [M, d] in residual's dtype, or split-K partials [S, M, d] (fp32, or residual's dtype)."""
     return ((delta.shape == residual.shape and delta.dtype == residual.dtype
-             or delta.dim() == 3 and delta.shape[1:] == residual.shape and delta.dtype in (residual.dtype, torch.float32))
+             or is_partials_of(delta, residual) and delta.dtype in (residual.dtype, torch.float32))
             and delta.stride(-1) == 1 and supports_attn_res_mix_norm(residual, checkpoints, mix_norm, mix_proj, out_norm))
 
 
