@@ -64,10 +64,9 @@ ABSORB_MAX_HEADS = 16
 
 
 def _absorb(x, w, out, K, gate=None, pe=None, rope=None) -> None:
-    """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K], its rows strided as a view of a
-    wider weight may have them), gated by
-    gate [M, H*N] when given; pe: the rope columns x[:, :, K:] copied there when given, rotated by
-    rope's tables when that is given too."""
+    """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K], its rows strided as a view
+    of a wider weight may have them), gated by gate [M, H*N] when given; pe: the rope columns
+    x[:, :, K:] copied there when given, rotated by rope's tables when that is given too."""
     M, H = x.shape[0], x.shape[1]
     N = w.shape[1]
     P = x.shape[2] - K
@@ -76,7 +75,8 @@ def _absorb(x, w, out, K, gate=None, pe=None, rope=None) -> None:
     rope_args, rope_flags = _rope_args(rope, M, P, x)
     if M:
         kernel_module(__package__).absorb_kernel[(H, -(-N // ABSORB_BLOCK_N))](
-            x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), out, out.stride(0), N, *gate_args, *pe_args, *rope_args, M, N, K, P,
+            x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), out, out.stride(0), N, *gate_args, *pe_args,
+            *rope_args, M, N, K, P,
             HAS_GATE=gate is not None, COPY_PE=pe is not None, **rope_flags, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
             BLOCK_N=ABSORB_BLOCK_N, BLOCK_K=ABSORB_BLOCK_K, BLOCK_P=max(16, 1 << max(P - 1, 0).bit_length()),
             **pdl_options(), num_warps=4)

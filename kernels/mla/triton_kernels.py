@@ -60,8 +60,8 @@ def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_r
 
 @triton.jit
 def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, stride_wh, stride_wn, out_ptr, stride_om, stride_oh, gate_ptr,
-                  stride_gm, pe_ptr, stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P, HAS_GATE: tl.constexpr,
-                  COPY_PE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  stride_gm, pe_ptr, stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P,
+                  HAS_GATE: tl.constexpr, COPY_PE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Program (h, nb): out[:, h, nb-th 64 columns] = x[:, h, :K] . w[h, those rows, :]^T over all M
     rows (fp32 accumulation, rounded to out's dtype, as a GEMM does); with HAS_GATE the result
