@@ -54,6 +54,7 @@ def main(seed: int) -> None:
         current = torch.randn(M, d, generator=gen) * 3
         ckpts = torch.randn(num_checkpoints, M, d, generator=gen) * 2
         mix_norm, mix_proj, out_norm = (torch.rand(d, generator=gen) + 0.5 for _ in range(3))
+        mix_proj /= d**0.5  # scores of order 1: every candidate weighs in (of order sqrt(d), one takes all)
         want = norm_ref.attn_res_mix_norm(current.double(), ckpts.double(), mix_norm.double(), mix_proj.double(),
                                           out_norm.double(), 1e-6)
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6,

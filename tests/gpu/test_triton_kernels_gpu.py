@@ -62,6 +62,7 @@ def test_rms_norm_and_mix_norm_match_references(gen, rows):
     for num_checkpoints in (1, 4, 9):
         ckpts = (torch.randn(num_checkpoints, rows, d, device="cuda", generator=gen) * 2).bfloat16()
         mix_norm, mix_proj, out_norm = ((torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(3))
+        mix_proj = (mix_proj / d**0.5).bfloat16()  # scores of order 1: every candidate weighs in, none takes all
         out = _poisoned(current)
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=out)
         want = norm_ref.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
@@ -86,6 +87,7 @@ def test_mix_norm_adds_split_k_partials_as_the_reduction_kernel_would(gen, parts
     current = (torch.randn(rows, d, device="cuda", generator=gen) * 3).bfloat16()
     ckpts = (torch.randn(3, rows, d, device="cuda", generator=gen) * 2).bfloat16()
     weights = [(torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(3)]
+    weights[1] = (weights[1] / d**0.5).bfloat16()  # the pseudo-query: scores of order 1
     partials = torch.randn(parts, rows, d, device="cuda", generator=gen) * 2
     assert registry.select("add_attn_res_mix_norm", current, partials, ckpts, *weights).name == "triton"
     out, total = _poisoned(current), _poisoned(current)
