@@ -31,7 +31,7 @@ class MarkovTarget:
         self.head = (torch.randn(vocab_size, hidden_size, generator=g) * hidden_size**-0.5).to(self.device)
         self.prev = torch.full((max_slots, 2), vocab_size, dtype=torch.long, device=self.device)
         self.length = torch.zeros(max_slots, dtype=torch.long, device=self.device)
-        self._last: tuple[list[int], torch.Tensor] | None = None
+        self._last: tuple[dict[int, int], torch.Tensor] | None = None  # (slot -> its row, the rows' context)
 
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.embedding, self.head
@@ -49,7 +49,7 @@ class MarkovTarget:
         ctx = torch.cat([self.prev[idx], tokens], dim=1)  # [B, 2 + T]
         logits = self.next_logits(ctx[:, 1:-1], ctx[:, 2:])
         taps = {layer: self.embedding[tokens] for layer in tap_layers}
-        self._last = (list(slots), ctx)
+        self._last = ({s: row for row, s in enumerate(slots)}, ctx)
         return TargetOutput(logits, taps)
 
     def prefill(self, slots, prompts, tap_layers=()):
@@ -68,8 +68,8 @@ class MarkovTarget:
         return self._run(slots, tokens, lengths, tap_layers)
 
     def commit(self, slots, num_tokens):
-        last_slots, ctx = self._last
-        rows = torch.tensor([last_slots.index(s) for s in slots], device=self.device)
+        row_of, ctx = self._last
+        rows = torch.tensor([row_of[s] for s in slots], device=self.device)
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         n = num_tokens.to(self.device)
         # After keeping n tokens the context's last two are ctx[n], ctx[n + 1] (ctx starts with
