@@ -257,7 +257,7 @@ def test_lockstep_training_gives_the_separate_runs_drafters(tmp_path):
     base = ["run", "--data", str(tmp_path / "data.npz"), "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3",
             "--prefill-chunk", "2", "--steps", "3", "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0",
             "--layers", "1", "--markov-rank", "8", "--eval-every", "2", "--held-out-prompts", "1",
-            "--held-out-tokens", "3", "--attention", "per_query", "--log-every", "1", "--only-train"]
+            "--held-out-tokens", "3", "--log-every", "1", "--only-train"]
     apart, together = tmp_path / "apart", tmp_path / "together"
     assert recipe.main(base + ["--work-dir", str(apart), "--out", str(tmp_path / "a.json"), "--sequences", ""]) == 0
     sequences = ["--sequences", str(apart / "sequences.npz")]
@@ -285,7 +285,7 @@ def test_a_call_stopped_inside_training_keeps_its_steps_time(tmp_path, monkeypat
     argv = ["run", "--data", str(tmp_path / "data.npz"), "--device", "cpu", "--gen-tokens", "6", "--gen-batch", "3",
             "--prefill-chunk", "2", "--steps", "3", "--batch-size", "2", "--num-anchors", "4", "--anchor-chunk", "0",
             "--layers", "1", "--markov-rank", "8", "--eval-every", "3", "--held-out-prompts", "1",
-            "--held-out-tokens", "3", "--attention", "per_query", "--log-every", "1", "--only-train", "--lockstep",
+            "--held-out-tokens", "3", "--log-every", "1", "--only-train", "--lockstep",
             "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out.json"), "--sequences", ""]
     whole = recipe.train_together
     # the deadline passing after the first step of a segment
