@@ -6,9 +6,10 @@ running pytest's own process a second thread mostly waits (measured: k3-tiny ver
 tokens 2.4 s with 2 threads on a busy machine, 0.25 s with 1).
 
 Fresh random inputs every run, reproducibly: the run draws one seed (or takes DSPARK_TEST_SEED),
-prints it in the header and beside every failure, and seeds torch's, numpy's and Python's global
-generators from it before collection (draws at import time) and again before each test, from the
-seed and the test's id, so a test's draws do not depend on which tests its worker ran before it."""
+prints it in the header, at the end and beside every failure, and seeds torch's, numpy's and
+Python's global generators from it before collection (draws at import time) and again before each
+test, from the seed and the test's id, so a test's draws do not depend on which tests its worker
+ran before it."""
 import os
 import random
 import zlib
@@ -43,6 +44,11 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return f"{SEED_VARIABLE}={run_seed()} (set it to repeat this run's random inputs)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Also at the end: -q (scripts/test) leaves the header out.
+    terminalreporter.write_line(pytest_report_header(terminalreporter.config))
 
 
 @pytest.fixture(autouse=True)
