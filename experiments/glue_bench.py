@@ -11,8 +11,8 @@ stream between two mixes) or hot, says where it goes. `--profile-only` runs each
 without timing, for Nsight Compute (tools/lab/rounds/glue/).
 
 Method (experiments/benchlib.py): graph replay of `reps` calls, median over repeats, microseconds a call.
-No bytes floor is quoted: a call reads at most 9 x 7168 x 2 bytes (129 KB), a few tens of nanoseconds of
-bandwidth; a call's latency, not its bytes, is the question.
+No bytes floor is quoted: a one-row mix reads at most ~186 KB (eight checkpoints and the current row in bf16,
+two fp32 partials), ~60 ns at HBM bandwidth; a call's latency, not its bytes, is the question.
 
 Usage: python experiments/glue_bench.py [--out experiments/results/h200/glue_bench.json] [--profile-only]
 """
