@@ -133,19 +133,18 @@ def _run_cli(*args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _assert_one_line_error(result, command, *needles):
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert len(lines) == 1 and lines[0].startswith(f"dspark {command}: error: "), result.stderr
-    assert all(n in lines[0] for n in needles), lines[0]
+def _assert_one_line_error(args, code, stderr, command, *needles):
+    """`dspark args` exited 2 with one line on stderr, `dspark <command>: error: ...` naming every needle."""
+    lines = stderr.strip().splitlines()
+    assert code == 2 and "Traceback" not in stderr, (args, stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"dspark {command}: error: "), (args, stderr)
+    assert all(n in lines[0] for n in needles), (args, lines[0])
 
 
 def test_cli_errors_are_one_line_on_stderr(tmp_path, capsys):
     """A refused value is one line on stderr, exit 2, no traceback. Three cases run as a real process (one
     through the target's build, with every import's own stderr; one argparse's; an unknown command); the
     others through main() in this process, where a subprocess would add ~5 s of imports each."""
-    import pytest
-
     in_process = [
         (["generate", "--target", "toy", "--max-seq-len", "8", "-k", "7"], "generate",
          ["num_speculative_tokens=7", "at most 6", "max_seq_len=8"]),
@@ -156,10 +155,7 @@ def test_cli_errors_are_one_line_on_stderr(tmp_path, capsys):
     ]
     for args, command, needles in in_process:
         code = main(args)
-        err = capsys.readouterr().err
-        lines = err.strip().splitlines()
-        assert code == 2 and "Traceback" not in err and len(lines) == 1, (args, err)
-        assert lines[0].startswith(f"dspark {command}: error: ") and all(n in lines[0] for n in needles), (args, err)
+        _assert_one_line_error(args, code, capsys.readouterr().err, command, *needles)
     processes = [
         (["generate", "--target", "toy", "-k", "1000000"], "generate", ["num_speculative_tokens=1000000", "[0, 64]"]),
         (["generate", "--target", "toy", "--max-tokens", "x"], "generate", ["--max-tokens", "'x'"]),
@@ -170,10 +166,7 @@ def test_cli_errors_are_one_line_on_stderr(tmp_path, capsys):
         if command is None:
             assert result.returncode == 2 and result.stderr.startswith("dspark: error: unknown command 'nonsense'")
             continue
-        try:
-            _assert_one_line_error(result, command, *needles)
-        except AssertionError:
-            pytest.fail(f"{args}: {result.stderr}")
+        _assert_one_line_error(args, result.returncode, result.stderr, command, *needles)
 
 
 def test_per_request_errors_go_to_stderr():
