@@ -13,8 +13,9 @@ fi
 PY="$VENV/bin/python"
 # Byte-code caches are written (into the environment, and __pycache__/ here, which git ignores) for what
 # the processes started from here import: this project's machines set PYTHONDONTWRITEBYTECODE, and under
-# it every process compiled torch's sources again (9 s of CPU an import of torch on this project's CPU machine, 3.5 s
-# from the cache), and the suite starts a Python process for every README line and CLI run it checks.
+# it every process compiled torch's sources again (an import of torch: 9 s of CPU on this project's CPU
+# machine, 3.5 s from the cache), and the suite starts a Python process for every README line and CLI
+# run it checks.
 unset PYTHONDONTWRITEBYTECODE
 
 # pip's stderr less two messages that are understood: the ~90 warnings about missing local index
