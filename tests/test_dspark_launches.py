@@ -20,6 +20,7 @@ from dspark.drafters.dspark import model as model_module
 from dspark.drafters.dspark.config import K3_TINY_DSPARK, rank_share
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
+from dspark.kernels import triton_common
 from launch_counter import counting
 
 LAYERS = K3_TINY_DSPARK.num_layers
@@ -68,9 +69,10 @@ def test_a_propose_launches_the_pinned_ops_and_no_layer_glue(monkeypatch):
     assert launches.glue["cat"] == 2 and "eye" not in launches.glue, launches
 
 
-def test_the_drafter_benchs_partials_switch_is_set_and_restored():
+def test_the_drafter_benchs_switches_are_set_and_restored():
     """experiments/drafter_bench.py --setting draft_output_partials=0|1 flips model.OUTPUTS_AS_PARTIALS_ON
-    for its block (on CUDA by default) and restores it; another value is refused by name."""
+    for its block (on CUDA by default) and triton_pdl=0|1 triton_common.PDL, each restored after; another
+    value is refused by name."""
     script = Path(__file__).resolve().parents[1] / "experiments" / "drafter_bench.py"
     sys.path.insert(0, str(script.parent))
     spec = importlib.util.spec_from_file_location("drafter_bench", script)
@@ -83,3 +85,7 @@ def test_the_drafter_benchs_partials_switch_is_set_and_restored():
     with pytest.raises(SystemExit, match="draft_output_partials='2'"):
         with bench.switched("draft_output_partials=2", bench.SWITCHES):
             pass
+    pdl = triton_common.PDL
+    with bench.switched(f"triton_pdl={int(not pdl)}", bench.SWITCHES):
+        assert triton_common.PDL is (not pdl)
+    assert triton_common.PDL is pdl

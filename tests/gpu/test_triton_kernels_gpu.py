@@ -336,5 +336,8 @@ def test_the_drafters_norm_reads_strided_rows_in_place(gen, width):
     apart = (out.float() - torch_norm.float()).abs()
     assert torch.isfinite(out).all() and (apart <= _bf16_ulp(torch_norm) + 1e-3).all(), \
         f"against F.rms_norm: {apart.max().item():.3e} apart"
-    _close(out, norm_ref.rms_norm_scaled_in_fp32(x.double(), weight.double(), 1e-6), "against float64", roundings=1)
+    # float64 rounded once to bf16: the best bf16 answer, which the kernel's fp32 chain may miss by one
+    # rounding (against the unrounded float64 the output's own rounding alone averages ~1e-3 at |v| ~ 1).
+    exact = norm_ref.rms_norm_scaled_in_fp32(x.double(), weight.double(), 1e-6).bfloat16()
+    _close(out, exact, "against float64 rounded to bf16", roundings=1)
     assert torch.equal(ops.rms_norm_scaled_in_fp32(x, weight, 1e-6), out)
