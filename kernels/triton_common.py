@@ -21,8 +21,9 @@ def kernel_module(package: str):
 # makes comes after the previous kernel has completed and is visible) and
 # griddepcontrol.launch_dependents (the next kernel may be launched now, to wait in its own
 # prologue): inside a CUDA graph, a kernel's launch then overlaps its predecessor's tail, as the
-# CuTe kernels' already do. Off: on the rank's step it won only at batch 2, T = 1 (docs/kimi-k3.md
-# §8.5; experiments/step_bench.py --setting triton_pdl=1 times it).
+# CuTe kernels' already do. Off until the slice and the GPU tests have run under it, though it is
+# faster on the rank at batch 1 (docs/kimi-k3.md §8.5; experiments/step_bench.py --setting triton_pdl=1
+# times it).
 PDL = False
 
 
