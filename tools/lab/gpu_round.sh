@@ -39,6 +39,8 @@ for name in "${JOBS[@]}"; do
   rc=$?
   echo "$name: rc=$rc in $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$WORK/summary.txt"
   tail -3 "$WORK/$name/log"
+  # after every job: a call cut short (its device time spent) still returns the jobs that finished
+  tar czf "$OUT/round.tgz.part" -C "$WORK" . && mv "$OUT/round.tgz.part" "$OUT/round.tgz"
 done
 tar czf "$OUT/round.tgz" -C "$WORK" .
 cat "$WORK/summary.txt"
