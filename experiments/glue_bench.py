@@ -1,6 +1,7 @@
 """The step's single-program glue kernels alone, per call, at a K3 rank's shapes: the AttnRes mix norm
-(kernels/rmsnorm/triton.py; 0-8 checkpoints, the residual add's delta as 0-2 split-K partials) and the
-router's selection (kernels/moe/triton.py route_logits; 896 logits, top 16), each beside a one-row
+(kernels/rmsnorm/triton.py; 0-8 checkpoints, the residual add's delta as 0-2 split-K partials, the
+checkpoints scored one at a time or in 2-D tiles: MIX_SCORE_TILES) and the router's selection
+(kernels/moe/triton.py route_logits; 896 logits, top 16), each beside a one-row
 rms_norm (one load, one reduction, one store: what a launch of this shape costs at least) and the torch
 reference a user would otherwise run (its chain of small ops, graphed the same way).
 
@@ -45,8 +46,21 @@ def copies_for(bytes_per_call: int, l2_bytes: int, cold: bool) -> int:
     return min(MAX_COPIES, max(2, math.ceil(4 * l2_bytes / bytes_per_call))) if cold else 1
 
 
-def mix_cases(rows: int, checkpoints: int, parts: int, copies: int, gen: torch.Generator):
-    """(triton calls, reference calls) over `copies` input sets of one mix-norm shape."""
+def with_tiles(tiles: bool, call):
+    """call() with the mix's checkpoints scored one at a time or in 2-D tiles
+    (kernels/rmsnorm/triton.py MIX_SCORE_TILES: read at each call, so at a graph's capture too)."""
+    def run():
+        saved, norm_triton.MIX_SCORE_TILES = norm_triton.MIX_SCORE_TILES, tiles
+        try:
+            return call()
+        finally:
+            norm_triton.MIX_SCORE_TILES = saved
+    return run
+
+
+def mix_cases(rows: int, checkpoints: int, parts: int, copies: int, gen: torch.Generator, tiles: bool = False):
+    """(triton calls, reference calls) over `copies` input sets of one mix-norm shape; tiles: ours with
+    the checkpoints scored in 2-D tiles."""
     def bf16(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
 
@@ -57,14 +71,15 @@ def mix_cases(rows: int, checkpoints: int, parts: int, copies: int, gen: torch.G
         current, ckpts = bf16(rows, WIDTH, scale=3.0), bf16(checkpoints, rows, WIDTH, scale=2.0)
         out, total = torch.empty_like(current), torch.empty_like(current)
         if parts == 0:
-            ours.append(lambda c=current, k=ckpts, o=out: norm_triton.attn_res_mix_norm(
-                c, k, mix_norm, mix_proj, out_norm, 1e-6, out=o))
+            ours.append(with_tiles(tiles, lambda c=current, k=ckpts, o=out: norm_triton.attn_res_mix_norm(
+                c, k, mix_norm, mix_proj, out_norm, 1e-6, out=o)))
             reference.append(lambda c=current, k=ckpts: norm_ref.attn_res_mix_norm(
                 c, k, mix_norm, mix_proj, out_norm, 1e-6))
         else:
             delta = torch.randn(parts, rows, WIDTH, device="cuda", generator=gen)  # fp32 partials
-            ours.append(lambda c=current, dl=delta, k=ckpts, o=out, t=total: norm_triton.add_attn_res_mix_norm(
-                c, dl, k, mix_norm, mix_proj, out_norm, 1e-6, out=o, total=t))
+            ours.append(with_tiles(tiles, lambda c=current, dl=delta, k=ckpts, o=out, t=total:
+                                   norm_triton.add_attn_res_mix_norm(c, dl, k, mix_norm, mix_proj, out_norm, 1e-6,
+                                                                     out=o, total=t)))
             reference.append(lambda c=current, dl=delta, k=ckpts: norm_ref.add_attn_res_mix_norm(
                 c, dl, k, mix_norm, mix_proj, out_norm, 1e-6))
     return ours, reference
@@ -103,10 +118,13 @@ def cases(l2_bytes: int, gen: torch.Generator):
                 norm_cases(rows, copies_for(per_call, l2_bytes, cold), gen), None
             for checkpoints in CHECKPOINTS:
                 for parts in PARTS:
-                    per_call = (checkpoints + 1) * rows * WIDTH * 2 + parts * rows * WIDTH * 4
-                    ours, reference = mix_cases(rows, checkpoints, parts, copies_for(per_call, l2_bytes, cold), gen)
-                    yield "mix_norm", {"rows": rows, "cold": cold, "checkpoints": checkpoints, "parts": parts,
-                                       "bytes": per_call}, ours, None if cold else reference
+                    for tiles in (False, True) if checkpoints else (False,):
+                        per_call = (checkpoints + 1) * rows * WIDTH * 2 + parts * rows * WIDTH * 4
+                        ours, reference = mix_cases(rows, checkpoints, parts, copies_for(per_call, l2_bytes, cold), gen,
+                                                    tiles)
+                        yield "mix_norm", {"rows": rows, "cold": cold, "checkpoints": checkpoints, "parts": parts,
+                                           "tiles": tiles, "bytes": per_call}, ours, \
+                            None if cold or tiles else reference
             per_call = rows * EXPERTS * 4
             ours, reference = route_cases(rows, copies_for(per_call, l2_bytes, cold), gen)
             yield "route", {"rows": rows, "cold": cold, "bytes": per_call}, ours, None if cold else reference
@@ -149,13 +167,13 @@ def main(argv=None) -> int:
 
     floor = {(r["rows"], r["cold"]): r["ours"]["graph_us"] for r in rows if r["kernel"] == "rms_norm"}
     print("graph-replay us a call; 'x rms' = ours over an rms_norm of the same rows and cache state")
-    print(f"{'kernel':9s} {'rows':>4s} {'cache':>5s} {'ckpt':>4s} {'parts':>5s} {'ours':>7s} {'x rms':>6s} {'torch':>7s} "
-          f"{'torch/ours':>10s}")
+    print(f"{'kernel':9s} {'rows':>4s} {'cache':>5s} {'ckpt':>4s} {'parts':>5s} {'tiles':>5s} {'ours':>7s} {'x rms':>6s} "
+          f"{'torch':>7s} {'torch/ours':>10s}")
     for r in rows:
         ours_us, ref = r["ours"]["graph_us"], (r.get("reference") or {}).get("graph_us")
         base = floor.get((r["rows"], r["cold"]))
         print(f"{r['kernel']:9s} {r['rows']:4d} {'cold' if r['cold'] else 'hot':>5s} {r.get('checkpoints', ''):>4} "
-              f"{r.get('parts', ''):>5} {ours_us or float('nan'):7.2f} "
+              f"{r.get('parts', ''):>5} {'yes' if r.get('tiles') else '':>5} {ours_us or float('nan'):7.2f} "
               f"{(ours_us / base) if ours_us and base else float('nan'):6.2f} {ref or float('nan'):7.2f} "
               f"{(ref / ours_us) if ref and ours_us else float('nan'):10.2f}")
     print(f"wrote {args.out}")

@@ -28,3 +28,16 @@ def test_cold_cases_rotate_four_l2s_of_inputs_up_to_the_cap():
     assert glue_bench.copies_for(1 << 20, l2, cold=False) == 1
     assert glue_bench.copies_for(1 << 20, l2, cold=True) * (1 << 20) >= 4 * l2
     assert glue_bench.copies_for(14336, l2, cold=True) == glue_bench.MAX_COPIES
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_mix_call_runs_under_its_tiles_setting_and_restores_it(tiles):
+    norm_triton = glue_bench.norm_triton
+    assert norm_triton.MIX_SCORE_TILES is False
+    seen = []
+    call = glue_bench.with_tiles(tiles, lambda: seen.append(norm_triton.MIX_SCORE_TILES) or "done")
+    assert call() == "done" and seen == [tiles] and norm_triton.MIX_SCORE_TILES is False
+    failing = glue_bench.with_tiles(tiles, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing()
+    assert norm_triton.MIX_SCORE_TILES is False

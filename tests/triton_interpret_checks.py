@@ -50,7 +50,10 @@ def main(seed: int) -> None:
         close(got, norm_ref.rms_norm_scaled_in_fp32(x.double(), weight.double(), 1e-6),
               f"rms_norm_scaled_in_fp32 width {width}")
     M, d = 4, 96
-    for num_checkpoints in (0, 1, 3):
+    # the loop (tiles off) and the 2-D tiles: 3 checkpoints are one tile of four with a padding row, 5 are
+    # tiles of two, the last with one (kernels/rmsnorm/triton.py score_tile)
+    for tiles, num_checkpoints in [(False, 0), (False, 1), (False, 3), (True, 1), (True, 3), (True, 5)]:
+        norm_triton.MIX_SCORE_TILES = tiles
         current = torch.randn(M, d, generator=gen) * 3
         ckpts = torch.randn(num_checkpoints, M, d, generator=gen) * 2
         mix_norm, mix_proj, out_norm = (torch.rand(d, generator=gen) + 0.5 for _ in range(3))
@@ -59,7 +62,7 @@ def main(seed: int) -> None:
                                           out_norm.double(), 1e-6)
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6,
                                             out=torch.full((M, d), float("nan")))
-        close(got, want, f"attn_res_mix_norm with {num_checkpoints} checkpoints")
+        close(got, want, f"attn_res_mix_norm with {num_checkpoints} checkpoints, tiles {tiles}")
         residual, delta = current[:, :d], torch.randn(M, d + 8, generator=gen)[:, 4 : 4 + d]  # strided delta rows
         want_out, want_total = norm_ref.add_attn_res_mix_norm(
             residual.double(), delta.double(), ckpts.double(), mix_norm.double(), mix_proj.double(), out_norm.double(), 1e-6)
@@ -67,8 +70,9 @@ def main(seed: int) -> None:
             residual, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=torch.full((M, d), float("nan")),
             total=torch.full((M, d), float("nan")))
         close(got_total, want_total, f"add_attn_res_mix_norm's sum with {num_checkpoints} checkpoints")
-        close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints")
+        close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints, tiles {tiles}")
         check_mix_norm_of_partials(gen, residual, ckpts, mix_norm, mix_proj, out_norm)
+    norm_triton.MIX_SCORE_TILES = False
     rows, n = 3, 1500  # two column blocks, the second partial
     gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
     gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre

@@ -16,8 +16,24 @@ MAX_WIDTH = 16384  # the row lives in registers: 16384 fp32 over 16 warps is 32 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# The AttnRes mix scores its checkpoints in 2-D tiles (score_tile), one reduction round a tile, where
+# the per-checkpoint loop takes one round a checkpoint: at batch 1 the mix is one program whose
+# reductions, not its bytes, set its time (experiments/notes/rank.md, "Eighth round"). Off until
+# experiments/glue_bench.py and the step have timed it (--setting mix_tiles=1).
+MIX_SCORE_TILES = False
+
+
 def _kernels():
     return kernel_module(__package__)
+
+
+def score_tile(checkpoints: int) -> int:
+    """How many checkpoints the mix scores at once (0: one at a time, the loop). All in one tile up to
+    four; past four, tiles of two: ptxas overlaps two tiles of four and spills at 16 warps, where
+    tiles of two fit (tests/test_mix_norm_compile.py)."""
+    if not MIX_SCORE_TILES or checkpoints == 0:
+        return 0
+    return 1 << (checkpoints - 1).bit_length() if checkpoints <= 4 else 2
 
 
 def _launch_shape(width: int) -> tuple[int, int]:
@@ -104,7 +120,7 @@ def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, 
         _kernels().attn_res_mix_norm_kernel[(M,)](
             checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            BLOCK=block, HAS_DELTA=has_delta, DELTA_PARTS=parts.shape[0] if has_delta else 1, **pdl_options(),
+            TILE=score_tile(checkpoints.shape[0]), BLOCK=block, HAS_DELTA=has_delta, DELTA_PARTS=parts.shape[0] if has_delta else 1, **pdl_options(),
             num_warps=warps)
 
 

@@ -70,15 +70,19 @@ def _sum_pair(a0, b0, a1, b1):
 @triton.jit
 def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, delta_ptr, stride_dp, stride_dm,
                              total_ptr, stride_t, mix_norm_ptr, mix_proj_ptr, out_norm_ptr, out_ptr, stride_o, d, eps,
-                             NUM_CKPT: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-                             DELTA_PARTS: tl.constexpr, PDL: tl.constexpr):
+                             NUM_CKPT: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_DELTA: tl.constexpr, DELTA_PARTS: tl.constexpr, PDL: tl.constexpr):
     """AttnRes mix over {current, checkpoints[0..NUM_CKPT)} followed by RMSNorm, per row, in one pass
     over the candidates: each candidate's score takes one reduction (its dot with the pseudo-query and
     its sum of squares together) and folds into an online softmax, the running weighted sum and total
     rescaled when the largest score grows. Every candidate row is read once, and a row costs
     NUM_CKPT + 2 block-wide reductions (one per candidate, the norm's): at batch 1 one program runs
     the whole step's mix, and its reductions, not its bytes, set its time. The checkpoint count is a
-    compile-time constant (a model has a handful: one build each), so the loop unrolls. HAS_DELTA:
+    compile-time constant (a model has a handful: one build each), so the loop unrolls. TILE > 0 scores
+    the checkpoints TILE at a time instead: one 2-D load and one reduction round for a tile's scores,
+    folded into the softmax together, then the tile read again for the weighted sum (not kept in
+    registers: at 16 warps a tile of four and the row's other vectors fill the 128 registers), so a row
+    costs ceil(NUM_CKPT / TILE) + 2 reduction rounds (kernels/rmsnorm/triton.py score_tile). HAS_DELTA:
     current is cur + delta, rounded to the output dtype as a torch add would, and also stored to
     total (add_attn_res_mix_norm). DELTA_PARTS > 1: delta comes as a GEMM's split-K partials, added
     here in split order in fp32 and rounded to the output dtype as the GEMM's reduction kernel would
@@ -100,15 +104,32 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
     best = dot * tl.rsqrt(square / d + eps)  # the largest score so far; current's weight is exp(0) = 1
     acc = current
     weights = 1.0
-    for c in tl.static_range(0, NUM_CKPT):
-        x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-        dot, square = tl.reduce((x * score_w, x * x), 0, _sum_pair)
-        score = dot * tl.rsqrt(square / d + eps)
-        grown = tl.maximum(best, score)
-        scale, weight = tl.exp(best - grown), tl.exp(score - grown)
-        acc = acc * scale + weight * x
-        weights = weights * scale + weight
-        best = grown
+    if TILE == 0:
+        for c in tl.static_range(0, NUM_CKPT):
+            x = tl.load(ckpt_ptr + c * stride_cc + row * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+            dot, square = tl.reduce((x * score_w, x * x), 0, _sum_pair)
+            score = dot * tl.rsqrt(square / d + eps)
+            grown = tl.maximum(best, score)
+            scale, weight = tl.exp(best - grown), tl.exp(score - grown)
+            acc = acc * scale + weight * x
+            weights = weights * scale + weight
+            best = grown
+    else:
+        for first in tl.static_range(0, NUM_CKPT, TILE):
+            c = first + tl.arange(0, TILE)
+            tile = ckpt_ptr + c[:, None] * stride_cc + row * stride_cm + offs[None, :]
+            inside = (c[:, None] < NUM_CKPT) & mask[None, :]
+            x = tl.load(tile, mask=inside, other=0.0).to(tl.float32)
+            dots, squares = tl.reduce((x * score_w[None, :], x * x), 1, _sum_pair)
+            scores = tl.where(c < NUM_CKPT, dots * tl.rsqrt(squares / d + eps), float("-inf"))
+            grown = tl.maximum(best, tl.max(scores, axis=0))
+            scale, tile_weights = tl.exp(best - grown), tl.exp(scores - grown)  # a padding row's weight: 0
+            # the second read carries another cache hint so the compiler cannot merge it with the first
+            # and keep the tile in registers (it would spill)
+            x = tl.load(tile, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            acc = acc * scale + tl.sum(tile_weights[:, None] * x, axis=0)
+            weights = weights * scale + tl.sum(tile_weights, axis=0)
+            best = grown
     mixed = (acc / weights).to(dtype).to(tl.float32)  # the mix's output is a tensor of current's dtype
     y = (mixed * tl.rsqrt(tl.sum(mixed * mixed, axis=0) / d + eps)).to(dtype).to(tl.float32)
     w = tl.load(out_norm_ptr + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)

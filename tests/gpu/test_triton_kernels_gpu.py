@@ -45,8 +45,12 @@ def _close(got, want, what, roundings: int = 2):
     assert err.mean().item() < 1e-3, f"{what}: mean error {err.mean().item():.3e}"
 
 
+@pytest.mark.parametrize("tiles", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_rms_norm_and_mix_norm_match_references(gen, rows):
+def test_rms_norm_and_mix_norm_match_references(gen, rows, tiles, monkeypatch):
+    """tiles: the mix scores its checkpoints in 2-D tiles (norm_triton.MIX_SCORE_TILES; 4 in one tile of
+    four, 9 in tiles of two, the last with a padding row)."""
+    monkeypatch.setattr(norm_triton, "MIX_SCORE_TILES", tiles)
     d = 7168
     x = (torch.randn(rows, d + 512, device="cuda", generator=gen) * 2).bfloat16()[:, 256 : 256 + d]
     weight = (torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16()
@@ -66,14 +70,14 @@ def test_rms_norm_and_mix_norm_match_references(gen, rows):
         out = _poisoned(current)
         got = norm_triton.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6, out=out)
         want = norm_ref.attn_res_mix_norm(current, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
-        _close(got, want, f"attn_res_mix_norm, {num_checkpoints} checkpoints", roundings=3)
+        _close(got, want, f"attn_res_mix_norm, {num_checkpoints} checkpoints, tiles {tiles}", roundings=3)
         delta = (torch.randn(rows, d, device="cuda", generator=gen) * 3).bfloat16()
         out, total = _poisoned(current), _poisoned(current)
         got, got_total = norm_triton.add_attn_res_mix_norm(current, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6,
                                                            out=out, total=total)
         want, want_total = norm_ref.add_attn_res_mix_norm(current, delta, ckpts, mix_norm, mix_proj, out_norm, 1e-6)
         assert torch.equal(got_total, want_total), "add_attn_res_mix_norm: the sum differs from torch's bf16 add"
-        _close(got, want, f"add_attn_res_mix_norm, {num_checkpoints} checkpoints", roundings=3)
+        _close(got, want, f"add_attn_res_mix_norm, {num_checkpoints} checkpoints, tiles {tiles}", roundings=3)
         assert registry.select("add_attn_res_mix_norm", current, delta, ckpts, mix_norm, mix_proj,
                                out_norm).name == "triton"
 
