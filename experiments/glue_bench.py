@@ -167,8 +167,8 @@ def main(argv=None) -> int:
 
     floor = {(r["rows"], r["cold"]): r["ours"]["graph_us"] for r in rows if r["kernel"] == "rms_norm"}
     print("graph-replay us a call; 'x rms' = ours over an rms_norm of the same rows and cache state")
-    print(f"{'kernel':9s} {'rows':>4s} {'cache':>5s} {'ckpt':>4s} {'parts':>5s} {'tiles':>5s} {'ours':>7s} {'x rms':>6s} "
-          f"{'torch':>7s} {'torch/ours':>10s}")
+    print(f"{'kernel':9s} {'rows':>4s} {'cache':>5s} {'ckpt':>4s} {'parts':>5s} {'tiles':>5s} {'ours':>7s} "
+          f"{'x rms':>6s} {'torch':>7s} {'torch/ours':>10s}")
     for r in rows:
         ours_us, ref = r["ours"]["graph_us"], (r.get("reference") or {}).get("graph_us")
         base = floor.get((r["rows"], r["cold"]))

@@ -120,8 +120,8 @@ def _mix_norm(current, delta, total, checkpoints, mix_norm, mix_proj, out_norm, 
         _kernels().attn_res_mix_norm_kernel[(M,)](
             checkpoints, checkpoints.stride(0), checkpoints.stride(1), current, current.stride(0), *delta_args,
             mix_norm, mix_proj, out_norm, out, out.stride(0), d, float(eps), NUM_CKPT=checkpoints.shape[0],
-            TILE=score_tile(checkpoints.shape[0]), BLOCK=block, HAS_DELTA=has_delta, DELTA_PARTS=parts.shape[0] if has_delta else 1, **pdl_options(),
-            num_warps=warps)
+            TILE=score_tile(checkpoints.shape[0]), BLOCK=block, HAS_DELTA=has_delta,
+            DELTA_PARTS=parts.shape[0] if has_delta else 1, **pdl_options(), num_warps=warps)
 
 
 def _row_major(x: torch.Tensor) -> bool:
