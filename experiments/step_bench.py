@@ -510,6 +510,7 @@ SWITCHES = {
     "rank_dispatch_gemm": ("dspark.targets.kimi_k3.moe", "DISPATCH_IN_ONE_GEMM", {"0": False, "1": True}),
     "rank_inputs_gemm": ("dspark.targets.kimi_k3.moe", "INPUTS_IN_ONE_GEMM", {"0": False, "1": True}),
     "mix_tiles": ("dspark.kernels.rmsnorm.triton", "MIX_SCORE_TILES", {"0": False, "1": True}),
+    "tail_block": ("dspark.kernels.moe.triton", "TAIL_BLOCK", {"128": 128, "256": 256, "512": 512, "1024": 1024}),
 }
 
 
@@ -537,7 +538,9 @@ def applied(setting: str):
     reduction and two gathers, or as one GEMM and one kernel that adds, splits and gathers its partials
     (dspark/targets/kimi_k3/moe.py DISPATCH_IN_ONE_GEMM); `rank_inputs_gemm=0|1` runs the shared experts'
     gate|up as a GEMM of its own or inside that one (INPUTS_IN_ONE_GEMM); `mix_tiles=0|1` scores the AttnRes
-    mix's checkpoints one at a time or in 2-D tiles (kernels/rmsnorm/triton.py MIX_SCORE_TILES)."""
+    mix's checkpoints one at a time or in 2-D tiles (kernels/rmsnorm/triton.py MIX_SCORE_TILES);
+    `tail_block=128|256|512|1024` sets the MoE tail kernel's shared-activation columns per program
+    (kernels/moe/triton.py TAIL_BLOCK)."""
     return switched(setting, SWITCHES)
 
 
@@ -561,7 +564,8 @@ def main(argv=None) -> int:
                              "kda_strided_inputs=0|1, moe_combine=torch|triton, token_gather=torch|triton, "
                              "linear_fused_reduce=0|1, triton_pdl=0|1, linear_hopper_rows=16|64, "
                              "moe_pass2_splits=1|2|3|4|auto, router_gemv_rows=0|1|2|4, split_k_into_consumers=0|1, "
-                             "linear_strided_tokens=0|1, rank_dispatch_gemm=0|1, rank_inputs_gemm=0|1, mix_tiles=0|1")
+                             "linear_strided_tokens=0|1, rank_dispatch_gemm=0|1, rank_inputs_gemm=0|1, mix_tiles=0|1, "
+                             "tail_block=128|256|512|1024")
     parser.add_argument("--op-shapes", action="store_true",
                         help="also list the torch ops with the most device time by input shapes (ops_by_shape)")
     parser.add_argument("--out", default="experiments/results/h200/step_bench.json")

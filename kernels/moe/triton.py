@@ -162,7 +162,11 @@ def gather_tokens(x: torch.Tensor, slot_tokens: torch.Tensor, perm: torch.Tensor
     return out
 
 
-TAIL_BLOCK = 1024  # shared-activation columns per program
+# Shared-activation columns per program. Since the shared gate|up comes as the MoE inputs GEMM's split-K
+# partials, a program this wide holds about twice a narrow one's registers and the call grew
+# (experiments/notes/rank.md, "Eighth round"); narrower blocks, more programs, are timed with
+# step_bench --setting tail_block=256.
+TAIL_BLOCK = 1024
 TAIL_MAX_LATENT = 16384  # the routed row lives in one program's registers
 
 
