@@ -227,6 +227,23 @@ def test_the_launch_switches_are_set_and_restored(bench):
             pass
 
 
+def test_the_glue_switches_are_set_and_restored(bench):
+    """mix_tiles (the AttnRes mix's checkpoints in 2-D tiles) and tail_block (the MoE tail's shared columns
+    per program): off and 1024 until measured on a GPU."""
+    from dspark.kernels.moe import triton as moe_triton
+    from dspark.kernels.rmsnorm import triton as norm_triton
+
+    assert norm_triton.MIX_SCORE_TILES is False and moe_triton.TAIL_BLOCK == 1024
+    with bench.applied("mix_tiles=1,tail_block=256"):
+        assert norm_triton.MIX_SCORE_TILES is True and moe_triton.TAIL_BLOCK == 256
+        assert norm_triton.score_tile(3) == 4 and norm_triton.score_tile(8) == 2 and norm_triton.score_tile(0) == 0
+    assert norm_triton.MIX_SCORE_TILES is False and moe_triton.TAIL_BLOCK == 1024
+    assert norm_triton.score_tile(8) == 0
+    with pytest.raises(SystemExit, match="tail_block='300'"):
+        with bench.applied("tail_block=300"):
+            pass
+
+
 def test_the_router_logits_rows_are_a_switch_one_by_default(bench):
     from dspark.kernels.moe import triton as moe_triton
 
