@@ -99,8 +99,8 @@ from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, loa
 from dspark.drafters.dspark.checkpoint import read_tensors
 from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, report, run_rounds
 from dspark.drafters.dspark.capture import CaptureStore
-from dspark.drafters.dspark.train import (TrainConfig, Trainer, generate_sequences, lr_area, response_loss_masks,
-                                          train_together)
+from dspark.drafters.dspark.train import (COMPILE_MODES, TrainConfig, Trainer, generate_sequences, lr_area,
+                                          response_loss_masks, train_together)
 from dspark.drafters.hybrid import HybridDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine
@@ -300,7 +300,7 @@ def train_configs(args, legs_before: int = 0, lr: float | None = None, steps: in
                 anchor_chunk=args.anchor_chunk, recompute=args.recompute, length_groups=args.length_groups,
                 teacher="lm_head", fast=args.fast, attention=args.block_attention if args.fast else "sdpa",
                 anchor_bucket=args.anchor_bucket, length_bucket=args.length_bucket, compile=args.compile and args.fast,
-                log_every=args.log_every, seed=42 + legs_before)
+                compile_mode=args.compile_mode, log_every=args.log_every, seed=42 + legs_before)
     return {"dspark": TrainConfig(**base),  # 0.1 CE + 0.9 L1 + 1.0 BCE, decay 4
             "dflash_ablation": TrainConfig(**base, ce_weight=1.0, l1_weight=0.0, conf_weight=0.0)}
 
@@ -1146,6 +1146,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="the fast step's block attention: FlexAttention block-sparse (GPU) or SDPA with the dense mask")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                    help="torch.compile the fast step's pass over the blocks (a graph per bucketed shape)")
+    r.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode for that pass: reduce-overhead also replays it as CUDA graphs "
+                        "(smollm2_profile.py's train_after_graphs times it)")
     r.add_argument("--compiled-capture", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                    help="the target's capture of a batch (causal_taps) through torch.compile (on a GPU by default: "
                         "smollm2_profile.py's capture_taps_compiled against capture_taps, experiments/notes/smollm2.md)")

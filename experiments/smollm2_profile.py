@@ -14,6 +14,8 @@ warm-up calls before them, where a compiled piece compiles:
   AdamW) before issue 33 and now, in one run on the same batches (training_pieces says what each is);
   both in the precision the recipe trains in (TF32 float32 matmuls, the backbone under bf16 autocast);
 - train_ablation: the DFlash ablation's step as train_after runs it (cross-entropy alone, no Markov head);
+- train_after_graphs (on a GPU, compiled): train_after with the blocks' pass compiled in torch.compile's
+  "reduce-overhead" mode, its forward and backward replayed as CUDA graphs (TrainConfig.compile_mode);
 - held_out (--pieces checks): one held-out acceptance measurement (calibrate.run_rounds) as training
   runs it (checks_piece);
 - capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
@@ -41,7 +43,7 @@ from dspark.drafters.dspark import DSparkDrafter
 from dspark.drafters.dspark.calibrate import run_rounds
 from dspark.drafters.dspark.capture import CaptureStore
 from dspark.drafters.dspark.loss import metrics_to_floats
-from dspark.drafters.dspark.train import blocks_forward, capture, epoch_batches, train_step_loss
+from dspark.drafters.dspark.train import capture, compiled_blocks_forward, epoch_batches, train_step_loss
 from dspark.engine import Engine
 from dspark.files import write_atomic
 from dspark.provenance import provenance
@@ -134,7 +136,7 @@ def step_runner(model, cfg, sequences, masks, captured_for, fused: bool, read_ev
     captured_for() gives the batch's capture (an online prefill, or a store lookup). read_every_step:
     the metrics and the gradient norm read back every step (the Trainer before log_every)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
-    forward = torch.compile(blocks_forward, dynamic=False) if cfg.compile else None  # as the Trainer compiles it
+    forward = compiled_blocks_forward(cfg)  # as the Trainer compiles it
 
     def step():
         loss, metrics = train_step_loss(model, captured_for(), sequences, masks, cfg, torch.Generator().manual_seed(0),
@@ -160,7 +162,8 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
     input looked up in a bf16 capture store, every anchor through FlexAttention's block mask, the loss on
     the supervised slots only, anchor and length buckets, the blocks' pass compiled, fused AdamW, metrics
     left on the device. train_ablation is train_after's step for the DFlash ablation (its own model and
-    AdamW, the same batches)."""
+    AdamW, the same batches). train_after_graphs (CUDA, compiled) is train_after with the blocks' pass
+    replayed as CUDA graphs: what that takes off the host's gap between the step's kernels."""
     # The recipe's own drafter and training settings (its defaults), at this run's batch.
     ns = recipe.parse(["run", "--batch-size", str(args.batch_size), "--seed", str(args.seed)])
     batches = profiled_batches(args, ns, config)
@@ -179,7 +182,10 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
                                  anchor_chunk=args.anchor_chunk, recompute=args.recompute, teacher="logits")
     out["batches"] = [data for _, _, data in batches]
     taps = tuple(model.config.target_layer_ids)
+    graphs = dataclasses.replace(after, compile_mode="reduce-overhead") if cuda and after.compile else None
     measurements: dict[str, list[dict]] = {"capture": [], "train_before": [], "train_after": [], "train_ablation": []}
+    if graphs is not None:
+        measurements["train_after_graphs"] = []
     peak: dict[str, float] = {}
     with recipe.tf32_on_cuda(target.device):  # the precision the recipe trains in, capture included
         for n, (sequences, masks, _) in enumerate(batches):
@@ -192,6 +198,8 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
             pieces = (("train_before", model, before, lambda: capture(target, sequences, taps), False, True),
                       ("train_after", model, after, lambda: store.batch(pick), cuda, False),
                       ("train_ablation", ablation_model, ablation, lambda: store.batch(pick), cuda, False))
+            if graphs is not None:
+                pieces += (("train_after_graphs", model, graphs, lambda: store.batch(pick), cuda, False),)
             for name, piece_model, cfg, captured_for, fused, read in pieces:
                 step = step_runner(piece_model, cfg, sequences, masks, captured_for, fused, read)
                 warm = warm_up(step, args.warmup if n == 0 else 1)  # compiles once per shape, then the allocator
@@ -202,7 +210,10 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
                     peak[name] = max(peak.get(name, 0.0), round(torch.cuda.max_memory_allocated() / 2**30, 2))
             for name, taken in measurements.items():
                 out[name] = over_batches(taken)
-            for name, cfg in (("train_before", before), ("train_after", after), ("train_ablation", ablation)):
+            for name, cfg in (("train_before", before), ("train_after", after), ("train_ablation", ablation),
+                              ("train_after_graphs", graphs)):
+                if cfg is None:
+                    continue
                 out[name]["config"] = {k: v for k, v in vars(cfg).items() if k in PROFILED_SETTINGS}
                 if name in peak:
                     out[name]["peak_memory_gib"] = peak[name]
@@ -363,7 +374,7 @@ def over_batches(measurements: list[dict]) -> dict:
 
 
 PROFILED_SETTINGS = ("fast", "attention", "teacher", "anchor_chunk", "recompute", "anchor_bucket", "length_bucket",
-                     "compile", "num_anchors", "batch_size")
+                     "compile", "compile_mode", "num_anchors", "batch_size")
 
 
 def main(argv=None) -> int:
@@ -435,7 +446,8 @@ def main(argv=None) -> int:
         checks_piece(config, weights, args, result, save)
     save()
     for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "capture_taps_flex",
-                 "capture_taps_flex_bf16", "store_online", "train_before", "train_after", "train_ablation", "held_out"):
+                 "capture_taps_flex_bf16", "store_online", "train_before", "train_after", "train_ablation",
+                 "train_after_graphs", "held_out"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

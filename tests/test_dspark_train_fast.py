@@ -18,6 +18,7 @@ from dspark.drafters.dspark.train import (
     TrainConfig,
     Trainer,
     capture_layers,
+    compiled_blocks_forward,
     lr_area,
     lr_factor,
     train,
@@ -261,6 +262,23 @@ def test_the_compiled_pass_equals_the_eager_one_and_one_shape_compiles_once(monk
                                       torch.Generator().manual_seed(seed), forward=trainer.forward)
             loss.backward()
     trainer.close()
+
+
+def test_the_compile_mode_reaches_torch_compile_and_needs_compile(monkeypatch):
+    """TrainConfig.compile_mode: "reduce-overhead" (the blocks' pass replayed as CUDA graphs) is handed to
+    torch.compile, "default" hands no mode; a mode without compile, or one torch.compile lacks here, is
+    refused by name."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    fast = dict(fast=True, compile=True)
+    assert compiled_blocks_forward(TrainConfig(**fast).validate()) is not None and seen[-1] == {"dynamic": False}
+    compiled_blocks_forward(TrainConfig(**fast, compile_mode="reduce-overhead").validate())
+    assert seen[-1] == {"dynamic": False, "mode": "reduce-overhead"}
+    assert compiled_blocks_forward(TrainConfig().validate()) is None and len(seen) == 2
+    with pytest.raises(ValueError, match="TrainConfig.compile_mode='reduce-overhead': a mode of compile, which is off"):
+        TrainConfig(fast=True, compile_mode="reduce-overhead").validate()
+    with pytest.raises(ValueError, match=r"TrainConfig.compile_mode='max-autotune': must be one of"):
+        TrainConfig(**fast, compile_mode="max-autotune").validate()
 
 
 def test_buckets_pad_shapes_without_changing_the_anchors():

@@ -45,6 +45,10 @@ from .steps import blocks_forward, build_blocks, fast_step_loss, make_batch, ref
 SCHEDULES = ("cosine", "wsd")
 TEACHERS = ("logits", "lm_head")
 ATTENTIONS = ("sdpa", "flex")
+# torch.compile's modes for the blocks' pass: "reduce-overhead" also replays it as CUDA graphs (its forward
+# and backward), for the host's launch gap between the step's kernels (experiments/smollm2_profile.py
+# times both as train_after and train_after_graphs)
+COMPILE_MODES = ("default", "reduce-overhead")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class TrainConfig:
     anchor_bucket: int = 0
     length_bucket: int = 0
     compile: bool = False  # torch.compile the fast step's forward over the blocks
+    compile_mode: str = "default"  # one of COMPILE_MODES, with compile
     log_every: int = 1  # metrics read back (a wait for the device) and logged every this many steps
     seed: int = 42
     save_every: int = 0  # 0: save only at the end
@@ -98,7 +103,8 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not (self.ce_weight or self.l1_weight or self.conf_weight):
             raise ValueError("TrainConfig.ce_weight, l1_weight, conf_weight: all 0; at least one must be > 0")
-        for name, allowed in (("schedule", SCHEDULES), ("teacher", TEACHERS), ("attention", ATTENTIONS)):
+        for name, allowed in (("schedule", SCHEDULES), ("teacher", TEACHERS), ("attention", ATTENTIONS),
+                              ("compile_mode", COMPILE_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be one of {allowed}")
         for name in ("anchor_chunk", "length_groups", "save_every", "anchor_bucket", "length_bucket"):
@@ -111,7 +117,18 @@ class TrainConfig:
         if not self.fast and (self.attention != "sdpa" or self.compile):
             raise ValueError(f"TrainConfig.attention={self.attention!r}, compile={self.compile!r}: "
                              "flex attention and compile are options of the fast step (fast=True)")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"TrainConfig.compile_mode={self.compile_mode!r}: a mode of compile, which is off")
         return self
+
+
+def compiled_blocks_forward(cfg: TrainConfig):
+    """blocks_forward compiled as cfg asks (static shapes: each bucketed shape, docs/dspark-algorithm.md
+    §6.2, gets its own graph, never a symbolic-shape one), or None when it does not."""
+    if not cfg.compile:
+        return None
+    mode = {} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode}
+    return torch.compile(blocks_forward, dynamic=False, **mode)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -276,9 +293,8 @@ class Trainer:
         # fused: one kernel for every parameter's update on a GPU (the foreach form launches per group).
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(lr_factor, cfg=cfg))
-        # One compiled pass over the blocks per trainer; train_step_loss hands it the model. Static: each
-        # bucketed shape (docs/dspark-algorithm.md §6.2) gets its own graph, never a symbolic-shape one.
-        self.forward = torch.compile(blocks_forward, dynamic=False) if cfg.compile else None
+        # One compiled pass over the blocks per trainer; train_step_loss hands it the model.
+        self.forward = compiled_blocks_forward(cfg)
         self.step = 0
         if resume:
             if self.out_dir is None:
