@@ -75,14 +75,16 @@ def test_flex_attention_step_equals_the_dense_sdpa_step_in_float32():
         assert relative(grads_flex[name], grads_dense[name]) < 5e-3, name
 
 
-def test_compiled_bf16_step_equals_the_eager_one_and_does_not_recompile_per_batch():
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_bf16_step_equals_the_eager_one_and_does_not_recompile_per_batch(mode):
     """The step as the recipe trains it (bf16 autocast, flex, buckets) compiled against eager: the same
     loss to bf16's resolution (the compiled graph fuses and rounds bf16 intermediates elsewhere, ~2^-8
     relative each) and gradients within 3% of their norms; then two more batches of the same bucketed
-    shape (new anchors, other lengths) run without a recompilation."""
+    shape (new anchors, other lengths) run without a recompilation. reduce-overhead: the compiled pass
+    replayed as CUDA graphs (TrainConfig.compile_mode), each replay overwriting the last one's outputs."""
     model = smollm2_sized_drafter(3)
     model.autocast_dtype = torch.bfloat16
-    cfg = dataclasses.replace(BASE, attention="flex", compile=True, num_anchors=128)
+    cfg = dataclasses.replace(BASE, attention="flex", compile=True, compile_mode=mode, num_anchors=128)
     trainer = Trainer(model, *random_batch(4)[:2], cfg)  # its compiled forward, as training builds it
     seqs, masks, captured = random_batch(4)
     loss_eager, grads_eager = step(model, captured, seqs, masks, cfg)
