@@ -52,6 +52,7 @@ def main(seed: int) -> None:
     M, d = 4, 96
     # the loop (tiles off) and the 2-D tiles: 3 checkpoints are one tile of four with a padding row, 5 are
     # tiles of two, the last with one (kernels/rmsnorm/triton.py score_tile)
+    default_tiles = norm_triton.MIX_SCORE_TILES
     for tiles, num_checkpoints in [(False, 0), (False, 1), (False, 3), (True, 1), (True, 3), (True, 5)]:
         norm_triton.MIX_SCORE_TILES = tiles
         current = torch.randn(M, d, generator=gen) * 3
@@ -72,7 +73,7 @@ def main(seed: int) -> None:
         close(got_total, want_total, f"add_attn_res_mix_norm's sum with {num_checkpoints} checkpoints")
         close(got_out, want_out, f"add_attn_res_mix_norm with {num_checkpoints} checkpoints, tiles {tiles}")
         check_mix_norm_of_partials(gen, residual, ckpts, mix_norm, mix_proj, out_norm)
-    norm_triton.MIX_SCORE_TILES = False
+    norm_triton.MIX_SCORE_TILES = default_tiles
     rows, n = 3, 1500  # two column blocks, the second partial
     gate, up = (torch.randn(rows, n, generator=gen) * 4 for _ in range(2))
     gate[0, :4] = torch.tensor([80.0, -80.0, 0.0, 1e-3])  # tanh's saturated ends and its centre
@@ -90,10 +91,11 @@ def main(seed: int) -> None:
     check_gather_tokens(gen)
     check_lists_and_tokens(gen)
     check_dispatch_inputs(gen)
-    for block in (1024, 256):  # the shared columns in 2 or 5 programs (moe_triton.TAIL_BLOCK)
+    default_block = moe_triton.TAIL_BLOCK
+    for block in (default_block, 256):  # 1024 (the default) and 256: the shared columns in 2 or 5 programs
         moe_triton.TAIL_BLOCK = block
         check_tail_inputs(gen)
-    moe_triton.TAIL_BLOCK = 1024
+    moe_triton.TAIL_BLOCK = default_block
     check_inputs_gemm_windows(gen)
     check_cache_rows(gen)
     check_absorb(gen)

@@ -33,8 +33,9 @@ from .heads import ConfidenceHead, MarkovHead, init_like_deepspec
 # The devices on which a drafting pass leaves its output projections (MLA's o_proj over the cache,
 # SwiGLU's down) as their split-K partials (ops.linear_partials) for the add + norm after each to add
 # (ops.add_rms_norm), where the GEMM's reduction kernel added them: two launches a layer fewer where
-# cuBLAS would have split them, none where it would not (a TP16 share's; docs/kernels.md §10.11). Not the CPU, which launches nothing: there the pass stays bit for bit the
-# unfused layers' nn.Linear (the CPU's row-invariant reference GEMM sums in another order).
+# cuBLAS would have split them, none where it would not (a TP16 share's; docs/kernels.md §10.11). Not
+# the CPU, which launches nothing: there the pass stays bit for bit the unfused layers' nn.Linear (the
+# CPU's row-invariant reference GEMM sums in another order).
 # experiments/drafter_bench.py --setting draft_output_partials=0 times the reduced outputs.
 OUTPUTS_AS_PARTIALS_ON: tuple[str, ...] = ("cuda",)
 
