@@ -76,6 +76,9 @@ def launch_every_kernel(monkeypatch, dtype=torch.float32) -> Recorder:
     index = torch.tensor([0, 1])
     mla.mla_cache_rows(torch.randn(4, 72, generator=gen), w, 1e-6, torch.randn(2, 9, 72, generator=gen), index,
                        index, index)
+    # with the query's norm (Q_NORM): c_q strided rows of the q_a | kv_a GEMM's output
+    mla.mla_cache_rows(torch.randn(4, 72, generator=gen), w, 1e-6, torch.randn(2, 9, 72, generator=gen), index,
+                       index, index, q=(torch.randn(4, 48, generator=gen)[:, 4:44], torch.rand(40, generator=gen)))
     mla.mla_absorb_q(torch.randn(4, 2, 24, generator=gen), torch.randn(2, 32, 16, generator=gen))
     # the drafter's RoPE inside both (its tables: float32 [rows, P / 2])
     rope = (torch.rand(4, 4, generator=gen), torch.rand(4, 4, generator=gen), True)
@@ -122,9 +125,10 @@ def test_the_prologue_waits_before_the_first_load(pdl):
         (mla_kernels.cache_rows_kernel, {"kv_ptr": "*bf16", "stride_kv": "i32", "w_ptr": "*bf16", "cache_ptr": "*bf16",
                                          "stride_slot": "i64", "stride_row": "i32", "slots_ptr": "*i64",
                                          "cache_lens_ptr": "*i64", "lengths_ptr": "*i64", "cos_ptr": "*fp32",
-                                         "sin_ptr": "*fp32", "stride_rope": "i32", "T": "i32", "R": "i32",
-                                         "P": "i32", "spare": "i32", "eps": "fp32"},
-         {"BLOCK_R": 512, "BLOCK_P": 64, "ROPE": False, "INTERLEAVED": False}),
+                                         "sin_ptr": "*fp32", "stride_rope": "i32", "q_ptr": "*bf16", "stride_q": "i32",
+                                         "q_w_ptr": "*bf16", "q_out_ptr": "*bf16", "T": "i32", "R": "i32", "P": "i32",
+                                         "Q": "i32", "spare": "i32", "eps": "fp32"},
+         {"BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_Q": 2048, "ROPE": False, "INTERLEAVED": False, "Q_NORM": True}),
     ]
     for kernel, signature, constexprs in cases:
         ptx = _ptx(kernel, signature, constexprs, pdl)

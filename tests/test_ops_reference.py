@@ -532,6 +532,85 @@ def test_mla_cache_rows_refuse_bad_arguments_naming_the_field(gen):
         ops.mla_cache_rows(kv, weight, 1e-6, cache[..., :20], index, index, index)
 
 
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_mla_cache_rows_with_q_return_the_query_norm_and_write_the_same_rows(gen, dtype, rtol):
+    """q = (c_q, q_norm_weight), c_q and kv column slices of one q_a | kv_a GEMM output: the op returns
+    K3's RMSNorm of every c_q row (padding tokens' too), a new contiguous tensor in c_q's dtype, bit for
+    bit ops.rms_norm's, and against float64 within its roundings (fp32: 1e-6; bf16: two roundings of at
+    most 2^-8 each, bf16 keeping 8 significant bits, so 2^-7 = 7.8e-3 relative and fp32's error: 8e-3); the
+    cache rows bit for bit those written without q."""
+    B, T, R, P, Q, L = 3, 4, 16, 8, 24, 20
+    fused = randn(gen, B * T, Q + R + P + 6, scale=2.0, dtype=dtype)
+    c_q, kv = fused[:, 2 : 2 + Q], fused[:, 2 + Q : 2 + Q + R + P]
+    weight, q_weight = (1 + randn(gen, R, scale=0.3)).to(dtype), (1 + randn(gen, Q, scale=0.3)).to(dtype)
+    slots, cache_lens, lengths = torch.tensor([4, 0, 2]), torch.tensor([0, 7, L - 2]), torch.tensor([4, 1, 2])
+    cache = randn(gen, 5, L + 1, R + P, dtype=dtype)
+    plain = cache.clone()
+    assert ops.mla_cache_rows(kv, weight, 1e-6, plain, slots, cache_lens, lengths) is None
+    got = ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths, q=(c_q, q_weight))
+    assert got.shape == (B * T, Q) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(cache, plain)
+    assert torch.equal(got, ops.rms_norm(c_q, q_weight, 1e-6))
+    x = c_q.double()
+    want = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * q_weight.double()
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-6)
+    unweighted = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6)
+    assert not torch.allclose(unweighted, want, rtol=rtol, atol=1e-6)  # the comparison sees the weight
+
+
+def test_mla_cache_rows_with_q_are_token_invariant(gen):
+    """A token's normalised c_q does not depend on the batch it comes in (the reference's rows are
+    normalised one at a time on the CPU): the rows of one call of 12 tokens are those of 12 calls of one."""
+    M, R, P, Q = 12, 16, 8, 40
+    kv, c_q = randn(gen, M, R + P), randn(gen, M, Q, scale=3.0)
+    weight, q_weight = 1 + randn(gen, R, scale=0.1), 1 + randn(gen, Q, scale=0.1)
+    cache = randn(gen, 2, M + 2, R + P)
+    one = torch.tensor([0])
+    together = ops.mla_cache_rows(kv, weight, 1e-6, cache, one, one, torch.tensor([M]), q=(c_q, q_weight))
+    for m in range(M):
+        alone = ops.mla_cache_rows(kv[m : m + 1], weight, 1e-6, cache, one, one, one, q=(c_q[m : m + 1], q_weight))
+        assert torch.equal(alone[0], together[m])
+
+
+@pytest.mark.parametrize("field, make_q", [
+    (r"q: expected a \(c_q, q_norm_weight\) pair of tensors, got torch.float32 \(6, 12\)", lambda c, w: c),
+    (r"q: expected a \(c_q, q_norm_weight\) pair of tensors, got tuple of \['torch.float32 \(6, 12\)'\]",
+     lambda c, w: (c,)),
+    (r"q: expected a \(c_q, q_norm_weight\) pair of tensors, got tuple of \[.*'list'\]", lambda c, w: (c, [1.0])),
+    (r"q: c_q must be \[6, Q\] \(a row per kv row\), got \(5, 12\)", lambda c, w: (c[:5], w)),
+    (r"q: c_q must be \[6, Q\] \(a row per kv row\), got \(72,\)", lambda c, w: (c.reshape(-1), w)),
+    (r"q: q_norm_weight must be \[12\] for c_q \(6, 12\), got \(11,\)", lambda c, w: (c, w[:11])),
+    (r"q: c_q and q_norm_weight must be floating point, got torch.int64 and torch.float32",
+     lambda c, w: (c.long(), w)),
+    (r"q: c_q's rows must be contiguous \(stride 1 along Q\), got strides \(1, 6\)",
+     lambda c, w: (c.t().contiguous().t(), w)),
+])
+def test_mla_cache_rows_refuse_a_bad_q_naming_it(gen, field, make_q):
+    cache, kv, weight = randn(gen, 2, 9, 24), randn(gen, 6, 24), randn(gen, 16)
+    index = torch.tensor([0, 1])
+    c_q, q_weight = randn(gen, 6, 12), randn(gen, 12)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=field):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache, index, index, index, q=make_q(c_q, q_weight))
+    assert torch.equal(cache, before)  # refused before anything is written
+
+
+def test_mla_cache_rows_triton_takes_q_only_within_its_widths_and_dtypes():
+    """The Triton implementation's `supports` sees q's tensors (ops passes them to the registry): K3's
+    widths in bf16 are taken; a c_q wider than MAX_WIDTH or in float64 goes to the next implementation."""
+    from dspark.kernels.mla import triton as mla_triton
+
+    M, R, P, Q = 4, 512, 64, 1536
+    kv, c_q = torch.empty(M, R + P, dtype=torch.bfloat16), torch.empty(M, Q, dtype=torch.bfloat16)
+    weight, q_weight = torch.empty(R, dtype=torch.bfloat16), torch.empty(Q, dtype=torch.bfloat16)
+    cache, index = torch.empty(3, 9, R + P, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long)
+    args = (kv, weight, cache, index, index, index)
+    assert mla_triton.supports(*args) and mla_triton.supports(*args, c_q, q_weight)
+    wide = torch.empty(M, mla_triton.MAX_WIDTH + 1, dtype=torch.bfloat16)
+    assert not mla_triton.supports(*args, wide, torch.empty(wide.shape[1], dtype=torch.bfloat16))
+    assert not mla_triton.supports(*args, c_q.double(), q_weight)
+
+
 
 def test_mla_absorptions_are_the_per_head_products_and_the_gate(gen):
     """mla_absorb_q: W_UK_h^T q_nope_h per head against float64 (1e-5: fp32 sums of 16 products)

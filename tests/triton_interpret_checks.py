@@ -331,6 +331,41 @@ def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.floa
         if not torch.equal(got.isnan(), want.isnan()):
             sys.exit(f"mla_cache_rows with rope (interleaved={interleaved}): wrote other rows than the reference")
         close(got[written][:, R:], want[written][:, R:].double(), f"mla_cache_rows' rotated k_pe (interleaved={interleaved})")
+    check_cache_rows_with_q(gen, device, dtype)
+
+
+def check_cache_rows_with_q(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, Q: int = 1536) -> None:
+    """mla_cache_rows with q = (c_q, q_norm_weight): c_q and kv column slices of one q_a | kv_a GEMM
+    output (strided rows), K3's widths; the returned c_q (poisoned first) against float64 of K3's
+    rms_norm, every row (the padding tokens' too), and the cache rows bit for bit those of the launch
+    without q; without and with the rope tables (both constexpr branches beside Q_NORM)."""
+    from dspark.kernels.mla import reference as mla_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    B, T, R, P, L = 3, 4, 512, 64, 40
+    fused = torch.randn(B * T, Q + R + P + 24, generator=gen) * 2 + 0.3
+    c_q, kv = fused[:, 8 : 8 + Q], fused[:, 8 + Q : 8 + Q + R + P]
+    weight, q_weight = torch.rand(R, generator=gen) + 0.5, torch.rand(Q, generator=gen) + 0.5
+    slots, cache_lens, lengths = torch.tensor([4, 0, 2]), torch.tensor([0, 7, L - 2]), torch.tensor([4, 1, 2])
+    want_q = norm_ref.rms_norm(c_q.double(), q_weight.double(), 1e-6)
+    unweighted = norm_ref.rms_norm(c_q.double(), torch.ones(Q, dtype=torch.float64), 1e-6)
+    if not (unweighted - want_q).abs().max().item() > ATOL:
+        sys.exit("mla_cache_rows with q: the check cannot tell a missing q_norm_weight")
+    angles = torch.rand(B * T, P // 2, generator=gen) * 6.3
+    index = (slots.to(device), cache_lens.to(device), lengths.to(device))
+    for rope in (None, (angles.cos().to(device), angles.sin().to(device), True)):
+        cache = torch.randn(5, L + 1, R + P, generator=gen).to(device, dtype)
+        plain = cache.clone()
+        if mla_triton.mla_cache_rows(kv.to(device, dtype), weight.to(device), 1e-6, plain, *index, rope) is not None:
+            sys.exit("mla_cache_rows without q: returned something")
+        q_out = torch.full((B * T, Q), float("nan"), dtype=dtype, device=device)
+        got = mla_triton.mla_cache_rows(kv.to(device, dtype), weight.to(device), 1e-6, cache, *index, rope,
+                                        q=(c_q.to(device, dtype), q_weight.to(device)), q_out=q_out)
+        if got is not q_out:
+            sys.exit("mla_cache_rows with q: did not return its q_out buffer")
+        close(got.cpu(), want_q, f"mla_cache_rows' normalised c_q (rope {rope is not None})")
+        if not torch.equal(cache, plain):
+            sys.exit(f"mla_cache_rows with q (rope {rope is not None}): the cache differs from the launch without q")
 
 
 def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32) -> None:

@@ -46,7 +46,7 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
     return out
 
 
-def check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths) -> int:
+def check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths, q=None) -> int:
     """The arguments mla_cache_rows takes (every implementation checks the same contract) -> T."""
     B = slots.shape[0] if slots.dim() == 1 else -1
     for name, tensor in (("slots", slots), ("cache_lens", cache_lens), ("lengths", lengths)):
@@ -58,7 +58,30 @@ def check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths) -> int:
                          f"and {tuple(norm_weight.shape)}")
     if cache.dim() != 3 or cache.shape[2] != kv.shape[1] or cache.shape[1] < 2:
         raise ValueError(f"cache: expected [slots, max_len + 1, {kv.shape[1]}], got {tuple(cache.shape)}")
+    if q is not None:
+        check_q(q, kv.shape[0])
     return kv.shape[0] // B
+
+
+def check_q(q, rows: int) -> None:
+    """q = (c_q, q_norm_weight): c_q [rows, Q] of a floating dtype, its rows' elements contiguous (the
+    rows themselves may be strided: a column slice of the q_a | kv_a GEMM's output), q_norm_weight [Q]."""
+    if not (isinstance(q, tuple) and len(q) == 2 and all(isinstance(t, torch.Tensor) for t in q)):
+        def described(value):
+            return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+        got = f"{type(q).__name__} of {[described(v) for v in q]}" if isinstance(q, (tuple, list)) else described(q)
+        raise ValueError(f"q: expected a (c_q, q_norm_weight) pair of tensors, got {got}")
+    c_q, weight = q
+    if c_q.dim() != 2 or c_q.shape[0] != rows or c_q.shape[1] < 1:
+        raise ValueError(f"q: c_q must be [{rows}, Q] (a row per kv row), got {tuple(c_q.shape)}")
+    if not c_q.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(f"q: c_q and q_norm_weight must be floating point, got {c_q.dtype} and {weight.dtype}")
+    if tuple(weight.shape) != (c_q.shape[1],):
+        raise ValueError(f"q: q_norm_weight must be [{c_q.shape[1]}] for c_q {tuple(c_q.shape)}, got "
+                         f"{tuple(weight.shape)}")
+    if c_q.stride(1) != 1 and c_q.shape[1] > 1:
+        raise ValueError(f"q: c_q's rows must be contiguous (stride 1 along Q), got strides {c_q.stride()}")
 
 
 def check_rope(rope, rows: int, width: int) -> None:
@@ -80,10 +103,12 @@ def rotated(pe: torch.Tensor, rope) -> torch.Tensor:
 
 
 @register("mla_cache_rows", "reference", priority=0)
-def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None) -> None:
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None, *, q=None):
     """The rows in one scatter with no host read of the lengths: the spare row L of each slot (never
-    read) takes the padding tokens' rows; k_pe rotated first with rope."""
-    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths)
+    read) takes the padding tokens' rows; k_pe rotated first with rope. q = (c_q, q_norm_weight):
+    also returns rms_norm(c_q, q_norm_weight, eps), K3's norm (kernels/numerics.py), every row (a
+    padding token's too), contiguous in c_q's dtype; without q, None."""
+    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths, q)
     B, R = slots.shape[0], norm_weight.shape[0]
     k_pe = kv[:, R:]
     if rope is not None:
@@ -95,6 +120,7 @@ def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, length
     valid = offsets[None, :] < lengths[:, None]
     positions = torch.where(valid, cache_lens[:, None] + offsets[None, :], spare)
     cache.index_put_((slots[:, None].expand(B, T), positions), rows.to(cache.dtype))
+    return None if q is None else rms_norm(q[0], q[1], eps).contiguous()
 
 
 def check_absorb_q(q, w_uk_t) -> None:

@@ -5,7 +5,8 @@ a compare, an add, a where and the scatter), each absorption in two (a batched G
 its head-major result) and the rope part's copy and the output gate in one each, every one a few
 microseconds on a handful of rows (docs/kimi-k3.md §8.5):
 - mla_cache_rows: one program per token normalises its row, reads its request's slot, length and
-  committed length on the device, and stores the row;
+  committed length on the device, and stores the row; given the query's c_q, it also normalises the
+  token's c_q row (q_a_layernorm), in place of an rms_norm launch of its own;
 - mla_absorb_q / mla_absorb_output: one program per (head, 64 output columns) multiplies all the
   rows by its weight tile (tl.dot, fp32 accumulation) and writes the token-major result; the first
   column block of each head also copies q_pe out, or the epilogue applies the sigmoid gate.
@@ -19,7 +20,7 @@ from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
 from .reference import check_absorb_output, check_absorb_q, check_cache_rows, check_rope
 
-MAX_WIDTH = 4096  # R and P each live in one program's registers
+MAX_WIDTH = 4096  # R, P and Q (the query's c_q) each live in one program's registers
 
 
 def _rope_args(rope, rows: int, width: int, unused: torch.Tensor) -> tuple:
@@ -35,23 +36,47 @@ def _rope_args(rope, rows: int, width: int, unused: torch.Tensor) -> tuple:
     return (cos, sin, cos.stride(0)), {"ROPE": True, "INTERLEAVED": interleaved}
 
 
-def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None) -> None:
-    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths)
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None, *, q=None,
+                   q_out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """q = (c_q, q_norm_weight): token i's program also normalises row i of c_q (Q_NORM) into q_out, an
+    optional contiguous [M, Q] buffer in c_q's dtype (tests poison it first), returned; without q, None."""
+    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths, q)
     R, P = norm_weight.shape[0], kv.shape[1] - norm_weight.shape[0]
     rope_args, rope_flags = _rope_args(rope, kv.shape[0], P, kv)
+    if q is None:  # not read: the Q_NORM branch is compiled out
+        if q_out is not None:
+            raise ValueError(f"q_out: a {q_out.dtype} {tuple(q_out.shape)} buffer given without q")
+        q_args, Q = (kv, 0, norm_weight, kv), 1
+    else:
+        c_q, q_weight = q
+        Q = c_q.shape[1]
+        if q_out is None:
+            q_out = torch.empty(c_q.shape, dtype=c_q.dtype, device=c_q.device)
+        elif q_out.shape != c_q.shape or q_out.dtype != c_q.dtype or not q_out.is_contiguous():
+            raise ValueError(f"q_out: expected a contiguous {c_q.dtype} {tuple(c_q.shape)} buffer, got "
+                             f"{q_out.dtype} {tuple(q_out.shape)} with strides {q_out.stride()}")
+        q_args = (c_q, c_q.stride(0), q_weight, q_out)
     if kv.shape[0]:
         kernel_module(__package__).cache_rows_kernel[(kv.shape[0],)](
             kv, kv.stride(0), norm_weight, cache, cache.stride(0), cache.stride(1), slots, cache_lens, lengths,
-            *rope_args, T, R, P, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
-            BLOCK_P=1 << (P - 1).bit_length(), **rope_flags, **pdl_options(), num_warps=4)
+            *rope_args, *q_args, T, R, P, Q, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
+            BLOCK_P=1 << (P - 1).bit_length(), BLOCK_Q=1 << (Q - 1).bit_length(), **rope_flags, Q_NORM=q is not None,
+            **pdl_options(), num_warps=4)
+    return q_out
 
 
-def supports(kv, norm_weight, cache, slots, cache_lens, lengths) -> bool:
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(kv, norm_weight, cache, slots, cache_lens, lengths, c_q=None, q_weight=None) -> bool:
+    """c_q, q_weight: the op's q when given (its shapes are the op's check's: ValueError there)."""
     return (kv.dim() == 2 and kv.stride(-1) == 1 and cache.dim() == 3 and cache.stride(-1) == 1
             and norm_weight.dim() == 1 and norm_weight.is_contiguous()
             and norm_weight.shape[0] <= MAX_WIDTH and kv.shape[1] - norm_weight.shape[0] <= MAX_WIDTH
-            and kv.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(t.is_contiguous() for t in (slots, cache_lens, lengths)))
+            and kv.dtype in _DTYPES
+            and all(t.is_contiguous() for t in (slots, cache_lens, lengths))
+            and (c_q is None or c_q.dtype in _DTYPES and c_q.dim() == 2 and c_q.shape[-1] <= MAX_WIDTH
+                 and q_weight.is_contiguous()))
 
 
 register("mla_cache_rows", "triton", devices=("cuda",), priority=10, available=triton_available,

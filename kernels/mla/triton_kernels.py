@@ -26,15 +26,26 @@ def rotate_pairs(src, dst, cos, sin, pairs, keep, P, ROUND: tl.constexpr, INTERL
 
 @triton.jit
 def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_row, slots_ptr, cache_lens_ptr,
-                      lengths_ptr, cos_ptr, sin_ptr, stride_rope, T, R, P, spare, eps, BLOCK_R: tl.constexpr,
-                      BLOCK_P: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
+                      lengths_ptr, cos_ptr, sin_ptr, stride_rope, q_ptr, stride_q, q_w_ptr, q_out_ptr, T, R, P, Q,
+                      spare, eps, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, Q_NORM: tl.constexpr, PDL: tl.constexpr):
     """One program per token (b, j): RMSNorm of its c_kv (rms_norm_kernel's rounding: the
     normalised row and the weighted one each rounded to kv's dtype) and its k_pe, raw or (ROPE)
     rotated by its row of the cos / sin tables (the rotary op's pairs: (2i, 2i + 1) INTERLEAVED, else
     (i, i + P/2); fp32, rounded to kv's dtype), stored at row cache_lens[b] + j of slot slots[b], or
-    at the spare row for a padding token."""
+    at the spare row for a padding token. Q_NORM: the token's row of the query's c_q too (q_ptr, rows
+    stride_q apart), RMSNorm'd by q_w as rms_norm_kernel does K3's norm (rounded to c_q's dtype twice)
+    into the contiguous q_out, a padding token's row as well (the caller reads every row)."""
     prologue(PDL)
     token = tl.program_id(0)
+    if Q_NORM:  # first: its loads do not wait on the cache row's position
+        q_dtype = q_ptr.dtype.element_ty
+        q_offs = tl.arange(0, BLOCK_Q)
+        q_inside = q_offs < Q
+        xq = tl.load(q_ptr + token * stride_q + q_offs, mask=q_inside, other=0.0).to(tl.float32)
+        yq = (xq * tl.rsqrt(tl.sum(xq * xq, axis=0) / Q + eps)).to(q_dtype).to(tl.float32)
+        wq = tl.load(q_w_ptr + q_offs, mask=q_inside, other=0.0).to(q_dtype).to(tl.float32)
+        tl.store(q_out_ptr + token * Q + q_offs, (wq * yq).to(q_dtype).to(q_out_ptr.dtype.element_ty), mask=q_inside)
     b = token // T
     j = token % T
     dtype = kv_ptr.dtype.element_ty

@@ -9,7 +9,8 @@ rank's and the whole model's shapes, outputs poisoned (NaN) before each run, fre
   SiTU-GLU half reaches values of ~10, ulp 1/16), under half the mean ulp plus 1e-3.
 - mla_cache_rows (Triton) against its reference on a layer's pool of slots, a ragged batch: the
   normalised c_kv to 2 bf16 ulps (rms_norm's two roundings, the same bound), k_pe and every row
-  it must not touch bit for bit.
+  it must not touch bit for bit; with the query's norm in the launch (K3's q=(c_q, q_a_layernorm)),
+  the normalised c_q to the same bound.
 - the skinny GEMM's fused split-K reduction (cute_host.FUSED_REDUCE) at the rank's split shapes,
   against float64: relative Frobenius error <= 1e-2 (bf16 output rounding alone is ~2e-3), the
   bound of tests/gpu/test_linear_gpu.py; every element written; twice in a row (the arrival
@@ -118,26 +119,45 @@ def test_the_rank_split_gemms_with_either_reduction(gen, monkeypatch, name, fuse
             assert error <= 1e-2, f"{name} M={m} fused={fused}: relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("with_q", [False, True])
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (1, 8), (4, 8), (8, 1)])
-def test_mla_cache_rows_match_the_reference(gen, batch, tokens):
+def test_mla_cache_rows_match_the_reference(gen, batch, tokens, with_q):
+    """with_q: K3's call, the query's c_q (q_a_layernorm, Q = 1536) normalised in the same launch, c_q and kv
+    column slices of one q_a | kv_a | gate GEMM output: every row (padding tokens' too) to 2 bf16 ulps of the
+    reference's K3 rms_norm (its two roundings, the c_kv bound), into a poisoned buffer; through the op, the
+    same bits."""
     from dspark.kernels.mla import reference as mla_ref
     from dspark.kernels.mla import triton as mla_triton
+    from dspark.kernels.numerics import rms_norm
 
-    R, P, L = 512, 64, 1024
+    R, P, Q, L = 512, 64, 1536, 1024
     pool = torch.full((batch + 2, L + 1, R + P), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kv = (torch.randn(batch * tokens, 2880, device="cuda", generator=gen) * 2).bfloat16()[:, 1536 : 1536 + R + P]
+    fused = (torch.randn(batch * tokens, 2880, device="cuda", generator=gen) * 2).bfloat16()
+    c_q, kv = fused[:, :Q], fused[:, Q : Q + R + P]
     weight = (torch.rand(R, device="cuda", generator=gen) + 0.5).bfloat16()
+    q_weight = (torch.rand(Q, device="cuda", generator=gen) + 0.5).bfloat16()
     slots = torch.randperm(batch + 2, device="cuda", generator=gen)[:batch]
     cache_lens = torch.randint(0, L - tokens, (batch,), device="cuda", generator=gen)
     lengths = torch.randint(1, tokens + 1, (batch,), device="cuda", generator=gen)
+    q = (c_q, q_weight) if with_q else None
+    q_out = torch.full((batch * tokens, Q), float("nan"), dtype=torch.bfloat16, device="cuda") if with_q else None
     want = pool.clone()
     mla_ref.mla_cache_rows(kv, weight, 1e-5, want, slots, cache_lens, lengths)
-    mla_triton.mla_cache_rows(kv, weight, 1e-5, pool, slots, cache_lens, lengths)
-    assert registry.select("mla_cache_rows", kv, weight, pool, slots, cache_lens, lengths).name == "triton"
+    before = pool.clone()
+    got_q = mla_triton.mla_cache_rows(kv, weight, 1e-5, pool, slots, cache_lens, lengths, q=q, q_out=q_out)
+    assert registry.select("mla_cache_rows", kv, weight, pool, slots, cache_lens, lengths, *(q or ())).name == "triton"
     assert torch.equal(pool[:, :L].isnan(), want[:, :L].isnan()), "rows written differ from the reference's"
     written = ~want[:, :L].isnan().all(-1)
     _close(pool[:, :L][written][:, :R], want[:, :L][written][:, :R], "mla_cache_rows c_kv", roundings=2)
     assert torch.equal(pool[:, :L][written][:, R:], want[:, :L][written][:, R:]), "k_pe differs"
+    if not with_q:
+        assert got_q is None
+        return
+    assert got_q is q_out
+    _close(got_q, rms_norm(c_q, q_weight, 1e-5), "mla_cache_rows c_q", roundings=2)
+    through_op = ops.mla_cache_rows(kv, weight, 1e-5, before, slots, cache_lens, lengths, q=q)
+    assert through_op.is_contiguous() and torch.equal(through_op, got_q)
+    assert torch.equal(before[:, :L][written], pool[:, :L][written])
 
 
 def test_a_graph_of_dependent_triton_kernels_under_pdl_equals_plain_launches(gen, monkeypatch):

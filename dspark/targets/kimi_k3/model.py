@@ -250,9 +250,11 @@ class K3Model:
         eps = cfg.rms_norm_eps
         fused, sizes = self.fused_inputs[i]
         q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
-        c_q = ops.rms_norm(q_a, self._w(i, f"{a}.q_a_layernorm.weight"), eps)
+        # the cache rows' launch also normalises c_q (q_a_layernorm), in place of an rms_norm launch; the
+        # rows are in the cache before the attention reads them
+        c_q = ops.mla_cache_rows(kv, self._w(i, f"{a}.kv_a_layernorm.weight"), eps, cache, slots, cache_lens, lengths,
+                                 q=(q_a, self._w(i, f"{a}.q_a_layernorm.weight")))
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
-        ops.mla_cache_rows(kv, self._w(i, f"{a}.kv_a_layernorm.weight"), eps, cache, slots, cache_lens, lengths)
         w_uk_t, w_uv = self.mla_absorbed[i]
         q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)  # [B*T, H, R], [B*T, H, P]
         o_latent = ops.mla_verify_attention(
