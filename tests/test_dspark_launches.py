@@ -25,8 +25,8 @@ from launch_counter import counting
 
 LAYERS = K3_TINY_DSPARK.num_layers
 # op calls per propose: two fused add + norms and one silu * up per layer, MLA's four ops over the cache
-# (absorb_q rotates the queries' rope part, cache_rows the keys': no rotary op of their own), and the
-# Markov head's greedy chain
+# (absorb_q rotates the queries' rope part, cache_rows the keys': no rotary op of their own; cache_rows
+# also normalises c_q: no q_a norm of its own), and the Markov head's greedy chain
 PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LAYERS, "mla_absorb_q": LAYERS,
               "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "markov_greedy_draft": 1,
               "linear_partials": 2 * LAYERS}  # o_proj and down, their partials added by the norms
@@ -60,13 +60,20 @@ def test_a_propose_launches_the_pinned_ops_and_no_layer_glue(monkeypatch):
     assert dict(launches.ops) == PINNED_OPS, launches
     assert launches.glue["mm"] == GEMMS, launches
     assert not launches.syncs, f"the propose reads device values on the host: {launches}"
-    # No torch add, silu or cat left between a layer's ops (the cache rows are kv_a's output as it is).
-    # The adds that remain: the eps of each unfused norm on the CPU (the first input norm and every q_a
-    # norm; F.rms_norm's one launch on the GPU), the block's positions and the cache counts; the cats that
-    # remain make the previous tokens and the confidence head's input. The dense block mask is never
-    # made: every layer attends over the cache in place (BlockPass.mask is built on first use).
-    assert "silu" not in launches.glue and launches.glue["add"] == (1 + LAYERS) + 2, launches
+    # No torch add, silu or cat left between a layer's ops (the cache rows are kv_a's output as it is; the
+    # q_a norm is in the cache rows' launch). The adds that remain: the eps of the first input norm,
+    # unfused on the CPU (F.rms_norm's one launch on the GPU), the block's positions and the MLA op's
+    # query ends; the cats that remain make the previous tokens and the confidence head's input. The dense
+    # block mask is never made: every layer attends over the cache in place (BlockPass.mask is built on
+    # first use).
+    assert "silu" not in launches.glue and launches.glue["add"] == 1 + 2, launches
     assert launches.glue["cat"] == 2 and "eye" not in launches.glue, launches
+    # The setup before the first layer: the lengths' and the RoPE rows' gathers, the anchors' embedding
+    # and one select against the mask token's row (model.DraftConstants holds what does not change);
+    # no arange, compare, fill, copy, cos or sin. The greedy stage reads the head's bf16 product as it is.
+    assert launches.glue["index_select"] == 2 and launches.glue["where"] == 1, launches
+    made_per_pass = {"arange", "lt", "new_full", "copy_", "full_like", "ones_like", "fill_", "cos", "sin"}
+    assert not made_per_pass & set(launches.glue), launches
 
 
 def test_the_drafter_benchs_switches_are_set_and_restored():

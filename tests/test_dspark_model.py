@@ -481,3 +481,43 @@ def test_a_drafting_pass_over_the_cache_in_place_equals_the_expanded_attention(d
     for s, n in zip(slots.tolist(), length.tolist()):
         assert torch.equal(pool[s, :n], before[s, :n])
         assert not torch.equal(pool[s, n : n + G], before[s, n : n + G])  # the block's rows went here
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION)
+@pytest.mark.parametrize("dedicated_mask", [False, True])
+def test_a_drafts_setup_read_from_its_constants_is_the_backbones_pass_bit_for_bit(attention_type, dedicated_mask):
+    """DSparkModel.draft_backbone, whose setup reads the drafter's DraftConstants (the RoPE rows gathered
+    from a table, the block embedded from the anchors' rows and the mask token's, the context mask made
+    only if a layer asks), against backbone(block_inputs(anchors)) over the same cache, bit for bit."""
+    from dspark.drafters.dspark.model import CachedContext
+
+    target = SyntheticTarget(seed=int(torch.randint(0, 1000, ())))
+    V, G = target.vocab_size, small_config(target, attention_type).block_size
+    model = make_model(target, attention_type, seed=5, **({"mask_token_id": V} if dedicated_mask else {}))
+    drafter = DSparkDrafter(model, max_slots=3, max_seq_len=64)
+    for slot, n in ((0, 9), (2, 17)):
+        start_request(target, drafter, slot, torch.randint(0, V, (n,)))
+    index, anchors, context = torch.tensor([2, 0]), torch.randint(0, V, (2,)), 17
+    lengths = drafter._lengths_device.index_select(0, index)
+    rows = [CachedContext(cache, index, lengths, context) for cache in drafter._cache]
+    with torch.no_grad():
+        got = model.draft_backbone(anchors, rows, drafter._constants, lengths, context)
+        visible = (torch.arange(context) < lengths[:, None]).unsqueeze(1)
+        positions = (lengths[:, None] + torch.arange(G)).unsqueeze(1)
+        want = model.backbone(model.block_inputs(anchors).unsqueeze(1), positions, rows, visible, inference=True)[:, 0]
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_a_position_tables_rows_are_the_rotary_tables_bit_for_bit():
+    """Rotary.table_rows of a position_table against Rotary.tables at the same (YaRN-scaled) positions."""
+    from dspark.drafters.dspark.model import Rotary
+
+    scaling = {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+               "mscale": 1.0, "mscale_all_dim": 1.0}
+    rot = Rotary(64, 50000.0, True, scaling)
+    table = rot.position_table(9000, torch.device("cpu"))
+    assert table.shape == (2, 9000, 32) and table.dtype == torch.float32
+    for B, G in ((1, 7), (3, 5), (4, 16)):
+        positions = (torch.randint(0, 9000 - G, (B, 1)) + torch.arange(G)).unsqueeze(1)  # [B, 1, G]
+        got, want = Rotary.table_rows(table, positions), rot.tables(positions)
+        assert all(g.shape == w.shape and g.is_contiguous() and torch.equal(g, w) for g, w in zip(got, want))

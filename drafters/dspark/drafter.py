@@ -23,7 +23,7 @@ from dspark.sampling import SamplingTensors, processed_probs
 from dspark.transfer import LongStaging
 
 from .graphs import DraftGraphs
-from .model import CachedContext, DSparkModel
+from .model import CachedContext, DraftConstants, DSparkModel
 
 
 @dataclass
@@ -82,6 +82,8 @@ class DSparkDrafter(Drafter):
         # The slot indices of a draft or a commit go up through one pinned buffer, not a new
         # pinned tensor per call (dspark/transfer.py).
         self._staging = LongStaging(max_slots, self.device)
+        # what every draft reads and none writes, made here: a draft graph never captures its making
+        self._constants = DraftConstants(model, max_seq_len + self.config.block_size, max_slots, self.device)
         self._graphs = DraftGraphs(self) if cuda_graphs else None
 
     @property
@@ -294,20 +296,18 @@ class DSparkDrafter(Drafter):
         # Each layer's pool as it is: an MLA layer attends over it in place, others gather the
         # first `context` rows (rows past a length are masked out).
         context_rows = [CachedContext(cache, index, lengths, context) for cache in self._cache]
-        visible = (torch.arange(context, device=device) < lengths[:, None]).unsqueeze(1)  # [B, 1, S]
-        block = model.block_inputs(anchors).unsqueeze(1)  # [B, 1, G]
-        positions = (lengths[:, None] + torch.arange(gamma, device=device)).unsqueeze(1)
-        hidden = model.backbone(block, positions, context_rows, visible, inference=True)[:, 0]  # [B, G, d]
-        base = model.base_logits(hidden)  # [B, G, V]
-
+        hidden = model.draft_backbone(anchors, context_rows, self._constants, lengths, context)  # [B, G, d]
         probabilistic = sampling is not None
+        greedy_op = not probabilistic and model.markov_head.kind == "vanilla"
+        base = model.base_logits(hidden, widen=not greedy_op)  # [B, G, V]; the op widens as it reads
+
         sampled_rows = [i for i, p in enumerate(sampling) if not p.greedy] if probabilistic else []
         if probabilistic:
             # The same temperature/top-k/top-p processing the target side uses (dspark.sampling);
             # greedy rows come back one-hot.
             params = SamplingTensors.from_params(sampling, device)
 
-        if not probabilistic and model.markov_head.kind == "vanilla":
+        if greedy_op:
             # The sequential stage as one op (G + 1 launches on CUDA where the loop below is ~6 per
             # slot); the confidence of every slot then in one batched pass over [h_k ; W1[x_{k-1}]].
             tokens = ops.markov_greedy_draft(base, anchors, model.markov_head.markov_w1.weight,

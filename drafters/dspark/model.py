@@ -112,6 +112,20 @@ class Rotary(nn.Module):
         angles = positions.float().unsqueeze(-1) * self.inv_freq  # [..., dim/2]
         return (angles.cos() * self.cos_sin_scale).unsqueeze(-2), (angles.sin() * self.cos_sin_scale).unsqueeze(-2)
 
+    def position_table(self, count: int, device: torch.device) -> torch.Tensor:
+        """[2, count, dim/2] float32: tables() of positions 0..count-1, cos then sin, for table_rows to
+        gather from."""
+        cos, sin = self.tables(torch.arange(count, device=device))
+        return torch.stack([cos.squeeze(-2), sin.squeeze(-2)])
+
+    @staticmethod
+    def table_rows(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tables(positions) read from a position_table in one gather (computing them is six launches):
+        the same values, each elementwise op having run on the same float position."""
+        rows = table.index_select(1, positions.reshape(-1))  # [2, N, dim/2]
+        shape = (*positions.shape, 1, table.shape[-1])
+        return rows[0].view(shape), rows[1].view(shape)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
         """x [..., heads, dim], positions [...] (long) -> rotated x; tables: tables(positions),
         made once for several calls."""
@@ -190,16 +204,21 @@ class BlockPass:
     experiments/notes/step.md): the RoPE tables of the block positions and the block mask, and
     the mask's per-head form for the latent attention."""
 
-    def __init__(self, rotary: "Rotary | None", positions: torch.Tensor, context_visible: torch.Tensor | None, G: int,
-                 flex_mask=None):
-        """flex_mask: a FlexAttention BlockMask of the same mask (flex.block_mask), in place of
-        context_visible: the attention then runs block-sparse (training only)."""
-        self.rope = rotary.tables(positions) if rotary is not None else None
+    def __init__(self, rotary: "Rotary | None", positions: torch.Tensor, context_visible, G: int,
+                 flex_mask=None, rope=None, cache_counts: tuple[torch.Tensor, ...] | None = None):
+        """context_visible: [B, A, S] bool, or a function that makes it (a drafting pass whose layers
+        never build the mask then never launches it); flex_mask: a FlexAttention BlockMask of the same
+        mask (flex.block_mask), in place of context_visible: the attention then runs block-sparse
+        (training only). rope, cache_counts: rotary.tables(positions) and cache_counts' result where the
+        caller has them already (DraftConstants)."""
+        if rope is None and rotary is not None:
+            rope = rotary.tables(positions)
+        self.rope = rope
         self.flex_mask = flex_mask
         self._context_visible, self._G = context_visible, G
         self._mask: torch.Tensor | None = None
         self._hidden_per_head: dict[int, torch.Tensor] = {}
-        self._cache_counts: tuple[torch.Tensor, ...] | None = None
+        self._cache_counts = cache_counts
         # set by a drafting pass whose norms take split-K partials (DSparkModel._drafting_layers): the
         # layers' output projections may hand theirs over unreduced (_project_out)
         self.output_partials = False
@@ -210,7 +229,8 @@ class BlockPass:
         pass whose layers all attend over the cache in place never does, and its propose is spared the
         mask's launches."""
         if self._mask is None and self.flex_mask is None:
-            self._mask = _block_mask(self._context_visible, self._G)
+            visible = self._context_visible
+            self._mask = _block_mask(visible() if callable(visible) else visible, self._G)
         return self._mask
 
     def cache_counts(self, lengths: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,6 +269,44 @@ class CachedContext:
         """The first `context` rows of each request's slot [B, context, W] (rows past a length are
         masked out by the caller's context_visible)."""
         return self.cache[:, : self.context].index_select(0, self.index)
+
+
+class DraftConstants:
+    """What every drafting pass of one drafter reads and none writes, made once on its device, outside
+    any CUDA graph, so that a pass launches only the setup that depends on its requests (a handful of
+    launches where it was seventeen at the K3 drafter's propose: docs/kernels.md §10.11): the block
+    offsets 0..G-1 and which of them holds the anchor, the RoPE tables of every position a draft can
+    reach (`positions`: the drafter's rows, its scratch rows included), and the MLA op's per-request
+    counts that do not change (G block rows, one query), for up to `rows` requests a pass."""
+
+    def __init__(self, model: "DSparkModel", positions: int, rows: int, device: torch.device):
+        G = model.config.block_size
+        self.block_size, self.rows = G, rows
+        self.offsets = torch.arange(G, device=device)
+        self.anchor_slot = (self.offsets == 0).unsqueeze(-1)  # [G, 1]
+        rotary = model._rotary()
+        self.rope_table = rotary.position_table(positions, device) if rotary is not None else None
+        self.block_rows = torch.full((rows,), G, dtype=torch.long, device=device)
+        self.ones = torch.ones(rows, dtype=torch.long, device=device)
+
+    def block_pass(self, model: "DSparkModel", lengths: torch.Tensor,
+                   context: int) -> tuple[torch.Tensor, "BlockPass"]:
+        """(positions [B, 1, G], the pass's BlockPass) of a draft of one block per request after
+        `lengths` [B] committed rows, reading at most `context` cache rows: three launches (the
+        positions, the RoPE rows' gather, the MLA op's query ends); the context mask only if a layer
+        asks for it (one that does not attend over the cache in place)."""
+        B, G = lengths.shape[0], self.block_size
+        positions = (lengths[:, None] + self.offsets).unsqueeze(1)
+        rope = Rotary.table_rows(self.rope_table, positions) if self.rope_table is not None else None
+        if B <= self.rows:
+            counts = (self.block_rows[:B], lengths + (G - 1), self.ones[:B])
+        else:  # more rows than slots (a slot drafted twice): made for this pass
+            counts = (torch.full_like(lengths, G), lengths + (G - 1), torch.ones_like(lengths))
+
+        def visible() -> torch.Tensor:  # [B, 1, S]
+            return (torch.arange(context, device=lengths.device) < lengths[:, None]).unsqueeze(1)
+
+        return positions, BlockPass(model._rotary(), positions, visible, G, rope=rope, cache_counts=counts)
 
 
 def _context_rows(context: "torch.Tensor | CachedContext") -> torch.Tensor:
@@ -376,16 +434,20 @@ class MLAAttention(BlockAttention):
             c_q, rows = F.linear(x, paired).split([self.q_a_proj.out_features, self.row_width], dim=-1)
         else:
             c_q, rows = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        q = self.q_b_proj(self.q_a_layernorm(c_q)).reshape(M, H, self.nope + self.rope_dim)
+        block_rows, ends, ones = shared.cache_counts(context.lengths, G)
+        rows = rows.reshape(M, self.row_width).to(context.cache.dtype)  # [c_kv | k_pe], rows may be strided
+        # The q_a norm in the cache rows' launch, with K3's rounding (the normalised row rounded, then scaled)
+        # as the kv latent's there, where RMSNorm rounds once (docs/kernels.md §10.11). The block's rows go in
+        # past each length, where a fallback below leaves them unread.
+        c_q = ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache,
+                                 context.index, context.lengths, block_rows, rope,
+                                 q=(c_q.reshape(M, -1), self.q_a_layernorm.weight))
+        q = self.q_b_proj(c_q).reshape(M, H, self.nope + self.rope_dim)
         q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype), rope)  # [M, H, r], [M, H, rope]
         queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
-        block_rows, ends, ones = shared.cache_counts(context.lengths, G)
         if x.is_cuda and registry.select("mla_verify_attention", *queries, context.cache, context.index, ends,
                                          ones).reads_device_values:
             return None
-        rows = rows.reshape(M, self.row_width).to(context.cache.dtype)  # [c_kv | k_pe], rows may be strided
-        ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache, context.index,
-                           context.lengths, block_rows, rope)
         o_latent = ops.mla_verify_attention(*queries, context.cache, context.index, ends, ones, self.scale)
         out = ops.linear_heads(o_latent.view(M, H, r), w_uv.to(o_latent.dtype))  # [M, H, v]
         return _project_out(self.o_proj, out.reshape(B, A, G, H * self.v_dim).to(x.dtype), shared.output_partials)
@@ -619,6 +681,13 @@ class DSparkModel(nn.Module):
         x = F.embedding(block_tokens.masked_fill(is_mask, 0), self.embed_tokens)
         return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(x.dtype), x)
 
+    def embed_anchored_blocks(self, anchors: torch.Tensor, anchor_slot: torch.Tensor) -> torch.Tensor:
+        """embed_block(block_inputs(anchors)) [B, G, d] in two launches (the anchors' rows, then one
+        select against the mask's row) where it is five; anchor_slot: [G, 1] bool, True at slot 0."""
+        mask_row = self.mask_embedding if self.mask_embedding is not None else self.embed_tokens[self.config.mask_token_id]
+        x0 = F.embedding(anchors, self.embed_tokens)
+        return torch.where(anchor_slot, x0.unsqueeze(-2), mask_row.to(x0.dtype))
+
     def backbone(
         self,
         block_tokens: torch.Tensor,  # [B, A, G]
@@ -647,6 +716,17 @@ class DSparkModel(nn.Module):
                 x = layer(x, positions, rows, context_visible, inference, shared)
         return self.final_norm(x)
 
+    def draft_backbone(self, anchors: torch.Tensor, context_rows: list, constants: DraftConstants,
+                       lengths: torch.Tensor, context: int) -> torch.Tensor:
+        """backbone(block_inputs(anchors)[:, None], ...) of a drafting pass, one block per request after
+        `lengths` [B] committed rows (at most `context`), [B, G, d]: the same function, its setup read
+        from the drafter's DraftConstants (docs/kernels.md §10.11)."""
+        x = self.embed_anchored_blocks(anchors, constants.anchor_slot).to(self.context_proj.weight.dtype).unsqueeze(1)
+        positions, shared = constants.block_pass(self, lengths, context)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            return self._drafting_layers(x, positions, context_rows, None, shared)[:, 0]
+
     def _drafting_layers(self, x, positions, context_rows, context_visible, shared: BlockPass) -> torch.Tensor:
         """The layers and the final norm of a drafting pass, DecoderLayer.forward's function with each
         residual add done in the norm after it (the post-attention norm, the next layer's input norm, the
@@ -664,14 +744,17 @@ class DSparkModel(nn.Module):
             h, x = _add_then_norm(x, layer.mlp.drafting(h, shared.output_partials), after)
         return h
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """U_k = lm_head(h_k), in float32 or wider (docs/dspark-algorithm.md §2.4)."""
+    def base_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """U_k = lm_head(h_k), in float32 or wider (docs/dspark-algorithm.md §2.4); widen=False: a
+        lower-precision head's product left in its dtype, for a consumer that widens it as it reads it
+        (ops.markov_greedy_draft; the same values, one [B, G, V] copy fewer)."""
         dtype = _at_least_float32(hidden.dtype)
         if self.lm_head.dtype == dtype:
             return hidden.to(dtype) @ self.lm_head.t()
         # A lower-precision shared head is used as it is (a float32 copy of K3's 163840 x 7168
         # head would be 4.7 GB per call); only the product is widened.
-        return (hidden.to(self.lm_head.dtype) @ self.lm_head.t()).to(dtype)
+        product = hidden.to(self.lm_head.dtype) @ self.lm_head.t()
+        return product.to(dtype) if widen else product
 
     def head_outputs(
         self, hidden: torch.Tensor, prev_tokens: torch.Tensor

@@ -26,6 +26,8 @@ from .reference import check_markov
 BLOCK_R = 64  # Markov ranks per loop step: 64 x BLOCK_V products per program step
 MAX_BLOCK_V = 256
 MAX_BLOCKS = 1024  # the partials a program reduces in one vector
+# base as the LM head's product leaves it (bf16 / fp16, widened as loaded) or already float32
+BASE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def vocab_block(V: int) -> int:
@@ -69,7 +71,7 @@ def markov_greedy_draft(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Ten
 
 
 def supports_markov(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    return (base.dim() == 3 and base.dtype == torch.float32 and base.stride(-1) == 1 and w1.dim() == 2
+    return (base.dim() == 3 and base.dtype in BASE_DTYPES and base.stride(-1) == 1 and w1.dim() == 2
             and w2.dim() == 2 and w1.stride(-1) == 1 and w2.stride(-1) == 1
             and -(-base.shape[-1] // vocab_block(base.shape[-1])) <= MAX_BLOCKS)
 
