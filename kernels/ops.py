@@ -199,9 +199,14 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
     return select("situ_glu", gate, up).fn(gate, up, beta, linear_beta)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, each rounded to their dtype as torch's two ops round (the drafter's SwiGLU)."""
-    return select("silu_mul", gate, up).fn(gate, up)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up, each rounded to their dtype as torch's two ops round (the drafter's SwiGLU). With
+    dtype, gate and up are a GEMM's split-K partials [S, ..., n] (fp32, linear_partials: the two column
+    halves of one gate | up GEMM), each summed in split order and rounded to dtype, as the GEMM's
+    reduction would have, before the activation: one launch where the reduction was one more."""
+    if dtype is None:
+        return select("silu_mul", gate, up).fn(gate, up)
+    return select("silu_mul", gate, up, dtype).fn(gate, up, dtype)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

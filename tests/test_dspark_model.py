@@ -170,6 +170,31 @@ def test_a_drafting_pass_adds_its_output_projections_partials_in_the_norms(monke
     torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_drafting_pass_adds_its_gate_up_partials_in_the_activation(monkeypatch):
+    """With the CPU among GATE_UP_AS_PARTIALS_ON, each layer's paired gate | up GEMM leaves its split-K
+    partials (ops.linear_partials) and silu_mul adds them (its partials form): the same drafts as the
+    pass through the reduced GEMM, and its confidence logits to fp32 rounding."""
+    from dspark.drafters.dspark import model as model_module
+    from dspark.kernels import ops
+
+    model, draft = tiny_k3_drafter()
+    model.pair_projections()  # as load_drafter lays them out on a GPU: one gate | up GEMM a layer
+    want = draft()
+    partial_inputs = []
+    real_act = ops.silu_mul
+
+    def spy(gate, up, dtype=None):
+        partial_inputs.append(dtype is not None and gate.dim() == 5 and gate.dtype == torch.float32)
+        return real_act(gate, up, dtype)
+
+    monkeypatch.setattr(model_module, "GATE_UP_AS_PARTIALS_ON", ("cpu",))
+    monkeypatch.setattr(ops, "silu_mul", spy)
+    got = draft()
+    assert partial_inputs == [True] * model.config.num_layers
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_mla_latent_attention_equals_the_expanded_one(dtype):
     """The drafting pass's latent MLA attention (W_UK folded into the queries, W_UV after the sum)

@@ -639,3 +639,22 @@ def test_mla_absorptions_are_the_per_head_products_and_the_gate(gen):
         ops.mla_absorb_q(q[:, :2], w_uk_t)
     with pytest.raises(ValueError, match="gate"):
         ops.mla_absorb_output(o_latent, w_uv, gate[:, :-1])
+
+
+def test_silu_mul_of_split_k_partials_sums_them_rounded_then_activates():
+    """silu_mul(gate, up, dtype) with a gate | up GEMM's split-K partials: each summed in split order,
+    rounded to dtype (sum_partials, the reduction's rounding), then the activation, bit for bit on the CPU;
+    a malformed call names its argument."""
+    from dspark.kernels.numerics import sum_partials
+
+    partials = torch.randn(5, 3, 2, 40) * 3  # [S, ..., 2n]
+    gate, up = partials.chunk(2, dim=-1)
+    got = ops.silu_mul(gate, up, torch.bfloat16)
+    want = torch.nn.functional.silu(sum_partials(gate.flatten(1, -2), torch.bfloat16)) \
+        * sum_partials(up.flatten(1, -2), torch.bfloat16)
+    assert got.shape == (3, 2, 20) and got.dtype == torch.bfloat16 and torch.equal(got, want.view(3, 2, 20))
+    assert not torch.equal(got, ops.silu_mul(gate[:-1], up[:-1], torch.bfloat16))
+    with pytest.raises(ValueError, match=r"silu_mul: with dtype, up must be split-K partials .*torch.bfloat16 \(5, 3, 2, 20\)"):
+        ops.silu_mul(gate, up.bfloat16(), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"silu_mul: dtype must be a floating torch.dtype, got torch.int64"):
+        ops.silu_mul(gate, up, torch.long)

@@ -84,6 +84,7 @@ def main(seed: int) -> None:
           act_ref.sigmoid_gate(x.double(), gate.double()), "sigmoid_gate")
     close(act_triton.silu_mul(gate, up, out=torch.full((rows, n), float("nan"))),
           act_ref.silu_mul(gate.double(), up.double()), "silu_mul")
+    check_silu_mul_of_partials(gen)
     check_add_rms_norm(gen)
     check_route(gen)
     check_router_logits_gemv(gen)
@@ -103,6 +104,20 @@ def main(seed: int) -> None:
     check_markov(gen)
     check_rotary(gen)
     print("triton kernels: all checks passed")
+
+
+def check_silu_mul_of_partials(gen: torch.Generator) -> None:
+    """silu_mul of a gate | up GEMM's split-K partials [S, M, 2n] (its two column halves, strided rows)
+    against float64; a sum without the last part is shown to miss the tolerance first."""
+    for parts, rows, n in ((3, 2, 1500), (14, 7, 96)):
+        partials = torch.randn(parts, rows, 2 * n, generator=gen)
+        gate, up = partials.chunk(2, dim=-1)
+        want = act_ref.silu_mul(gate.double().sum(0), up.double().sum(0))
+        short = act_ref.silu_mul(gate[:-1].double().sum(0), up[:-1].double().sum(0))
+        if not (short - want).abs().max().item() > ATOL:
+            sys.exit("silu_mul of partials: the check cannot tell a missing part")
+        got = act_triton.silu_mul(gate, up, torch.float32, out=torch.full((rows, n), float("nan")))
+        close(got, want, f"silu_mul of {parts} partials")
 
 
 def check_mix_norm_of_partials(gen, residual, ckpts, mix_norm, mix_proj, out_norm) -> None:

@@ -38,6 +38,12 @@ from .heads import ConfidenceHead, MarkovHead, init_like_deepspec
 # CPU's row-invariant reference GEMM sums in another order).
 # experiments/drafter_bench.py --setting draft_output_partials=0 times the reduced outputs.
 OUTPUTS_AS_PARTIALS_ON: tuple[str, ...] = ("cuda",)
+# The devices on which a drafting pass's SwiGLU multiplies its paired gate | up as the skinny GEMM's
+# split-K partials (ops.linear_partials) and its activation adds them (ops.silu_mul's partials form),
+# where cuBLAS split the GEMM and launched a reduction after it: one launch fewer a layer, at the
+# skinny GEMM's speed in place of cuBLAS's (docs/kernels.md §10.11). Off until a GPU has timed it:
+# experiments/drafter_bench.py --setting draft_gate_up_partials=1.
+GATE_UP_AS_PARTIALS_ON: tuple[str, ...] = ()
 
 
 class RMSNorm(nn.Module):
@@ -220,8 +226,10 @@ class BlockPass:
         self._hidden_per_head: dict[int, torch.Tensor] = {}
         self._cache_counts = cache_counts
         # set by a drafting pass whose norms take split-K partials (DSparkModel._drafting_layers): the
-        # layers' output projections may hand theirs over unreduced (_project_out)
+        # layers' output projections may hand theirs over unreduced (_project_out); and whose SwiGLU
+        # activations take their gate | up GEMM's (SwiGLU.drafting)
         self.output_partials = False
+        self.gate_up_partials = False
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -520,18 +528,24 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def drafting(self, x, partials: bool = False):
+    def drafting(self, x, partials: bool = False, gate_up_partials: bool = False):
         """forward for a drafting pass (no gradients): gate and up as one GEMM where their weights are
         laid out one after the other (DSparkModel.pair_projections), silu and the product in one launch
         where the two share a dtype (autocast's mixed ones keep the torch ops); partials: down's
-        split-K partials for the norm after it (_project_out)."""
+        split-K partials for the norm after it (_project_out); gate_up_partials: the paired GEMM's own,
+        which the activation adds (GATE_UP_AS_PARTIALS_ON)."""
         paired = _one_weight(self.gate_proj, self.up_proj)
-        if paired is not None:
-            gate, up = F.linear(x, paired).chunk(2, dim=-1)
+        if paired is not None and gate_up_partials and x.dtype == paired.dtype:
+            parts = ops.linear_partials(x.reshape(-1, x.shape[-1]), paired)  # [S, M, 2I]
+            gate, up = parts.view(parts.shape[0], *x.shape[:-1], parts.shape[-1]).chunk(2, dim=-1)
+            act = ops.silu_mul(gate, up, x.dtype)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return _project_out(self.down_proj, ops.silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up,
-                            partials)
+            if paired is not None:
+                gate, up = F.linear(x, paired).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            act = ops.silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up
+        return _project_out(self.down_proj, act, partials)
 
 
 def _add_then_norm(residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -734,14 +748,15 @@ class DSparkModel(nn.Module):
         a rank's share of the K3 drafter are what its propose costs, not bytes (docs/kernels.md §10.11)."""
         norms = [self.final_norm] + [n for layer in self.layers for n in (layer.input_layernorm,
                                                                              layer.post_attention_layernorm)]
-        shared.output_partials = (x.device.type in OUTPUTS_AS_PARTIALS_ON and self.autocast_dtype is None
-                                  and all(n.weight.dtype == x.dtype for n in norms))
+        same_dtype = self.autocast_dtype is None and all(n.weight.dtype == x.dtype for n in norms)
+        shared.output_partials = x.device.type in OUTPUTS_AS_PARTIALS_ON and same_dtype
+        shared.gate_up_partials = x.device.type in GATE_UP_AS_PARTIALS_ON and same_dtype
         h = self.layers[0].input_layernorm(x)
         for i, (layer, rows) in enumerate(zip(self.layers, context_rows)):
             delta = layer.self_attn(h, positions, rows, context_visible, True, shared)
             h, x = _add_then_norm(x, delta, layer.post_attention_layernorm)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
-            h, x = _add_then_norm(x, layer.mlp.drafting(h, shared.output_partials), after)
+            h, x = _add_then_norm(x, layer.mlp.drafting(h, shared.output_partials, shared.gate_up_partials), after)
         return h
 
     def base_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:

@@ -38,7 +38,10 @@ def sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_g, out_ptr, stride_o, 
 
 
 @triton.jit
-def silu_mul_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def silu_mul_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, stride_gs, stride_us,
+                    BLOCK: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    """PARTS > 1: gate and up are a GEMM's split-K partials (stride_gs / stride_us apart), added in split
+    order in fp32 and rounded to the output's dtype, as the GEMM's reduction would have rounded them."""
     prologue(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -46,5 +49,11 @@ def silu_mul_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, 
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for s in tl.static_range(1, PARTS):
+            g += tl.load(gate_ptr + s * stride_gs + row * stride_g + offs, mask=mask, other=0.0)
+            u += tl.load(up_ptr + s * stride_us + row * stride_u + offs, mask=mask, other=0.0)
+        g = g.to(dtype).to(tl.float32)
+        u = u.to(dtype).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)  # silu rounded to the dtype, as the reference's torch op
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(dtype), mask=mask)

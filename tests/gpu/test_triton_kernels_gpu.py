@@ -298,6 +298,24 @@ def test_the_drafters_add_rms_norm_and_silu_mul_match_their_torch_ops(gen, shape
     assert registry.select("silu_mul", gate, up).name == "triton"
 
 
+@pytest.mark.parametrize("parts, rows, width", [(14, 7, 2304), (4, 28, 36864)])
+def test_silu_mul_of_split_k_partials_matches_the_reduced_gemm(gen, parts, rows, width):
+    """silu_mul of a gate | up GEMM's fp32 split-K partials in bf16 at a TP16 share's and the full
+    drafter's widths: the sums bit for bit sum_partials (the reduction's rounding), then within silu's
+    two roundings of torch's ops on those sums."""
+    import torch.nn.functional as F
+
+    partials = torch.randn(parts, rows, 2 * width, device="cuda", generator=gen)
+    gate, up = partials.chunk(2, dim=-1)
+    got = act_triton.silu_mul(gate, up, torch.bfloat16, out=_poisoned(torch.empty(rows, width, device="cuda",
+                                                                                  dtype=torch.bfloat16)))
+    torch_act = F.silu(sum_partials(gate, torch.bfloat16)) * sum_partials(up, torch.bfloat16)
+    apart = (got.float() - torch_act.float()).abs()
+    assert torch.isfinite(got).all() and (apart <= 2 * _bf16_ulp(torch_act) + 1e-3).all(), \
+        f"silu_mul of partials against the reduced GEMM's torch ops: {apart.max().item():.3e} apart"
+    assert registry.select("silu_mul", gate, up, torch.bfloat16).name == "triton"
+
+
 @pytest.mark.parametrize("rows,inner", [(7, 512), (7, 1152), (14, 4096)])
 def test_the_drafters_add_rms_norm_adds_a_gemms_partials_as_its_reduction_would(gen, rows, inner):
     """The drafting pass's o_proj and down GEMMs left as their split-K partials (ops.linear_partials) and
