@@ -244,6 +244,21 @@ def markov_greedy_draft(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Ten
     return select("markov_greedy_draft", base, anchors, w1, w2).fn(base, anchors, w1, w2)
 
 
+def draft_confidence(hidden: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor | None,
+                     weight: torch.Tensor, bias: torch.Tensor | None,
+                     temperatures: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DSpark confidence head of a greedy block -> (logits [B, G] float32, probs [B, G] float32):
+    hidden [B, G, d], anchors [B] and tokens [B, G] integer ids (markov_greedy_draft's), the vanilla
+    Markov head's W1 [V1, r] (None: a head without the Markov input), the head's Linear weight [d + r]
+    ([d] without w1) and bias [1] (or None), all in hidden's dtype, and temperatures [G] float32 (or
+    None). x_{k-1} = the anchor for slot 0, else tokens[:, k - 1]; logits[:, k] = w . [hidden[:, k] ;
+    W1[x_{k-1}]] + b in hidden's dtype (the Linear's output), widened; probs = sigmoid(logits /
+    temperatures) in float32 (sigmoid(logits) without). Fast kernels: the bf16 logit within one unit
+    in the last place of the reference's (their fp32 sums run in another order)."""
+    args = (hidden, anchors, tokens, w1, weight, bias, temperatures)
+    return select("draft_confidence", *args).fn(*args)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """RoPE of x [..., H, D] by cos / sin [..., 1, D/2] (per position, shared by the heads), in
     float32, returned in x's dtype; pairs (x[2j], x[2j+1]) when interleaved, else (x[j], x[j+D/2])."""

@@ -29,7 +29,7 @@ LAYERS = K3_TINY_DSPARK.num_layers
 # also normalises c_q: no q_a norm of its own), and the Markov head's greedy chain
 PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LAYERS, "mla_absorb_q": LAYERS,
               "mla_cache_rows": LAYERS, "mla_verify_attention": LAYERS, "markov_greedy_draft": 1,
-              "linear_partials": 2 * LAYERS}  # o_proj and down, their partials added by the norms
+              "draft_confidence": 1, "linear_partials": 2 * LAYERS}  # o_proj and down, their partials added by the norms
 # the torch GEMMs between them: q_a with kv_a, q_b and gate with up a layer (the pairs as one GEMM each once
 # pair_projections laid them out, as load_drafter does on a GPU), and the lm_head
 GEMMS = 3 * LAYERS + 1
@@ -64,11 +64,11 @@ def test_a_propose_launches_the_pinned_ops_and_no_layer_glue(monkeypatch):
     # No torch add, silu or cat left between a layer's ops (the cache rows are kv_a's output as it is; the
     # q_a norm is in the cache rows' launch). The adds that remain: the eps of the first input norm,
     # unfused on the CPU (F.rms_norm's one launch on the GPU), the block's positions and the MLA op's
-    # query ends; the cats that remain make the previous tokens and the confidence head's input. The dense
-    # block mask is never made: every layer attends over the cache in place (BlockPass.mask is built on
-    # first use).
+    # query ends. The dense block mask is never made: every layer attends over the cache in place
+    # (BlockPass.mask is built on first use). After the greedy chain no torch op is left: the confidence
+    # head's previous tokens, lookup, features, GEMV and sigmoid are draft_confidence's one launch.
     assert "silu" not in launches.glue and launches.glue["add"] == 1 + 2, launches
-    assert launches.glue["cat"] == 2 and "eye" not in launches.glue, launches
+    assert not {"cat", "eye", "addmm", "sigmoid"} & set(launches.glue), launches
     # The setup before the first layer: the lengths' and the RoPE rows' gathers, the anchors' embedding
     # and one select against the mask token's row (model.DraftConstants holds what does not change);
     # no arange, compare, fill, copy, cos or sin. The greedy stage reads the head's bf16 product as it is.

@@ -4,6 +4,7 @@ in float32 against their references in float64. Exits non-zero with the failing 
 
 Tolerance: float32 arithmetic on O(1) values, max abs error 1e-4 against float64 (the router's
 selection: 1e-5, see check_route)."""
+import itertools
 import sys
 
 import torch
@@ -102,6 +103,7 @@ def main(seed: int) -> None:
     check_absorb(gen)
     check_draft_loss(gen)
     check_markov(gen)
+    check_draft_confidence(gen)
     check_rotary(gen)
     print("triton kernels: all checks passed")
 
@@ -255,6 +257,78 @@ def check_markov(gen: torch.Generator, device: str = "cpu", dtype=torch.float32,
                 out=torch.full((1, 2), -1, dtype=torch.long, device=device)).cpu()
     if got.tolist() != [[low, low]]:
         sys.exit(f"markov_greedy_draft: a tie between ids {low} and {high} drafted {got.tolist()}, not the lower id")
+
+
+CONF_TOL = 1e-4  # float32 sums of up to d + r = 9256 products, logits of order 1, against float64
+CONF_PROB_TOL = 1e-6  # a float32 division and sigmoid of the kernel's own logit, against float64
+
+
+def check_draft_confidence(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, confidence=None,
+                           cases=((1, 64, 48), (3, 64, 48), (1, 100, 24), (3, 100, 24), (1, 7168, 256),
+                                  (3, 7168, 256), (1, 9000, 40))) -> None:
+    """draft_confidence against float64 (cases: B, d, r at G = 7; d = 100 not a power of two, 7168 K3's
+    drafter, 9000 past the kernel's widest step, so two), each with and without w1, bias and
+    temperatures. hidden's and w1's rows are strided, tokens a transposed view; the outputs are
+    poisoned (NaN) first. Weights are scaled so that both the hidden and the Markov terms of a logit
+    are of order 1 (the sigmoid unsaturated, and a lookup of the wrong previous token moves the logit by
+    far more than the tolerance: checked). Logits: within CONF_TOL of float64's for float32 inputs;
+    bf16 / fp16 inputs round the logit to their dtype, so within half a unit in its last place more.
+    Probs: within CONF_PROB_TOL of float64's sigmoid(logit / T_k) of the logit returned. main runs
+    float32 only: Triton's interpreter truncates a float32 -> bf16 cast where the GPU rounds to
+    nearest, so bf16 is checked on the GPU (tests/gpu/test_triton_kernels_gpu.py).
+    confidence: the implementation (default: the Triton one), called with out=(logits, probs)."""
+    from dspark.kernels.markov import triton as markov_triton
+
+    confidence = confidence or markov_triton.draft_confidence
+    G, V = 7, 500
+    for B, d, r in cases:
+        hidden = torch.randn(B, G, d + 8, generator=gen).to(dtype)[..., 4 : 4 + d]  # strided rows
+        anchors = torch.randint(0, V, (B,), generator=gen)
+        tokens = torch.randint(0, V, (G, B), generator=gen).T  # strides (1, B)
+        w1 = (torch.randn(V, r + 8, generator=gen) * 2).to(dtype)[:, :r]
+        weight = torch.cat([torch.randn(d, generator=gen) / d**0.5, torch.randn(r, generator=gen) / r**0.5]).to(dtype)
+        bias = torch.randn(1, generator=gen).to(dtype)
+        temps = torch.rand(G, generator=gen) * 2 + 0.5
+        prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+        markov = (w1.double()[prev] * weight[d:].double()).sum(-1)
+        if not (markov - (w1.double()[tokens] * weight[d:].double()).sum(-1)).abs().max().item() > 100 * CONF_TOL:
+            sys.exit("draft_confidence: the check cannot tell the previous token from the slot's own")
+        for with_w1, with_bias, with_temps in itertools.product((True, False), repeat=3):
+            what = (f"draft_confidence B={B} d={d} r={r} w1={with_w1} bias={with_bias} temperatures={with_temps} "
+                    f"{dtype}")
+            want = (hidden.double() * weight[:d].double()).sum(-1)
+            want = want + (markov if with_w1 else 0) + (bias.double() if with_bias else 0)
+            out = tuple(torch.full((B, G), float("nan"), device=device) for _ in range(2))
+            args = (hidden, anchors, tokens, w1 if with_w1 else None, weight if with_w1 else weight[:d],
+                    bias if with_bias else None, temps if with_temps else None)
+            logits, probs = confidence(*(None if t is None else same_strides(t, device) for t in args), out=out)
+            logits, probs = logits.cpu().double(), probs.cpu().double()
+            finite = torch.isfinite(logits).all() and torch.isfinite(probs).all()
+            if logits.shape != (B, G) or probs.shape != (B, G) or not finite:
+                sys.exit(f"{what}: shapes {tuple(logits.shape)}, {tuple(probs.shape)} or non-finite (unwritten) "
+                         "output")
+            bound = torch.full_like(want, CONF_TOL)
+            if dtype != torch.float32:
+                bound += 0.5 * torch.maximum(ulp(want, dtype), ulp(logits, dtype))
+            err = (logits - want).abs()
+            if not (err <= bound).all():
+                sys.exit(f"{what}: logits off float64's by {err.max().item():.2e} ({(err / bound).max().item():.2f}x "
+                         f"the bound)")
+            want_probs = torch.sigmoid(logits / temps.double() if with_temps else logits)
+            err = (probs - want_probs).abs().max().item()
+            if not err <= CONF_PROB_TOL:
+                sys.exit(f"{what}: probs off float64's sigmoid by {err:.2e} >= {CONF_PROB_TOL}")
+
+
+def same_strides(t: torch.Tensor, device: str) -> torch.Tensor:
+    """t on `device` with its strides (a copy by .to() is made contiguous where t is not dense)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+
+
+def ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` (bf16 or fp16, normal numbers) at each |v|."""
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return torch.exp2(torch.floor(torch.log2(v.double().abs().clamp(min=2.0**-14))) - mantissa)
 
 
 def check_combine(gen: torch.Generator, device: str = "cpu", tokens: int = 3, top_k: int = 16,

@@ -309,12 +309,15 @@ class DSparkDrafter(Drafter):
 
         if greedy_op:
             # The sequential stage as one op (G + 1 launches on CUDA where the loop below is ~6 per
-            # slot); the confidence of every slot then in one batched pass over [h_k ; W1[x_{k-1}]].
-            tokens = ops.markov_greedy_draft(base, anchors, model.markov_head.markov_w1.weight,
-                                             model.markov_head.markov_w2.weight)
-            prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
-            conf_logits = model.confidence_head(hidden, model.markov_head.embed_previous(prev)).float()
-            return Draft(tokens, None, conf_logits, model.confidence_probs(conf_logits))
+            # slot); the confidence of every slot then in one more, over [h_k ; W1[x_{k-1}]] (six torch
+            # launches on CUDA: docs/kernels.md §10.12).
+            w1 = model.markov_head.markov_w1.weight
+            tokens = ops.markov_greedy_draft(base, anchors, w1, model.markov_head.markov_w2.weight)
+            head = model.confidence_head
+            conf_logits, confidence = ops.draft_confidence(
+                hidden, anchors, tokens, w1 if head.with_markov else None, head.proj.weight[0], head.proj.bias,
+                model.confidence_temperatures(gamma, device))
+            return Draft(tokens, None, conf_logits, confidence)
         tokens = torch.empty(batch, gamma, dtype=torch.long, device=device)
         conf_logits = torch.empty(batch, gamma, device=device)
         probs = torch.empty(batch, gamma, base.shape[-1], device=device) if probabilistic else None

@@ -782,12 +782,20 @@ class DSparkModel(nn.Module):
         confidence = self.confidence_head(hidden, prev_embedding).to(dtype)
         return logits, confidence
 
+    def confidence_temperatures(self, width: int, device: torch.device,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The calibrated per-position temperatures [width] (None before calibration), as a device tensor
+        made once: a graphed draft may not upload them per call."""
+        temps = self.config.confidence_temperatures
+        if temps is None:
+            return None
+        key = (tuple(temps), width, dtype, torch.device(device))
+        if self._temperatures is None or self._temperatures[0] != key:
+            self._temperatures = (key, temperature_tensor(temps, *key[1:]))
+        return self._temperatures[1]
+
     def confidence_probs(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """sigmoid(logit_k / T_k) with the calibrated per-position temperatures (docs/dspark-algorithm.md §5.2)."""
-        temps = self.config.confidence_temperatures
-        if temps is not None:  # as a device tensor made once: a graphed draft may not upload them per call
-            key = (tuple(temps), confidence_logits.shape[-1], confidence_logits.dtype, confidence_logits.device)
-            if self._temperatures is None or self._temperatures[0] != key:
-                self._temperatures = (key, temperature_tensor(temps, *key[1:]))
-            temps = self._temperatures[1]
+        temps = self.confidence_temperatures(confidence_logits.shape[-1], confidence_logits.device,
+                                             confidence_logits.dtype)
         return calibrated_confidence(confidence_logits, temps)

@@ -1,4 +1,4 @@
-"""Triton kernels of markov_greedy_draft (kernels/markov/triton.py says why and how)."""
+"""Triton kernels of markov_greedy_draft and draft_confidence (kernels/markov/triton.py says why and how)."""
 import triton
 import triton.language as tl
 
@@ -62,3 +62,49 @@ def markov_last_kernel(anchors_ptr, part_val_ptr, part_idx_ptr, tokens_ptr, B, G
     prologue(PDL)
     row = tl.program_id(0)
     tl.store(tokens_ptr + row * G + G - 1, _previous(anchors_ptr, part_val_ptr, part_idx_ptr, row, G, B, NB, NB_P2))
+
+
+@triton.jit
+def draft_confidence_kernel(hidden_ptr, stride_hb, stride_hk, anchors_ptr, stride_a, tokens_ptr, stride_tb,
+                            stride_tk, w1_ptr, stride_w1, weight_ptr, bias_ptr, temps_ptr, stride_t, logits_ptr,
+                            probs_ptr, G, D, R, HAS_W1: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            HAS_TEMPS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                            PDL: tl.constexpr):
+    """Slot k of row b for program pid 0 = b * G + k: the logit w[:D] . hidden[b, k] (+ w[D:] . W1[x_{k-1}],
+    x_{-1} the anchor, else tokens[b, k - 1]) (+ bias), summed in float32, rounded to hidden's dtype
+    (the Linear's output) and widened; its probability sigmoid(logit / T_k) in float32."""
+    prologue(PDL)
+    pid = tl.program_id(0)
+    row = pid // G
+    k = pid % G
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    h_row = hidden_ptr + row.to(tl.int64) * stride_hb + k.to(tl.int64) * stride_hk
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        inside = cols < D
+        h = tl.load(h_row + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        acc += h * w
+    total = tl.sum(acc, axis=0)
+    if HAS_W1:
+        if k == 0:
+            prev = tl.load(anchors_ptr + row.to(tl.int64) * stride_a).to(tl.int64)
+        else:
+            prev = tl.load(tokens_ptr + row.to(tl.int64) * stride_tb + (k - 1).to(tl.int64) * stride_tk).to(tl.int64)
+        acc_r = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            ranks = r0 + tl.arange(0, BLOCK_R)
+            in_rank = ranks < R
+            e = tl.load(w1_ptr + prev * stride_w1 + ranks, mask=in_rank, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + D + ranks, mask=in_rank, other=0.0).to(tl.float32)
+            acc_r += e * w
+        total += tl.sum(acc_r, axis=0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr).to(tl.float32)
+    logit = total.to(hidden_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + pid, logit)
+    if HAS_TEMPS:
+        scaled = tl.math.div_rn(logit, tl.load(temps_ptr + k * stride_t))
+    else:
+        scaled = logit
+    tl.store(probs_ptr + pid, tl.sigmoid(scaled))

@@ -254,6 +254,60 @@ def test_markov_greedy_draft_takes_the_argmax_chain(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_confidence_matches_float64_and_the_models_torch_ops(dtype):
+    """kernels/markov/triton.py's draft_confidence against float64 (tests/triton_interpret_checks.py:
+    check_draft_confidence: with and without W1, bias and temperatures, d 64, 100, 7168 and 9000; a bf16
+    logit within half a bf16 ulp of float64's, plus 1e-4), then at K3's drafter (G 7, d 7168, r 256,
+    K3's vocabulary of W1 rows) against the reference on the GPU, the model's own torch ops (cuBLAS's
+    product). Tolerance: the kernel's fp32 sums run in another order than cuBLAS's, each rounded once
+    to hidden's dtype, so a bf16 logit is within one bf16 ulp of the reference's (float32: 1e-5
+    relative); a probability within that over 4 T_k (sigmoid's slope is at most 1/4) plus 1e-6. cuBLAS
+    sums in fp32 here: no TF32, and no bf16 reduction of its split-K partials (torch's default allows
+    one, which would round the reference's logit more than once). The default on CUDA."""
+    from triton_interpret_checks import check_draft_confidence
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    check_draft_confidence(gen, "cuda", dtype)
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_tf32 = matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        _draft_confidence_against_the_reference(gen, dtype)
+    finally:
+        matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+def _draft_confidence_against_the_reference(gen: torch.Generator, dtype: torch.dtype) -> None:
+    from dspark.kernels.markov import reference as markov_ref
+    from dspark.kernels.markov import triton as markov_triton
+
+    B, G, d, r, V = 4, 7, 7168, 256, 163840
+    hidden = torch.randn(B, G, d, generator=gen).to("cuda", dtype)
+    anchors = torch.randint(0, V, (B,), generator=gen).cuda()
+    tokens = torch.randint(0, V, (B, G), generator=gen).cuda()
+    w1 = torch.randn(V, r, generator=gen).to("cuda", dtype)
+    weight = (torch.randn(d + r, generator=gen) * 3 / (d + r) ** 0.5).to("cuda", dtype)  # logits of std ~3
+    bias = torch.randn(1, generator=gen).to("cuda", dtype)
+    temps = (torch.rand(G, generator=gen) * 2 + 0.5).cuda()
+    for args in ((hidden, anchors, tokens, w1, weight, bias, temps),
+                 (hidden, anchors, tokens, None, weight[:d], None, None)):
+        want_logits, want_probs = markov_ref.draft_confidence(*args)
+        out = (_poisoned(want_logits), _poisoned(want_probs))
+        got_logits, got_probs = markov_triton.draft_confidence(*args, out=out)
+        assert torch.isfinite(got_logits).all() and torch.isfinite(got_probs).all(), "unwritten (NaN) output"
+        apart = (got_logits - want_logits).abs()
+        if dtype == torch.bfloat16:
+            bound = _bf16_ulp(torch.maximum(got_logits.abs(), want_logits.abs()))
+        else:
+            bound = 1e-5 * want_logits.abs() + 1e-5
+        assert (apart <= bound).all(), f"logits: {apart.max().item():.3e} apart ({(apart / bound).max().item():.2f}x)"
+        prob_bound = bound / (4 * (temps if args[-1] is not None else 1.0)) + 1e-6
+        apart = (got_probs - want_probs).abs()
+        assert (apart <= prob_bound).all(), f"probs: {apart.max().item():.3e} apart"
+        assert registry.select("draft_confidence", *args).name == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_float64(dtype):
     """kernels/rotary/triton.py, both pair layouts, strided query rows and one key head, against
     float64 (tests/triton_interpret_checks.py:check_rotary); the default on CUDA."""
