@@ -238,7 +238,8 @@ def draft_head_loss(hidden: torch.Tensor, prev_embedding: torch.Tensor, lm_head:
 
 
 def markov_greedy_draft(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The greedy Markov stage of a DSpark draft: base logits [B, G, V] (float32), anchors [B],
+    """The greedy Markov stage of a DSpark draft: base logits [B, G, V] (float32, or the LM head's
+    bf16/fp16 product, widened where read), anchors [B],
     the vanilla Markov head's W1 [V1, r] and W2 [V, r] -> tokens [B, G] long, slot k the argmax of
     base[:, k] + W2 W1[slot k - 1's token] (the anchor before slot 0)."""
     return select("markov_greedy_draft", base, anchors, w1, w2).fn(base, anchors, w1, w2)

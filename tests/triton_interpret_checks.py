@@ -212,7 +212,7 @@ MARKOV_TOL = 1e-4  # float32 sums of r <= 256 products of O(1) values and a floa
 
 
 def check_markov(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, cases=((3, 7, 1000, 48), (2, 4, 300, 256)),
-                 draft=None) -> None:
+                 draft=None, base_dtype=torch.float32) -> None:
     """markov_greedy_draft against float64 (cases: B, G, V, r; a partial last vocabulary block and
     r not a multiple of the kernel's rank step). Ties aside, the tokens must equal float64's
     argmax chain, so each slot is checked given the kernel's own previous token: its token's
@@ -221,7 +221,9 @@ def check_markov(gen: torch.Generator, device: str = "cpu", dtype=torch.float32,
     base logits (std 1), so a wrong previous token moves the argmax. Then an exact tie across two
     vocabulary blocks, which must go to the lower index. Inputs are drawn on the CPU, the output
     poisoned with -1; bf16 weights round the bias to bf16 (the tolerance then allows that).
-    draft: the implementation (default: the Triton one), called as draft(base, anchors, w1, w2, out=...)."""
+    draft: the implementation (default: the Triton one), called as draft(base, anchors, w1, w2, out=...).
+    base_dtype: the base logits' (bf16: the LM head's product as the drafter passes it, widened on load;
+    float64 reads the rounded values)."""
     from dspark.kernels.markov import triton as markov_triton
 
     draft = draft or markov_triton.markov_greedy_draft
@@ -229,7 +231,7 @@ def check_markov(gen: torch.Generator, device: str = "cpu", dtype=torch.float32,
     # bf16: the bias is rounded to bf16, half a unit of up to ~64 (4 std at r = 256) is 0.125 a logit
     tol = MARKOV_TOL if dtype == torch.float32 else 0.3
     for B, G, V, r in cases:
-        base = torch.randn(B, G, V + 3, generator=gen)[..., :V]  # strided rows, as a slice of wider logits
+        base = torch.randn(B, G, V + 3, generator=gen).to(base_dtype)[..., :V]  # strided rows, as a slice of wider logits
         w1, w2 = torch.randn(V + 5, r, generator=gen), torch.randn(V, r, generator=gen)
         w1, w2 = w1.to(dtype), w2.to(dtype)
         anchors = torch.randint(0, V, (B,), generator=gen)

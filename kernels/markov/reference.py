@@ -41,7 +41,8 @@ def check_markov(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2
 
 @register("markov_greedy_draft", "reference", priority=0)
 def markov_greedy_draft(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """(tokens [B, G] long) of base [B, G, V] (float32 or wider), anchors [B], w1 [V1, r], w2 [V, r]."""
+    """(tokens [B, G] long) of base [B, G, V] (float32 or wider, or a lower precision widened by the add
+    to the float32 bias), anchors [B], w1 [V1, r], w2 [V, r]."""
     check_markov(base, anchors, w1, w2)
     B, G, _ = base.shape
     tokens = torch.empty(B, G, dtype=torch.long, device=base.device)

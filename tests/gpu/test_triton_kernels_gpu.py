@@ -238,16 +238,18 @@ def test_the_ranks_inputs_gemm_feeds_the_dispatch_and_tail_kernels_through_colum
                                                             1e-6, 3.0, 5.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_markov_greedy_draft_takes_the_argmax_chain(dtype):
+@pytest.mark.parametrize("dtype, base_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_markov_greedy_draft_takes_the_argmax_chain(dtype, base_dtype):
     """kernels/markov/triton.py at the tests' small shapes, at a TP16 rank's vocabulary and at K3's
-    (B, G, V, r), fp32 and bf16 weights, against the float64 argmax chain
-    (tests/triton_interpret_checks.py:check_markov); the default on CUDA."""
+    (B, G, V, r), fp32 and bf16 weights, the base logits in float32 or as the LM head's bf16 product,
+    against the float64 argmax chain (tests/triton_interpret_checks.py:check_markov); the default on CUDA."""
     from triton_interpret_checks import check_markov
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    check_markov(gen, "cuda", dtype, cases=((3, 7, 1000, 48), (2, 7, 10240, 256), (1, 7, 163840, 256)))
-    base = torch.randn(1, 7, 300, device="cuda")
+    check_markov(gen, "cuda", dtype, cases=((3, 7, 1000, 48), (2, 7, 10240, 256), (1, 7, 163840, 256)),
+                 base_dtype=base_dtype)
+    base = torch.randn(1, 7, 300, device="cuda", dtype=base_dtype)
     w = torch.randn(300, 16, device="cuda", dtype=dtype)
     assert registry.select("markov_greedy_draft", base, torch.zeros(1, dtype=torch.long, device="cuda"), w, w).name \
         == "triton"
