@@ -11,9 +11,22 @@ projection goes through `ops.linear` (row-invariant on the CPU), elementwise ops
 attention runs query by query over exactly the keys that query sees: the same shapes, hence the
 same reduction order, as one-token decoding.
 
-KV cache: per layer [max_slots, kv_heads, max_seq_len, head_dim]. `verify` writes the rows of
+KV cache: per layer [max_slots, kv_heads, max_seq_len + 1, head_dim]. `verify` writes the rows of
 its tokens past the slot's committed length without moving it; `commit` only advances the
-length, so rejected rows are simply overwritten by the next verify.
+length, so rejected rows are simply overwritten by the next verify. The last row of each slot is
+a spare that only padding tokens write (attention="batched"), never read.
+
+The committed lengths live in one long tensor on the target's device (`lengths`). The batched
+path reads and advances them there, so its verify and commit take slots, lengths and kept counts
+as device tensors without reading them on the host, and a CUDA engine captures its decode step in
+a graph (dspark/graph_step.py; docs/architecture.md §6): a 1-D long tensor of slots on the
+target's device (a graph's static buffer; on a CPU target, a CPU tensor) is taken unread as the
+slots' index, as K3Target takes it, with verify's lengths and commit's counts as tensors on that
+device too, and commit takes the very tensor of slots its verify took. Nothing is checked on the
+host then: the engine checked every request where it entered and bounds its tokens by the context
+it has left. Slots on the host (a list) are checked as before, and so are lengths and counts on the
+host (a list, or a CPU tensor), which reads the committed lengths back once per call; beside host
+slots, lengths and counts on a CUDA device (the engine's eager step) stay unread.
 """
 from __future__ import annotations
 
@@ -27,7 +40,7 @@ import torch
 from dspark.flex_tiles import TILE, block_mask_from_tiles
 from dspark.kernels import ops
 from dspark.protocols import TargetOutput
-from dspark.transfer import tensor_on
+from dspark.transfer import long_tensor_on, tensor_on
 
 from .gguf_assets import GGUFFile, GGUFTokenizer, find_smollm2_gguf, optional_int
 from .prefill import checked_chunk_tokens, prefill_in_chunks
@@ -135,19 +148,6 @@ def _row_places(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return request, column
 
 
-@dataclass(frozen=True)
-class _BatchPlan:
-    """Index tensors shared by every layer of one batched forward (LlamaTarget._batch_plan)."""
-    batch: int  # B requests
-    width: int  # T: the most rows any request feeds
-    context: int  # L: the longest cache prefix any query attends to
-    request: torch.Tensor  # [N] the request of each flat row
-    column: torch.Tensor  # [N] its place among that request's rows
-    slots: torch.Tensor  # [B] cache slot of each request
-    written: torch.Tensor  # [B, 1, L, 1] cache rows holding this request's tokens
-    visible: torch.Tensor  # [B, 1, G * T, L] query row g * T + t (head g of a kv group) may see cache row l
-
-
 @dataclass
 class LlamaLayerWeights:
     attn_norm: torch.Tensor  # [d]
@@ -214,6 +214,11 @@ def rope_tables(config: LlamaConfig, positions: int, device) -> tuple[torch.Tens
     inv_freq = config.rope_theta ** (-torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
     return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def _on_host(values) -> bool:
+    """Whether values (a list, tuple or tensor) read without waiting for a device."""
+    return not isinstance(values, torch.Tensor) or values.device.type == "cpu"
 
 
 def check_counts(name: str, counts, batch: int) -> list[int]:
@@ -326,14 +331,153 @@ def causal_layers(target: "LlamaTarget", x: torch.Tensor, cos: torch.Tensor, sin
     return out
 
 
+def device_counts(name: str, values, batch: int, device: torch.device) -> torch.Tensor:
+    """lengths or num_tokens beside a device index of slots: a [batch] tensor on the target's device."""
+    if not isinstance(values, torch.Tensor) or tuple(values.shape) != (batch,) or values.device.type != device.type:
+        got = f"{tuple(values.shape)} on {values.device}" if isinstance(values, torch.Tensor) else repr(values)
+        raise ValueError(f"{name}: beside a device index of slots, must be a [{batch}] tensor on {device}, "
+                         f"got {got}")
+    return values.to(torch.long)
+
+
+def per_query_forward(target: "LlamaTarget", slots, rows, starts, tap_layers, width: int) -> TargetOutput:
+    """LlamaTarget's per_query path: run each request's new tokens `rows[r]` at positions starts[r]... of
+    slot slots[r], one query at a time (_attend): write their K/V rows into the cache and return
+    logits and taps padded to `width`."""
+    c, w = target.config, target.weights
+    counts = [len(row) for row in rows]
+    token_ids = torch.cat(rows).to(target.device)
+    request, column = _row_places(counts)
+    positions_host = torch.tensor(starts)[request] + column
+    slots_host = torch.tensor(slots)[request]
+    positions, row_slots = positions_host.to(target.device), slots_host.to(target.device)
+    request, column = request.to(target.device), column.to(target.device)
+    query_places = list(zip(slots_host.tolist(), positions_host.tolist()))  # (slot, position) per row
+    cos = target.rope_cos[positions].unsqueeze(1)
+    sin = target.rope_sin[positions].unsqueeze(1)
+
+    x = w.embedding[token_ids]
+    flat_taps = {-1: x} if -1 in tap_layers else {}
+    for layer_index, layer in enumerate(w.layers):
+        q, k, v = target._attention_inputs(layer, x, cos, sin, ops.linear)
+        target.k_cache[layer_index, row_slots, :, positions] = k
+        target.v_cache[layer_index, row_slots, :, positions] = v
+        attended = torch.stack([
+            target._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
+        ])
+        x = target._ffn(layer, x + ops.linear(attended, layer.attn_output), ops.linear)
+        if layer_index in tap_layers:
+            flat_taps[layer_index] = x
+    final = rms_norm(x, w.output_norm, c.rms_norm_eps)
+    if target.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
+        flat_taps[target.num_layers] = final
+    logits = ops.linear(final, w.output)
+    places = (request, column, len(counts), width)
+    return TargetOutput(logits=scatter_rows(logits, *places), taps={l: scatter_rows(t, *places) for l, t in flat_taps.items()})
+
+
+def attend_span(target: "LlamaTarget", layer_index: int, q: torch.Tensor, index: torch.Tensor,
+                hidden: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    """Queries q [B, T, heads, hd] over the first max_seq_len cache rows of their slots index [B],
+    less those `hidden` [B, 1, 1, T, S] hides: two batched matmuls for the whole batch; returns
+    [B, T, heads * hd].
+
+    The heads that share a kv head are stacked as rows of one matmul against that kv head's
+    keys, so the cache rows are read once per kv head and never repeated per query head (SDPA's
+    GQA path on float32 copies them per query head)."""
+    c = target.config
+    B, T, S, hd = q.shape[0], q.shape[1], target.max_seq_len, c.head_dim
+    group = c.num_heads // c.num_kv_heads
+    queries = q.view(B, T, c.num_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(B, c.num_kv_heads, group * T, hd)
+    keys = target.k_cache[layer_index, index, :, :S]  # [B, kv_heads, S, hd]
+    # Rows a request has not written are stale (an earlier occupant's, a rejected draft's, or
+    # never written): a stale key is masked below whatever it holds, a stale value must be
+    # zeroed, since a masked-out NaN there would still poison the product (0 * NaN).
+    values = torch.where(written, target.v_cache[layer_index, index, :, :S], 0.0)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(target.scale)
+    # The float32 floor, not -inf: a query that sees no row (a padding row on a free slot, as a
+    # graph's bucket pads) then averages zeroed values instead of making NaN, and where a query
+    # sees a row, exp(floor - max) is 0 as exp(-inf) is.
+    scores.view(B, c.num_kv_heads, group, T, S).masked_fill_(hidden, torch.finfo(scores.dtype).min)
+    out = torch.matmul(scores.softmax(dim=-1), values)  # [B, kv_heads, group * T, hd]
+    return out.view(B, c.num_kv_heads, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.num_heads * hd)
+
+
+def batched_forward(target: "LlamaTarget", index: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
+                    tap_layers: tuple[int, ...]) -> TargetOutput:
+    """The batched path: the block tokens [B, T] into slots index [B], request r feeding its
+    first counts[r] tokens after its slot's committed length; all three are device tensors,
+    none read on the host, and no shape depends on their values, so one CUDA graph replays this
+    for any slots, lengths and committed lengths. Writes the fed tokens' K/V rows (the padding
+    tokens' to the spare row) and returns logits and taps [B, T, ...], zero past counts[r] as
+    verify's padding always was (causal_taps gives, and capture compares, zeros there).
+
+    Each query attends over its slot's whole cache, max_seq_len rows masked down to those it
+    sees: the span is the target's, not the batch's longest context (a host value, another each
+    step), which costs the rows past the context in the two matmuls and the gather."""
+    c, w = target.config, target.weights
+    linear = torch.nn.functional.linear
+    column = torch.arange(tokens.shape[1], device=target.device)
+    starts = target.lengths.index_select(0, index)  # [B] committed lengths
+    ends = starts + counts
+    fed = column < counts[:, None]  # [B, T]
+    positions = starts[:, None] + column
+    rows = torch.where(fed, positions, target.max_seq_len)  # padding tokens write the spare row
+    # Cache row l is visible to the query at position p of a request ending at e when l <= p and
+    # l < e: a fed token sees its causal prefix, a padding token no row its request did not write.
+    limit = torch.minimum(positions + 1, ends[:, None])
+    hidden = (target._span >= limit[..., None])[:, None, None]  # [B, 1, 1, T, S]: over kv heads and group
+    written = (target._span < ends[:, None])[:, None, :, None]  # [B, 1, S, 1]
+    rope_at = positions.clamp(max=target.max_seq_len - 1)  # a padding token's position may pass the table
+    cos, sin = target.rope_cos[rope_at].unsqueeze(2), target.rope_sin[rope_at].unsqueeze(2)  # [B, T, 1, hd/2]
+    x = w.embedding[torch.where(fed, tokens, 0)]  # ids past a request's length may be anything
+    kept = fed[..., None]
+    taps = {-1: torch.where(kept, x, 0.0)} if -1 in tap_layers else {}
+    slot_of_row = index[:, None]
+    for layer_index, layer in enumerate(w.layers):
+        q, k, v = target._attention_inputs(layer, x, cos, sin, linear)
+        target.k_cache[layer_index, slot_of_row, :, rows] = k  # the whole [B, T] block in one scatter
+        target.v_cache[layer_index, slot_of_row, :, rows] = v
+        attended = attend_span(target, layer_index, q, index, hidden, written)
+        x = target._ffn(layer, x + linear(attended, layer.attn_output), linear)
+        if layer_index in tap_layers:
+            taps[layer_index] = torch.where(kept, x, 0.0)
+    # Padding rows zeroed before the final norm give zero logits (no bias) and a zero head-input tap,
+    # with no pass over the [B, T, V] logits.
+    final = rms_norm(torch.where(kept, x, 0.0), w.output_norm, c.rms_norm_eps)
+    if target.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
+        taps[target.num_layers] = final
+    return TargetOutput(logits=linear(final, w.output), taps=taps)
+
+
+class SlotIndex:
+    """Host slots' device index, uploaded once per batch composition (an engine's batch changes only
+    when a request enters or leaves) and never written; the cache forgets every composition at 64."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, slots: list[int]) -> torch.Tensor:
+        key = tuple(slots)
+        index = self._cache.get(key)
+        if index is None:
+            if len(self._cache) >= 64:
+                self._cache.clear()
+            index = self._cache[key] = long_tensor_on(slots, self.device)
+        return index
+
+
 class LlamaTarget:
     """dspark.protocols.Target for a Llama model, float32, one KV cache row per (slot, position).
 
     attention="per_query" (default) is the token-invariant CPU reference described above.
-    attention="batched" is the path for GPU training and self-distillation: plain F.linear and one
-    batched attention per layer over the slots' padded KV cache with a causal mask per request
-    (_attend_batched). It computes the same function, but reduction order depends on the batch, so a token's
-    logits agree with the reference to a tolerance, not bitwise (tests/test_llama_target.py).
+    attention="batched" is the path for GPU training, self-distillation and GPU decoding: plain
+    F.linear and one batched attention per layer over each slot's whole cache with a causal mask per
+    request (batched_forward), driven by device tensors alone, so that an engine can replay its
+    decode steps as CUDA graphs (supports_cuda_graphs). It computes the same function, but reduction
+    order depends on the batch, so a token's logits agree with the reference to a tolerance, not
+    bitwise (tests/test_llama_target.py).
     """
 
     def __init__(
@@ -387,25 +531,44 @@ class LlamaTarget:
         self.weights = weights
 
         c = config
-        cache_shape = (c.num_layers, max_slots, c.num_kv_heads, max_seq_len, c.head_dim)
+        # One spare row per slot past max_seq_len: the padding tokens of a ragged [B, T] block write
+        # their K/V there, so the block goes in with one scatter whatever its lengths (as K3Target's
+        # MLA cache). Nothing reads the spare row.
+        cache_shape = (c.num_layers, max_slots, c.num_kv_heads, max_seq_len + 1, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=torch.float32, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=torch.float32, device=self.device)
         self.rope_cos, self.rope_sin = rope_tables(c, max_seq_len, self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        self._span = torch.arange(max_seq_len, device=self.device)  # the cache rows the batched attention reads
 
-        # Committed tokens per slot; 0 = free. A free slot verifies against an empty prefix
-        # (the engine profiles verify cost on a slot no request holds).
-        self.cache_lengths = [0] * max_slots
-        self.pending = [None] * max_slots  # tokens written by the last verify, until commit
+        # Committed tokens per slot, on the device; 0 = free. A free slot verifies against an empty
+        # prefix (the engine profiles verify cost on a slot no request holds).
+        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self.pending = [None] * max_slots  # tokens fed by the last verify of host slots, until commit
+        self._pending_index = None  # the slots tensor of the last verify of a device index, until commit
+        self._slot_index = SlotIndex(self.device)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether an engine may capture verify and commit in a CUDA graph (dspark.graph_step.capturable,
+        which also asks for a CUDA device): the batched path takes a device index of slots and reads
+        no device value on the host; the per_query reference reads every position on the host."""
+        return self.attention == "batched"
+
+    @property
+    def cache_lengths(self) -> list[int]:
+        """Each slot's committed tokens, read back to the host (on CUDA, a synchronisation)."""
+        return self.lengths.tolist()
 
     # ---- Target protocol --------------------------------------------------------------------
     def prefill(self, slots, prompts, tap_layers=()) -> TargetOutput:
         slots = checked_slots(slots, self.max_slots)
         if len(prompts) != len(slots):
             raise ValueError(f"prompts: {len(prompts)} prompts for {len(slots)} slots")
+        held = self.cache_lengths
         for slot in slots:
-            if self.cache_lengths[slot]:
-                raise ValueError(f"slots: slot {slot} holds {self.cache_lengths[slot]} tokens; release it before prefilling it again")
+            if held[slot]:
+                raise ValueError(f"slots: slot {slot} holds {held[slot]} tokens; release it before prefilling it again")
         for r, prompt in enumerate(prompts):
             if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
                 raise ValueError(f"prompts[{r}]: must be a 1-D long tensor, got {getattr(prompt, 'shape', prompt)!r}")
@@ -415,49 +578,101 @@ class LlamaTarget:
         return prefill_in_chunks(self, slots, prompts, check_taps(tap_layers, self.num_layers), self.prefill_chunk_tokens)
 
     def verify(self, slots, tokens, lengths, tap_layers=()) -> TargetOutput:
+        if self._is_index(slots):
+            return self._verify_index(slots, tokens, lengths, tap_layers)
         slots = checked_slots(slots, self.max_slots)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens: must be a [B, T] long tensor, got {getattr(tokens, 'shape', tokens)!r}")
         if tokens.shape[0] != len(slots):
             raise ValueError(f"tokens.shape={tuple(tokens.shape)}: {len(slots)} slots need {len(slots)} rows")
+        held = None
+        if self.attention == "per_query" or _on_host(lengths):
+            lengths, held = self._checked_lengths(slots, tokens, lengths)
+        elif tuple(lengths.shape) != (len(slots),):
+            raise ValueError(f"lengths.shape={tuple(lengths.shape)}: {len(slots)} slots need {len(slots)} entries")
+        taps = check_taps(tap_layers, self.num_layers)
+        # Logits and taps are [B, T, ...] whatever the lengths (dspark.protocols.Target.verify).
+        if self.attention == "per_query":
+            rows = [tokens[r, :n] for r, n in enumerate(lengths)]
+            output = per_query_forward(self, slots, rows, [held[slot] for slot in slots], taps, width=tokens.shape[1])
+        else:
+            counts = long_tensor_on(lengths, self.device) if held is not None else lengths.to(torch.long)
+            on_device = tokens if tokens.device == self.device else tensor_on(tokens, self.device)
+            output = batched_forward(self, self._slot_index(slots), on_device, counts, taps)
+        self._pending_index = None
+        for r, slot in enumerate(slots):  # unread device lengths: up to T tokens may be committed
+            self.pending[slot] = lengths[r] if held is not None else tokens.shape[1]
+        return output
+
+    def commit(self, slots, num_tokens) -> None:
+        if self._is_index(slots):
+            if slots is not self._pending_index:
+                raise ValueError("slots: a device index of slots commits the last verify, which must have taken "
+                                 "that same tensor")
+            self.lengths.index_add_(0, slots, device_counts("num_tokens", num_tokens, len(slots), self.device))
+            self._pending_index = None
+            return
+        slots = checked_slots(slots, self.max_slots)
+        counts = None
+        if self.attention == "per_query" or _on_host(num_tokens):
+            counts = check_counts("num_tokens", num_tokens, len(slots))
+        elif tuple(num_tokens.shape) != (len(slots),):
+            raise ValueError(f"num_tokens.shape={tuple(num_tokens.shape)}: {len(slots)} slots need {len(slots)} entries")
+        for r, slot in enumerate(slots):
+            if self.pending[slot] is None:
+                raise ValueError(f"slots: slot {slot} has no verify to commit")
+            if counts is not None and not 0 <= counts[r] <= self.pending[slot]:
+                raise ValueError(f"num_tokens[{r}]={counts[r]}: the last verify of slot {slot} fed {self.pending[slot]} tokens")
+        # The cache rows of the kept tokens were written by verify; the rest are overwritten later.
+        kept = long_tensor_on(counts, self.device) if counts is not None else num_tokens.to(torch.long)
+        self.lengths.index_add_(0, self._slot_index(slots), kept)
+        for slot in slots:
+            self.pending[slot] = None
+
+    def release(self, slots) -> None:
+        slots = checked_slots(slots, self.max_slots)
+        self.lengths.index_fill_(0, self._slot_index(slots), 0)
+        for slot in slots:
+            self.pending[slot] = None
+        self._pending_index = None
+
+    def _is_index(self, slots) -> bool:
+        """Whether `slots` is a device index of slots, taken unread (the module docstring)."""
+        return self.attention == "batched" and isinstance(slots, torch.Tensor) and slots.device.type == self.device.type
+
+    def _verify_index(self, slots: torch.Tensor, tokens, lengths, tap_layers) -> TargetOutput:
+        """verify of a device index of slots: shapes and places are checked, no value is read."""
+        if slots.dim() != 1 or slots.dtype != torch.long:
+            raise ValueError(f"slots: a device index of slots must be a 1-D long tensor, got shape "
+                             f"{tuple(slots.shape)} {slots.dtype}")
+        B = len(slots)
+        if (not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long
+                or tokens.shape[0] != B or tokens.device.type != self.device.type):
+            raise ValueError(f"tokens: beside a device index of {B} slots, must be a [{B}, T] long tensor on "
+                             f"{self.device}, got {getattr(tokens, 'shape', tokens)!r}")
+        counts = device_counts("lengths", lengths, B, self.device)
+        output = batched_forward(self, slots, tokens, counts, check_taps(tap_layers, self.num_layers))
+        self.pending = [None] * self.max_slots  # which slots this verify wrote is not known on the host
+        self._pending_index = slots
+        return output
+
+    def _checked_lengths(self, slots: list[int], tokens: torch.Tensor, lengths) -> tuple[list[int], list[int]]:
+        """(lengths, every slot's committed length), read on the host and checked: row r feeds 1..T
+        tokens, in the vocabulary, within max_seq_len."""
         lengths = check_counts("lengths", lengths, len(slots))
         # One read of the device for the whole batch, not one per request.
         fed = torch.arange(tokens.shape[1], device=tokens.device) < torch.tensor(lengths, device=tokens.device)[:, None]
         check_token_ids("tokens", tokens, self.vocab_size, fed)
-        rows, starts = [], []
+        held = self.cache_lengths
         for r, (slot, n) in enumerate(zip(slots, lengths)):
             if not 1 <= n <= tokens.shape[1]:
                 raise ValueError(f"lengths[{r}]={n}: must be in [1, T={tokens.shape[1]}]")
-            if self.cache_lengths[slot] + n > self.max_seq_len:
+            if held[slot] + n > self.max_seq_len:
                 raise ValueError(
-                    f"lengths[{r}]={n}: slot {slot} holds {self.cache_lengths[slot]} tokens, "
-                    f"max_seq_len={self.max_seq_len} leaves room for {self.max_seq_len - self.cache_lengths[slot]}"
+                    f"lengths[{r}]={n}: slot {slot} holds {held[slot]} tokens, "
+                    f"max_seq_len={self.max_seq_len} leaves room for {self.max_seq_len - held[slot]}"
                 )
-            rows.append(tokens[r, :n])
-            starts.append(self.cache_lengths[slot])
-        # Logits and taps are [B, T, ...] whatever the lengths (dspark.protocols.Target.verify).
-        output = self._forward(slots, rows, starts, check_taps(tap_layers, self.num_layers), width=tokens.shape[1])
-        for slot, n in zip(slots, lengths):
-            self.pending[slot] = n
-        return output
-
-    def commit(self, slots, num_tokens) -> None:
-        slots = checked_slots(slots, self.max_slots)
-        num_tokens = check_counts("num_tokens", num_tokens, len(slots))
-        for r, (slot, n) in enumerate(zip(slots, num_tokens)):
-            if self.pending[slot] is None:
-                raise ValueError(f"slots: slot {slot} has no verify to commit")
-            if not 0 <= n <= self.pending[slot]:
-                raise ValueError(f"num_tokens[{r}]={n}: the last verify of slot {slot} fed {self.pending[slot]} tokens")
-        # The cache rows of the kept tokens were written by verify; the rest are overwritten later.
-        for slot, n in zip(slots, num_tokens):
-            self.cache_lengths[slot] += n
-            self.pending[slot] = None
-
-    def release(self, slots) -> None:
-        for slot in checked_slots(slots, self.max_slots):
-            self.cache_lengths[slot] = 0
-            self.pending[slot] = None
+        return lengths, held
 
     def embedding_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embed_tokens [V, d], lm_head [V, d]) that a DSpark drafter shares with the target
@@ -479,49 +694,6 @@ class LlamaTarget:
                 "mlp.up_proj.weight": up, "mlp.down_proj.weight": w.ffn_down}
 
     # ---- the model --------------------------------------------------------------------------
-    def _forward(self, slots, rows, starts, tap_layers, width: int | None = None) -> TargetOutput:
-        """Run each request's new tokens `rows[r]` at positions starts[r]... of slot slots[r]:
-        write their K/V rows into the cache and return padded logits and taps."""
-        c, w = self.config, self.weights
-        counts = [len(row) for row in rows]
-        token_ids = torch.cat(rows).to(self.device)
-        request, column = _row_places(counts)
-        positions_host = torch.tensor(starts)[request] + column
-        slots_host = torch.tensor(slots)[request]
-        positions, row_slots = positions_host.to(self.device), slots_host.to(self.device)
-        request, column = request.to(self.device), column.to(self.device)
-        batched = self.attention == "batched"
-        if batched:
-            plan = self._batch_plan(slots, starts, counts, request, column)
-        else:
-            query_places = list(zip(slots_host.tolist(), positions_host.tolist()))  # (slot, position) per row
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
-
-        linear = torch.nn.functional.linear if batched else ops.linear
-        x = w.embedding[token_ids]
-        flat_taps = {-1: x} if -1 in tap_layers else {}
-        for layer_index, layer in enumerate(w.layers):
-            q, k, v = self._attention_inputs(layer, x, cos, sin, linear)
-            self.k_cache[layer_index, row_slots, :, positions] = k
-            self.v_cache[layer_index, row_slots, :, positions] = v
-            if batched:
-                attended = self._attend_batched(layer_index, q, plan)
-            else:
-                attended = torch.stack([
-                    self._attend(layer_index, q[i], slot, position) for i, (slot, position) in enumerate(query_places)
-                ])
-            x = self._ffn(layer, x + linear(attended, layer.attn_output), linear)
-            if layer_index in tap_layers:
-                flat_taps[layer_index] = x
-        final = rms_norm(x, w.output_norm, c.rms_norm_eps)
-        if self.num_layers in tap_layers:  # the LM head's input (dspark.protocols.TargetOutput)
-            flat_taps[self.num_layers] = final
-        logits = linear(final, w.output)
-        width = width or max(counts)
-        places = (request, column, len(counts), width)
-        return TargetOutput(logits=scatter_rows(logits, *places), taps={l: scatter_rows(t, *places) for l, t in flat_taps.items()})
-
     def _attention_inputs(self, layer: LlamaLayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One layer's q [..., heads, hd] and k, v [..., kv_heads, hd] for hidden states x [..., d],
@@ -593,47 +765,6 @@ class LlamaTarget:
         grouped = q.reshape(c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)  # GQA: heads share a kv head
         probs = torch.softmax(torch.matmul(grouped, keys.transpose(1, 2)) * self.scale, dim=-1)
         return torch.matmul(probs, values).reshape(c.num_heads * c.head_dim)
-
-    def _batch_plan(self, slots, starts, counts, request, column) -> _BatchPlan:
-        """The index tensors of one batched forward (request, column: the rows' places, already on
-        the device), built once for all layers from the host's lists, where the batch's longest
-        context is known without reading the device: a step costs a fixed number of launches per
-        layer, not one per request."""
-        B, T = len(counts), max(counts)
-        ends = [s + n for s, n in zip(starts, counts)]
-        L = max(ends)
-        span = torch.arange(L)
-        # Cache rows up to each request's last fed token; the rest are stale (_attend_batched).
-        written = (span < torch.tensor(ends)[:, None])[:, None, :, None]
-        query_pos = torch.tensor(starts)[:, None] + torch.arange(T)
-        causal = (span.to(self.device) <= query_pos.to(self.device)[..., None])  # [B, T, L]
-        group = self.config.num_heads // self.config.num_kv_heads
-        visible = causal[:, None, None].expand(B, 1, group, T, L).reshape(B, 1, group * T, L)
-        return _BatchPlan(B, T, L, request, column, torch.tensor(slots).to(self.device), written.to(self.device),
-                          visible)
-
-    def _attend_batched(self, layer_index: int, q: torch.Tensor, plan: _BatchPlan) -> torch.Tensor:
-        """All queries q [N, heads, hd] (request r's rows at positions starts[r]...) over their
-        slots' cache rows, two batched matmuls for the whole batch; returns [N, heads * hd].
-
-        The heads that share a kv head are stacked as rows of one matmul against that kv head's
-        keys, so the cache rows are read once per kv head and never repeated per query head (SDPA's
-        GQA path on float32 copies them per query head)."""
-        c = self.config
-        B, T, L, hd = plan.batch, plan.width, plan.context, c.head_dim
-        group = c.num_heads // c.num_kv_heads
-        queries = q.new_zeros(B, T, c.num_heads, hd)
-        queries[plan.request, plan.column] = q
-        queries = queries.view(B, T, c.num_kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(B, c.num_kv_heads, group * T, hd)
-        keys = self.k_cache[layer_index, plan.slots, :, :L]  # [B, kv_heads, L, hd]
-        # Rows past a request's last fed token are stale (an earlier occupant's, or never written):
-        # a stale key is masked below whatever it holds, a stale value must be zeroed, since a
-        # masked-out NaN there would still poison the product (0 * NaN).
-        values = torch.where(plan.written, self.v_cache[layer_index, plan.slots, :, :L], 0.0)
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(self.scale).masked_fill_(~plan.visible, float("-inf"))
-        out = torch.matmul(scores.softmax(dim=-1), values)  # [B, kv_heads, group * T, hd]
-        out = out.view(B, c.num_kv_heads, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, c.num_heads * hd)
-        return out[plan.request, plan.column]
 
 
 def weights_to(weights: LlamaWeights, device: torch.device | str) -> LlamaWeights:

@@ -1,6 +1,7 @@
-"""SmolLM2 LlamaTarget on CUDA with attention="batched" (the path GPU training and self-distillation use):
-float32 logits and taps agree with the CPU per-query reference, and greedy speculation with a DSpark
-drafter emits plain greedy decoding's tokens on the same GPU target.
+"""SmolLM2 LlamaTarget on CUDA with attention="batched" (the path GPU training, self-distillation and the
+recipe's decoding use): float32 logits and taps agree with the CPU per-query reference, greedy speculation
+with a DSpark drafter emits plain greedy decoding's tokens on the same GPU target, and the engine's CUDA
+graphs of its decode steps emit the eager steps' tokens.
 
 Tolerances: logits (O(10)) atol 2e-3 (cuBLAS reduction orders over 30 layers; the CPU batched
 path measures ~1e-5); taps relative 1e-4. The GPU path is not row-invariant, so a greedy divergence
@@ -21,7 +22,9 @@ pytest.importorskip("tokenizers")
 
 from dspark.config import SamplingParams, SpecConfig  # noqa: E402
 from dspark.drafters.dspark import DSparkDrafter, DSparkModel  # noqa: E402
+from dspark.drafters.ngram import NgramDrafter  # noqa: E402
 from dspark.engine import Engine  # noqa: E402
+from dspark.graph_step import GraphedRunner, capturable  # noqa: E402
 from dspark.targets.gguf_assets import MissingAssetError, find_smollm2_gguf  # noqa: E402
 from dspark.targets.llama import LlamaTarget, load_llama_gguf, weights_to  # noqa: E402
 
@@ -77,3 +80,37 @@ def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target(cuda_graphs)
         context = torch.tensor(prompt + p.token_ids[:first], device="cuda")
         top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
         assert float(top2[0] - top2[1]) < 2e-3, (first, p.token_ids, s.token_ids)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("drafter", ["plain", "ngram"])
+def test_cuda_graphs_of_the_batched_target_emit_the_eager_steps_tokens(drafter, batch):
+    """The batched target declares supports_cuda_graphs, so the engine replays its decode steps as CUDA
+    graphs (verify of a device index of slots, device lengths and kept counts, nothing read on the host:
+    the capture runs the step under sync-debug "error" first). Their greedy tokens are the eager steps'.
+    Batch 1 replays bucket 1, the eager step's shapes: identical tokens. Batch 3 runs in the bucket of 4
+    (a padding row on the free slot, verifying 0 tokens), whose matmuls block differently from the eager
+    batch of 3: a divergence passes only at a near tie, the two top logits within 2e-3."""
+    target = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=4, max_seq_len=256, attention="batched")
+    assert capturable(target)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (20, 12, 33)[:batch]]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    spec = SpecConfig(num_speculative_tokens=0 if drafter == "plain" else 3)
+    make = lambda: None if drafter == "plain" else NgramDrafter()  # noqa: E731
+    eager = Engine(target, make(), spec, cuda_graphs=False).generate(prompts, params)
+    engine = Engine(target, make(), spec, cuda_graphs=True)
+    graphed = engine.generate(prompts, params)
+    assert isinstance(engine.runner, GraphedRunner)
+    replays = sum(engine.runner.replays.values())
+    assert replays >= engine.metrics.num_steps > 0, (engine.runner.replays, engine.metrics.num_steps)
+    for prompt, e, r in zip(prompts, eager, graphed):
+        if batch == 1:
+            assert r.token_ids == e.token_ids
+        elif r.token_ids != e.token_ids:
+            first = next(i for i, (a, b) in enumerate(zip(e.token_ids, r.token_ids)) if a != b)
+            reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
+            context = torch.tensor(prompt + e.token_ids[:first], device="cuda")
+            top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
+            assert float(top2[0] - top2[1]) < 2e-3, (first, e.token_ids, r.token_ids)
+    assert target.cache_lengths == [0] * target.max_slots
