@@ -23,6 +23,24 @@ _OWN_FOLDERS = tuple(os.sep + name + os.sep for name in ("dspark", "kernels", "d
 BUCKETS = (1, 2, 4, 8)
 
 
+def checked_buckets(name: str, buckets) -> tuple[int, ...]:
+    """buckets as a sorted tuple of distinct positive ints; ValueError naming `name` and the value."""
+    values = tuple(buckets) if isinstance(buckets, (tuple, list)) else None
+    if not values or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in values):
+        raise ValueError(f"{name}={buckets!r}: must be a non-empty tuple of batch sizes >= 1")
+    return tuple(sorted(set(values)))
+
+
+def buckets_up_to(batch: int) -> tuple[int, ...]:
+    """BUCKETS, every power of two up to `batch` and `batch` itself: every batch size a step of up to
+    `batch` requests may have runs in a bucket at most twice its size (a run of many requests at once,
+    whose batch shrinks as they finish, e.g. an evaluation)."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r}: must be an integer >= 1")
+    powers = [1 << i for i in range(batch.bit_length()) if 1 << i <= batch]
+    return tuple(sorted(set(BUCKETS) | set(powers) | {batch}))
+
+
 def bucket_table(buckets, max_slots: int) -> tuple[tuple[int, ...], dict[int, int]]:
     """The buckets that fit max_slots, sorted, and the smallest of them that holds each batch size
     ({batch: bucket}; a batch past the largest has none): a lookup, as graphs ask every step."""

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from .config import SamplingParams, SpecConfig
+from .cuda_graphs import BUCKETS, checked_buckets
 from .drafting import Drafting
 from .graph_step import GraphedRunner, capturable
 from .kernels import registry
@@ -49,8 +50,11 @@ class Engine:
         sync_timing: bool | None = None,
         cuda_graphs: bool | None = None,
         launch_ahead: bool = True,
+        graph_buckets: tuple[int, ...] | None = None,
     ):
-        """cuda_graphs: replay each step of up to 8 requests as a CUDA graph. None: wherever the
+        """cuda_graphs: replay each step of up to 8 requests (graph_buckets' largest) as a CUDA graph,
+        each batch in the smallest bucket that holds it (default dspark.cuda_graphs.BUCKETS, 1/2/4/8;
+        cuda_graphs.buckets_up_to(n) covers a run of n requests at once). None: wherever the
         target can be captured (a CUDA target with `supports_cuda_graphs`) unless
         SpecConfig.batch1_profile.cuda_graphs is False; True: required (an error otherwise); False:
         eager steps. A substituted `sampler` runs eagerly. sync_timing: synchronise
@@ -79,7 +83,8 @@ class Engine:
         # A substituted sampler (a test's broken one) runs eagerly: graphs capture the registry's.
         step = DeviceStep(target, self.tap_layers, drafter, sampler)
         graphed = cuda_graphs and sampler is None
-        runner = GraphedRunner(step, self._mark) if graphed else EagerRunner(step, self._mark)
+        buckets = BUCKETS if graph_buckets is None else checked_buckets("graph_buckets", graph_buckets)
+        runner = GraphedRunner(step, self._mark, buckets) if graphed else EagerRunner(step, self._mark)
         if sync_timing is None:
             sync_timing = self.device.type == "cuda" and not graphed
         self.requests = Requests(target, eos_token_ids)

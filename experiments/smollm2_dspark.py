@@ -95,6 +95,7 @@ from tqdm import tqdm
 
 from dspark.cli import OneLineErrors
 from dspark.config import SamplingParams, SpecConfig
+from dspark.cuda_graphs import buckets_up_to
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.checkpoint import read_tensors
 from dspark.drafters.dspark.calibrate import RoundRecorder, fit_temperatures, report, run_rounds
@@ -500,13 +501,23 @@ def capture_store(args, target, layers: tuple[int, ...], sequences, work: Path, 
     return store
 
 
+def graph_buckets(args, target) -> tuple[int, ...] | None:
+    """--graph-buckets batch on a CUDA target: every batch size up to its max_slots in a graph
+    (cuda_graphs.buckets_up_to); None: the engine's default buckets, the drafter's steps eager."""
+    if getattr(args, "graph_buckets", "engine") != "batch" or target.device.type != "cuda":
+        return None
+    return buckets_up_to(target.max_slots)
+
+
 def held_out_record(args, check_target, model: DSparkModel, held_out, cfg: TrainConfig, step: int, total: int,
                     history: list[dict]) -> dict:
     """Held-out acceptance after `step` steps (k = 7, greedy, every draft verified) with its 95% interval
     over prompts, beside the step counted over every leg and the area under the learning rate so far."""
     model.eval()
-    drafter = DSparkDrafter(model, check_target.max_slots, max_seq_len=check_target.max_seq_len)
-    rounds = run_rounds(check_target, drafter, held_out, max_new_tokens=args.held_out_tokens)
+    buckets = graph_buckets(args, check_target)
+    drafter = DSparkDrafter(model, check_target.max_slots, max_seq_len=check_target.max_seq_len,
+                            cuda_graphs=buckets is not None, graph_buckets=buckets)
+    rounds = run_rounds(check_target, drafter, held_out, max_new_tokens=args.held_out_tokens, graph_buckets=buckets)
     model.train()
     return {"step": step, "total_step": total, "lr_area": round(lr_area(step, cfg), 6),
             "acceptance_length": round(rounds.acceptance_length, 4), "ci95": rounds.acceptance_interval(),
@@ -636,12 +647,13 @@ def paired_ratio(record: dict, reference: dict, samples: int, seed: int) -> dict
 
 
 # ---- 4. evaluation --------------------------------------------------------------------------------
-def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, seed: int, observer=None) -> dict:
+def engine_run(target, drafter, prompts, sampling: SamplingParams, eos: int, seed: int, observer=None,
+               buckets: tuple[int, ...] | None = None) -> dict:
     """Speculative decoding of every prompt in the engine (k = 7, every draft verified; plain
     decoding when drafter is None); observer, if given, sees every step (calibrate.RoundRecorder
-    keeps the confidence rounds)."""
+    keeps the confidence rounds); buckets: the engine's graph_buckets (graph_buckets())."""
     k = BLOCK if drafter is not None else 0
-    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=k), eos_token_ids=(eos,))
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=k), eos_token_ids=(eos,), graph_buckets=buckets)
     if observer is not None:
         engine.add_observer(observer)
     params = [SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens, seed=seed + i)
@@ -708,17 +720,19 @@ def batch1_speed(target, drafter, prompts, eos: int, max_tokens: int) -> dict:
             "tokens_per_step": round(tokens / max(steps, 1), 3), "ms_per_step": round(1e3 * seconds / max(steps, 1), 3)}
 
 
-def make_drafters(models: dict[str, DSparkModel], target, mode: str, graphs: bool = False, hybrid: bool = True) -> dict:
+def make_drafters(models: dict[str, DSparkModel], target, mode: str, graphs: bool = False, hybrid: bool = True,
+                  buckets: tuple[int, ...] | None = None) -> dict:
     """T > 0 drafts probabilistically (drafts sampled from q, q returned for rejection sampling);
     greedy decoding drafts the argmax. The hybrid (issue 33's optional row, never counted as DSpark):
     n-gram's continuation where a match of >= 2 tokens exists, DSpark's block otherwise. graphs: greedy
     DSpark drafts and commits replay CUDA graphs, as dspark.build.build_drafter makes them for a CUDA
-    target (what a user's engine runs; the acceptance is the same either way). hybrid False: without it."""
+    target (what a user's engine runs; the acceptance is the same either way), for these batch sizes
+    (buckets; None: the default ones). hybrid False: without it."""
     method = "greedy" if mode == "greedy" else "probabilistic"
 
     def dspark_drafter(model):
         return DSparkDrafter(model, target.max_slots, max_seq_len=target.max_seq_len, draft_sample_method=method,
-                             cuda_graphs=graphs and method == "greedy")
+                             cuda_graphs=graphs and method == "greedy", graph_buckets=buckets)
 
     drafters = {name: dspark_drafter(m) for name, m in models.items()}
     drafters["ngram"] = NgramDrafter(1, 4)
@@ -738,10 +752,11 @@ def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, d
             raise StoppedEarly(f"evaluation: before {set_name} {mode} (--time-limit)")
         sampling = SamplingParams(temperature=temperature, max_tokens=args.eval_tokens)
         runs, recorder = {}, RoundRecorder(BLOCK)  # DSpark's confidence rounds come from its own run
-        drafters = make_drafters(models, target, mode, hybrid=args.hybrid)
+        buckets = graph_buckets(args, target)
+        drafters = make_drafters(models, target, mode, graphs=buckets is not None, hybrid=args.hybrid, buckets=buckets)
         for name, drafter in drafters.items():
             runs[name] = engine_run(target, drafter, prompts, sampling, eos, args.seed,
-                                    observer=recorder if name == "dspark" else None)
+                                    observer=recorder if name == "dspark" else None, buckets=buckets)
         entry = {"prompts": len(prompts), "bootstrap": bootstrap(runs, args.bootstrap, args.seed)}
         entry["per_drafter"] = {d: {k: r[k] for k in ("conditional_accept_per_position", "verified_per_position",
                                                       "acceptance_length_vllm", "drafts")}
@@ -750,7 +765,7 @@ def evaluate(args, target, models, sets, eos: int, temps, results: dict, save, d
         if "hybrid" in drafters:
             entry["per_drafter"]["hybrid"]["rows"] = dict(drafters["hybrid"].rows)  # which drafter drafted a step's row
         if mode == "greedy":
-            plain = engine_run(target, None, prompts, sampling, eos, args.seed)["token_ids"]
+            plain = engine_run(target, None, prompts, sampling, eos, args.seed, buckets=buckets)["token_ids"]
             entry["greedy_equals_plain"] = greedy_agreement(plain, runs)
         rounds = recorder.rounds()
         entry["confidence"] = {"raw": report(rounds), "sts": report(rounds, temps)}
@@ -1086,6 +1101,10 @@ def parse(argv=None) -> argparse.Namespace:
     r.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
                    help="evaluate the hybrid drafter (n-gram where it matches, else DSpark; never counted as DSpark) "
                         "beside the others; --no-hybrid leaves its runs out (about a fifth of the evaluation)")
+    r.add_argument("--graph-buckets", choices=("engine", "batch"), default="engine",
+                   help="the batch sizes the held-out checks' and the evaluation's decode steps replay as CUDA graphs: "
+                        "the engine's default (1, 2, 4, 8; larger batches step eagerly) or every power of two up to "
+                        "the batch and the batch itself (more captures, no host-issued step)")
     r.add_argument("--time-limit", type=float, default=0, help="seconds; stop training cleanly after this (0 = none)")
     r.add_argument("--reference-loss", action="store_true",
                    help="train with the torch reference of draft_loss_terms (default on CUDA: its Triton kernels)")

@@ -17,7 +17,8 @@ warm-up calls before them, where a compiled piece compiles:
 - train_after_graphs (on a GPU, compiled): train_after with the blocks' pass compiled in torch.compile's
   "reduce-overhead" mode, its forward and backward replayed as CUDA graphs (TrainConfig.compile_mode);
 - held_out (--pieces checks): one held-out acceptance measurement (calibrate.run_rounds) as training
-  runs it (checks_piece);
+  runs it (checks_piece); held_out_graphed (on a GPU): the same with every batch size of the run in a
+  CUDA graph, the engine's steps and the drafter's (the recipe's --graph-buckets batch);
 - capture_taps, capture_taps_autocast, store_online (--pieces capture): what a step pays for the
   sequences of its batch that the capture store does not hold (capture_pieces says what each is);
 - capture_precision (--pieces precision, meaningful with --gguf): what bf16 capture operands change in
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from dspark.config import SamplingParams
+from dspark.cuda_graphs import buckets_up_to
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.drafters.dspark.calibrate import run_rounds
 from dspark.drafters.dspark.capture import CaptureStore
@@ -226,8 +228,9 @@ def training_pieces(config, weights, args, out: dict, save) -> None:
 def checks_piece(config, weights, args, out: dict, save) -> None:
     """held_out: one held-out acceptance measurement (calibrate.run_rounds over --held-out-prompts random
     prompts, --held-out-tokens each) as training runs it, with a random DSpark drafter, on the batched
-    target. Host-bound: its verify launches ~80 host ops a layer (a compiled verify cut the wall 5% for 8 s
-    of compiles, and was removed: experiments/notes/smollm2.md)."""
+    target. Host-bound where its steps run eagerly: ~45 host ops a layer (a compiled verify cut the wall 5%
+    for 8 s of compiles, and was removed: experiments/notes/smollm2.md). held_out_graphed: the same check
+    with every batch size in a CUDA graph, captures included."""
     ns = recipe.parse(["run", "--seed", str(args.seed)])
     g = torch.Generator().manual_seed(args.seed)
     held_out = [torch.randint(3, config.vocab_size, (args.seq_len // 4,), generator=g) for _ in range(args.held_out_prompts)]
@@ -243,6 +246,22 @@ def checks_piece(config, weights, args, out: dict, save) -> None:
 
     warm = warm_up(check, 1)
     out["held_out"] = {**measured(check, 1), "warmup_s": warm}
+    save()
+    if target.device.type != "cuda":
+        return
+    # the same check with every batch size of its run in a CUDA graph (the recipe's --graph-buckets batch):
+    # the engine's steps and the drafter's drafts and commits, their captures counted (a check builds its
+    # engine afresh, as the recipe's do)
+    buckets = buckets_up_to(args.held_out_prompts)
+    graphed = DSparkDrafter(model, args.held_out_prompts, max_seq_len=args.seq_len + 160, cuda_graphs=True,
+                            graph_buckets=buckets)
+
+    def check_graphed():
+        with torch.no_grad():
+            run_rounds(target, graphed, held_out, max_new_tokens=args.held_out_tokens, graph_buckets=buckets)
+
+    warm = warm_up(check_graphed, 1)
+    out["held_out_graphed"] = {**measured(check_graphed, 1), "warmup_s": warm, "graph_buckets": list(buckets)}
     save()
 
 
@@ -447,7 +466,7 @@ def main(argv=None) -> int:
     save()
     for name in ("decode", "capture", "capture_taps", "capture_taps_autocast", "capture_taps_compiled", "capture_taps_flex",
                  "capture_taps_flex_bf16", "store_online", "train_before", "train_after", "train_ablation",
-                 "train_after_graphs", "held_out"):
+                 "train_after_graphs", "held_out", "held_out_graphed"):
         if name in result:
             r = result[name]
             top = f"{r['top_gpu'][0]['name'][:60]} {r['top_gpu'][0]['ms']} ms" if r["top_gpu"] else "-"

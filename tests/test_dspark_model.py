@@ -546,3 +546,13 @@ def test_a_position_tables_rows_are_the_rotary_tables_bit_for_bit():
         positions = (torch.randint(0, 9000 - G, (B, 1)) + torch.arange(G)).unsqueeze(1)  # [B, 1, G]
         got, want = Rotary.table_rows(table, positions), rot.tables(positions)
         assert all(g.shape == w.shape and g.is_contiguous() and torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_drafters_graph_buckets_are_checked_by_name():
+    """DSparkDrafter(graph_buckets=...): the batch sizes its draft and commit graphs are captured for,
+    refused by name when malformed, on any device (graphs need CUDA; the buckets are checked anyway)."""
+    target = SyntheticTarget(seed=2)
+    model = make_model(target, "mla", seed=2)
+    DSparkDrafter(model, max_slots=4, max_seq_len=32, graph_buckets=(1, 4, 16))
+    with pytest.raises(ValueError, match=r"DSparkDrafter.graph_buckets=\(0, 2\): must be a non-empty tuple"):
+        DSparkDrafter(model, max_slots=4, max_seq_len=32, graph_buckets=(0, 2))

@@ -323,3 +323,24 @@ def test_observers_see_every_step_as_it_was_verified():
     assert len(tapped) == len(records) and all(set(t) == {0} for t in tapped)
     for rec, taps in zip(records, tapped):  # MarkovTarget's tap is the embedding of each verified token
         torch.testing.assert_close(taps[0][:, 1:], engine.target.embedding[rec.proposal.tokens], rtol=0, atol=0)
+
+
+def test_graph_buckets_cover_a_run_and_a_bad_one_is_refused_by_name():
+    """cuda_graphs.buckets_up_to(n): the default buckets, every power of two up to n and n itself, so a
+    batch of any size up to n runs in a bucket at most twice its size; Engine(graph_buckets=...) refuses a
+    malformed set by name (checked on any device; DSparkDrafter's: tests/test_dspark_model.py)."""
+    from dspark.cuda_graphs import BUCKETS, bucket_table, buckets_up_to
+
+    n = int(torch.randint(9, 300, ()))
+    buckets = buckets_up_to(n)
+    assert set(BUCKETS) <= set(buckets) and max(buckets) == n and list(buckets) == sorted(set(buckets))
+    _, bucket_of = bucket_table(buckets, n)
+    assert all(batch <= bucket_of[batch] < 2 * batch for batch in range(1, n + 1))
+    assert buckets_up_to(3) == (1, 2, 3, 4, 8)
+    with pytest.raises(ValueError, match=r"batch=0: must be an integer >= 1"):
+        buckets_up_to(0)
+    target = MarkovTarget(V, seed=0)
+    for bad in ((), (0, 4), (2.0,), "8"):
+        with pytest.raises(ValueError, match=r"graph_buckets=.*must be a non-empty tuple of batch sizes >= 1"):
+            Engine(target, graph_buckets=bad)
+    Engine(target, graph_buckets=(1, 16))  # a CPU target steps eagerly: the buckets are only checked

@@ -399,3 +399,19 @@ def test_no_hybrid_leaves_the_hybrid_out_of_the_drafters_evaluated():
     for mode in ("greedy", "t1"):
         assert set(recipe.make_drafters(models, target, mode, hybrid=False)) == {"dspark", "ngram"}
         assert set(recipe.make_drafters(models, target, mode)) == {"dspark", "ngram", "hybrid"}
+
+
+def test_graph_buckets_batch_graphs_every_batch_size_of_a_cuda_run_only():
+    """--graph-buckets: 'engine' (the default) keeps the engine's buckets and the checks' drafters eager
+    (None); 'batch' on a CUDA target gives every batch size up to its max_slots a bucket
+    (cuda_graphs.buckets_up_to), and on the CPU, which graphs nothing, None."""
+    from types import SimpleNamespace
+
+    from dspark.cuda_graphs import buckets_up_to
+
+    assert recipe.parse(["run"]).graph_buckets == "engine"
+    args = recipe.parse(["run", "--graph-buckets", "batch"])
+    cuda = SimpleNamespace(device=torch.device("cuda"), max_slots=164)
+    assert recipe.graph_buckets(args, cuda) == buckets_up_to(164)
+    assert recipe.graph_buckets(recipe.parse(["run"]), cuda) is None
+    assert recipe.graph_buckets(args, SimpleNamespace(device=torch.device("cpu"), max_slots=164)) is None

@@ -80,6 +80,7 @@ def run_rounds(
     seed: int = 0,
     block_size: int | None = None,
     on_step: StepObserver | None = None,
+    graph_buckets: tuple[int, ...] | None = None,
 ) -> Rounds:
     """Speculative decoding of every prompt on the engine for max_new_tokens tokens, k = the
     block size (the drafter's config.block_size, or block_size for a drafter without one),
@@ -90,11 +91,11 @@ def run_rounds(
     Each prompt's output is capped so that every round's whole block fits the context
     (target.max_seq_len): the engine would verify fewer drafts near the end, and a round that
     cannot verify the whole block would bias the fit. A prompt with no room for one round gives none.
-    on_step: a second engine observer (progress)."""
+    on_step: a second engine observer (progress). graph_buckets: the engine's (Engine)."""
     sampling.validate(target.vocab_size)
     G = block_size if block_size is not None else drafter.config.block_size
     recorder = RoundRecorder(G)
-    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=G, seed=seed))
+    engine = Engine(target, drafter, SpecConfig(num_speculative_tokens=G, seed=seed), graph_buckets=graph_buckets)
     engine.add_observer(recorder)
     if on_step is not None:
         engine.add_observer(on_step)

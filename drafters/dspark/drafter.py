@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SamplingParams
+from dspark.cuda_graphs import BUCKETS, checked_buckets
 from dspark.kernels import ops
 from dspark.protocols import Drafter, Proposal
 from dspark.sampling import SamplingTensors, processed_probs
@@ -45,11 +46,12 @@ class DSparkDrafter(Drafter):
     from its processed distribution with the request's generator and returns those
     distributions as q (requests with temperature 0 get argmax drafts and one-hot q).
     The context cache is preallocated: per layer [max_slots, max_seq_len, W] in the model's
-    dtype (W = 576 for the K3 drafter), like the target's MLA cache.
+    dtype (W = 576 for the K3 drafter), like the target's MLA cache. graph_buckets: the batch sizes
+    draft and commit graphs are captured for (default dspark.cuda_graphs.BUCKETS), as the engine's.
     """
 
     def __init__(self, model: DSparkModel, max_slots: int, *, max_seq_len: int, draft_sample_method: str = "greedy",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, graph_buckets: tuple[int, ...] | None = None):
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"DSparkDrafter.draft_sample_method={draft_sample_method!r}: must be 'greedy' or 'probabilistic'")
         if not isinstance(max_slots, int) or max_slots < 1:
@@ -84,7 +86,8 @@ class DSparkDrafter(Drafter):
         self._staging = LongStaging(max_slots, self.device)
         # what every draft reads and none writes, made here: a draft graph never captures its making
         self._constants = DraftConstants(model, max_seq_len + self.config.block_size, max_slots, self.device)
-        self._graphs = DraftGraphs(self) if cuda_graphs else None
+        buckets = BUCKETS if graph_buckets is None else checked_buckets("DSparkDrafter.graph_buckets", graph_buckets)
+        self._graphs = DraftGraphs(self, buckets) if cuda_graphs else None
 
     @property
     def config(self):

@@ -114,3 +114,29 @@ def test_cuda_graphs_of_the_batched_target_emit_the_eager_steps_tokens(drafter, 
             top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
             assert float(top2[0] - top2[1]) < 2e-3, (first, e.token_ids, r.token_ids)
     assert target.cache_lengths == [0] * target.max_slots
+
+
+def test_graph_buckets_up_to_the_batch_replay_a_run_past_eight_requests():
+    """Engine(graph_buckets=buckets_up_to(12)) over 12 requests of different lengths: every step replays a
+    graph (the batch shrinks 12 -> ... as requests finish, each size in a bucket of its own or at most
+    twice it), none runs eagerly, and the tokens are the eager steps' up to near ties (two top logits
+    within 2e-3: a bucket's matmuls block differently from the eager batch's)."""
+    from dspark.cuda_graphs import buckets_up_to
+
+    target = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=12, max_seq_len=256, attention="batched")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompts = [torch.randint(0, CONFIG.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 40, (12,), generator=g)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(12)]
+    spec = SpecConfig(num_speculative_tokens=3)
+    eager = Engine(target, NgramDrafter(), spec, cuda_graphs=False).generate(prompts, params)
+    engine = Engine(target, NgramDrafter(), spec, cuda_graphs=True, graph_buckets=buckets_up_to(12))
+    graphed = engine.generate(prompts, params)
+    assert sum(engine.runner.replays.values()) >= engine.metrics.num_steps > 0, engine.runner.replays
+    for prompt, e, r in zip(prompts, eager, graphed):
+        if r.token_ids != e.token_ids:
+            first = next(i for i, (a, b) in enumerate(zip(e.token_ids, r.token_ids)) if a != b)
+            reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
+            context = torch.tensor(prompt + e.token_ids[:first], device="cuda")
+            top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
+            assert float(top2[0] - top2[1]) < 2e-3, (first, e.token_ids, r.token_ids)
