@@ -1,4 +1,4 @@
-# limit: 300
+# limit: 240
 # The GPU tests of what this round changed: the Triton kernels (silu_mul of partials, the markov stage on a
 # bf16 base, the confidence head), the MLA cache rows with the q norm, the drafter's graphed and eager
 # drafts, the rank and the graphed steps, and the SmolLM2 target's graphed verify.

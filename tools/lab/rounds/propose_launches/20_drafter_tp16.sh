@@ -1,4 +1,4 @@
-# limit: 200
+# limit: 150
 # The TP16 share's propose at 8k: the base (the code before this round's changes, tools/lab/baseline_tree.sh),
 # this round's defaults, and the gate | up partials; then the same three in the reverse order.
 P="$REPO/tools/lab/rounds/propose_launches/to_baseline.patch"

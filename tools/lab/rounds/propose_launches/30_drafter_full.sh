@@ -1,4 +1,4 @@
-# limit: 200
+# limit: 150
 # The full-width propose at 8k: the base, this round's defaults and the gate | up partials, then reversed.
 P="$REPO/tools/lab/rounds/propose_launches/to_baseline.patch"
 bench() { python3 "$1/experiments/drafter_bench.py" --contexts 8192 --repeats 30 "${@:3}" --out "$JOB_OUT/$2.json" \

@@ -1,4 +1,4 @@
-# limit: 300
+# limit: 250
 # The rank (65 layers) at 8k, B = 1, T = 1 and 8: the base, then this round's code (the q_a norm in the MLA
 # layers' cache-row launch), 10 steps a point, then the new first with 10 more.
 P="$REPO/tools/lab/rounds/propose_launches/to_baseline.patch"
