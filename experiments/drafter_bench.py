@@ -22,8 +22,8 @@ latent cache whole; the collectives between the ranks are left out, as the k3-ra
 --setting (repeatable, as step_bench's) measures every point under each: comma-separated
 op=implementation, draft_output_partials=0|1 (drafters/dspark/model.py OUTPUTS_AS_PARTIALS_ON:
 o_proj's and down's split-K partials added by the GEMM's reduction kernel or by the norm after them),
-draft_gate_up_partials=0|1 (GATE_UP_AS_PARTIALS_ON: SwiGLU's gate | up GEMM as cuBLAS's or as the skinny
-GEMM's partials, added by the activation), or triton_pdl=0|1 (kernels/triton_common.py PDL: the Triton kernels launched plainly or dependently).
+draft_input_partials=0|1 (INPUTS_AS_PARTIALS_ON: a layer's q_a | kv_a and gate | up GEMMs as cuBLAS's or
+as the skinny GEMM's partials, added by the cache rows' and the activation's launches), or triton_pdl=0|1 (kernels/triton_common.py PDL: the Triton kernels launched plainly or dependently).
 A row measured under a setting names it; `dspark roofline --measured-draft` reads the default rows.
 
     python experiments/drafter_bench.py --out experiments/results/h200/drafter_bench.json
@@ -48,7 +48,7 @@ GREEDY = SamplingParams(temperature=0.0)
 # Module switches a setting may flip (name -> (module, attribute, allowed values)): benchlib.switched.
 SWITCHES = {
     "draft_output_partials": ("dspark.drafters.dspark.model", "OUTPUTS_AS_PARTIALS_ON", {"0": (), "1": ("cuda",)}),
-    "draft_gate_up_partials": ("dspark.drafters.dspark.model", "GATE_UP_AS_PARTIALS_ON", {"0": (), "1": ("cuda",)}),
+    "draft_input_partials": ("dspark.drafters.dspark.model", "INPUTS_AS_PARTIALS_ON", {"0": (), "1": ("cuda",)}),
     "triton_pdl": ("dspark.kernels.triton_common", "PDL", {"0": False, "1": True}),
 }
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--setting", action="append",
                     help="measure every point under this setting (repeatable; '' = the defaults, also when none is "
                          "given): comma-separated op=implementation, draft_output_partials=0|1, "
-                         "draft_gate_up_partials=0|1, triton_pdl=0|1")
+                         "draft_input_partials=0|1, triton_pdl=0|1")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.setting = args.setting or [""]

@@ -60,7 +60,8 @@ def mla_verify_attention(q_latent, q_pe, kv_cache, slots, cache_lens, lengths, s
 
 
 def mla_cache_rows(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slots: torch.Tensor,
-                   cache_lens: torch.Tensor, lengths: torch.Tensor, rope=None, *, q=None) -> torch.Tensor | None:
+                   cache_lens: torch.Tensor, lengths: torch.Tensor, rope=None, *, q=None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """In place: the latent rows [RMSNorm(c_kv) | k_pe] of B requests' T new tokens (kv [B*T, R + P],
     norm_weight [R]) into a layer's cache pool [slots, L + 1, R + P] at slots[b], rows
     cache_lens[b] + j; padding tokens (j >= lengths[b]) write the slot's spare row L (which of
@@ -69,11 +70,14 @@ def mla_cache_rows(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cach
     q = (c_q [B*T, Q], q_norm_weight [Q]): the query's norm in the same launch, returned as a new
     contiguous [B*T, Q] tensor in c_q's dtype, every row (padding tokens' too): rms_norm(c_q,
     q_norm_weight, eps), K3's RMSNorm with the kv norm's eps. c_q's rows may be strided (a column slice
-    of the q_a | kv_a GEMM's output), its last dim contiguous. Without q: None."""
+    of the q_a | kv_a GEMM's output), its last dim contiguous. Without q: None. dtype: kv [S, B*T, R + P]
+    and c_q [S, B*T, Q] are that GEMM's float32 split-K partials (linear_partials), each summed in split
+    order and rounded to dtype (the cache's) first, as its reduction would have: no reduction launch."""
     args = (kv, norm_weight, cache, slots, cache_lens, lengths)
     if isinstance(q, tuple) and len(q) == 2 and all(isinstance(t, torch.Tensor) for t in q):
         args += q  # implementations' `supports` see c_q and q_norm_weight (a malformed q: the op's check names it)
-    return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths, rope, q=q)
+    return select("mla_cache_rows", *args).fn(kv, norm_weight, eps, cache, slots, cache_lens, lengths, rope, q=q,
+                                              dtype=dtype)
 
 
 def mla_absorb_q(q: torch.Tensor, w_uk_t: torch.Tensor, rope=None) -> tuple[torch.Tensor, torch.Tensor]:

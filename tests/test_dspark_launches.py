@@ -35,9 +35,9 @@ PINNED_OPS = {"add_rms_norm": 2 * LAYERS, "silu_mul": LAYERS, "linear_heads": LA
 GEMMS = 3 * LAYERS + 1
 
 
-def propose_launches(monkeypatch, dtype=torch.bfloat16, gate_up_partials: bool = False):
+def propose_launches(monkeypatch, dtype=torch.bfloat16, input_partials: bool = False):
     monkeypatch.setattr(model_module, "OUTPUTS_AS_PARTIALS_ON", ("cpu",))  # as on a GPU
-    monkeypatch.setattr(model_module, "GATE_UP_AS_PARTIALS_ON", ("cpu",) if gate_up_partials else ())
+    monkeypatch.setattr(model_module, "INPUTS_AS_PARTIALS_ON", ("cpu",) if input_partials else ())
     config = rank_share(K3_TINY_DSPARK, 2)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     table = torch.randn(config.vocab_size, config.hidden_size, generator=gen, dtype=dtype)
@@ -77,12 +77,15 @@ def test_a_propose_launches_the_pinned_ops_and_no_layer_glue(monkeypatch):
     assert not made_per_pass & set(launches.glue), launches
 
 
-def test_with_gate_up_partials_the_activation_adds_the_gemms_splits(monkeypatch):
-    """GATE_UP_AS_PARTIALS_ON: each layer's paired gate | up is the skinny GEMM's split-K partials
-    (one more linear_partials op call, one torch GEMM fewer) and its silu_mul adds them."""
-    launches = propose_launches(monkeypatch, gate_up_partials=True)
-    assert launches.ops["linear_partials"] == 3 * LAYERS and launches.ops["silu_mul"] == LAYERS, launches
-    assert launches.glue["mm"] == GEMMS - LAYERS, launches
+def test_with_input_partials_the_consumers_add_the_gemms_splits(monkeypatch):
+    """INPUTS_AS_PARTIALS_ON: each layer's paired q_a | kv_a and gate | up are the skinny GEMM's split-K
+    partials (two more linear_partials op calls, two torch GEMMs fewer) and the cache rows' and the
+    activation's launches add them: no other op or torch launch comes in."""
+    launches = propose_launches(monkeypatch, input_partials=True)
+    assert dict(launches.ops) == PINNED_OPS | {"linear_partials": 4 * LAYERS}, launches
+    assert launches.glue["mm"] == GEMMS - 2 * LAYERS, launches
+    default = propose_launches(monkeypatch)
+    assert sum(launches.glue.values()) == sum(default.glue.values()) - 2 * LAYERS, (launches, default)
 
 
 def test_the_drafter_benchs_switches_are_set_and_restored():
@@ -101,9 +104,9 @@ def test_the_drafter_benchs_switches_are_set_and_restored():
     with pytest.raises(SystemExit, match="draft_output_partials='2'"):
         with bench.switched("draft_output_partials=2", bench.SWITCHES):
             pass
-    with bench.switched("draft_gate_up_partials=1", bench.SWITCHES):
-        assert model_module.GATE_UP_AS_PARTIALS_ON == ("cuda",)
-    assert model_module.GATE_UP_AS_PARTIALS_ON == ()
+    with bench.switched("draft_input_partials=1", bench.SWITCHES):
+        assert model_module.INPUTS_AS_PARTIALS_ON == ("cuda",)
+    assert model_module.INPUTS_AS_PARTIALS_ON == ()
     pdl = triton_common.PDL
     with bench.switched(f"triton_pdl={int(not pdl)}", bench.SWITCHES):
         assert triton_common.PDL is (not pdl)

@@ -170,27 +170,33 @@ def test_a_drafting_pass_adds_its_output_projections_partials_in_the_norms(monke
     torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_drafting_pass_adds_its_gate_up_partials_in_the_activation(monkeypatch):
-    """With the CPU among GATE_UP_AS_PARTIALS_ON, each layer's paired gate | up GEMM leaves its split-K
-    partials (ops.linear_partials) and silu_mul adds them (its partials form): the same drafts as the
-    pass through the reduced GEMM, and its confidence logits to fp32 rounding."""
+def test_a_drafting_pass_adds_its_input_partials_in_their_consumers(monkeypatch):
+    """With the CPU among INPUTS_AS_PARTIALS_ON, each layer's paired q_a | kv_a and gate | up GEMMs leave
+    their split-K partials (ops.linear_partials), which the cache rows' launch and silu_mul add (their
+    partials forms): the same drafts as the pass through the reduced GEMMs, and its confidence logits to
+    fp32 rounding."""
     from dspark.drafters.dspark import model as model_module
     from dspark.kernels import ops
 
     model, draft = tiny_k3_drafter()
-    model.pair_projections()  # as load_drafter lays them out on a GPU: one gate | up GEMM a layer
+    model.pair_projections()  # as load_drafter lays them out on a GPU: one GEMM a pair
     want = draft()
     partial_inputs = []
-    real_act = ops.silu_mul
+    real_act, real_rows = ops.silu_mul, ops.mla_cache_rows
 
-    def spy(gate, up, dtype=None):
-        partial_inputs.append(dtype is not None and gate.dim() == 5 and gate.dtype == torch.float32)
+    def act_spy(gate, up, dtype=None):
+        partial_inputs.append(("silu_mul", dtype is not None and gate.dim() == 5 and gate.dtype == torch.float32))
         return real_act(gate, up, dtype)
 
-    monkeypatch.setattr(model_module, "GATE_UP_AS_PARTIALS_ON", ("cpu",))
-    monkeypatch.setattr(ops, "silu_mul", spy)
+    def rows_spy(kv, *args, q=None, dtype=None):
+        partial_inputs.append(("cache_rows", dtype is not None and kv.dim() == 3 and q[0].dim() == 3))
+        return real_rows(kv, *args, q=q, dtype=dtype)
+
+    monkeypatch.setattr(model_module, "INPUTS_AS_PARTIALS_ON", ("cpu",))
+    monkeypatch.setattr(ops, "silu_mul", act_spy)
+    monkeypatch.setattr(ops, "mla_cache_rows", rows_spy)
     got = draft()
-    assert partial_inputs == [True] * model.config.num_layers
+    assert partial_inputs == [("cache_rows", True), ("silu_mul", True)] * model.config.num_layers
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
 

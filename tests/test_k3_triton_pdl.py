@@ -127,8 +127,10 @@ def test_the_prologue_waits_before_the_first_load(pdl):
                                          "cache_lens_ptr": "*i64", "lengths_ptr": "*i64", "cos_ptr": "*fp32",
                                          "sin_ptr": "*fp32", "stride_rope": "i32", "q_ptr": "*bf16", "stride_q": "i32",
                                          "q_w_ptr": "*bf16", "q_out_ptr": "*bf16", "T": "i32", "R": "i32", "P": "i32",
-                                         "Q": "i32", "spare": "i32", "eps": "fp32"},
-         {"BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_Q": 2048, "ROPE": False, "INTERLEAVED": False, "Q_NORM": True}),
+                                         "Q": "i32", "spare": "i32", "eps": "fp32", "stride_kv_s": "i32",
+                                         "stride_q_s": "i32"},
+         {"BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_Q": 2048, "ROPE": False, "INTERLEAVED": False, "Q_NORM": True,
+          "PARTS": 1}),
     ]
     for kernel, signature, constexprs in cases:
         ptx = _ptx(kernel, signature, constexprs, pdl)

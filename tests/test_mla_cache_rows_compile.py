@@ -26,11 +26,15 @@ def _block(width: int) -> int:
     return 1 << (width - 1).bit_length()
 
 
-def _compile(q_norm: bool, rope: bool):
+PARTIALS = ("kv_ptr", "q_ptr")  # float32 split-K partials with PARTS > 1
+
+
+def _compile(q_norm: bool, rope: bool, parts: int = 1):
     fn = mla_kernels.cache_rows_kernel
     constexprs = {"BLOCK_R": _block(R), "BLOCK_P": _block(P), "BLOCK_Q": _block(Q) if q_norm else 1, "ROPE": rope,
-                  "INTERLEAVED": False, "Q_NORM": q_norm, "PDL": False}
+                  "INTERLEAVED": False, "Q_NORM": q_norm, "PARTS": parts, "PDL": False}
     signature = {name: ("*i64" if name in INDEX_POINTERS else "*fp32" if name in TABLES else
+                        "*fp32" if parts > 1 and name in PARTIALS else
                         "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else
                         "i64" if name == "stride_slot" else "i32") for name in fn.arg_names}
     signature.update({name: "constexpr" for name in constexprs})
@@ -38,9 +42,12 @@ def _compile(q_norm: bool, rope: bool):
                           options={"num_warps": 4})
 
 
-@pytest.mark.parametrize("q_norm, rope", [(True, False), (True, True), (False, False)])
-def test_cache_rows_compile_for_sm90_without_spills(q_norm, rope, tmp_path):
-    assert_no_spills(_compile(q_norm, rope), tmp_path)
+@pytest.mark.parametrize("q_norm, rope, parts", [(True, False, 1), (True, True, 1), (False, False, 1),
+                                                 (True, True, 14), (True, False, 14)])
+def test_cache_rows_compile_for_sm90_without_spills(q_norm, rope, parts, tmp_path):
+    """parts 14: the drafter's q_a | kv_a GEMM's split-K partials at a TP16 share (K = 7168), summed in
+    the program."""
+    assert_no_spills(_compile(q_norm, rope, parts), tmp_path)
 
 
 def test_the_query_norm_is_in_the_q_norm_build_only():

@@ -558,6 +558,39 @@ def test_mla_cache_rows_with_q_return_the_query_norm_and_write_the_same_rows(gen
     assert not torch.allclose(unweighted, want, rtol=rtol, atol=1e-6)  # the comparison sees the weight
 
 
+def test_mla_cache_rows_of_split_k_partials_are_those_of_the_reduced_gemm(gen):
+    """dtype given: kv and c_q are one q_a | kv_a GEMM's float32 split-K partials [S, M, ...] (column slices
+    of each partial); the op sums each in split order, rounds to dtype (sum_partials) and writes and returns
+    what it does for the reduced GEMM's output, bit for bit; a malformed partials call names its argument."""
+    from dspark.kernels.numerics import sum_partials
+
+    S, B, T, R, P, Q, L = 4, 2, 3, 16, 8, 24, 20
+    fused = randn(gen, S, B * T, Q + R + P + 4, scale=2.0)
+    c_q, kv = fused[..., 4 : 4 + Q], fused[..., 4 + Q :]
+    weight, q_weight = (1 + randn(gen, R, scale=0.3)).bfloat16(), (1 + randn(gen, Q, scale=0.3)).bfloat16()
+    slots, cache_lens, lengths = torch.tensor([1, 0]), torch.tensor([2, L - 3]), torch.tensor([3, 2])
+    cache = randn(gen, 3, L + 1, R + P, dtype=torch.bfloat16)
+    reduced = cache.clone()
+    want = ops.mla_cache_rows(sum_partials(kv, torch.bfloat16), weight, 1e-6, reduced, slots, cache_lens, lengths,
+                              q=(sum_partials(c_q, torch.bfloat16), q_weight))
+    got = ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths, q=(c_q, q_weight),
+                             dtype=torch.bfloat16)
+    assert torch.equal(got, want) and torch.equal(cache, reduced)
+    short = cache.clone()
+    ops.mla_cache_rows(kv[:-1], weight, 1e-6, short, slots, cache_lens, lengths, dtype=torch.bfloat16)
+    assert not torch.equal(short, reduced)  # every part counts
+    with pytest.raises(ValueError, match=r"kv: with dtype, float32 split-K partials \[S, M, R \+ P\], got "
+                                         r"torch.bfloat16 \(6, 24\)"):
+        ops.mla_cache_rows(sum_partials(kv, torch.bfloat16), weight, 1e-6, cache, slots, cache_lens, lengths,
+                           dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q: with dtype, c_q must be float32 split-K partials \[4, 6, Q\]"):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths, q=(c_q[:2], q_weight),
+                           dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype: with partials, the GEMM's floating dtype, the cache's "
+                                         r"torch.bfloat16; got torch.float16"):
+        ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths, dtype=torch.float16)
+
+
 def test_mla_cache_rows_with_q_are_token_invariant(gen):
     """A token's normalised c_q does not depend on the batch it comes in (the reference's rows are
     normalised one at a time on the CPU): the rows of one call of 12 tokens are those of 12 calls of one."""

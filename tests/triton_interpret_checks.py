@@ -423,6 +423,39 @@ def check_cache_rows(gen: torch.Generator, device: str = "cpu", dtype=torch.floa
             sys.exit(f"mla_cache_rows with rope (interleaved={interleaved}): wrote other rows than the reference")
         close(got[written][:, R:], want[written][:, R:].double(), f"mla_cache_rows' rotated k_pe (interleaved={interleaved})")
     check_cache_rows_with_q(gen, device, dtype)
+    if dtype == torch.float32:
+        check_cache_rows_of_partials(gen, device)
+
+
+def check_cache_rows_of_partials(gen: torch.Generator, device: str = "cpu", parts: int = 5, Q: int = 1536) -> None:
+    """mla_cache_rows(dtype=float32) of one q_a | kv_a GEMM's split-K partials [S, M, Q + R + P] (c_q and kv
+    column slices of each partial): the cache rows and the normalised c_q against float64 of the summed
+    partials, with and without rope; a sum without the last part is shown to miss the tolerance first."""
+    from dspark.kernels.mla import reference as mla_ref
+    from dspark.kernels.mla import triton as mla_triton
+
+    B, T, R, P, L = 2, 3, 512, 64, 30
+    fused = torch.randn(parts, B * T, Q + R + P + 8, generator=gen) * 0.7
+    c_q, kv = fused[..., 8 : 8 + Q], fused[..., 8 + Q :]
+    weight, q_weight = torch.rand(R, generator=gen) + 0.5, torch.rand(Q, generator=gen) + 0.5
+    slots, cache_lens, lengths = torch.tensor([3, 1]), torch.tensor([4, L - 3]), torch.tensor([3, 2])
+    index = (slots.to(device), cache_lens.to(device), lengths.to(device))
+    want_q = norm_ref.rms_norm(c_q.double().sum(0), q_weight.double(), 1e-6)
+    short_q = norm_ref.rms_norm(c_q[:-1].double().sum(0), q_weight.double(), 1e-6)
+    if not (short_q - want_q).abs().max().item() > ATOL:
+        sys.exit("mla_cache_rows of partials: the check cannot tell a missing part")
+    angles = torch.rand(B * T, P // 2, generator=gen) * 6.3
+    for rope in (None, (angles.cos().to(device), angles.sin().to(device), False)):
+        start = torch.randn(4, L + 1, R + P, generator=gen)
+        want = start.double().clone()
+        mla_ref.mla_cache_rows(kv.double().sum(0), weight.double(), 1e-6, want, slots, cache_lens, lengths,
+                               None if rope is None else (rope[0].cpu(), rope[1].cpu(), False))
+        cache = start.to(device)
+        got_q = mla_triton.mla_cache_rows(kv.to(device), weight.to(device), 1e-6, cache, *index, rope,
+                                          q=(c_q.to(device), q_weight.to(device)), dtype=torch.float32,
+                                          q_out=torch.full((B * T, Q), float("nan"), device=device))
+        close(got_q.cpu(), want_q, f"mla_cache_rows' normalised c_q of {parts} partials (rope {rope is not None})")
+        close(cache.cpu(), want, f"mla_cache_rows' rows of {parts} partials (rope {rope is not None})")
 
 
 def check_cache_rows_with_q(gen: torch.Generator, device: str = "cpu", dtype=torch.float32, Q: int = 1536) -> None:

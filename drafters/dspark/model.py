@@ -38,12 +38,13 @@ from .heads import ConfidenceHead, MarkovHead, init_like_deepspec
 # CPU's row-invariant reference GEMM sums in another order).
 # experiments/drafter_bench.py --setting draft_output_partials=0 times the reduced outputs.
 OUTPUTS_AS_PARTIALS_ON: tuple[str, ...] = ("cuda",)
-# The devices on which a drafting pass's SwiGLU multiplies its paired gate | up as the skinny GEMM's
-# split-K partials (ops.linear_partials) and its activation adds them (ops.silu_mul's partials form),
-# where cuBLAS split the GEMM and launched a reduction after it: one launch fewer a layer, at the
-# skinny GEMM's speed in place of cuBLAS's (docs/kernels.md §10.11). Off until a GPU has timed it:
-# experiments/drafter_bench.py --setting draft_gate_up_partials=1.
-GATE_UP_AS_PARTIALS_ON: tuple[str, ...] = ()
+# The devices on which a drafting pass multiplies a layer's two paired GEMMs over its input, MLA's
+# q_a | kv_a and SwiGLU's gate | up, as the skinny GEMM's split-K partials (ops.linear_partials) and their
+# consumers add them (the cache rows' launch, ops.mla_cache_rows(dtype=...); the activation's,
+# ops.silu_mul(dtype=...)), where cuBLAS split each GEMM and launched a reduction after it: two launches
+# fewer a layer, at the skinny GEMM's speed in place of cuBLAS's (docs/kernels.md §10.11). Off until a GPU
+# has timed it: experiments/drafter_bench.py --setting draft_input_partials=1.
+INPUTS_AS_PARTIALS_ON: tuple[str, ...] = ()
 
 
 class RMSNorm(nn.Module):
@@ -226,10 +227,10 @@ class BlockPass:
         self._hidden_per_head: dict[int, torch.Tensor] = {}
         self._cache_counts = cache_counts
         # set by a drafting pass whose norms take split-K partials (DSparkModel._drafting_layers): the
-        # layers' output projections may hand theirs over unreduced (_project_out); and whose SwiGLU
-        # activations take their gate | up GEMM's (SwiGLU.drafting)
+        # layers' output projections may hand theirs over unreduced (_project_out); and whose cache rows
+        # and SwiGLU activations take their input GEMMs' (INPUTS_AS_PARTIALS_ON)
         self.output_partials = False
-        self.gate_up_partials = False
+        self.input_partials = False
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -438,18 +439,24 @@ class MLAAttention(BlockAttention):
             cos, sin = shared.rope  # [B, A, G, 1, rope / 2]: one row per block token
             rope = (cos.reshape(M, -1), sin.reshape(M, -1), self.rotary.interleaved)
         paired = _one_weight(self.q_a_proj, self.kv_a_proj_with_mqa)  # both read x: one GEMM where laid out so
-        if paired is not None:
-            c_q, rows = F.linear(x, paired).split([self.q_a_proj.out_features, self.row_width], dim=-1)
+        widths = [self.q_a_proj.out_features, self.row_width]
+        reduced = None  # the GEMM's dtype where its split-K partials go to the cache rows' launch unreduced
+        if paired is not None and shared.input_partials and x.dtype == paired.dtype == context.cache.dtype:
+            c_q, rows = ops.linear_partials(x.reshape(M, -1), paired).split(widths, dim=-1)  # [S, M, *] each
+            reduced = x.dtype
+        elif paired is not None:
+            c_q, rows = F.linear(x, paired).reshape(M, -1).split(widths, dim=-1)
         else:
-            c_q, rows = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+            c_q, rows = self.q_a_proj(x).reshape(M, -1), self.kv_a_proj_with_mqa(x).reshape(M, -1)
         block_rows, ends, ones = shared.cache_counts(context.lengths, G)
-        rows = rows.reshape(M, self.row_width).to(context.cache.dtype)  # [c_kv | k_pe], rows may be strided
+        if reduced is None:
+            rows = rows.to(context.cache.dtype)  # [c_kv | k_pe], rows may be strided
         # The q_a norm in the cache rows' launch, with K3's rounding (the normalised row rounded, then scaled)
         # as the kv latent's there, where RMSNorm rounds once (docs/kernels.md §10.11). The block's rows go in
         # past each length, where a fallback below leaves them unread.
         c_q = ops.mla_cache_rows(rows, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, context.cache,
                                  context.index, context.lengths, block_rows, rope,
-                                 q=(c_q.reshape(M, -1), self.q_a_layernorm.weight))
+                                 q=(c_q, self.q_a_layernorm.weight), dtype=reduced)
         q = self.q_b_proj(c_q).reshape(M, H, self.nope + self.rope_dim)
         q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t.to(q.dtype), rope)  # [M, H, r], [M, H, rope]
         queries = (q_latent.view(B, 1, G * H, r), q_pe.view(B, 1, G * H, self.rope_dim))
@@ -528,14 +535,14 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def drafting(self, x, partials: bool = False, gate_up_partials: bool = False):
+    def drafting(self, x, partials: bool = False, input_partials: bool = False):
         """forward for a drafting pass (no gradients): gate and up as one GEMM where their weights are
         laid out one after the other (DSparkModel.pair_projections), silu and the product in one launch
         where the two share a dtype (autocast's mixed ones keep the torch ops); partials: down's
-        split-K partials for the norm after it (_project_out); gate_up_partials: the paired GEMM's own,
-        which the activation adds (GATE_UP_AS_PARTIALS_ON)."""
+        split-K partials for the norm after it (_project_out); input_partials: the paired gate | up GEMM's
+        own, which the activation adds (INPUTS_AS_PARTIALS_ON)."""
         paired = _one_weight(self.gate_proj, self.up_proj)
-        if paired is not None and gate_up_partials and x.dtype == paired.dtype:
+        if paired is not None and input_partials and x.dtype == paired.dtype:
             parts = ops.linear_partials(x.reshape(-1, x.shape[-1]), paired)  # [S, M, 2I]
             gate, up = parts.view(parts.shape[0], *x.shape[:-1], parts.shape[-1]).chunk(2, dim=-1)
             act = ops.silu_mul(gate, up, x.dtype)
@@ -750,13 +757,13 @@ class DSparkModel(nn.Module):
                                                                              layer.post_attention_layernorm)]
         same_dtype = self.autocast_dtype is None and all(n.weight.dtype == x.dtype for n in norms)
         shared.output_partials = x.device.type in OUTPUTS_AS_PARTIALS_ON and same_dtype
-        shared.gate_up_partials = x.device.type in GATE_UP_AS_PARTIALS_ON and same_dtype
+        shared.input_partials = x.device.type in INPUTS_AS_PARTIALS_ON and same_dtype
         h = self.layers[0].input_layernorm(x)
         for i, (layer, rows) in enumerate(zip(self.layers, context_rows)):
             delta = layer.self_attn(h, positions, rows, context_visible, True, shared)
             h, x = _add_then_norm(x, delta, layer.post_attention_layernorm)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
-            h, x = _add_then_norm(x, layer.mlp.drafting(h, shared.output_partials, shared.gate_up_partials), after)
+            h, x = _add_then_norm(x, layer.mlp.drafting(h, shared.output_partials, shared.input_partials), after)
         return h
 
     def base_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..numerics import rms_norm
+from ..numerics import rms_norm, sum_partials
 from ..registry import register
 
 
@@ -102,12 +102,34 @@ def rotated(pe: torch.Tensor, rope) -> torch.Tensor:
     return ops.rotary(heads, cos[:, None], sin[:, None], interleaved).reshape(pe.shape)
 
 
+def check_reduced(kv, q, dtype, cache) -> None:
+    """mla_cache_rows' partials form (dtype given): kv [S, M, R + P] and c_q [S, M, Q] float32 split-K
+    partials of one GEMM, dtype the GEMM's (and the cache's); ValueError naming the bad argument."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype != cache.dtype:
+        raise ValueError(f"dtype: with partials, the GEMM's floating dtype, the cache's {cache.dtype}; got {dtype!r}")
+    if kv.dim() != 3 or kv.dtype != torch.float32:
+        raise ValueError(f"kv: with dtype, float32 split-K partials [S, M, R + P], got {kv.dtype} {tuple(kv.shape)}")
+    if q is not None and isinstance(q, tuple) and len(q) == 2 and isinstance(q[0], torch.Tensor):
+        c_q = q[0]
+        if c_q.dim() != 3 or c_q.dtype != torch.float32 or c_q.shape[:2] != kv.shape[:2]:
+            raise ValueError(f"q: with dtype, c_q must be float32 split-K partials [{kv.shape[0]}, {kv.shape[1]}, Q] "
+                             f"(kv's), got {c_q.dtype} {tuple(c_q.shape)}")
+
+
 @register("mla_cache_rows", "reference", priority=0)
-def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None, *, q=None):
+def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None, *, q=None, dtype=None):
     """The rows in one scatter with no host read of the lengths: the spare row L of each slot (never
     read) takes the padding tokens' rows; k_pe rotated first with rope. q = (c_q, q_norm_weight):
     also returns rms_norm(c_q, q_norm_weight, eps), K3's norm (kernels/numerics.py), every row (a
-    padding token's too), contiguous in c_q's dtype; without q, None."""
+    padding token's too), contiguous in c_q's dtype; without q, None. dtype: kv and c_q are one GEMM's
+    split-K partials, each summed in split order and rounded to dtype (sum_partials) first."""
+    check_reduced(kv, q, dtype, cache)
+    if dtype is not None:
+        kv = sum_partials(kv, dtype)
+        if q is not None:
+            q = (sum_partials(q[0], dtype), q[1])
     T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths, q)
     B, R = slots.shape[0], norm_weight.shape[0]
     k_pe = kv[:, R:]

@@ -18,9 +18,10 @@ import torch
 
 from ..registry import register
 from ..triton_common import kernel_module, pdl_options, triton_available
-from .reference import check_absorb_output, check_absorb_q, check_cache_rows, check_rope
+from .reference import check_absorb_output, check_absorb_q, check_cache_rows, check_reduced, check_rope
 
 MAX_WIDTH = 4096  # R, P and Q (the query's c_q) each live in one program's registers
+MAX_PARTS = 32  # split-K partials a cache row's program sums in one unrolled loop
 
 
 def _rope_args(rope, rows: int, width: int, unused: torch.Tensor) -> tuple:
@@ -37,31 +38,37 @@ def _rope_args(rope, rows: int, width: int, unused: torch.Tensor) -> tuple:
 
 
 def mla_cache_rows(kv, norm_weight, eps: float, cache, slots, cache_lens, lengths, rope=None, *, q=None,
-                   q_out: torch.Tensor | None = None) -> torch.Tensor | None:
+                   dtype: torch.dtype | None = None, q_out: torch.Tensor | None = None) -> torch.Tensor | None:
     """q = (c_q, q_norm_weight): token i's program also normalises row i of c_q (Q_NORM) into q_out, an
-    optional contiguous [M, Q] buffer in c_q's dtype (tests poison it first), returned; without q, None."""
-    T = check_cache_rows(kv, norm_weight, cache, slots, cache_lens, lengths, q)
-    R, P = norm_weight.shape[0], kv.shape[1] - norm_weight.shape[0]
-    rope_args, rope_flags = _rope_args(rope, kv.shape[0], P, kv)
+    optional contiguous [M, Q] buffer (tests poison it first), returned; without q, None. dtype: kv and
+    c_q are split-K partials [S, M, ...] (the reference's contract), summed in the program (PARTS)."""
+    check_reduced(kv, q, dtype, cache)
+    parts = kv.shape[0] if dtype is not None else 1
+    rows = kv[0] if dtype is not None else kv  # one partial's layout: every partial's
+    T = check_cache_rows(rows, norm_weight, cache, slots, cache_lens, lengths,
+                         None if q is None else (q[0][0] if dtype is not None else q[0], q[1]))
+    M, R, P = rows.shape[0], norm_weight.shape[0], rows.shape[1] - norm_weight.shape[0]
+    rope_args, rope_flags = _rope_args(rope, M, P, kv)
     if q is None:  # not read: the Q_NORM branch is compiled out
         if q_out is not None:
             raise ValueError(f"q_out: a {q_out.dtype} {tuple(q_out.shape)} buffer given without q")
-        q_args, Q = (kv, 0, norm_weight, kv), 1
+        q_args, Q, stride_q_s = (kv, 0, norm_weight, kv), 1, 0
     else:
         c_q, q_weight = q
-        Q = c_q.shape[1]
+        Q, out_dtype = c_q.shape[-1], dtype or c_q.dtype
         if q_out is None:
-            q_out = torch.empty(c_q.shape, dtype=c_q.dtype, device=c_q.device)
-        elif q_out.shape != c_q.shape or q_out.dtype != c_q.dtype or not q_out.is_contiguous():
-            raise ValueError(f"q_out: expected a contiguous {c_q.dtype} {tuple(c_q.shape)} buffer, got "
+            q_out = torch.empty(M, Q, dtype=out_dtype, device=c_q.device)
+        elif q_out.shape != (M, Q) or q_out.dtype != out_dtype or not q_out.is_contiguous():
+            raise ValueError(f"q_out: expected a contiguous {out_dtype} {(M, Q)} buffer, got "
                              f"{q_out.dtype} {tuple(q_out.shape)} with strides {q_out.stride()}")
-        q_args = (c_q, c_q.stride(0), q_weight, q_out)
-    if kv.shape[0]:
-        kernel_module(__package__).cache_rows_kernel[(kv.shape[0],)](
-            kv, kv.stride(0), norm_weight, cache, cache.stride(0), cache.stride(1), slots, cache_lens, lengths,
-            *rope_args, *q_args, T, R, P, Q, cache.shape[1] - 1, float(eps), BLOCK_R=1 << (R - 1).bit_length(),
-            BLOCK_P=1 << (P - 1).bit_length(), BLOCK_Q=1 << (Q - 1).bit_length(), **rope_flags, Q_NORM=q is not None,
-            **pdl_options(), num_warps=4)
+        q_args, stride_q_s = (c_q, c_q.stride(-2), q_weight, q_out), (c_q.stride(0) if parts > 1 else 0)
+    if M:
+        kernel_module(__package__).cache_rows_kernel[(M,)](
+            kv, rows.stride(0), norm_weight, cache, cache.stride(0), cache.stride(1), slots, cache_lens, lengths,
+            *rope_args, *q_args, T, R, P, Q, cache.shape[1] - 1, float(eps), kv.stride(0) if parts > 1 else 0,
+            stride_q_s, BLOCK_R=1 << (R - 1).bit_length(), BLOCK_P=1 << (P - 1).bit_length(),
+            BLOCK_Q=1 << (Q - 1).bit_length(), **rope_flags, Q_NORM=q is not None, PARTS=parts, **pdl_options(),
+            num_warps=4)
     return q_out
 
 
@@ -69,13 +76,16 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def supports(kv, norm_weight, cache, slots, cache_lens, lengths, c_q=None, q_weight=None) -> bool:
-    """c_q, q_weight: the op's q when given (its shapes are the op's check's: ValueError there)."""
-    return (kv.dim() == 2 and kv.stride(-1) == 1 and cache.dim() == 3 and cache.stride(-1) == 1
+    """c_q, q_weight: the op's q when given (its shapes are the op's check's: ValueError there). kv (and
+    c_q) of three dimensions: split-K partials, fp32, at most MAX_PARTS of them."""
+    partials = kv.dim() == 3
+    return ((kv.dim() == 2 or (partials and kv.dtype == torch.float32 and kv.shape[0] <= MAX_PARTS))
+            and kv.stride(-1) == 1 and cache.dim() == 3 and cache.stride(-1) == 1
             and norm_weight.dim() == 1 and norm_weight.is_contiguous()
-            and norm_weight.shape[0] <= MAX_WIDTH and kv.shape[1] - norm_weight.shape[0] <= MAX_WIDTH
+            and norm_weight.shape[0] <= MAX_WIDTH and kv.shape[-1] - norm_weight.shape[0] <= MAX_WIDTH
             and kv.dtype in _DTYPES
             and all(t.is_contiguous() for t in (slots, cache_lens, lengths))
-            and (c_q is None or c_q.dtype in _DTYPES and c_q.dim() == 2 and c_q.shape[-1] <= MAX_WIDTH
+            and (c_q is None or c_q.dtype in _DTYPES and c_q.dim() == kv.dim() and c_q.shape[-1] <= MAX_WIDTH
                  and q_weight.is_contiguous()))
 
 

@@ -6,17 +6,31 @@ from ..triton_pdl import prologue
 
 
 @triton.jit
-def rotate_pairs(src, dst, cos, sin, pairs, keep, P, ROUND: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The rope columns at src (pointers to each row's first one) rotated into dst as the rotary op
-    rotates them: pair i of a row, (2i, 2i + 1) INTERLEAVED or else (i, i + P/2), by its row's cos[i] /
-    sin[i] (cos, sin: pointers to each row's tables), in fp32, rounded to ROUND, stored in dst's dtype.
-    pairs and keep: the pair indices and their mask, broadcast against the row pointers."""
+def summed(ptr, offs, keep, stride_s, PARTS: tl.constexpr, ROUND: tl.constexpr):
+    """The values at ptr + offs in fp32; PARTS > 1: a GEMM's split-K partials, stride_s apart, added in
+    split order in fp32 and rounded to ROUND, as the GEMM's reduction would have stored them."""
+    x = tl.load(ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        for s in tl.static_range(1, PARTS):
+            x += tl.load(ptr + s * stride_s + offs, mask=keep, other=0.0)
+        x = x.to(ROUND).to(tl.float32)
+    return x
+
+
+@triton.jit
+def rotate_pairs(src, dst, cos, sin, pairs, keep, P, ROUND: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 stride_s=0, PARTS: tl.constexpr = 1):
+    """The rope columns at src (pointers to each row's first one; PARTS > 1: split-K partials, summed())
+    rotated into dst as the rotary op rotates them: pair i of a row, (2i, 2i + 1) INTERLEAVED or else
+    (i, i + P/2), by its row's cos[i] / sin[i] (cos, sin: pointers to each row's tables), in fp32, rounded
+    to ROUND, stored in dst's dtype. pairs and keep: the pair indices and their mask, broadcast against
+    the row pointers."""
     if INTERLEAVED:
         first, second = 2 * pairs, 2 * pairs + 1
     else:
         first, second = pairs, pairs + P // 2
-    a = tl.load(src + first, mask=keep, other=0.0).to(tl.float32)
-    b = tl.load(src + second, mask=keep, other=0.0).to(tl.float32)
+    a = summed(src, first, keep, stride_s, PARTS, ROUND)
+    b = summed(src, second, keep, stride_s, PARTS, ROUND)
     c = tl.load(cos + pairs, mask=keep, other=0.0)
     s = tl.load(sin + pairs, mask=keep, other=0.0)
     out = dst.dtype.element_ty
@@ -27,45 +41,51 @@ def rotate_pairs(src, dst, cos, sin, pairs, keep, P, ROUND: tl.constexpr, INTERL
 @triton.jit
 def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_row, slots_ptr, cache_lens_ptr,
                       lengths_ptr, cos_ptr, sin_ptr, stride_rope, q_ptr, stride_q, q_w_ptr, q_out_ptr, T, R, P, Q,
-                      spare, eps, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, Q_NORM: tl.constexpr, PDL: tl.constexpr):
+                      spare, eps, stride_kv_s, stride_q_s, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, Q_NORM: tl.constexpr,
+                      PARTS: tl.constexpr, PDL: tl.constexpr):
     """One program per token (b, j): RMSNorm of its c_kv (rms_norm_kernel's rounding: the
     normalised row and the weighted one each rounded to kv's dtype) and its k_pe, raw or (ROPE)
     rotated by its row of the cos / sin tables (the rotary op's pairs: (2i, 2i + 1) INTERLEAVED, else
     (i, i + P/2); fp32, rounded to kv's dtype), stored at row cache_lens[b] + j of slot slots[b], or
     at the spare row for a padding token. Q_NORM: the token's row of the query's c_q too (q_ptr, rows
     stride_q apart), RMSNorm'd by q_w as rms_norm_kernel does K3's norm (rounded to c_q's dtype twice)
-    into the contiguous q_out, a padding token's row as well (the caller reads every row)."""
+    into the contiguous q_out, a padding token's row as well (the caller reads every row). PARTS > 1: kv
+    and c_q are a GEMM's split-K partials (stride_kv_s / stride_q_s apart), summed in split order in fp32
+    and rounded to the cache's / q_out's dtype (as the GEMM's reduction would have) before all of that."""
     prologue(PDL)
     token = tl.program_id(0)
     if Q_NORM:  # first: its loads do not wait on the cache row's position
-        q_dtype = q_ptr.dtype.element_ty
+        q_dtype = q_out_ptr.dtype.element_ty if PARTS > 1 else q_ptr.dtype.element_ty
         q_offs = tl.arange(0, BLOCK_Q)
         q_inside = q_offs < Q
-        xq = tl.load(q_ptr + token * stride_q + q_offs, mask=q_inside, other=0.0).to(tl.float32)
+        xq = summed(q_ptr + token * stride_q, q_offs, q_inside, stride_q_s, PARTS, q_dtype)
         yq = (xq * tl.rsqrt(tl.sum(xq * xq, axis=0) / Q + eps)).to(q_dtype).to(tl.float32)
         wq = tl.load(q_w_ptr + q_offs, mask=q_inside, other=0.0).to(q_dtype).to(tl.float32)
         tl.store(q_out_ptr + token * Q + q_offs, (wq * yq).to(q_dtype).to(q_out_ptr.dtype.element_ty), mask=q_inside)
     b = token // T
     j = token % T
-    dtype = kv_ptr.dtype.element_ty
+    dtype = cache_ptr.dtype.element_ty if PARTS > 1 else kv_ptr.dtype.element_ty
     slot = tl.load(slots_ptr + b).to(tl.int64)
     position = tl.where(j < tl.load(lengths_ptr + b), tl.load(cache_lens_ptr + b) + j, spare).to(tl.int64)
     row = cache_ptr + slot * stride_slot + position * stride_row
     offs = tl.arange(0, BLOCK_R)
     inside = offs < R
-    x = tl.load(kv_ptr + token * stride_kv + offs, mask=inside, other=0.0).to(tl.float32)
+    x = summed(kv_ptr + token * stride_kv, offs, inside, stride_kv_s, PARTS, dtype)
     y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(dtype).to(tl.float32)
     tl.store(row + offs, (w * y).to(dtype).to(cache_ptr.dtype.element_ty), mask=inside)
     if ROPE:
         pairs = tl.arange(0, BLOCK_P // 2)
         rotate_pairs(kv_ptr + token * stride_kv + R, row + R, cos_ptr + token * stride_rope,
-                     sin_ptr + token * stride_rope, pairs, pairs < P // 2, P, dtype, INTERLEAVED)
+                     sin_ptr + token * stride_rope, pairs, pairs < P // 2, P, dtype, INTERLEAVED, stride_kv_s, PARTS)
     else:
         pe = tl.arange(0, BLOCK_P)
         pe_inside = pe < P
-        k_pe = tl.load(kv_ptr + token * stride_kv + R + pe, mask=pe_inside, other=0.0)
+        if PARTS > 1:
+            k_pe = summed(kv_ptr + token * stride_kv + R, pe, pe_inside, stride_kv_s, PARTS, dtype)
+        else:
+            k_pe = tl.load(kv_ptr + token * stride_kv + R + pe, mask=pe_inside, other=0.0)
         tl.store(row + R + pe, k_pe.to(cache_ptr.dtype.element_ty), mask=pe_inside)
 
 

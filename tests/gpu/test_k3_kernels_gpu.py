@@ -160,6 +160,35 @@ def test_mla_cache_rows_match_the_reference(gen, batch, tokens, with_q):
     assert torch.equal(before[:, :L][written], pool[:, :L][written])
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_mla_cache_rows_of_split_k_partials_match_the_reduced_gemms(gen, rope):
+    """The drafter's call with INPUTS_AS_PARTIALS_ON: kv and c_q as 7 float32 split-K partials of one
+    q_a | kv_a GEMM (the TP16 share's split at K = 7168; column slices of each partial), dtype bf16: the
+    cache rows and the normalised c_q bit for bit the Triton launch's on the reduced GEMM's output
+    (sum_partials: the same fp32 sums in split order, rounded once), with and without the rope tables."""
+    from dspark.kernels.mla import triton as mla_triton
+    from dspark.kernels.numerics import sum_partials
+
+    S, B, T, R, P, Q, L = 7, 1, 7, 512, 64, 1536, 256
+    fused = torch.randn(S, B * T, Q + R + P, device="cuda", generator=gen)
+    c_q, kv = fused[..., :Q], fused[..., Q:]
+    weight = (torch.rand(R, device="cuda", generator=gen) + 0.5).bfloat16()
+    q_weight = (torch.rand(Q, device="cuda", generator=gen) + 0.5).bfloat16()
+    slots, cache_lens = torch.tensor([1], device="cuda"), torch.tensor([40], device="cuda")
+    lengths = torch.tensor([T], device="cuda")
+    angles = torch.rand(B * T, P // 2, device="cuda", generator=gen) * 6.3
+    tables = (angles.cos(), angles.sin(), True) if rope else None
+    want, got = (torch.full((3, L + 1, R + P), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    want_q = mla_triton.mla_cache_rows(sum_partials(kv, torch.bfloat16), weight, 1e-6, want, slots, cache_lens, lengths,
+                                       tables, q=(sum_partials(c_q, torch.bfloat16), q_weight))
+    got_q = mla_triton.mla_cache_rows(kv, weight, 1e-6, got, slots, cache_lens, lengths, tables, q=(c_q, q_weight),
+                                      dtype=torch.bfloat16, q_out=torch.full((B * T, Q), float("nan"),
+                                                                             dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert torch.equal(got_q, want_q)
+    assert registry.select("mla_cache_rows", kv, weight, got, slots, cache_lens, lengths, c_q, q_weight).name == "triton"
+
+
 def test_a_graph_of_dependent_triton_kernels_under_pdl_equals_plain_launches(gen, monkeypatch):
     from dspark.kernels import triton_common
 
