@@ -89,7 +89,9 @@ def mla_absorb_q(q: torch.Tensor, w_uk_t: torch.Tensor, rope=None) -> tuple[torc
 
 def mla_absorb_output(o_latent: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Gated MLA's output before o_proj: o_latent [M, H, R], w_uv [H, V, R], gate [M, H*V] ->
-    sigmoid_gate(W_UV_h o_latent_h by head, as [M, H*V], gate)."""
+    sigmoid_gate(W_UV_h o_latent_h by head, as [M, H*V], gate). gate may be its GEMM's float32 split-K
+    partials [S, M, H*V] (linear_partials), summed in split order and rounded to o_latent's dtype first,
+    as the GEMM's reduction would have."""
     return select("mla_absorb_output", o_latent, w_uv, gate).fn(o_latent, w_uv, gate)
 
 

@@ -591,6 +591,23 @@ def test_mla_cache_rows_of_split_k_partials_are_those_of_the_reduced_gemm(gen):
         ops.mla_cache_rows(kv, weight, 1e-6, cache, slots, cache_lens, lengths, dtype=torch.float16)
 
 
+def test_mla_absorb_output_of_a_gates_split_k_partials_is_that_of_the_reduced_gate(gen):
+    """A gate [S, M, H*V] of float32 split-K partials (the K3 MLA input GEMM's, SPLIT_K_INTO_CONSUMERS):
+    summed in split order and rounded to o_latent's dtype first, bit for bit the call on the reduced gate;
+    partials of the wrong shape are refused by name."""
+    from dspark.kernels.numerics import sum_partials
+
+    M, H, V, R = 5, 3, 16, 32
+    o_latent, w_uv = randn(gen, M, H, R, dtype=torch.bfloat16), randn(gen, H, V, R, scale=R**-0.5, dtype=torch.bfloat16)
+    parts = randn(gen, 4, M, H * V + 6, scale=2.0)[..., 3 : 3 + H * V]
+    want = ops.mla_absorb_output(o_latent, w_uv, sum_partials(parts, torch.bfloat16))
+    assert torch.equal(ops.mla_absorb_output(o_latent, w_uv, parts), want)
+    assert not torch.equal(ops.mla_absorb_output(o_latent, w_uv, parts[:-1]), want)
+    with pytest.raises(ValueError, match=r"gate: as split-K partials, expected float32 \[S, 5, 48\], got "
+                                         r"torch.float32 \(4, 5, 47\)"):
+        ops.mla_absorb_output(o_latent, w_uv, parts[..., :-1])
+
+
 def test_mla_cache_rows_with_q_are_token_invariant(gen):
     """A token's normalised c_q does not depend on the batch it comes in (the reference's rows are
     normalised one at a time on the CPU): the rows of one call of 12 tokens are those of 12 calls of one."""

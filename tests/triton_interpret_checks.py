@@ -523,6 +523,14 @@ def check_absorb(gen: torch.Generator, device: str = "cpu", dtype=torch.float32)
     mla_triton.mla_absorb_output(o_latent.to(device, dtype), w_uv.to(device, dtype), gate.to(device, dtype), out=out)
     product = torch.einsum("mhr,hvr->mhv", o_latent.double(), w_uv.double()).reshape(M, H * V)
     close(out.cpu(), product * torch.sigmoid(gate.double()), "mla_absorb_output")
+    if dtype == torch.float32:  # the gate as its GEMM's split-K partials (column slices of each), summed first
+        parts = torch.randn(4, M, H * V + 8, generator=gen)[..., 4 : 4 + H * V]
+        want = product * torch.sigmoid(parts.double().sum(0))
+        if not (product * torch.sigmoid(parts[:-1].double().sum(0)) - want).abs().max().item() > ATOL:
+            sys.exit("mla_absorb_output of partials: the check cannot tell a missing part")
+        out = torch.full((M, H * V), float("nan"), dtype=dtype, device=device)
+        mla_triton.mla_absorb_output(o_latent.to(device), w_uv.to(device), parts.to(device), out=out)
+        close(out.cpu(), want, "mla_absorb_output with the gate's 4 split-K partials")
     out = torch.full((M, H, V), float("nan"), dtype=dtype, device=device)  # ungated: linear_heads
     strided = torch.randn(M, H, R + 8, generator=gen)[:, :, :R]  # the attention output's rows may be strided
     w_view = torch.randn(H, 2 * V, R, generator=gen)[:, V:] * R**-0.5  # W_UV as a view of kv_b_proj's weight

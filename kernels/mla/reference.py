@@ -102,6 +102,10 @@ def rotated(pe: torch.Tensor, rope) -> torch.Tensor:
     return ops.rotary(heads, cos[:, None], sin[:, None], interleaved).reshape(pe.shape)
 
 
+# split-K partials as ops.linear_partials leaves them: float32, float64 for a float64 GEMM
+PARTIAL_DTYPES = (torch.float32, torch.float64)
+
+
 def check_reduced(kv, q, dtype, cache) -> None:
     """mla_cache_rows' partials form (dtype given): kv [S, M, R + P] and c_q [S, M, Q] float32 split-K
     partials of one GEMM, dtype the GEMM's (and the cache's); ValueError naming the bad argument."""
@@ -109,11 +113,11 @@ def check_reduced(kv, q, dtype, cache) -> None:
         return
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype != cache.dtype:
         raise ValueError(f"dtype: with partials, the GEMM's floating dtype, the cache's {cache.dtype}; got {dtype!r}")
-    if kv.dim() != 3 or kv.dtype != torch.float32:
+    if kv.dim() != 3 or kv.dtype not in PARTIAL_DTYPES:
         raise ValueError(f"kv: with dtype, float32 split-K partials [S, M, R + P], got {kv.dtype} {tuple(kv.shape)}")
     if q is not None and isinstance(q, tuple) and len(q) == 2 and isinstance(q[0], torch.Tensor):
         c_q = q[0]
-        if c_q.dim() != 3 or c_q.dtype != torch.float32 or c_q.shape[:2] != kv.shape[:2]:
+        if c_q.dim() != 3 or c_q.dtype not in PARTIAL_DTYPES or c_q.shape[:2] != kv.shape[:2]:
             raise ValueError(f"q: with dtype, c_q must be float32 split-K partials [{kv.shape[0]}, {kv.shape[1]}, Q] "
                              f"(kv's), got {c_q.dtype} {tuple(c_q.shape)}")
 
@@ -168,13 +172,20 @@ def check_absorb_output(o_latent, w_uv, gate) -> None:
         raise ValueError(f"o_latent / w_uv: expected [M, H, R] and [H, V, R], got {tuple(o_latent.shape)} and "
                          f"{tuple(w_uv.shape)}")
     M, H, V = o_latent.shape[0], w_uv.shape[0], w_uv.shape[1]
-    if tuple(gate.shape) != (M, H * V):
+    if gate.dim() == 3:  # its GEMM's split-K partials
+        if tuple(gate.shape[1:]) != (M, H * V) or gate.dtype not in PARTIAL_DTYPES:
+            raise ValueError(f"gate: as split-K partials, expected float32 [S, {M}, {H * V}], got {gate.dtype} "
+                             f"{tuple(gate.shape)}")
+    elif tuple(gate.shape) != (M, H * V):
         raise ValueError(f"gate: expected shape {(M, H * V)}, got {tuple(gate.shape)}")
 
 
 @register("mla_absorb_output", "reference", priority=0)
 def mla_absorb_output(o_latent, w_uv, gate):
-    """linear_heads, then the sigmoid output gate."""
+    """linear_heads, then the sigmoid output gate; a gate as its GEMM's split-K partials [S, M, H*V] is
+    summed in split order and rounded to o_latent's dtype first (sum_partials)."""
     check_absorb_output(o_latent, w_uv, gate)
+    if gate.dim() == 3:
+        gate = sum_partials(gate, o_latent.dtype)
     o = ops.linear_heads(o_latent, w_uv).reshape(o_latent.shape[0], -1)
     return ops.sigmoid_gate(o, gate)

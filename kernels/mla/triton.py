@@ -100,21 +100,23 @@ ABSORB_MAX_HEADS = 16
 
 def _absorb(x, w, out, K, gate=None, pe=None, rope=None) -> None:
     """out[:, h, n] = x[:, h, :K] . w[h, n, :] for every head (w [H, N, K], its rows strided as a view
-    of a wider weight may have them), gated by gate [M, H*N] when given; pe: the rope columns
+    of a wider weight may have them), gated by gate [M, H*N] (or its GEMM's split-K partials [S, M, H*N])
+    when given; pe: the rope columns
     x[:, :, K:] copied there when given, rotated by rope's tables when that is given too."""
     M, H = x.shape[0], x.shape[1]
     N = w.shape[1]
     P = x.shape[2] - K
-    gate_args = (gate, gate.stride(0)) if gate is not None else (out, 0)
+    parts = gate.shape[0] if gate is not None and gate.dim() == 3 else 1  # a gate GEMM's split-K partials
+    gate_args = (gate, gate.stride(-2)) if gate is not None else (out, 0)
     pe_args = (pe, pe.stride(0), pe.stride(1)) if pe is not None else (out, 0, 0)
     rope_args, rope_flags = _rope_args(rope, M, P, x)
     if M:
         kernel_module(__package__).absorb_kernel[(H, -(-N // ABSORB_BLOCK_N))](
             x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), out, out.stride(0), N, *gate_args, *pe_args,
-            *rope_args, M, N, K, P,
+            *rope_args, M, N, K, P, gate.stride(0) if parts > 1 else 0,
             HAS_GATE=gate is not None, COPY_PE=pe is not None, **rope_flags, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
             BLOCK_N=ABSORB_BLOCK_N, BLOCK_K=ABSORB_BLOCK_K, BLOCK_P=max(16, 1 << max(P - 1, 0).bit_length()),
-            **pdl_options(), num_warps=4)
+            GATE_PARTS=parts, **pdl_options(), num_warps=4)
 
 
 def mla_absorb_q(q, w_uk_t, rope=None, out=None, pe=None):
@@ -158,5 +160,6 @@ register("linear_heads", "triton", devices=("cuda",), priority=10, available=tri
 register("mla_absorb_q", "triton", devices=("cuda",), priority=10, available=triton_available,
          supports=lambda q, w_uk_t: _absorbs(q, w_uk_t))(mla_absorb_q)
 register("mla_absorb_output", "triton", devices=("cuda",), priority=10, available=triton_available,
-         supports=lambda o, w_uv, gate: _absorbs(o, w_uv) and gate.dim() == 2 and gate.stride(-1) == 1
-         and gate.dtype == o.dtype)(mla_absorb_output)
+         supports=lambda o, w_uv, gate: _absorbs(o, w_uv) and gate.stride(-1) == 1
+         and ((gate.dim() == 2 and gate.dtype == o.dtype)
+              or (gate.dim() == 3 and gate.dtype == torch.float32 and gate.shape[0] <= MAX_PARTS)))(mla_absorb_output)

@@ -91,12 +91,14 @@ def cache_rows_kernel(kv_ptr, stride_kv, w_ptr, cache_ptr, stride_slot, stride_r
 
 @triton.jit
 def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, stride_wh, stride_wn, out_ptr, stride_om, stride_oh, gate_ptr,
-                  stride_gm, pe_ptr, stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P,
+                  stride_gm, pe_ptr, stride_pm, stride_ph, cos_ptr, sin_ptr, stride_rope, M, N, K, P, stride_gs,
                   HAS_GATE: tl.constexpr, COPY_PE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, GATE_PARTS: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program (h, nb): out[:, h, nb-th 64 columns] = x[:, h, :K] . w[h, those rows, :]^T over all M
     rows (fp32 accumulation, rounded to out's dtype, as a GEMM does); with HAS_GATE the result
-    times sigmoid(gate) in fp32, rounded again (sigmoid_gate_kernel's arithmetic); with COPY_PE
+    times sigmoid(gate) in fp32, rounded again (sigmoid_gate_kernel's arithmetic; GATE_PARTS > 1: the gate
+    as its GEMM's split-K partials, stride_gs apart, summed() and rounded to out's dtype first); with COPY_PE
     program (h, 0) also copies x[:, h, K:K + P] to pe[:, h, :], rotated with ROPE by each row's cos /
     sin tables as cache_rows_kernel rotates k_pe."""
     prologue(PDL)
@@ -117,7 +119,7 @@ def absorb_kernel(x_ptr, stride_xm, stride_xh, w_ptr, stride_wh, stride_wn, out_
     y = acc.to(dtype)
     keep = row_in & (cols[None, :] < N)
     if HAS_GATE:
-        g = tl.load(gate_ptr + rows[:, None] * stride_gm + h * N + cols[None, :], mask=keep, other=0.0)
+        g = summed(gate_ptr + rows[:, None] * stride_gm + h * N, cols[None, :], keep, stride_gs, GATE_PARTS, dtype)
         y = (y.to(tl.float32) * tl.sigmoid(g.to(dtype).to(tl.float32))).to(dtype)
     tl.store(out_ptr + rows[:, None] * stride_om + h * stride_oh + cols[None, :], y, mask=keep)
     if COPY_PE:

@@ -189,6 +189,23 @@ def test_mla_cache_rows_of_split_k_partials_match_the_reduced_gemms(gen, rope):
     assert registry.select("mla_cache_rows", kv, weight, got, slots, cache_lens, lengths, c_q, q_weight).name == "triton"
 
 
+def test_mla_absorb_output_of_a_gates_split_k_partials_matches_the_reduced_gate(gen):
+    """The K3 target's MLA output with SPLIT_K_INTO_CONSUMERS: the gate as its input GEMM's 7 float32 split-K
+    partials (column slices of each) at a rank's 6 heads: bit for bit the launch on the reduced gate
+    (sum_partials), through the Triton kernel."""
+    from dspark.kernels.mla import triton as mla_triton
+    from dspark.kernels.numerics import sum_partials
+
+    M, H, V, R = 8, 6, 128, 512
+    o_latent = torch.randn(M, H, R, device="cuda", generator=gen).bfloat16()
+    w_uv = (torch.randn(H, V, R, device="cuda", generator=gen) * R**-0.5).bfloat16()
+    parts = torch.randn(7, M, H * V + 64, device="cuda", generator=gen)[..., 32 : 32 + H * V]
+    want = mla_triton.mla_absorb_output(o_latent, w_uv, sum_partials(parts, torch.bfloat16))
+    got = mla_triton.mla_absorb_output(o_latent, w_uv, parts, out=_poisoned(want))
+    assert torch.equal(got, want)
+    assert registry.select("mla_absorb_output", o_latent, w_uv, parts).name == "triton"
+
+
 def test_a_graph_of_dependent_triton_kernels_under_pdl_equals_plain_launches(gen, monkeypatch):
     from dspark.kernels import triton_common
 

@@ -36,7 +36,8 @@ FFN_MIX_INCLUDES_LAYER_ATTENTION = True
 # GEMMs whose next kernel can add their split-K partials as it reads them (ops.linear_partials) hand
 # it the partials, bit for bit what the GEMM's reduction kernel would have written, and that kernel is
 # not launched (docs/kimi-k3.md §8.5): the output projections whose result a mix norm adds next
-# (attention's inside a block, every FFN's), and the MoE's shared gate|up GEMM (into moe_tail_inputs).
+# (attention's inside a block, every FFN's), the MoE's shared gate|up GEMM (into moe_tail_inputs), and an
+# MLA layer's input GEMM (q_a and kv into mla_cache_rows, the gate into mla_absorb_output).
 # On a rank that is ~3 launches a layer fewer for the same step time or a little less (H100,
 # experiments/notes/rank.md "Sixth round"); experiments/step_bench.py --setting split_k_into_consumers=0
 # times the reductions again.
@@ -249,11 +250,15 @@ class K3Model:
         H, R, P = self.mla_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         eps = cfg.rms_norm_eps
         fused, sizes = self.fused_inputs[i]
-        q_a, kv, gate = ops.linear(h, fused).split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order
+        # With SPLIT_K_INTO_CONSUMERS the input GEMM's split-K partials go unreduced to the cache rows' launch
+        # (q_a and kv) and the output gate's (gate), which add them: no reduction launch.
+        reduced = h.dtype if SPLIT_K_INTO_CONSUMERS else None
+        inputs = ops.linear_partials(h, fused) if SPLIT_K_INTO_CONSUMERS else ops.linear(h, fused)
+        q_a, kv, gate = inputs.split(sizes, dim=-1)  # MLA_INPUT_PROJECTIONS order; [S, B*T, *] as partials
         # the cache rows' launch also normalises c_q (q_a_layernorm), in place of an rms_norm launch; the
         # rows are in the cache before the attention reads them
         c_q = ops.mla_cache_rows(kv, self._w(i, f"{a}.kv_a_layernorm.weight"), eps, cache, slots, cache_lens, lengths,
-                                 q=(q_a, self._w(i, f"{a}.q_a_layernorm.weight")))
+                                 q=(q_a, self._w(i, f"{a}.q_a_layernorm.weight")), dtype=reduced)
         q = ops.linear(c_q, self._w(i, f"{a}.q_b_proj.weight")).view(B * T, H, cfg.qk_head_dim)
         w_uk_t, w_uv = self.mla_absorbed[i]
         q_latent, q_pe = ops.mla_absorb_q(q, w_uk_t)  # [B*T, H, R], [B*T, H, P]
