@@ -58,6 +58,18 @@ def test_batched_cuda_matches_cpu_per_query_reference():
                 assert ((a.taps[layer][r, :n].cpu() - ref).norm() / ref.norm()).item() < 1e-4
 
 
+def assert_equal_up_to_a_near_tie(prompt: list[int], want: list[int], got: list[int]) -> None:
+    """got's greedy tokens are want's, or they part where the GPU target's two top logits after want's
+    common prefix are within 2e-3 (its matmuls block by batch shape, so a near tie may go either way)."""
+    if got == want:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
+    context = torch.tensor(prompt + want[:first], device="cuda")
+    top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
+    assert float(top2[0] - top2[1]) < 2e-3, (first, want, got)
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager_drafter", "graphed_drafter"])
 def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target(cuda_graphs):
     target = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=2, max_seq_len=256, attention="batched")
@@ -73,13 +85,7 @@ def test_greedy_speculation_equals_plain_decoding_on_the_gpu_target(cuda_graphs)
     if cuda_graphs:  # two requests, then one: buckets 2 and 1, contexts past 64
         assert drafter._graphs.replays["draft"] >= 7, drafter._graphs.replays  # commits ride in the engine's step
     for prompt, p, s in zip(prompts, plain, spec):
-        if p.token_ids == s.token_ids:
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(p.token_ids, s.token_ids)) if a != b)
-        reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
-        context = torch.tensor(prompt + p.token_ids[:first], device="cuda")
-        top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
-        assert float(top2[0] - top2[1]) < 2e-3, (first, p.token_ids, s.token_ids)
+        assert_equal_up_to_a_near_tie(prompt, p.token_ids, s.token_ids)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -107,12 +113,8 @@ def test_cuda_graphs_of_the_batched_target_emit_the_eager_steps_tokens(drafter, 
     for prompt, e, r in zip(prompts, eager, graphed):
         if batch == 1:
             assert r.token_ids == e.token_ids
-        elif r.token_ids != e.token_ids:
-            first = next(i for i, (a, b) in enumerate(zip(e.token_ids, r.token_ids)) if a != b)
-            reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
-            context = torch.tensor(prompt + e.token_ids[:first], device="cuda")
-            top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
-            assert float(top2[0] - top2[1]) < 2e-3, (first, e.token_ids, r.token_ids)
+        else:
+            assert_equal_up_to_a_near_tie(prompt, e.token_ids, r.token_ids)
     assert target.cache_lengths == [0] * target.max_slots
 
 
@@ -134,9 +136,4 @@ def test_graph_buckets_up_to_the_batch_replay_a_run_past_eight_requests():
     graphed = engine.generate(prompts, params)
     assert sum(engine.runner.replays.values()) >= engine.metrics.num_steps > 0, engine.runner.replays
     for prompt, e, r in zip(prompts, eager, graphed):
-        if r.token_ids != e.token_ids:
-            first = next(i for i, (a, b) in enumerate(zip(e.token_ids, r.token_ids)) if a != b)
-            reference = LlamaTarget(CONFIG, weights_to(WEIGHTS, "cuda"), max_slots=1, max_seq_len=256, attention="batched")
-            context = torch.tensor(prompt + e.token_ids[:first], device="cuda")
-            top2 = reference.prefill([0], [context]).logits[0, -1].topk(2).values
-            assert float(top2[0] - top2[1]) < 2e-3, (first, e.token_ids, r.token_ids)
+        assert_equal_up_to_a_near_tie(prompt, e.token_ids, r.token_ids)
