@@ -62,6 +62,10 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return per_row(apply, torch.cat([x, gate.to(x.dtype)], dim=-1)).to(x.dtype)
 
 
+# split-K partials as ops.linear_partials leaves them: float32, float64 for a float64 GEMM
+PARTIAL_DTYPES = (torch.float32, torch.float64)
+
+
 def is_partials_of(delta: torch.Tensor, residual: torch.Tensor) -> bool:
     """Whether delta is split-K partials [S, *residual.shape] of a GEMM's output (ops.linear_partials,
     its rows viewed in residual's shape) rather than one tensor of residual's shape."""

@@ -16,6 +16,10 @@ def kernel_module(package: str):
     return importlib.import_module(f"{package}.triton_kernels")
 
 
+# Split-K partials a kernel sums in one unrolled loop (triton_partials.split_k_sum): the skinny GEMM splits
+# K = 7168 at most ~14 ways, and linear_partials never more than 32.
+MAX_PARTS = 32
+
 # Programmatic dependent launch of the step's Triton kernels (docs/kernels.md §5). On, each kernel
 # is launched with `launch_pdl` and begins with griddepcontrol.wait (so every read and write it
 # makes comes after the previous kernel has completed and is visible) and

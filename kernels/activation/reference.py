@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics import sigmoid_gate as _sigmoid_gate
-from ..numerics import sum_partials
+from ..numerics import PARTIAL_DTYPES, sum_partials
 from ..numerics import situ
 from ..registry import register
 
@@ -26,7 +26,7 @@ def check_partials(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"silu_mul: dtype must be a floating torch.dtype, got {dtype!r}")
     for name, t in (("gate", gate), ("up", up)):
-        if t.dim() < 3 or t.dtype not in (torch.float32, torch.float64) or t.shape != gate.shape:
+        if t.dim() < 3 or t.dtype not in PARTIAL_DTYPES or t.shape != gate.shape:
             raise ValueError(f"silu_mul: with dtype, {name} must be split-K partials [S, ..., n] (float32 or float64, "
                              f"gate's shape), got {t.dtype} {tuple(t.shape)}")
 

@@ -7,11 +7,10 @@ elementwise kernels; on the few rows of a verify step each is a launch of a few 
 import torch
 
 from ..registry import register
-from ..triton_common import kernel_module, pdl_options, triton_available
+from ..triton_common import MAX_PARTS, kernel_module, pdl_options, triton_available
 from .reference import check_partials
 
 BLOCK = 1024
-MAX_PARTS = 32  # split-K partials summed in one unrolled loop (the skinny GEMM splits K = 7168 in at most ~14)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -2,6 +2,7 @@
 import triton
 import triton.language as tl
 
+from ..triton_partials import split_k_sum
 from ..triton_pdl import prologue
 
 
@@ -47,12 +48,9 @@ def silu_mul_kernel(gate_ptr, up_ptr, stride_g, stride_u, out_ptr, stride_o, n, 
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dtype = out_ptr.dtype.element_ty
-    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    g = split_k_sum(gate_ptr + row * stride_g, offs, mask, stride_gs, PARTS)
+    u = split_k_sum(up_ptr + row * stride_u, offs, mask, stride_us, PARTS)
     if PARTS > 1:
-        for s in tl.static_range(1, PARTS):
-            g += tl.load(gate_ptr + s * stride_gs + row * stride_g + offs, mask=mask, other=0.0)
-            u += tl.load(up_ptr + s * stride_us + row * stride_u + offs, mask=mask, other=0.0)
         g = g.to(dtype).to(tl.float32)
         u = u.to(dtype).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)  # silu rounded to the dtype, as the reference's torch op

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..numerics import rms_norm, sum_partials
+from ..numerics import PARTIAL_DTYPES, rms_norm, sum_partials
 from ..registry import register
 
 
@@ -100,10 +100,6 @@ def rotated(pe: torch.Tensor, rope) -> torch.Tensor:
     cos, sin, interleaved = rope
     heads = pe.unsqueeze(1) if pe.dim() == 2 else pe
     return ops.rotary(heads, cos[:, None], sin[:, None], interleaved).reshape(pe.shape)
-
-
-# split-K partials as ops.linear_partials leaves them: float32, float64 for a float64 GEMM
-PARTIAL_DTYPES = (torch.float32, torch.float64)
 
 
 def check_reduced(kv, q, dtype, cache) -> None:

@@ -17,11 +17,10 @@ microseconds on a handful of rows (docs/kimi-k3.md §8.5):
 import torch
 
 from ..registry import register
-from ..triton_common import kernel_module, pdl_options, triton_available
+from ..triton_common import MAX_PARTS, kernel_module, pdl_options, triton_available
 from .reference import check_absorb_output, check_absorb_q, check_cache_rows, check_reduced, check_rope
 
 MAX_WIDTH = 4096  # R, P and Q (the query's c_q) each live in one program's registers
-MAX_PARTS = 32  # split-K partials a cache row's program sums in one unrolled loop
 
 
 def _rope_args(rope, rows: int, width: int, unused: torch.Tensor) -> tuple:

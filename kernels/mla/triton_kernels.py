@@ -2,17 +2,16 @@
 import triton
 import triton.language as tl
 
+from ..triton_partials import split_k_sum
 from ..triton_pdl import prologue
 
 
 @triton.jit
 def summed(ptr, offs, keep, stride_s, PARTS: tl.constexpr, ROUND: tl.constexpr):
-    """The values at ptr + offs in fp32; PARTS > 1: a GEMM's split-K partials, stride_s apart, added in
-    split order in fp32 and rounded to ROUND, as the GEMM's reduction would have stored them."""
-    x = tl.load(ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    """split_k_sum, rounded to ROUND where there are PARTS > 1 partials, as the GEMM's reduction would
+    have stored them."""
+    x = split_k_sum(ptr, offs, keep, stride_s, PARTS)
     if PARTS > 1:
-        for s in tl.static_range(1, PARTS):
-            x += tl.load(ptr + s * stride_s + offs, mask=keep, other=0.0)
         x = x.to(ROUND).to(tl.float32)
     return x
 

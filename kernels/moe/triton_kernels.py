@@ -5,6 +5,7 @@ the weighted combination of each token's expert outputs and the input of the blo
 import triton
 import triton.language as tl
 
+from ..triton_partials import split_k_sum
 from ..triton_pdl import prologue
 
 
@@ -70,9 +71,7 @@ def combine_kernel(rows_ptr, stride_r, stride_split, position_ptr, weights_ptr, 
     for j in tl.static_range(TOP_K):
         row = tl.load(position_ptr + t * TOP_K + j)
         weight = tl.load(weights_ptr + t * TOP_K + j).to(tl.float32)
-        pair = tl.load(rows_ptr + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
-        for split in tl.static_range(1, SPLITS):
-            pair += tl.load(rows_ptr + split * stride_split + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        pair = split_k_sum(rows_ptr + row * stride_r, cols, inside, stride_split, SPLITS)
         acc += weight * pair
     tl.store(out_ptr + t * stride_o + cols, acc, mask=inside)
 
@@ -124,11 +123,9 @@ def _tail_glu_block(gate_up_ptr, stride_gp, stride_g, out_ptr, stride_o, row, bl
                     BLOCK: tl.constexpr, PARTS: tl.constexpr):
     offs = block * BLOCK + tl.arange(0, BLOCK)
     inside = offs < S
-    g = tl.load(gate_up_ptr + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(gate_up_ptr + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
-    for p in tl.static_range(1, PARTS):  # split-K partials: added in split order, rounded as a reduction would
-        g += tl.load(gate_up_ptr + p * stride_gp + row * stride_g + offs, mask=inside, other=0.0).to(tl.float32)
-        u += tl.load(gate_up_ptr + p * stride_gp + row * stride_g + S + offs, mask=inside, other=0.0).to(tl.float32)
+    # split-K partials: added in split order, rounded as a reduction would
+    g = split_k_sum(gate_up_ptr + row * stride_g, offs, inside, stride_gp, PARTS)
+    u = split_k_sum(gate_up_ptr + row * stride_g + S, offs, inside, stride_gp, PARTS)
     dtype = out_ptr.dtype.element_ty
     g, u = g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)
     act = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
@@ -165,9 +162,7 @@ def dispatch_inputs_kernel(parts_ptr, stride_p, stride_m, logits_ptr, latent_ptr
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < N
-    total = tl.load(parts_ptr + row * stride_m + cols, mask=inside, other=0.0).to(tl.float32)
-    for p in tl.static_range(1, SPLITS):
-        total += tl.load(parts_ptr + p * stride_p + row * stride_m + cols, mask=inside, other=0.0).to(tl.float32)
+    total = split_k_sum(parts_ptr + row * stride_m, cols, inside, stride_p, SPLITS)
     router = inside & (cols < R)
     latent = inside & (cols >= R)
     L = N - R

@@ -6,6 +6,7 @@ these kernels under, cannot call tl.sum inside a nested @triton.jit helper."""
 import triton
 import triton.language as tl
 
+from ..triton_partials import split_k_sum
 from ..triton_pdl import prologue
 
 
@@ -31,16 +32,6 @@ def rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, d, eps, BLOCK: tl
 
 
 @triton.jit
-def _delta_row(delta_ptr, stride_dp, stride_dm, row, offs, mask, PARTS: tl.constexpr):
-    """A residual add's delta row in fp32: the sum of its PARTS split-K partials in split order (one
-    part: the delta as it is), as the GEMM's reduction kernel adds them (ops.linear_partials)."""
-    delta = tl.load(delta_ptr + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
-    for p in tl.static_range(1, PARTS):
-        delta += tl.load(delta_ptr + p * stride_dp + row * stride_dm + offs, mask=mask, other=0.0).to(tl.float32)
-    return delta
-
-
-@triton.jit
 def add_rms_norm_kernel(res_ptr, stride_r, delta_ptr, stride_dp, stride_dm, w_ptr, out_ptr, stride_o, total_ptr,
                         stride_t, d, eps, DELTA_PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """total = residual + delta rounded to their dtype (a torch add, bit for bit), stored; then the
@@ -52,7 +43,7 @@ def add_rms_norm_kernel(res_ptr, stride_r, delta_ptr, stride_dp, stride_dm, w_pt
     offs = tl.arange(0, BLOCK)
     mask = offs < d
     dtype = total_ptr.dtype.element_ty
-    delta = _delta_row(delta_ptr, stride_dp, stride_dm, row, offs, mask, DELTA_PARTS)
+    delta = split_k_sum(delta_ptr + row * stride_dm, offs, mask, stride_dp, DELTA_PARTS)
     x = (tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
          + delta.to(dtype).to(tl.float32)).to(dtype)
     tl.store(total_ptr + row * stride_t + offs, x, mask=mask)
@@ -96,7 +87,7 @@ def attn_res_mix_norm_kernel(ckpt_ptr, stride_cc, stride_cm, cur_ptr, stride_m, 
                * tl.load(mix_proj_ptr + offs, mask=mask, other=0.0).to(tl.float32))
     current = tl.load(cur_ptr + row * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        delta = _delta_row(delta_ptr, stride_dp, stride_dm, row, offs, mask, DELTA_PARTS)
+        delta = split_k_sum(delta_ptr + row * stride_dm, offs, mask, stride_dp, DELTA_PARTS)
         current = (current + delta.to(dtype).to(tl.float32)).to(dtype)
         tl.store(total_ptr + row * stride_t + offs, current, mask=mask)
         current = current.to(tl.float32)
