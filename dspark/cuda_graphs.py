@@ -24,7 +24,10 @@ BUCKETS = (1, 2, 4, 8)
 
 
 def checked_buckets(name: str, buckets) -> tuple[int, ...]:
-    """buckets as a sorted tuple of distinct positive ints; ValueError naming `name` and the value."""
+    """buckets as a sorted tuple of distinct positive ints (None: BUCKETS); ValueError naming `name` and
+    the value."""
+    if buckets is None:
+        return BUCKETS
     values = tuple(buckets) if isinstance(buckets, (tuple, list)) else None
     if not values or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in values):
         raise ValueError(f"{name}={buckets!r}: must be a non-empty tuple of batch sizes >= 1")

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from .config import SamplingParams, SpecConfig
-from .cuda_graphs import BUCKETS, checked_buckets
+from .cuda_graphs import checked_buckets
 from .drafting import Drafting
 from .graph_step import GraphedRunner, capturable
 from .kernels import registry
@@ -83,7 +83,7 @@ class Engine:
         # A substituted sampler (a test's broken one) runs eagerly: graphs capture the registry's.
         step = DeviceStep(target, self.tap_layers, drafter, sampler)
         graphed = cuda_graphs and sampler is None
-        buckets = BUCKETS if graph_buckets is None else checked_buckets("graph_buckets", graph_buckets)
+        buckets = checked_buckets("graph_buckets", graph_buckets)
         runner = GraphedRunner(step, self._mark, buckets) if graphed else EagerRunner(step, self._mark)
         if sync_timing is None:
             sync_timing = self.device.type == "cuda" and not graphed

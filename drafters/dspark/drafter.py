@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import SamplingParams
-from dspark.cuda_graphs import BUCKETS, checked_buckets
+from dspark.cuda_graphs import checked_buckets
 from dspark.kernels import ops
 from dspark.protocols import Drafter, Proposal
 from dspark.sampling import SamplingTensors, processed_probs
@@ -86,7 +86,7 @@ class DSparkDrafter(Drafter):
         self._staging = LongStaging(max_slots, self.device)
         # what every draft reads and none writes, made here: a draft graph never captures its making
         self._constants = DraftConstants(model, max_seq_len + self.config.block_size, max_slots, self.device)
-        buckets = BUCKETS if graph_buckets is None else checked_buckets("DSparkDrafter.graph_buckets", graph_buckets)
+        buckets = checked_buckets("DSparkDrafter.graph_buckets", graph_buckets)
         self._graphs = DraftGraphs(self, buckets) if cuda_graphs else None
 
     @property
