@@ -504,7 +504,7 @@ def capture_store(args, target, layers: tuple[int, ...], sequences, work: Path, 
 def graph_buckets(args, target) -> tuple[int, ...] | None:
     """--graph-buckets batch on a CUDA target: every batch size up to its max_slots in a graph
     (cuda_graphs.buckets_up_to); None: the engine's default buckets, the drafter's steps eager."""
-    if getattr(args, "graph_buckets", "engine") != "batch" or target.device.type != "cuda":
+    if args.graph_buckets != "batch" or target.device.type != "cuda":
         return None
     return buckets_up_to(target.max_slots)
 
